@@ -1,0 +1,30 @@
+# Two set-up commands (README): `make demo` runs the main job, `make test` installs and tests.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch 2.13.0 (CPU build) installs from this machine's disk; an unpinned torch pulls CUDA.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: demo test test-fast install bench clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_PIN)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/fxstab demo
+
+# Kernel tests run the Triton kernels on the CPU under the interpreter.
+test: $(VENV)/.installed
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/bench_rounding.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,233 @@
+"""The CESTAC estimator of significant digits (DESIGN.md §2).
+
+For N samples x_1..x_N of one value (leading dimension of a tensor), the number of decimal
+digits the samples have in common, at confidence ``c``, is
+
+    C = log10( sqrt(N) * |mean| / (t * sigma) )
+
+with ``sigma`` the sample standard deviation (N-1 denominator) and ``t`` the two-sided Student-t
+quantile with N-1 degrees of freedom (4.303 for N=3, c=0.95). Conventions: all samples
+identical -> the format's cap p*log10(2); any sample NaN/inf -> 0; mean 0 with spread -> 0;
+clipped to [0, cap]. An element whose samples are not all exactly zero and whose C is below
+``zero_threshold`` (0.5: zero digits once rounded, as CADNA prints) is a computational zero.
+
+The implementation evaluates sigma/|mean| from the relative deviations (x_i - mean)/|mean|, which
+is the same quantity but cannot underflow for tiny values or overflow for huge ones.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+
+from .formats import Format, FormatLike, get_format
+
+__all__ = [
+    "student_t", "cestac_digits", "computational_zero", "digit_stats", "DigitStats",
+    "format_stochastic", "digits_cap",
+]
+
+ZERO_THRESHOLD = 0.5
+
+
+# --------------------------------------------------------------------------- Student t
+def _betacf(a: float, b: float, x: float) -> float:
+    """Continued fraction of the regularized incomplete beta (modified Lentz)."""
+    tiny = 1e-300
+    qab, qap, qam = a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 - qab * x / qap
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 10_000):
+        m2 = 2 * m
+        aa = m * (b - m) * x / ((qam + m2) * (a + m2))
+        d = 1.0 + aa * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + aa / c
+        c = c if abs(c) > tiny else tiny
+        h *= d * c
+        aa = -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))
+        d = 1.0 + aa * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + aa / c
+        c = c if abs(c) > tiny else tiny
+        delta = d * c
+        h *= delta
+        if abs(delta - 1.0) < 1e-16:
+            break
+    return h
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """Regularized incomplete beta I_x(a, b)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    lbt = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    if x < (a + 1.0) / (a + b + 2.0):
+        return math.exp(lbt) * _betacf(a, b, x) / a
+    return 1.0 - math.exp(lbt) * _betacf(b, a, 1.0 - x) / b
+
+
+def _t_cdf(t: float, df: float) -> float:
+    tail = 0.5 * _betainc(df / 2.0, 0.5, df / (df + t * t))
+    return 1.0 - tail if t >= 0 else tail
+
+
+@functools.lru_cache(maxsize=256)
+def student_t(n_samples: int, confidence: float = 0.95) -> float:
+    """Two-sided Student-t quantile for N samples (N-1 degrees of freedom).
+
+    ``student_t(3, 0.95) == 4.3027...``; exact to about 1e-12 relative (bisection on the CDF).
+    """
+    if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 2:
+        raise ValueError(f"the CESTAC estimator needs n_samples >= 2 (an integer), got {n_samples!r}")
+    if not (isinstance(confidence, (int, float)) and 0.0 < confidence < 1.0):
+        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
+    df = float(n_samples - 1)
+    p = 0.5 * (1.0 + confidence)
+    if df == 1.0:  # Cauchy: closed form
+        return math.tan(math.pi * (p - 0.5))
+    if df == 2.0:  # closed form
+        a = 4.0 * p * (1.0 - p)
+        return 2.0 * (p - 0.5) * math.sqrt(2.0 / a)
+    lo, hi = 0.0, 1.0
+    while _t_cdf(hi, df) < p:
+        hi *= 2.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if _t_cdf(mid, df) < p:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= 1e-15 * hi:
+            break
+    return 0.5 * (lo + hi)
+
+
+# --------------------------------------------------------------------------- digits
+def digits_cap(format: Optional[FormatLike], dtype: torch.dtype) -> float:
+    """p*log10(2) of ``format``, or of ``dtype`` when no format is given."""
+    return get_format(format if format is not None else dtype).digit_cap
+
+
+def cestac_digits(
+    samples: torch.Tensor,
+    format: Optional[FormatLike] = None,
+    confidence: float = 0.95,
+) -> torch.Tensor:
+    """Per-element CESTAC digits of ``samples`` ([N, ...], N >= 2); returns shape ``[...]``.
+
+    Args:
+        samples: Stacked samples along dim 0, floating dtype.
+        format: Simulated format; sets the cap (p*log10 2). Defaults to the samples' dtype.
+        confidence: Confidence of the Student-t interval.
+    """
+    if not samples.is_floating_point():
+        raise ValueError(f"samples must be floating, got {samples.dtype}")
+    if samples.dim() < 1:
+        raise ValueError("samples need a leading sample dimension")
+    n = samples.shape[0]
+    t = student_t(n, confidence)
+    cap = digits_cap(format, samples.dtype)
+    return _digits(samples, n, t, cap)
+
+
+def _digits(samples: torch.Tensor, n: int, t: float, cap: float) -> torch.Tensor:
+    mean = samples.mean(0)
+    absmean = mean.abs()
+    rel = (samples - mean) / absmean
+    var = (rel * rel).sum(0) / (n - 1)
+    c = math.log10(math.sqrt(n) / t) - 0.5 * torch.log10(var)
+    c = torch.clamp(torch.nan_to_num(c, nan=0.0, posinf=cap, neginf=0.0), 0.0, cap)
+    identical = (samples == samples[0]).all(0)
+    finite = torch.isfinite(samples).all(0)
+    c = torch.where(absmean == 0, torch.zeros_like(c), c)
+    c = torch.where(identical, torch.full_like(c, cap), c)
+    return torch.where(finite, c, torch.zeros_like(c))
+
+
+def computational_zero(
+    samples: torch.Tensor,
+    digits: Optional[torch.Tensor] = None,
+    format: Optional[FormatLike] = None,
+    confidence: float = 0.95,
+    threshold: float = ZERO_THRESHOLD,
+) -> torch.Tensor:
+    """Boolean mask of computational zeros ("@.0"): not all samples exactly 0, finite, and
+    fewer than ``threshold`` digits."""
+    if digits is None:
+        digits = cestac_digits(samples, format, confidence)
+    exact_zero = (samples == 0).all(0)
+    finite = torch.isfinite(samples).all(0)
+    return finite & ~exact_zero & (digits < threshold)
+
+
+@dataclass(frozen=True)
+class DigitStats:
+    """Reductions of per-element digits over one tensor (one operator output)."""
+
+    avg: float
+    min: float
+    max: float
+    numel: int
+    zero_fraction: float  # computational zeros / numel
+    non_finite: int  # elements with a NaN/inf sample
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def digit_stats(
+    samples: torch.Tensor,
+    format: Optional[FormatLike] = None,
+    confidence: float = 0.95,
+    zero_threshold: float = ZERO_THRESHOLD,
+) -> DigitStats:
+    """avg/min/max digits, numel, fraction of computational zeros and non-finite count.
+
+    An empty tensor has no element that lost digits: its avg/min/max are the cap.
+    """
+    n = samples.shape[0]
+    cap = digits_cap(format, samples.dtype)
+    numel = samples[0].numel() if n else 0
+    if numel == 0:
+        return DigitStats(cap, cap, cap, 0, 0.0, 0)
+    d = _digits(samples, n, student_t(n, confidence), cap)
+    zeros = computational_zero(samples, d, threshold=zero_threshold)
+    non_finite = (~torch.isfinite(samples).all(0)).sum()
+    dd = d.double()
+    vals = torch.stack([dd.mean(), dd.min(), dd.max(), zeros.double().mean(), non_finite.double()])
+    avg, mn, mx, zf, nf = vals.tolist()
+    return DigitStats(avg, mn, mx, numel, zf, int(nf))
+
+
+# --------------------------------------------------------------------------- printing
+def format_stochastic(mean: float, digits: float, exact_zero: bool = False,
+                      cap: float = 15.95) -> str:
+    """CADNA-style text of a stochastic value: its reliable digits only.
+
+    The digits are rounded to the nearest integer (CADNA prints ``C`` rounded, so C < 0.5 is a
+    computational zero, shown ``@.0``). ``format_stochastic(3.4999993, 7.3)`` gives
+    ``'0.3499999E+001'``; an exact zero prints its cap's worth of zeros.
+    """
+    if exact_zero:
+        k = max(1, int(math.floor(cap + 0.5)))
+        return "0." + "0" * k + "E+000"
+    if not math.isfinite(mean):
+        return "NaN" if math.isnan(mean) else ("-Inf" if mean < 0 else "Inf")
+    k = int(math.floor(digits + 0.5)) if math.isfinite(digits) else 0
+    if k <= 0:
+        return "@.0"
+    sign = "-" if mean < 0 else ""
+    # Scientific form d.ddd × 10^e rounded to k digits, rewritten as 0.dddd × 10^(e+1).
+    text = f"{abs(mean):.{k - 1}e}"
+    mant, exp = text.split("e")
+    digits_str = mant.replace(".", "")
+    exponent = int(exp) + 1
+    return f"{sign}0.{digits_str}E{'+' if exponent >= 0 else '-'}{abs(exponent):03d}"

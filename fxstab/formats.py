@@ -1,0 +1,187 @@
+"""Floating-point formats that fxstab simulates (DESIGN.md §1).
+
+A format is a pair (exp_bits, man_bits); ``man_bits`` excludes the implicit bit, so the
+precision is ``p = man_bits + 1`` and the unit roundoff ``u = 2**-p``. Formats are IEEE-like
+(the all-ones exponent encodes inf/NaN) except the ``fn`` ("finite, NaN only") variant used by
+``fp8_e4m3``: it has no infinities, uses the all-ones exponent for finite values and keeps only
+the all-ones pattern as NaN, so its largest value is 448 rather than 240.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+__all__ = ["Format", "get_format", "FORMATS", "FormatLike", "working_dtype_for"]
+
+_MIN_EXP_BITS, _MAX_EXP_BITS = 2, 11
+_MIN_MAN_BITS, _MAX_MAN_BITS = 1, 52
+
+
+@dataclass(frozen=True)
+class Format:
+    """A binary floating-point format.
+
+    Args:
+        exp_bits: Exponent field width, 2..11.
+        man_bits: Stored mantissa bits (without the implicit bit), 1..52.
+        name: Display name; defaults to ``e{exp_bits}m{man_bits}``.
+        finite_only: ``True`` for the "fn" variant (no infinities, NaN is the all-ones
+            pattern); only meaningful for formats that have spare encodings, like fp8_e4m3fn.
+    """
+
+    exp_bits: int
+    man_bits: int
+    name: str = ""
+    finite_only: bool = False
+
+    def __post_init__(self) -> None:
+        for field, value, lo, hi in (
+            ("exp_bits", self.exp_bits, _MIN_EXP_BITS, _MAX_EXP_BITS),
+            ("man_bits", self.man_bits, _MIN_MAN_BITS, _MAX_MAN_BITS),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(
+                    f"{field} must be an integer in [{lo}, {hi}], got {value!r} "
+                    f"({type(value).__name__})"
+                )
+            if not lo <= value <= hi:
+                raise ValueError(f"{field} must be in [{lo}, {hi}], got {value}")
+        if not self.name:
+            object.__setattr__(self, "name", f"e{self.exp_bits}m{self.man_bits}")
+
+    # -- derived constants -------------------------------------------------------------
+    @property
+    def precision(self) -> int:
+        """Significand bits including the implicit one (p)."""
+        return self.man_bits + 1
+
+    @property
+    def unit_roundoff(self) -> float:
+        """u = 2**-p, the relative error bound of round-to-nearest."""
+        return 2.0 ** -self.precision
+
+    @property
+    def bias(self) -> int:
+        return (1 << (self.exp_bits - 1)) - 1
+
+    @property
+    def emin(self) -> int:
+        """Exponent of the smallest normal number."""
+        return 1 - self.bias
+
+    @property
+    def emax(self) -> int:
+        """Exponent of the largest finite number."""
+        top_field = (1 << self.exp_bits) - 1 if self.finite_only else (1 << self.exp_bits) - 2
+        return top_field - self.bias
+
+    @property
+    def has_inf(self) -> bool:
+        return not self.finite_only
+
+    @property
+    def max_normal(self) -> float:
+        """Largest finite value."""
+        # fn formats give up one mantissa pattern (all ones) at the top exponent for NaN.
+        top_ulps = (1 << self.man_bits) - (2 if self.finite_only else 1)
+        return math.ldexp(1.0 + top_ulps / (1 << self.man_bits), self.emax)
+
+    @property
+    def min_normal(self) -> float:
+        return math.ldexp(1.0, self.emin)
+
+    @property
+    def min_subnormal(self) -> float:
+        return math.ldexp(1.0, self.emin - self.man_bits)
+
+    @property
+    def digit_cap(self) -> float:
+        """Most decimal digits a value can carry, p·log10(2) (7.22 for fp32, 2.41 for bf16)."""
+        return self.precision * math.log10(2.0)
+
+    @property
+    def bits(self) -> int:
+        return 1 + self.exp_bits + self.man_bits
+
+    def fits_in(self, dtype: torch.dtype) -> bool:
+        """Whether every value of this format is exactly representable in ``dtype``."""
+        d = get_format(dtype)
+        return (
+            self.man_bits <= d.man_bits
+            and self.emin - self.man_bits >= d.emin - d.man_bits
+            and self.max_normal <= d.max_normal
+        )
+
+    def __str__(self) -> str:
+        return self.name
+
+
+FormatLike = Union[str, Format, tuple, torch.dtype]
+
+FORMATS: dict[str, Format] = {
+    "fp64": Format(11, 52, "fp64"),
+    "fp32": Format(8, 23, "fp32"),
+    "tf32": Format(8, 10, "tf32"),
+    "fp16": Format(5, 10, "fp16"),
+    "bf16": Format(8, 7, "bf16"),
+    "fp8_e5m2": Format(5, 2, "fp8_e5m2"),
+    "fp8_e4m3": Format(4, 3, "fp8_e4m3", finite_only=True),
+}
+_ALIASES = {
+    "float64": "fp64", "double": "fp64", "float32": "fp32", "float": "fp32",
+    "float16": "fp16", "half": "fp16", "bfloat16": "bf16",
+    "fp8_e4m3fn": "fp8_e4m3", "e4m3": "fp8_e4m3", "e5m2": "fp8_e5m2",
+}
+_DTYPE_NAMES = {
+    torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+}
+
+
+def get_format(spec: FormatLike) -> Format:
+    """Resolve a format from a name, an ``(exp_bits, man_bits)`` pair, a dtype or a Format.
+
+    Raises:
+        ValueError: unknown name, or a pair outside 2 <= exp_bits <= 11, 1 <= man_bits <= 52.
+    """
+    if isinstance(spec, Format):
+        return spec
+    if isinstance(spec, torch.dtype):
+        if spec not in _DTYPE_NAMES:
+            raise ValueError(f"no fxstab format for dtype {spec}; floating dtypes: "
+                             f"{sorted(str(d) for d in _DTYPE_NAMES)}")
+        return FORMATS[_DTYPE_NAMES[spec]]
+    if isinstance(spec, str):
+        key = spec.strip().lower()
+        key = _ALIASES.get(key, key)
+        if key in FORMATS:
+            return FORMATS[key]
+        raise ValueError(
+            f"unknown format {spec!r}; known: {', '.join(FORMATS)} "
+            f"or an (exp_bits, man_bits) pair with 2 <= exp_bits <= 11, 1 <= man_bits <= 52"
+        )
+    if isinstance(spec, (tuple, list)):
+        if len(spec) != 2:
+            raise ValueError(f"a format pair is (exp_bits, man_bits), got {spec!r}")
+        e, m = spec
+        for name, known in FORMATS.items():
+            if (known.exp_bits, known.man_bits) == (e, m) and not known.finite_only:
+                return known
+        return Format(e, m)
+    raise ValueError(f"cannot make a format from {spec!r} ({type(spec).__name__}); pass a name "
+                     f"such as 'bf16', an (exp_bits, man_bits) pair or a Format")
+
+
+def working_dtype_for(fmt: Format) -> torch.dtype:
+    """The dtype the stochastic path computes in for ``fmt`` (DESIGN.md §1).
+
+    fp32 holds 16-bit and 8-bit formats with room to spare (2p+2 <= 24 bits, so rounding an fp32
+    result into the format is free of double-rounding artefacts); everything wider (tf32, fp32,
+    custom formats with more exponent or mantissa) is computed in fp64.
+    """
+    if fmt.bits <= 16 and fmt.fits_in(torch.float32):
+        return torch.float32
+    return torch.float64

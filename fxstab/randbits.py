@@ -1,0 +1,100 @@
+"""Counter-based random bits: Philox4x32 exactly as Triton's ``tl.philox`` computes it.
+
+Randomness in fxstab is a function of (seed, counter), never a stored random tensor, so a
+Triton kernel (which calls ``tl.philox``/``tl.randint``) and the plain-torch reference here
+produce the same bits and can be compared with ``atol=0`` (DESIGN.md §9).
+
+The layout of the streams is part of the contract shared with ``fxstab.kernels``:
+
+* ``random`` rounding needs one bit per (element ``e``, draw ``d``). Bit ``e % 32`` of word
+  ``(e // 32) % 4`` of ``philox(seed, c0=lo32(e // 128), c1=d, c2=hi32(e // 128), c3=0)``.
+  One Philox evaluation serves 128 consecutive elements.
+* ``stochastic`` rounding and the GEMM perturbation need 32 bits per (e, d): word ``d % 4`` of
+  ``philox(seed, c0=lo32(e), c1=d // 4, c2=hi32(e), c3=0)``. One evaluation serves four draws.
+
+Arithmetic is done on int64 tensors holding uint32 values; 32x32-bit products are split into
+16-bit halves so no intermediate overflows int64 (signed overflow is undefined in the C++
+that eager kernels and inductor emit).
+"""
+
+from __future__ import annotations
+
+import torch
+
+PHILOX_KEY_A = 0x9E3779B9
+PHILOX_KEY_B = 0xBB67AE85
+PHILOX_ROUND_A = 0xD2511F53
+PHILOX_ROUND_B = 0xCD9E8D57
+N_ROUNDS = 10  # tl.randint's default
+M32 = 0xFFFFFFFF
+M64 = (1 << 64) - 1
+
+
+def split_seed(seed: int) -> tuple[int, int]:
+    """(k0, k1) = (low, high) 32-bit halves of a 64-bit seed, as ``tl.philox`` splits it."""
+    seed &= M64
+    return seed & M32, (seed >> 32) & M32
+
+
+def _mul32(const: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) 32-bit halves of const * x for uint32 values held in int64."""
+    p_lo = x * (const & 0xFFFF)  # < 2**48
+    p_hi = x * (const >> 16)  # < 2**48
+    hi = (p_hi + (p_lo >> 16)) >> 16
+    lo = (p_lo + ((p_hi & 0xFFFF) << 16)) & M32
+    return hi, lo
+
+
+def philox(seed: int, c0: torch.Tensor, c1, c2, c3, n_rounds: int = N_ROUNDS):
+    """Philox4x32 of 32-bit counters (int64 tensors or ints); returns four int64 tensors."""
+    k0, k1 = split_seed(seed)
+    c0 = torch.as_tensor(c0, dtype=torch.int64)
+    like = c0
+    c1, c2, c3 = (torch.as_tensor(c, dtype=torch.int64, device=like.device) for c in (c1, c2, c3))
+    for _ in range(n_rounds):
+        hi_b, lo_b = _mul32(PHILOX_ROUND_B, c2)
+        hi_a, lo_a = _mul32(PHILOX_ROUND_A, c0)
+        c0 = hi_b ^ c1 ^ k0
+        c2 = hi_a ^ c3 ^ k1
+        c1 = lo_b
+        c3 = lo_a
+        k0 = (k0 + PHILOX_KEY_A) & M32
+        k1 = (k1 + PHILOX_KEY_B) & M32
+    shape = torch.broadcast_shapes(c0.shape, c1.shape, c2.shape, c3.shape)
+    return tuple(c.expand(shape) for c in (c0, c1, c2, c3))
+
+
+def random_bits(seed: int, numel: int, draws: torch.Tensor | list[int], device=None) -> torch.Tensor:
+    """Bits for ``random`` rounding: int64 tensor [len(draws), numel] of 0/1 (layout above)."""
+    draws = torch.as_tensor(draws, dtype=torch.int64, device=device).reshape(-1, 1)
+    groups = (numel + 127) // 128
+    g = torch.arange(groups, dtype=torch.int64, device=draws.device).reshape(1, -1)
+    words = philox(seed, g & M32, draws, g >> 32, 0)  # 4 x [D, G]
+    w = torch.stack(words, dim=-1)  # [D, G, 4]
+    shifts = torch.arange(32, dtype=torch.int64, device=draws.device)
+    bits = (w.unsqueeze(-1) >> shifts) & 1  # [D, G, 4, 32]
+    return bits.reshape(draws.shape[0], groups * 128)[:, :numel]
+
+
+def uniform_words(seed: int, numel: int, draws: torch.Tensor | list[int], device=None) -> torch.Tensor:
+    """32-bit uniforms (int64 in [0, 2**32)) for draws x elements: tensor [len(draws), numel]."""
+    draws = torch.as_tensor(draws, dtype=torch.int64, device=device).reshape(-1, 1)
+    e = torch.arange(numel, dtype=torch.int64, device=draws.device).reshape(1, -1)
+    words = torch.stack(philox(seed, e & M32, draws >> 2, e >> 32, 0), dim=0)  # [4, D, numel]
+    index = (draws & 3).reshape(1, -1, 1).expand(1, draws.shape[0], numel)
+    return torch.gather(words, 0, index).squeeze(0)
+
+
+def derive_seed(seed: int, *salt: int) -> int:
+    """A 64-bit seed for a sub-stream (operator, call, purpose) from a base seed.
+
+    SplitMix64 finalisation of the base seed mixed with each salt; plain Python integers, so it
+    costs nothing on the device and the same value reaches a kernel and its reference.
+    """
+    z = seed & M64
+    for s in salt:
+        z = (z ^ ((s & M64) + 0x9E3779B97F4A7C15 + ((z << 6) & M64) + (z >> 2))) & M64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+        z ^= z >> 31
+    return z

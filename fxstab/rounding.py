@@ -1,0 +1,278 @@
+"""Rounding of floating tensors into a simulated format (DESIGN.md §1).
+
+The rounding works on the bit patterns of the working dtype (fp32 or fp64): truncating the low
+``shift`` bits of |x| gives the lower neighbour ``lo`` on the format's grid, adding one unit at
+bit ``shift`` gives the upper neighbour ``hi`` (the carry moves into the exponent exactly as the
+next binade needs). ``shift`` grows below the format's smallest normal so that subnormals are on
+the right grid; values below the smallest subnormal have ``lo = 0`` and ``hi = min_subnormal``.
+Every mode then only chooses between ``lo`` and ``hi``; values already on the grid are returned
+unchanged. Overflow follows IEEE 754 and ``ml_dtypes``: a result above the largest finite value
+becomes inf (NaN for fn formats) when the rounding went away from zero or to nearest, and the
+largest finite value when it went toward zero; ``saturate=True`` clamps every overflow (and
+infinite inputs) to ±max, NVIDIA "satfinite" style. NaN passes through; zeros keep their sign.
+
+The same function is the plain-torch reference of the fused Triton kernel in
+``fxstab.kernels``: given the same seed it draws the same bits (``fxstab.randbits``).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Optional
+
+import torch
+
+from . import randbits
+from .formats import Format, FormatLike, get_format
+
+__all__ = ["Rounding", "quantize", "round_samples", "sample_draws", "round_with_bits"]
+
+
+class Rounding(str, Enum):
+    """Rounding modes. ``random`` is CESTAC's: up or down with probability 1/2 each."""
+
+    RANDOM = "random"
+    STOCHASTIC = "stochastic"
+    NEAREST = "nearest"
+    UP = "up"
+    DOWN = "down"
+    ZERO = "zero"
+
+    @classmethod
+    def parse(cls, mode) -> "Rounding":
+        if isinstance(mode, cls):
+            return mode
+        try:
+            return cls(str(mode).lower())
+        except ValueError:
+            raise ValueError(f"unknown rounding mode {mode!r}; choose one of "
+                             f"{', '.join(m.value for m in cls)}") from None
+
+
+_WORKING = {
+    # dtype: (int view dtype, mantissa bits, exponent bias, exponent all-ones)
+    torch.float32: (torch.int32, 23, 127, 0xFF),
+    torch.float64: (torch.int64, 52, 1023, 0x7FF),
+}
+
+
+def _float_bits(value: float, dtype: torch.dtype) -> int:
+    """Bit pattern (as a Python int) of a finite non-negative float in ``dtype``."""
+    t = torch.tensor(value, dtype=dtype)
+    return int(t.view(_WORKING[dtype][0]).item())
+
+
+def sample_draws(n_samples: int) -> tuple[list[int], list[bool]]:
+    """Cross-sample scheme of DESIGN.md §1: (draw index, flipped) for each sample.
+
+    CADNA's rule for N=3: samples 0 and 1 draw independent directions, sample 2 takes the
+    opposite of sample 1. In general the samples pair up antithetically (for odd N the first
+    sample stays alone), so an operation that rounds never leaves all samples identical.
+    """
+    draws, flips = [], []
+    free = 0
+    start = n_samples % 2
+    for i in range(n_samples):
+        j = i - start
+        if i >= start and j % 2 == 1:
+            draws.append(draws[-1])
+            flips.append(True)
+        else:
+            draws.append(free)
+            flips.append(False)
+            free += 1
+    return draws, flips
+
+
+def round_with_bits(
+    x: torch.Tensor,
+    fmt: Format,
+    mode: Rounding,
+    rand: Optional[torch.Tensor] = None,
+    saturate: bool = False,
+) -> torch.Tensor:
+    """Round ``x`` (fp32 or fp64, already the working dtype) into ``fmt``.
+
+    ``rand`` supplies the randomness, broadcastable to ``x``: 0/1 bits for ``random`` (1 picks
+    the upper neighbour in magnitude), uint32 words held in int64 for ``stochastic``; unused
+    for the deterministic modes. This is the shared core of every rounding path.
+    """
+    int_dtype, wm, wbias, wexp_ones = _WORKING[x.dtype]
+    bits = x.view(int_dtype).to(torch.int64)
+    sign = torch.signbit(x)
+    mag = bits & (0x7FFFFFFF if int_dtype == torch.int32 else (1 << 63) - 1)
+    exp_field = mag >> wm
+    special = exp_field == wexp_ones  # inf or NaN in the working dtype
+
+    # Unbiased exponent (subnormals of the working dtype count as its emin), and the number of
+    # low bits below the format's quantum at this exponent.
+    e_eff = torch.clamp(exp_field, min=1) - wbias
+    shift = (wm - fmt.man_bits) + torch.clamp(fmt.emin - e_eff, min=0)
+    tiny = shift > wm  # |x| < min_subnormal: lo = 0, hi = min_subnormal
+    sh = torch.clamp(shift, max=62)
+    one = torch.ones_like(sh)
+    unit = one << sh
+    low_mask = unit - 1
+    significand = (mag & ((1 << wm) - 1)) | ((exp_field != 0).to(torch.int64) << wm)
+    rem = torch.where(tiny, significand, mag & low_mask)
+    lo = torch.where(tiny, torch.zeros_like(mag), mag & ~low_mask)
+    hi = torch.where(tiny, torch.full_like(mag, _float_bits(fmt.min_subnormal, x.dtype)), lo + unit)
+
+    if mode is Rounding.NEAREST:
+        half = one << (sh - 1)
+        lo_odd = ((lo >> sh) & 1) == 1
+        up = (rem > half) | ((rem == half) & lo_odd)
+    elif mode is Rounding.ZERO:
+        up = torch.zeros_like(sign)
+    elif mode is Rounding.UP:
+        up = ~sign
+    elif mode is Rounding.DOWN:
+        up = sign
+    elif mode is Rounding.RANDOM:
+        if rand is None:
+            raise ValueError("random rounding needs random bits")
+        up = rand != 0
+    elif mode is Rounding.STOCHASTIC:
+        if rand is None:
+            raise ValueError("stochastic rounding needs random words")
+        # P(up) = rem / 2**shift, resolved on 32 bits: compare a uniform word with the
+        # remainder scaled to 32 bits (exact for shift <= 32, truncated below 2**-32 beyond).
+        down_shift = torch.clamp(shift - 32, min=0, max=63)
+        up_shift = torch.clamp(32 - shift, min=0)
+        scaled = (rem >> down_shift) << up_shift
+        up = rand < scaled
+    else:  # pragma: no cover - Rounding is closed
+        raise ValueError(f"unknown rounding mode {mode!r}")
+
+    exact = rem == 0
+    res = torch.where(exact | ~up, lo, hi)
+    res = torch.where(exact, mag, res)
+
+    # Overflow and special values.
+    max_bits = _float_bits(fmt.max_normal, x.dtype)
+    inf_bits = wexp_ones << wm
+    nan_bits = inf_bits | (1 << (wm - 1))
+    over = (res > max_bits) & ~special
+    if saturate:
+        res = torch.where(over, torch.full_like(res, max_bits), res)
+        is_inf = special & ((mag & ((1 << wm) - 1)) == 0)
+        res = torch.where(is_inf, torch.full_like(res, max_bits), res)
+    else:
+        # IEEE 754 at overflow: rounding toward zero gives max, otherwise inf. The directed
+        # modes know their direction even for values already on the (unbounded) grid; random
+        # and stochastic went toward zero when they picked the lower neighbour.
+        if mode is Rounding.NEAREST:
+            toward_zero = torch.zeros_like(sign)
+        elif mode is Rounding.ZERO:
+            toward_zero = torch.ones_like(sign)
+        elif mode is Rounding.UP:
+            toward_zero = sign
+        elif mode is Rounding.DOWN:
+            toward_zero = ~sign
+        else:
+            toward_zero = ~exact & ~up
+        big = nan_bits if fmt.finite_only else inf_bits
+        res = torch.where(over, torch.where(toward_zero, torch.full_like(res, max_bits),
+                                            torch.full_like(res, big)), res)
+        if fmt.finite_only:
+            is_inf = special & ((mag & ((1 << wm) - 1)) == 0)
+            res = torch.where(is_inf, torch.full_like(res, nan_bits), res)
+    res = torch.where(special & ((mag & ((1 << wm) - 1)) != 0), mag, res)  # NaN unchanged
+
+    out = res.to(int_dtype).view(x.dtype)
+    return torch.where(sign, -out, out)
+
+
+def _working(x: torch.Tensor, fmt: Format) -> torch.dtype:
+    if not x.is_floating_point():
+        raise ValueError(f"fxstab rounds floating tensors only, got dtype {x.dtype}")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise ValueError(f"unsupported dtype {x.dtype}; use float16/bfloat16/float32/float64")
+    if not fmt.fits_in(x.dtype):
+        raise ValueError(
+            f"format {fmt.name} (exp_bits={fmt.exp_bits}, man_bits={fmt.man_bits}) is not "
+            f"representable in {x.dtype}; pass a tensor of a wider dtype (float32 or float64)"
+        )
+    if fmt.fits_in(torch.float32) and x.dtype != torch.float64:
+        return torch.float32
+    return torch.float64
+
+
+def _default_seed(seed: Optional[int]) -> int:
+    if seed is None:
+        # Drawn from torch's global generator, so torch.manual_seed makes it reproducible.
+        return int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an int or None, got {seed!r}")
+    return seed & randbits.M64
+
+
+def quantize(
+    x: torch.Tensor,
+    format: FormatLike,
+    mode: str | Rounding = "random",
+    seed: Optional[int] = None,
+    *,
+    saturate: bool = False,
+) -> torch.Tensor:
+    """Round every element of ``x`` onto the grid of ``format``; returns x's dtype.
+
+    Args:
+        x: Floating tensor (fp16, bf16, fp32, fp64) that can represent the format's values.
+        format: Name (``"bf16"``), ``(exp_bits, man_bits)`` pair or :class:`Format`.
+        mode: ``random`` (default, CESTAC), ``stochastic``, ``nearest``, ``up``, ``down``,
+            ``zero``.
+        seed: Seed of the counter-based random stream (random/stochastic modes). ``None``
+            draws one from torch's global generator.
+        saturate: Clamp overflow to ±max instead of producing inf/NaN.
+
+    Element ``e`` of ``x.flatten()`` uses draw 0 of the streams in :mod:`fxstab.randbits`.
+    """
+    fmt = get_format(format)
+    mode = Rounding.parse(mode)
+    wdtype = _working(x, fmt)
+    xw = x.to(wdtype).contiguous()
+    rand = None
+    if mode in (Rounding.RANDOM, Rounding.STOCHASTIC):
+        s = _default_seed(seed)
+        gen = randbits.random_bits if mode is Rounding.RANDOM else randbits.uniform_words
+        rand = gen(s, xw.numel(), [0], device=x.device).reshape(xw.shape)
+    return round_with_bits(xw, fmt, mode, rand, saturate).to(x.dtype)
+
+
+def round_samples(
+    samples: torch.Tensor,
+    format: FormatLike,
+    mode: str | Rounding = "random",
+    seed: Optional[int] = None,
+    *,
+    saturate: bool = False,
+) -> torch.Tensor:
+    """Round stacked samples ``[N, ...]`` with the cross-sample scheme of DESIGN.md §1.
+
+    In ``random`` mode sample ``i`` uses draw ``sample_draws(N)[0][i]`` and, for the antithetic
+    member of a pair, the complement of its partner's bit; in ``stochastic`` mode sample ``i``
+    uses draw ``i``. Element offsets count within one sample, so partners see the same bits.
+    """
+    fmt = get_format(format)
+    mode = Rounding.parse(mode)
+    if samples.dim() < 1 or samples.shape[0] < 1:
+        raise ValueError(f"samples must have a leading sample dimension, got shape "
+                         f"{tuple(samples.shape)}")
+    wdtype = _working(samples, fmt)
+    n = samples.shape[0]
+    xw = samples.to(wdtype).contiguous().reshape(n, -1)
+    numel = xw.shape[1]
+    rand = None
+    if mode is Rounding.RANDOM:
+        s = _default_seed(seed)
+        draws, flips = sample_draws(n)
+        free = sorted(set(draws))
+        bits = randbits.random_bits(s, numel, free, device=samples.device)
+        flip = torch.tensor(flips, dtype=torch.int64, device=samples.device).reshape(n, 1)
+        rand = bits[torch.tensor(draws, device=samples.device)] ^ flip
+    elif mode is Rounding.STOCHASTIC:
+        s = _default_seed(seed)
+        rand = randbits.uniform_words(s, numel, list(range(n)), device=samples.device)
+    out = round_with_bits(xw, fmt, mode, rand, saturate)
+    return out.reshape(samples.shape).to(samples.dtype)

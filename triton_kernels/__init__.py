@@ -1,0 +1,1 @@
+"""Fused Triton kernels of fxstab with their plain-torch references (installed as fxstab.kernels)."""
