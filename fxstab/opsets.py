@@ -1,0 +1,109 @@
+"""Operator kinds and families at operator granularity (DESIGN.md §3).
+
+A node of a dynamo graph gets a *kind*: a short stable name of the torch-level operator
+(``linear``, ``softmax``, ``layer_norm``, ``add``...), derived from ``node.target`` (never from the
+node's name). Kinds group into *families* used for selection and for deciding which operators are
+GEMM-like (trusted, with the data-perturbation surrogate of DESIGN.md §4).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+FAMILIES: dict[str, frozenset[str]] = {
+    "linear": frozenset({"linear", "bilinear"}),
+    "conv": frozenset({"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+                       "conv_transpose3d"}),
+    "matmul": frozenset({"matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "einsum"}),
+    "attention": frozenset({"scaled_dot_product_attention"}),
+    "softmax": frozenset({"softmax", "log_softmax"}),
+    "norm": frozenset({"layer_norm", "rms_norm", "group_norm", "batch_norm", "instance_norm"}),
+    "activation": frozenset({
+        "relu", "relu6", "gelu", "silu", "tanh", "sigmoid", "elu", "selu", "celu", "leaky_relu",
+        "softplus", "mish", "hardswish", "hardsigmoid", "hardtanh", "logsigmoid", "softsign",
+        "glu", "prelu", "tanhshrink",
+    }),
+    "embedding": frozenset({"embedding", "embedding_bag"}),
+    "reduction": frozenset({"sum", "mean", "var", "std", "norm", "logsumexp", "cumsum", "prod",
+                            "var_mean", "std_mean", "cumprod"}),
+    "loss": frozenset({"cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss",
+                       "huber_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
+                       "kl_div", "cosine_embedding_loss"}),
+    "pooling": frozenset({"max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d",
+                          "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
+                          "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d",
+                          "adaptive_max_pool3d", "lp_pool1d", "lp_pool2d"}),
+    "rnn": frozenset({"lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell",
+                      "rnn_tanh_cell", "rnn_relu_cell"}),
+    "elementwise": frozenset({"exp", "log", "sqrt", "rsqrt", "pow", "div", "reciprocal",
+                              "log1p", "expm1", "log2", "log10", "exp2"}),
+}
+
+DEFAULT_FAMILIES = frozenset(FAMILIES)
+GEMM_KINDS = FAMILIES["linear"] | FAMILIES["conv"] | FAMILIES["matmul"] | FAMILIES["attention"]
+KIND_TO_FAMILY = {k: fam for fam, kinds in FAMILIES.items() for k in kinds}
+DEFAULT_KINDS = frozenset(KIND_TO_FAMILY)
+
+# Operators whose results depend on the global RNG: the stochastic path replays them once with
+# the deterministic pass's RNG state so every sample sees the same randomness (DESIGN.md §6).
+DROPOUT_KINDS = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
+                           "feature_alpha_dropout"})
+RANDOM_KINDS = DROPOUT_KINDS | frozenset({
+    "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "bernoulli",
+    "multinomial", "normal", "randperm", "uniform_", "normal_", "bernoulli_", "exponential_",
+    "random_", "geometric_", "cauchy_", "log_normal_",
+})
+
+_OPERATOR_NAMES = {
+    operator.add: "add", operator.sub: "sub", operator.mul: "mul", operator.truediv: "div",
+    operator.floordiv: "floordiv", operator.matmul: "matmul", operator.pow: "pow",
+    operator.neg: "neg", operator.mod: "mod", operator.iadd: "add", operator.isub: "sub",
+    operator.imul: "mul", operator.itruediv: "div", operator.getitem: "getitem",
+    operator.lt: "lt", operator.le: "le", operator.gt: "gt", operator.ge: "ge",
+    operator.eq: "eq", operator.ne: "ne", operator.abs: "abs",
+}
+_ALIASES = {
+    "true_divide": "div", "divide": "div", "multiply": "mul", "subtract": "sub",
+    "_scaled_dot_product_attention": "scaled_dot_product_attention", "absolute": "abs",
+    "dropout_": "dropout", "feature_dropout": "dropout2d", "relu_": "relu",
+    "sigmoid_": "sigmoid", "tanh_": "tanh",
+}
+
+
+def target_kind(op: str, target: Any) -> str:
+    """Kind name of an FX node's (op, target)."""
+    if op == "call_method":
+        name = str(target)
+    elif op == "call_function":
+        if target in _OPERATOR_NAMES:
+            return _OPERATOR_NAMES[target]
+        name = getattr(target, "__name__", None) or str(target)
+        # aten OpOverloads (aten.add.Tensor) and overload packets
+        if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            name = target.__name__.split(".")[0]
+    elif op == "call_module":
+        name = str(target).rsplit(".", 1)[-1]
+    else:
+        return op
+    name = name.lstrip("_") if name not in ("__getitem__",) else "getitem"
+    return _ALIASES.get(name, name)
+
+
+def node_kind(node: torch.fx.Node) -> str:
+    return target_kind(node.op, node.target)
+
+
+def is_gemm(kind: str) -> bool:
+    return kind in GEMM_KINDS
+
+
+def family_of(kind: str) -> str | None:
+    return KIND_TO_FAMILY.get(kind)
+
+
+__all__ = ["FAMILIES", "DEFAULT_FAMILIES", "GEMM_KINDS", "DEFAULT_KINDS", "RANDOM_KINDS",
+           "DROPOUT_KINDS", "target_kind", "node_kind", "is_gemm", "family_of", "F"]

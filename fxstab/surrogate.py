@@ -1,0 +1,51 @@
+"""GEMM data-perturbation surrogate (DESIGN.md §4), plain-torch reference.
+
+A GEMM is one vendor kernel whose internal rounding fxstab does not see. When an input's samples
+are insufficiently separated, each sample's copy of that input is perturbed by a relative factor
+(1 + eta*r), r uniform in [-1, 1), fresh per sample and element, before the product. That keeps a
+well-conditioned product near full digits and exposes an ill-conditioned or cancelling one.
+
+Separation is tested per element: element e is perturbed when max_k |x_k,e - mean_e| <=
+eta * |mean_e| (identical samples included). The fused Triton kernel in ``fxstab.kernels``
+computes the same function with the same bits:
+
+* r for (sample k, element e) is ``(w >> 8) * 2**-23 - 1`` with ``w`` word ``k % 4`` of
+  ``philox(seed, lo32(e), k // 4, hi32(e), 0)`` (``fxstab.randbits`` stream layout); the
+  product eta*r is exact (eta is a power of two), so 1 + eta*r is rounded once whether or not
+  the compiler fuses it into an FMA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import randbits
+
+__all__ = ["perturb_samples", "uniform_signed"]
+
+
+def uniform_signed(seed: int, numel: int, n_samples: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """r in [-1, 1) on a 2**-23 grid: tensor [n_samples, numel] of ``dtype``."""
+    w = randbits.uniform_words(seed, numel, list(range(n_samples)), device=device)
+    return (w >> 8).to(dtype) * (2.0 ** -23) - 1.0
+
+
+def perturb_samples(samples: torch.Tensor, eta: float, seed: int) -> tuple[torch.Tensor, int]:
+    """Perturb the insufficiently separated elements of stacked samples ``[N, ...]``.
+
+    Returns the perturbed samples (same shape and dtype) and the number of elements perturbed.
+    ``eta`` must be a power of two (the format's unit roundoff 2**-p).
+    """
+    if not samples.is_floating_point():
+        return samples, 0
+    n = samples.shape[0]
+    flat = samples.reshape(n, -1)
+    numel = flat.shape[1]
+    if numel == 0:
+        return samples, 0
+    mean = flat.mean(0)
+    spread = (flat - mean).abs().amax(0)
+    close = spread <= eta * mean.abs()
+    r = uniform_signed(seed, numel, n, flat.dtype, device=flat.device)
+    perturbed = torch.where(close, flat * (1.0 + eta * r), flat)
+    return perturbed.reshape(samples.shape), int(close.sum())
