@@ -8,7 +8,9 @@ from .digits import (
     format_stochastic,
     student_t,
 )
+from .backend import FxstabBackend, backend
 from .formats import FORMATS, Format, get_format
+from .report import OpReport
 from .rounding import Rounding, quantize, round_samples
 
 __version__ = "0.1.0"
@@ -16,5 +18,5 @@ __version__ = "0.1.0"
 __all__ = [
     "FORMATS", "Format", "get_format", "Rounding", "quantize", "round_samples",
     "cestac_digits", "computational_zero", "digit_stats", "DigitStats", "format_stochastic",
-    "student_t", "__version__",
+    "student_t", "backend", "FxstabBackend", "OpReport", "__version__",
 ]

@@ -9,8 +9,11 @@ The layout of the streams is part of the contract shared with ``fxstab.kernels``
 * ``random`` rounding needs one bit per (element ``e``, draw ``d``). Bit ``e % 32`` of word
   ``(e // 32) % 4`` of ``philox(seed, c0=lo32(e // 128), c1=d, c2=hi32(e // 128), c3=0)``.
   One Philox evaluation serves 128 consecutive elements.
-* ``stochastic`` rounding and the GEMM perturbation need 32 bits per (e, d): word ``d % 4`` of
+* ``stochastic`` rounding needs 32 bits per (e, d): word ``d % 4`` of
   ``philox(seed, c0=lo32(e), c1=d // 4, c2=hi32(e), c3=0)``. One evaluation serves four draws.
+* The GEMM perturbation needs 8 bits per (e, d): byte ``e % 4`` of word ``(e // 4) % 4`` of
+  ``philox(seed, c0=lo32(e // 16), c1=d, c2=hi32(e // 16), c3=0)``. One evaluation serves 16
+  elements: perturbing the weights of every GEMM for every sample must stay cheap.
 
 Arithmetic is done on int64 tensors holding uint32 values; 32x32-bit products are split into
 16-bit halves so no intermediate overflows int64 (signed overflow is undefined in the C++
@@ -98,3 +101,14 @@ def derive_seed(seed: int, *salt: int) -> int:
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
         z ^= z >> 31
     return z
+
+
+def random_bytes(seed: int, numel: int, draws: torch.Tensor | list[int], device=None) -> torch.Tensor:
+    """8-bit uniforms (int64 in [0, 256)) for draws x elements: tensor [len(draws), numel]."""
+    draws = torch.as_tensor(draws, dtype=torch.int64, device=device).reshape(-1, 1)
+    groups = (numel + 15) // 16
+    g = torch.arange(groups, dtype=torch.int64, device=draws.device).reshape(1, -1)
+    w = torch.stack(philox(seed, g & M32, draws, g >> 32, 0), dim=-1)  # [D, G, 4]
+    shifts = torch.arange(0, 32, 8, dtype=torch.int64, device=draws.device)
+    b = (w.unsqueeze(-1) >> shifts) & 0xFF  # [D, G, 4 words, 4 bytes]
+    return b.reshape(draws.shape[0], groups * 16)[:, :numel]

@@ -23,7 +23,6 @@ COUNTER_KEYS = (
 
 # Status of an operator in one analysed call.
 ROUNDED = "rounded"  # output rounded into the format and recorded
-OBSERVED = "observed"  # recorded without rounding (selected for recording only)
 UNLIFTED = "unlifted"  # could not run on stacked samples: ran per sample, unrounded
 
 

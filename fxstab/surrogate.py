@@ -9,10 +9,11 @@ Separation is tested per element: element e is perturbed when max_k |x_k,e - mea
 eta * |mean_e| (identical samples included). The fused Triton kernel in ``fxstab.kernels``
 computes the same function with the same bits:
 
-* r for (sample k, element e) is ``(w >> 8) * 2**-23 - 1`` with ``w`` word ``k % 4`` of
-  ``philox(seed, lo32(e), k // 4, hi32(e), 0)`` (``fxstab.randbits`` stream layout); the
-  product eta*r is exact (eta is a power of two), so 1 + eta*r is rounded once whether or not
-  the compiler fuses it into an FMA.
+* r for (sample k, element e) is ``(2*b + 1) * 2**-8 - 1`` (256 levels, symmetric, mean 0) with
+  ``b`` the byte of draw k, element e of ``fxstab.randbits.random_bytes`` (one Philox per 16
+  elements: the weights of every GEMM are perturbed for every sample, so this must be cheap);
+  eta*r is exact (eta is a power of two), so 1 + eta*r is rounded once whether or not the
+  compiler fuses it into an FMA.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ __all__ = ["perturb_samples", "uniform_signed"]
 
 
 def uniform_signed(seed: int, numel: int, n_samples: int, dtype: torch.dtype, device=None) -> torch.Tensor:
-    """r in [-1, 1) on a 2**-23 grid: tensor [n_samples, numel] of ``dtype``."""
-    w = randbits.uniform_words(seed, numel, list(range(n_samples)), device=device)
-    return (w >> 8).to(dtype) * (2.0 ** -23) - 1.0
+    """r in (-1, 1), 256 symmetric levels: tensor [n_samples, numel] of ``dtype``."""
+    b = randbits.random_bytes(seed, numel, list(range(n_samples)), device=device)
+    return (2 * b + 1).to(dtype) * (2.0 ** -8) - 1.0
 
 
 def perturb_samples(samples: torch.Tensor, eta: float, seed: int) -> tuple[torch.Tensor, int]:

@@ -1,0 +1,680 @@
+"""The ``torch.compile`` backend (DESIGN.md §3, §4, §6).
+
+``fxstab.backend(...)`` returns an :class:`FxstabBackend`. For every graph dynamo captures it
+builds a :class:`GraphAnalysis`: the selection of instrumented operators, their stable names and
+the edges between them, decided once at compile time. At run time an analysed call
+
+1. runs the captured graph as is (the *deterministic path*: bit-identical to eager, autograd
+   and optimizer unchanged), remembering the RNG state before and after;
+2. runs the same graph on N stacked samples ``[N, ...]`` in the working dtype, without autograd
+   (the *stochastic path*, :class:`SampleInterpreter`): each operator is lifted to the samples
+   with ``torch.vmap`` (per sample where it cannot be), GEMM-like operators get the
+   data-perturbation surrogate when their input samples are insufficiently separated, and the
+   selected operators' outputs are rounded into the format (random rounding, one Philox stream
+   per operator and call) and measured;
+3. restores the RNG state, so the user's next random numbers are the ones they would have had.
+
+Random operators (dropout, rand_like...) run once on the first sample's shape with the
+deterministic pass's RNG state, so every sample sees the deterministic path's masks. Buffers the
+graph mutates (BatchNorm running statistics) are cloned for the stochastic path, and BatchNorm
+in training mode runs per sample so samples never mix statistics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import logging
+import math
+import operator
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch.utils import _pytree as pytree
+
+from . import randbits
+from .config import AnalysisConfig
+from .digits import digits_cap, student_t
+from .formats import working_dtype_for
+from .naming import NameRegistry, module_path, qualified_name, source_location
+from .opsets import (
+    DEFAULT_KINDS, DROPOUT_KINDS, FAMILIES, RANDOM_KINDS, family_of, is_gemm, node_kind,
+)
+from .report import ROUNDED, UNLIFTED, OpReport, empty_counters
+from .rounding import round_samples
+from .surrogate import perturb_samples
+
+log = logging.getLogger("fxstab")
+
+__all__ = ["backend", "FxstabBackend", "GraphAnalysis", "GraphInfo", "default_backend"]
+
+# Operators that only read metadata: run once, on the first sample.
+_METADATA_KINDS = frozenset({"size", "dim", "numel", "stride", "is_floating_point", "is_contiguous",
+                             "getattr", "sym_size", "sym_numel", "sym_stride", "nelement",
+                             "element_size", "get_device", "is_complex"})
+# Floating dtype conversions keep the working dtype on the stochastic path: the simulated format
+# is what rounds, not the dtype the model happens to cast to.
+_CAST_METHODS = frozenset({"to", "type", "float", "half", "bfloat16", "double", "type_as"})
+_VIEW_KINDS = frozenset({"view", "reshape", "transpose", "permute", "getitem", "unsqueeze",
+                         "squeeze", "flatten", "expand", "narrow", "select", "t", "contiguous"})
+# Run per sample: BatchNorm/InstanceNorm in training mode must not mix the samples' statistics,
+# and their in-place running-stat updates cannot be batched.
+_PER_SAMPLE_KINDS = frozenset({"batch_norm", "instance_norm"})
+
+# Operators that accept extra leading batch dimensions natively: called once on the stacked
+# samples (their first k positional tensors stacked), faster than vmap's fallback loop.
+_BATCHED_KINDS = {"scaled_dot_product_attention": 3}
+
+
+class Stacked:
+    """N samples of one value, stacked on dim 0. A pytree leaf."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def __repr__(self) -> str:  # pragma: no cover
+        return f"Stacked({tuple(self.t.shape)}, {self.t.dtype})"
+
+
+@dataclass
+class NodePlan:
+    node: torch.fx.Node
+    kind: str
+    name: Optional[str] = None  # set when instrumented
+    module_path: str = ""
+    source: str = ""
+    gemm: bool = False
+    inputs: tuple = ()
+    index: int = 0
+
+
+@dataclass
+class GraphInfo:
+    """What the backend did with one captured graph (for tests and debugging)."""
+
+    index: int
+    n_nodes: int
+    instrumented: list = field(default_factory=list)  # (name, kind, node name)
+    unlifted: dict = field(default_factory=dict)  # name or node name -> reason
+    failures: list = field(default_factory=list)  # exceptions swallowed on the stochastic path
+    calls: int = 0
+    analysed_calls: int = 0
+
+
+def _selector(select: Any) -> Callable[[torch.fx.Node, str, str], bool]:
+    """Build ``pred(node, kind, qualified_name)`` from the ``select`` option."""
+    if select is None:
+        return lambda node, kind, qn: kind in DEFAULT_KINDS
+    if callable(select) and not isinstance(select, str):
+        return lambda node, kind, qn: bool(select(node, qn))
+    items = [select] if isinstance(select, str) else list(select)
+    kinds: set[str] = set()
+    globs: list[str] = []
+    for item in items:
+        if item in FAMILIES:
+            kinds |= FAMILIES[item]
+        elif item == "all":
+            kinds |= DEFAULT_KINDS
+        elif any(ch in item for ch in "*?[/.") :
+            globs.append(item)
+        else:
+            kinds.add(item)
+
+    def pred(node: torch.fx.Node, kind: str, qn: str) -> bool:
+        if kind in kinds:
+            return True
+        return any(fnmatch.fnmatchcase(qn, g) or
+                   (kind in DEFAULT_KINDS and fnmatch.fnmatchcase(qn.rsplit("/", 1)[0], g))
+                   for g in globs)
+
+    return pred
+
+
+def _chase_placeholder(node: Any) -> Optional[torch.fx.Node]:
+    """The placeholder a (chain of views of a) node reads from, if any."""
+    seen = 0
+    while isinstance(node, torch.fx.Node) and seen < 16:
+        if node.op == "placeholder":
+            return node
+        if node.op in ("call_method", "call_function") and node_kind(node) in _VIEW_KINDS and node.args:
+            node = node.args[0]
+            seen += 1
+            continue
+        return None
+    return None
+
+
+def _mutated_placeholders(graph: torch.fx.Graph) -> set:
+    """Placeholders the graph mutates in place (directly or through views)."""
+    out = set()
+    for node in graph.nodes:
+        if node.op not in ("call_method", "call_function"):
+            continue
+        kind = node_kind(node)
+        targets = []
+        if kind.endswith("_") or node.kwargs.get("inplace") is True:
+            targets.append(node.args[0] if node.args else None)
+        if kind == "batch_norm":
+            targets += [node.args[i] if len(node.args) > i else None for i in (1, 2)]
+            targets += [node.kwargs.get("running_mean"), node.kwargs.get("running_var")]
+        if kind == "copy_" or (kind in ("setitem",) and node.args):
+            targets.append(node.args[0])
+        for t in targets:
+            ph = _chase_placeholder(t)
+            if ph is not None:
+                out.add(ph)
+    return out
+
+
+class GraphAnalysis:
+    """One captured graph: its plan, and the callable dynamo runs."""
+
+    def __init__(self, gm: torch.fx.GraphModule, owner: "FxstabBackend", index: int) -> None:
+        self.gm = gm
+        self.owner = owner
+        self.cfg = owner.config
+        self.index = index
+        self.info = GraphInfo(index=index, n_nodes=len(gm.graph.nodes))
+        self.mutated = _mutated_placeholders(gm.graph)
+        self.plans: list[NodePlan] = []
+        self._plan()
+
+    # -- compile time -------------------------------------------------------------------
+    def _plan(self) -> None:
+        pred = _selector(self.cfg.select)
+        repeats: dict[tuple, int] = {}
+        frontier: dict[torch.fx.Node, frozenset] = {}
+        for i, node in enumerate(self.gm.graph.nodes):
+            kind = node_kind(node)
+            plan = NodePlan(node=node, kind=kind, index=i)
+            ins: set = set()
+            for m in node.all_input_nodes:
+                ins |= frontier.get(m, frozenset())
+            if node.op in ("call_function", "call_method", "call_module"):
+                path = module_path(node)
+                qn = qualified_name(path, kind)
+                if kind not in RANDOM_KINDS and kind not in _METADATA_KINDS and pred(node, kind, qn):
+                    src = source_location(node)
+                    key = (path, kind, src)
+                    rep = repeats.get(key, 0)
+                    repeats[key] = rep + 1
+                    plan.name = self.owner.names.name(path, kind, src, rep)
+                    plan.module_path = path
+                    plan.source = src
+                    plan.gemm = is_gemm(kind)
+                    plan.inputs = tuple(sorted(ins))
+                    self.info.instrumented.append((plan.name, kind, node.name))
+                    frontier[node] = frozenset({plan.name})
+                else:
+                    frontier[node] = frozenset(ins)
+            else:
+                frontier[node] = frozenset(ins)
+            self.plans.append(plan)
+
+    # -- run time -----------------------------------------------------------------------
+    def __call__(self, *args: Any) -> Any:
+        info = self.info
+        call = info.calls
+        info.calls += 1
+        if call % self.cfg.every != 0 or not self.owner.enabled:
+            return self.gm(*args)
+        info.analysed_calls += 1
+        states = _rng_states(args)
+        out = self.gm(*args)
+        after = _rng_states(args)
+        try:
+            _set_rng_states(states)
+            with torch.no_grad():
+                sample_out = SampleInterpreter(self, call).run(args)
+        except Exception as exc:  # the user's model never crashes because of fxstab
+            info.failures.append(f"{type(exc).__name__}: {exc}")
+            warnings.warn(f"fxstab: stochastic path of graph {self.index} failed "
+                          f"({type(exc).__name__}: {exc}); the model's output is unaffected",
+                          RuntimeWarning, stacklevel=2)
+            sample_out = None
+        finally:
+            _set_rng_states(after)
+        if self.cfg.output == "mean" and sample_out is not None:
+            return _straight_through_mean(out, sample_out)
+        return out
+
+
+def _straight_through_mean(det: Any, samples: Any) -> Any:
+    det_flat, spec = pytree.tree_flatten(det)
+    s_flat, _ = pytree.tree_flatten(samples)
+    out = []
+    for d, s in zip(det_flat, s_flat):
+        if isinstance(d, torch.Tensor) and d.is_floating_point() and isinstance(s, Stacked):
+            mean = s.t.mean(0).to(d.dtype)
+            out.append(d + (mean - d).detach())
+        else:
+            out.append(d)
+    return pytree.tree_unflatten(out, spec)
+
+
+def _rng_states(args: tuple) -> dict:
+    states = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _set_rng_states(states: dict) -> None:
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+class SampleInterpreter:
+    """Runs one graph on stacked samples (the stochastic path of one analysed call)."""
+
+    def __init__(self, analysis: GraphAnalysis, call: int) -> None:
+        self.a = analysis
+        self.cfg = analysis.cfg
+        self.call = call
+        self.n = self.cfg.n_samples
+        self.fmt = self.cfg.format
+        self.wdtype = working_dtype_for(self.fmt)
+        self.pending: list[tuple[NodePlan, torch.Tensor, bool, str, tuple]] = []
+
+    # -- helpers --------------------------------------------------------------------------
+    def _seed(self, plan: NodePlan, purpose: int) -> int:
+        return randbits.derive_seed(self.cfg.seed, self.a.index, plan.index, self.call, purpose)
+
+    def _to_working(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.wdtype) if t.is_floating_point() and t.dtype != self.wdtype else t
+
+    def _stack(self, v: Any) -> torch.Tensor:
+        """Samples of a leaf: stacked as is, or N identical copies of a plain tensor."""
+        if isinstance(v, Stacked):
+            return v.t
+        return v.unsqueeze(0).expand(self.n, *v.shape)
+
+    # -- main loop ------------------------------------------------------------------------
+    def run(self, args: tuple) -> Any:
+        env: dict[torch.fx.Node, Any] = {}
+        placeholders = iter(args)
+        result = None
+        for plan in self.a.plans:
+            node = plan.node
+            if node.op == "placeholder":
+                v = next(placeholders)
+                if isinstance(v, torch.Tensor):
+                    if node in self.a.mutated:
+                        v = v.detach().clone()
+                    v = self._to_working(v.detach())
+                env[node] = v
+            elif node.op == "get_attr":
+                v = _fetch_attr(self.a.gm, node.target)
+                env[node] = self._to_working(v.detach()) if isinstance(v, torch.Tensor) else v
+            elif node.op == "output":
+                result = torch.fx.node.map_arg(node.args[0], lambda m: env[m])
+            else:
+                env[node] = self._run_node(plan, env)
+        self._finish()
+        return result
+
+    def _run_node(self, plan: NodePlan, env: dict) -> Any:
+        node = plan.node
+        args = torch.fx.node.map_arg(node.args, lambda m: env[m])
+        kwargs = torch.fx.node.map_arg(node.kwargs, lambda m: env[m])
+        fn = _callable(self.a.gm, node)
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        stacked = [i for i, v in enumerate(leaves) if isinstance(v, Stacked)]
+        kind = plan.kind
+
+        if plan.gemm and plan.name is not None:
+            leaves, fired = self._perturb(plan, leaves)
+            stacked = [i for i, v in enumerate(leaves) if isinstance(v, Stacked)]
+        else:
+            fired = False
+
+        if not stacked:
+            a, k = pytree.tree_unflatten(leaves, spec)
+            out = fn(*a, **k)
+            out = pytree.tree_map(lambda t: self._to_working(t) if isinstance(t, torch.Tensor) else t, out)
+            status = ROUNDED
+        elif kind in DROPOUT_KINDS:
+            out, status = self._dropout(fn, leaves, spec), ROUNDED
+        elif kind in RANDOM_KINDS or kind in _METADATA_KINDS:
+            first = [v.t[0] if isinstance(v, Stacked) else v for v in leaves]
+            a, k = pytree.tree_unflatten(first, spec)
+            out = fn(*a, **k)
+            status = ROUNDED
+        elif node.op == "call_method" and kind in _CAST_METHODS and _is_float_cast(node, leaves):
+            out, status = leaves[0], ROUNDED
+        elif kind == "getitem" and isinstance(args[0], (tuple, list)):
+            out, status = args[0][args[1]], ROUNDED
+        elif kind in _BATCHED_KINDS and all(i < _BATCHED_KINDS[kind] for i in stacked):
+            out, status = self._batched(fn, leaves, spec, _BATCHED_KINDS[kind]), ROUNDED
+        else:
+            out, status = self._lifted(plan, fn, leaves, spec, stacked)
+
+        if plan.name is not None:
+            out = self._round_and_record(plan, out, fired, status)
+        return out
+
+    # -- lifting --------------------------------------------------------------------------
+    def _lifted(self, plan: NodePlan, fn: Callable, leaves: list, spec, stacked: list):
+        info = self.a.info
+        key = plan.name or plan.node.name
+        if plan.kind not in _PER_SAMPLE_KINDS and key not in info.unlifted:
+            def call(*ts):
+                new = list(leaves)
+                for i, t in zip(stacked, ts):
+                    new[i] = t
+                a, k = pytree.tree_unflatten(new, spec)
+                return fn(*a, **k)
+
+            try:
+                out = torch.vmap(call, randomness="error")(*[leaves[i].t for i in stacked])
+                return self._wrap_out(out), ROUNDED
+            except Exception as exc:  # not batch-transparent: fall back to per-sample
+                if plan.kind not in _PER_SAMPLE_KINDS:
+                    info.unlifted[key] = f"vmap: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        outs = []
+        for k in range(self.n):
+            sample = [v.t[k] if isinstance(v, Stacked) else v for v in leaves]
+            a, kw = pytree.tree_unflatten(sample, spec)
+            outs.append(fn(*a, **kw))
+        status = ROUNDED if plan.kind in _PER_SAMPLE_KINDS else UNLIFTED
+        return self._stack_outputs(outs), status
+
+    def _wrap_out(self, out: Any) -> Any:
+        return pytree.tree_map(
+            lambda t: Stacked(self._to_working(t)) if isinstance(t, torch.Tensor) else t, out)
+
+    def _stack_outputs(self, outs: list) -> Any:
+        flat = [pytree.tree_flatten(o) for o in outs]
+        spec = flat[0][1]
+        columns = zip(*[f for f, _ in flat])
+        merged = []
+        for col in columns:
+            if isinstance(col[0], torch.Tensor):
+                merged.append(Stacked(self._to_working(torch.stack(col))))
+            else:
+                merged.append(col[0])
+        return pytree.tree_unflatten(merged, spec)
+
+    def _batched(self, fn: Callable, leaves: list, spec, k: int) -> Any:
+        a, kw = pytree.tree_unflatten(leaves, spec)
+        a = [Stacked(self._stack(v)) if i < k and isinstance(v, (Stacked, torch.Tensor)) else v
+             for i, v in enumerate(a)]
+        a = [v.t if isinstance(v, Stacked) else v for v in a]
+        return Stacked(self._to_working(fn(*a, **kw)))
+
+    def _dropout(self, fn: Callable, leaves: list, spec) -> Any:
+        # The mask of the deterministic pass: same RNG state, same shape, ones as input.
+        first = [torch.ones_like(v.t[0]) if isinstance(v, Stacked) else v for v in leaves]
+        a, k = pytree.tree_unflatten(first, spec)
+        k = dict(k)
+        if "inplace" in k:
+            k["inplace"] = False
+        mask = fn(*a, **k)
+        x = next(v for v in leaves if isinstance(v, Stacked))
+        return Stacked(x.t * mask)
+
+    # -- surrogate, rounding, recording ----------------------------------------------------
+    def _perturb(self, plan: NodePlan, leaves: list) -> tuple[list, bool]:
+        eta = self.cfg.data_perturbation_threshold
+        fired = False
+        new = list(leaves)
+        for i, v in enumerate(leaves):
+            t = v.t if isinstance(v, Stacked) else v
+            if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
+                continue
+            samples = self._stack(v) if isinstance(v, Stacked) else self._stack(self._to_working(t))
+            out, count = perturb_samples(samples.contiguous(), eta, self._seed(plan, 1000 + i))
+            if count:
+                fired = True
+                new[i] = Stacked(out)
+        return new, fired
+
+    def _round_and_record(self, plan: NodePlan, out: Any, fired: bool, status: str) -> Any:
+        flat, spec = pytree.tree_flatten(out)
+        stats = []
+        new = []
+        shape: tuple = ()
+        for j, v in enumerate(flat):
+            t = v.t if isinstance(v, Stacked) else v
+            if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
+                new.append(v)
+                continue
+            samples = self._stack(v) if isinstance(v, Stacked) else self._stack(t)
+            if status == ROUNDED:
+                samples = round_samples(samples, self.fmt, self.cfg.rounding,
+                                        seed=self._seed(plan, j), saturate=self.cfg.saturate)
+            if not shape:
+                shape = tuple(samples.shape[1:])
+            stats.append(self._stats(samples))
+            new.append(Stacked(samples))
+        if stats:
+            self.pending.append((plan, torch.stack(stats), fired, status, shape))
+        return pytree.tree_unflatten(new, spec)
+
+    def _stats(self, samples: torch.Tensor) -> torch.Tensor:
+        """[sum, min, max, zeros, non-finite, numel] of one output's per-element digits."""
+        from .digits import _digits  # the estimator's core, without re-validation
+
+        n = samples.shape[0]
+        cap = digits_cap(self.fmt, samples.dtype)
+        flat = samples.reshape(n, -1)
+        numel = flat.shape[1]
+        if numel == 0:
+            return torch.tensor([0.0, cap, cap, 0.0, 0.0, 0.0], dtype=torch.float64,
+                                device=samples.device)
+        d = _digits(flat, n, student_t(n, self.cfg.confidence), cap)
+        finite = torch.isfinite(flat).all(0)
+        exact_zero = (flat == 0).all(0)
+        zeros = (finite & ~exact_zero & (d < self.cfg.zero_threshold)).sum()
+        dd = d.double()
+        return torch.stack([dd.sum(), dd.min(), dd.max(), zeros.double(),
+                            (~finite).sum().double(),
+                            torch.tensor(float(numel), dtype=torch.float64, device=d.device)])
+
+    def _finish(self) -> None:
+        if not self.pending:
+            return
+        owner = self.a.owner
+        rows = torch.cat([s for _, s, _, _, _ in self.pending]).cpu().tolist()
+        i = 0
+        for plan, s, fired, status, shape in self.pending:
+            k = s.shape[0]
+            part = rows[i:i + k]
+            i += k
+            numel = sum(r[5] for r in part)
+            total = sum(r[0] for r in part)
+            report = OpReport(
+                name=plan.name, kind=plan.kind, module_path=plan.module_path, source=plan.source,
+                phase=owner._phase, step=owner._step, format=self.fmt.name, n_samples=self.n,
+                avg_digits=total / numel if numel else min(r[1] for r in part),
+                min_digits=min(r[1] for r in part), max_digits=max(r[2] for r in part),
+                numel=int(numel), zero_fraction=(sum(r[3] for r in part) / numel) if numel else 0.0,
+                non_finite=int(sum(r[4] for r in part)), surrogate=fired,
+                status=status,
+                shape=shape, counters=empty_counters(), inputs=plan.inputs, call=self.call,
+            )
+            owner.reports.append(report)
+
+
+def _is_float_cast(node: torch.fx.Node, leaves: list) -> bool:
+    """Whether a cast method keeps a floating tensor floating (so it is a no-op here)."""
+    target = node.args[1] if len(node.args) > 1 else node.kwargs.get("dtype")
+    name = node.target
+    if name in ("float", "half", "bfloat16", "double"):
+        return True
+    if name == "type_as":
+        other = leaves[1] if len(leaves) > 1 else None
+        t = other.t if isinstance(other, Stacked) else other
+        return isinstance(t, torch.Tensor) and t.is_floating_point()
+    if isinstance(target, torch.dtype):
+        return target.is_floating_point
+    if isinstance(target, torch.fx.Node):
+        return False
+    dt = node.kwargs.get("dtype")
+    return dt is None or (isinstance(dt, torch.dtype) and dt.is_floating_point)
+
+
+def _fetch_attr(gm: torch.fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _callable(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Callable:
+    if node.op == "call_function":
+        return node.target
+    if node.op == "call_method":
+        name = node.target
+        return lambda self, *a, **k: getattr(self, name)(*a, **k)
+    if node.op == "call_module":
+        return _fetch_attr(gm, node.target)
+    raise ValueError(f"cannot call node {node.format_node()}")
+
+
+class FxstabBackend:
+    """A ``torch.compile`` backend that records per-operator digits (see :func:`backend`)."""
+
+    def __init__(self, config: AnalysisConfig) -> None:
+        self.config = config
+        self.reports: list[OpReport] = []
+        self.graphs: list[GraphAnalysis] = []
+        self.names = NameRegistry()
+        self.enabled = True
+        self._phase = "default"
+        self._step: Optional[int] = None
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        if self.config.granularity == "aten":
+            from .aten_backend import compile_aten  # arithmetic level
+
+            return compile_aten(self, gm, example_inputs)
+        analysis = GraphAnalysis(gm, self, len(self.graphs))
+        self.graphs.append(analysis)
+        return analysis
+
+    # -- reporting ------------------------------------------------------------------------
+    @property
+    def infos(self) -> list[GraphInfo]:
+        return [g.info for g in self.graphs]
+
+    def clear(self) -> None:
+        """Forget the reports (compiled graphs and names stay)."""
+        self.reports.clear()
+
+    @contextlib.contextmanager
+    def phase(self, name: str, step: Optional[int] = None) -> Iterator["FxstabBackend"]:
+        """Label the reports of the calls inside: ``with be.phase("train", step=i): ...``."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"phase name must be a non-empty string, got {name!r}")
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+            raise ValueError(f"step must be an int or None, got {step!r}")
+        old = (self._phase, self._step)
+        self._phase, self._step = name, step
+        try:
+            yield self
+        finally:
+            self._phase, self._step = old
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator["FxstabBackend"]:
+        """Run without analysis inside the block (only the deterministic path)."""
+        old = self.enabled
+        self.enabled = False
+        try:
+            yield self
+        finally:
+            self.enabled = old
+
+    def metadata(self) -> dict:
+        c = self.config
+        return {
+            "format": c.format.name, "n_samples": c.n_samples, "seed": c.seed,
+            "granularity": c.granularity, "confidence": c.confidence,
+            "rounding": c.rounding.value, "output": c.output, "every": c.every,
+            "analysed_calls": max((g.info.analysed_calls for g in self.graphs), default=0),
+        }
+
+    def digit_map(self, target: str = ""):
+        """The reports aggregated per operator (a :class:`fxstab.digitmap.DigitMap`)."""
+        from .digitmap import DigitMap
+
+        meta = self.metadata()
+        if target:
+            meta["target"] = target
+        return DigitMap.from_reports(self.reports, metadata=meta)
+
+    def table(self, top: Optional[int] = None) -> str:
+        return self.digit_map().table(top) if top is not None else self.digit_map().table()
+
+
+def backend(
+    granularity: str = "op",
+    format: Any = "bf16",
+    n_samples: int = 3,
+    seed: int = 0,
+    rounding: str = "random",
+    output: str = "deterministic",
+    select: Any = None,
+    every: int = 1,
+    confidence: float = 0.95,
+    kernels: str = "auto",
+    **options: Any,
+) -> FxstabBackend:
+    """An fxstab ``torch.compile`` backend.
+
+    Args:
+        granularity: ``"op"`` (torch-level operators) or ``"aten"`` (aten primitives).
+        format: Simulated format (``"bf16"``, ``"fp16"``, ``"fp8_e4m3"``, ``(e, m)``...).
+        n_samples: N synchronous samples (>= 2; 3 as in CADNA).
+        seed: Seed of all random streams; the same seed gives the same digit map.
+        rounding: ``random`` (CESTAC), ``stochastic``, ``nearest``, ``up``, ``down``, ``zero``.
+        output: ``"deterministic"`` returns exactly what eager returns; ``"mean"`` returns the
+            sample mean with straight-through gradients.
+        select: Which operators to instrument: ``None`` (the default families of DESIGN.md §3),
+            a family/kind name or a glob over ``module.path/kind``, a list of those, or a
+            predicate ``(node, qualified_name) -> bool``.
+        every: Analyse one call in ``every``; the others only run the deterministic path.
+        confidence: Confidence of the CESTAC estimator (Student t).
+        kernels: ``auto`` | ``triton`` | ``torch`` implementation of rounding and statistics.
+        **options: ``diagnostics``, ``cancel_digits``, ``zero_threshold``,
+            ``data_perturbation_threshold``, ``saturate``, ``trace_rnn`` (see AnalysisConfig).
+    """
+    unknown = set(options) - set(AnalysisConfig.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"unknown fxstab option(s) {sorted(unknown)}; known: "
+                         f"{sorted(AnalysisConfig.__dataclass_fields__)}")
+    cfg = AnalysisConfig(granularity=granularity, format=format, n_samples=n_samples, seed=seed,
+                         rounding=rounding, output=output, select=select, every=every,
+                         confidence=confidence, kernels=kernels, **options)
+    if cfg.trace_rnn:
+        # Dynamo graph-breaks on nn.LSTM/GRU/RNN unless told to trace them.
+        import torch._dynamo
+
+        torch._dynamo.config.allow_rnn = True
+    return FxstabBackend(cfg)
+
+
+_DEFAULT: Optional[FxstabBackend] = None
+
+
+def default_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    """``torch.compile(model, backend="fxstab")``: a shared backend with default options.
+
+    Its reports are at ``fxstab.backend_module.get_default_backend().reports``.
+    """
+    return get_default_backend()(gm, example_inputs)
+
+
+def get_default_backend() -> FxstabBackend:
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = backend()
+    return _DEFAULT

@@ -1,0 +1,78 @@
+"""Validated configuration of an fxstab analysis."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+from .formats import Format, get_format
+from .rounding import Rounding
+
+GRANULARITIES = ("op", "aten")
+OUTPUTS = ("deterministic", "mean")
+KERNELS = ("auto", "triton", "torch")
+DIAGNOSTICS = ("off", "summary", "detailed")
+
+Select = Union[None, str, Callable[..., bool], "list[str]", "tuple[str, ...]", "set[str]", "frozenset[str]"]
+
+
+@dataclass(frozen=True)
+class AnalysisConfig:
+    """Options of :func:`fxstab.backend` (see its docstring for their meaning)."""
+
+    granularity: str = "op"
+    format: Format = field(default_factory=lambda: get_format("bf16"))
+    n_samples: int = 3
+    seed: int = 0
+    rounding: Rounding = Rounding.RANDOM
+    output: str = "deterministic"
+    select: Any = None
+    every: int = 1
+    confidence: float = 0.95
+    kernels: str = "auto"
+    diagnostics: str = "summary"
+    cancel_digits: float = 4.0
+    zero_threshold: float = 0.5
+    data_perturbation_threshold: Optional[float] = None
+    saturate: bool = False
+    trace_rnn: bool = True
+
+    def __post_init__(self) -> None:
+        def choice(name: str, value: Any, options: tuple) -> None:
+            if value not in options:
+                raise ValueError(f"{name} must be one of {', '.join(map(repr, options))}; got {value!r}")
+
+        choice("granularity", self.granularity, GRANULARITIES)
+        choice("output", self.output, OUTPUTS)
+        choice("kernels", self.kernels, KERNELS)
+        choice("diagnostics", self.diagnostics, DIAGNOSTICS)
+        object.__setattr__(self, "format", get_format(self.format))
+        object.__setattr__(self, "rounding", Rounding.parse(self.rounding))
+        n = self.n_samples
+        if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= 64:
+            raise ValueError(f"n_samples must be an integer in [2, 64] (CESTAC needs at least 2 "
+                             f"samples; 3 is CADNA's choice), got {n!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        e = self.every
+        if isinstance(e, bool) or not isinstance(e, int) or e < 1:
+            raise ValueError(f"every must be a positive integer (analyse one call in `every`), got {e!r}")
+        c = self.confidence
+        if not isinstance(c, (int, float)) or not 0.0 < c < 1.0:
+            raise ValueError(f"confidence must be in (0, 1), got {c!r}")
+        if not isinstance(self.cancel_digits, (int, float)) or self.cancel_digits <= 0:
+            raise ValueError(f"cancel_digits must be positive, got {self.cancel_digits!r}")
+        if not isinstance(self.zero_threshold, (int, float)) or self.zero_threshold < 0:
+            raise ValueError(f"zero_threshold must be >= 0, got {self.zero_threshold!r}")
+        eta = self.data_perturbation_threshold
+        if eta is None:
+            object.__setattr__(self, "data_perturbation_threshold", self.format.unit_roundoff)
+        elif not isinstance(eta, (int, float)) or not 0 < eta < 1 or math.log2(eta) != int(math.log2(eta)):
+            raise ValueError(f"data_perturbation_threshold must be a power of two in (0, 1) "
+                             f"(default: the format's unit roundoff 2**-p), got {eta!r}")
+        s = self.select
+        if not (s is None or isinstance(s, str) or callable(s)
+                or (isinstance(s, (list, tuple, set, frozenset)) and all(isinstance(i, str) for i in s))):
+            raise ValueError(f"select must be None, a kind/family name or module-path glob, a list of "
+                             f"them, or a predicate (node, qualified_name) -> bool; got {s!r}")

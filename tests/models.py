@@ -1,0 +1,161 @@
+"""Small models shared by the backend tests (realistic layers, tiny sizes)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in: int = 16, d_hidden: int = 32, d_out: int = 4) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, d_hidden)
+        self.fc2 = nn.Linear(d_hidden, d_hidden)
+        self.head = nn.Linear(d_hidden, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.gelu(self.fc1(x))
+        x = torch.relu(self.fc2(x))
+        return self.head(x)
+
+
+class CNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3)
+        self.drop = nn.Dropout(0.25)
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.bn(self.conv1(x)))
+        x = F.max_pool2d(x, 2)
+        x = self.drop(F.relu(self.conv2(x)))
+        return self.fc(x.mean((2, 3)))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """A GPT-style language model using F.scaled_dot_product_attention."""
+
+    def __init__(self, vocab: int = 50, d: int = 32, heads: int = 4, layers: int = 2, ctx: int = 16) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(ctx, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln_f(x))
+
+
+class LSTMClassifier(nn.Module):
+    def __init__(self, d_in: int = 8, hidden: int = 16, classes: int = 3) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(d_in, hidden, batch_first=True)
+        self.out = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        o, _ = self.lstm(x)
+        return self.out(o[:, -1])
+
+
+class DropoutMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 64)
+        self.drop = nn.Dropout(0.5)
+        self.fc2 = nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.drop(torch.tanh(self.fc1(x))))
+
+
+class CancellingLinear(nn.Module):
+    """fc1 adds a large offset to every feature, fc2 subtracts neighbouring features: the
+    offset cancels exactly in real arithmetic but its rounding error stays (hazard), unless
+    ``offset`` is 0 (the stable counterpart)."""
+
+    def __init__(self, d: int = 16, offset: float = 1000.0) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, d)
+        self.fc2 = nn.Linear(d, d // 2, bias=False)
+        with torch.no_grad():
+            self.fc1.weight.copy_(torch.eye(d))
+            self.fc1.bias.fill_(offset)
+            w = torch.zeros(d // 2, d)
+            for i in range(d // 2):
+                w[i, 2 * i], w[i, 2 * i + 1] = 1.0, -1.0
+            self.fc2.weight.copy_(w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.fc1(x))
+
+
+class NaiveSoftmax(nn.Module):
+    """exp(x)/sum(exp(x)) without max subtraction (hazard) or torch.softmax (stable)."""
+
+    def __init__(self, naive: bool = True) -> None:
+        super().__init__()
+        self.naive = naive
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.fc(x)
+        if self.naive:
+            e = torch.exp(z)
+            return e / e.sum(-1, keepdim=True)
+        return torch.softmax(z, -1)
+
+
+class OffsetLayerNorm(nn.Module):
+    """A linear layer that adds ``offset`` to inputs of spread ``spread``, then LayerNorm."""
+
+    def __init__(self, d: int = 32, offset: float = 1000.0, spread: float = 1e-2) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.ln = nn.LayerNorm(d)
+        with torch.no_grad():
+            self.fc.weight.copy_(torch.eye(d) * spread)
+            self.fc.bias.fill_(offset)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln(self.fc(x))
+
+
+class Attention(nn.Module):
+    """SDPA on q, k scaled by ``scale``: a large scale with near-equal keys gives near-ties
+    whose order is decided by rounding noise."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q * self.scale, k, v)

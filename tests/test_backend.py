@@ -1,0 +1,393 @@
+"""The operator-level torch.compile backend (issue 3): structure, numbers, bit-identity."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxstab
+from models import (
+    CNN, GPT, MLP, Attention, CancellingLinear, DropoutMLP, LSTMClassifier, NaiveSoftmax,
+    OffsetLayerNorm,
+)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def analyse(model, *inputs, **options):
+    be = fxstab.backend(**options)
+    out = torch.compile(model, backend=be)(*inputs)
+    return be, out
+
+
+def by_name(be):
+    return {r.name: r for r in be.reports}
+
+
+# --------------------------------------------------------------------------- structure
+def test_default_selection_instruments_the_operator_families():
+    torch.manual_seed(0)
+    be, _ = analyse(GPT(layers=1), torch.randint(0, 50, (2, 8)))
+    kinds = {kind for info in be.infos for _, kind, _ in info.instrumented}
+    assert {"embedding", "layer_norm", "linear", "scaled_dot_product_attention", "gelu"} <= kinds
+    # Views, splits, adds and the positional arange are not in the default families.
+    assert not kinds & {"view", "transpose", "split", "arange", "getitem", "add"}
+    names = [name for info in be.infos for name, _, _ in info.instrumented]
+    assert "blocks.0.qkv/linear#0" in names and "blocks.0.mlp.1/gelu#0" in names
+    assert len(names) == len(set(names))
+
+
+@pytest.mark.parametrize("select, expected", [
+    ("softmax", {"softmax"}),
+    (["linear", "gelu"], {"linear", "gelu"}),
+    ("fc2*", {"linear"}),
+])
+def test_selection_by_kind_family_and_glob(select, expected):
+    torch.manual_seed(0)
+    m = nn.Sequential()
+    m.add_module("fc1", nn.Linear(4, 4))
+    m.add_module("act", nn.GELU())
+    m.add_module("fc2", nn.Linear(4, 4))
+    m.add_module("sm", nn.Softmax(-1))
+    be, _ = analyse(m, torch.randn(3, 4), select=select)
+    kinds = {r.kind for r in be.reports}
+    assert kinds == expected
+    if select == "fc2*":
+        assert [r.name for r in be.reports] == ["fc2/linear#0"]
+
+
+def test_selection_by_predicate_and_edges_skip_unselected_operators():
+    torch.manual_seed(0)
+    seen = []
+
+    def pred(node, qualified_name):
+        seen.append(qualified_name)
+        return qualified_name in ("fc1/linear", "head/linear")
+
+    be, _ = analyse(MLP(), torch.randn(4, 16), select=pred)
+    assert "fc2/linear" in seen
+    reports = by_name(be)
+    assert set(reports) == {"fc1/linear#0", "head/linear#0"}
+    # head's instrumented input is fc1 (through the unselected gelu, fc2, relu).
+    assert reports["head/linear#0"].inputs == ("fc1/linear#0",)
+
+
+def test_unselected_operators_run_unrounded():
+    # With only the last operator selected, the digits come from its own rounding alone.
+    torch.manual_seed(0)
+    be, _ = analyse(CancellingLinear(offset=1000.0), torch.randn(8, 16), select="fc2*")
+    (r,) = be.reports
+    # fc1's output is not rounded, so fc2 only sees the surrogate's perturbation: no cancellation
+    # of rounding errors of size ulp(1000) can happen, unlike the fully instrumented run below.
+    be2, _ = analyse(CancellingLinear(offset=1000.0), torch.randn(8, 16))
+    assert by_name(be2)["fc2/linear#0"].avg_digits < 0.5
+    assert r.avg_digits > by_name(be2)["fc2/linear#0"].avg_digits
+
+
+# --------------------------------------------------------------------------- numbers
+def test_cancelling_linear_loses_its_digits_and_the_stable_one_keeps_them():
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    bad = by_name(analyse(CancellingLinear(offset=1000.0), x)[0])["fc2/linear#0"]
+    good = by_name(analyse(CancellingLinear(offset=0.0), x)[0])["fc2/linear#0"]
+    assert bad.avg_digits < 0.5 and bad.min_digits == 0.0
+    assert good.avg_digits > 1.5
+    assert bad.surrogate and good.surrogate
+
+
+def test_naive_softmax_overflows_in_fp16_and_torch_softmax_does_not():
+    torch.manual_seed(0)
+    results = {}
+    for naive in (True, False):
+        m = NaiveSoftmax(naive)
+        with torch.no_grad():  # logits 5..13: exp(13) = 4.4e5 > fp16 max 65504
+            m.fc.weight.zero_()
+            m.fc.bias.copy_(torch.linspace(5, 13, 8))
+        be, y = analyse(m, torch.randn(4, 8), format="fp16")
+        assert torch.isfinite(y).all()  # the model itself (fp32) is fine
+        results[naive] = by_name(be)
+    assert results[True]["exp#0"].non_finite > 0
+    assert results[True]["div#0"].min_digits == 0.0
+    assert results[False]["softmax#0"].min_digits > 1.0
+    assert results[False]["softmax#0"].non_finite == 0
+
+
+def test_near_constant_layer_norm_has_no_digits():
+    torch.manual_seed(0)
+    x = torch.randn(8, 32)
+    bad = by_name(analyse(OffsetLayerNorm(offset=1000.0, spread=1e-2), x)[0])["ln/layer_norm#0"]
+    good = by_name(analyse(OffsetLayerNorm(offset=0.0, spread=1.0), x)[0])["ln/layer_norm#0"]
+    assert bad.avg_digits < 0.3
+    assert good.avg_digits > 1.5
+
+
+def test_near_tie_attention_loses_digits_and_separated_attention_keeps_them():
+    torch.manual_seed(0)
+    q, v = torch.randn(2, 2, 8, 16), torch.randn(2, 2, 8, 16)
+    k_tie = torch.randn(2, 2, 1, 16).expand(2, 2, 8, 16) + 1e-3 * torch.randn(2, 2, 8, 16)
+    tie = analyse(Attention(100.0), q, k_tie, v)[0].reports[0]
+    sep = analyse(Attention(0.25), q, torch.randn(2, 2, 8, 16), v)[0].reports[0]
+    assert tie.kind == "scaled_dot_product_attention" and tie.surrogate
+    assert tie.avg_digits < 1.0
+    assert sep.avg_digits > 1.5
+
+
+def test_stable_network_reports_digits_near_the_cap():
+    torch.manual_seed(0)
+    be, _ = analyse(MLP(), torch.randn(32, 16), format="fp16")
+    cap = fxstab.get_format("fp16").digit_cap
+    for r in be.reports:
+        assert r.max_digits == pytest.approx(cap)
+        assert r.avg_digits > cap - 1.2, r
+
+
+# --------------------------------------------------------------------------- bit identity
+def _train_step(model, x, compiled):
+    model = torch.compile(model, backend=compiled) if compiled is not None else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    outs = []
+    for _ in range(2):
+        opt.zero_grad()
+        torch.manual_seed(123)
+        y = model(x)
+        y.float().pow(2).mean().backward()
+        opt.step()
+        outs.append(y.detach().clone())
+    return outs
+
+
+@pytest.mark.parametrize("make, x, mode", [
+    (MLP, torch.randn(8, 16), "train"),
+    (CNN, torch.randn(4, 3, 8, 8), "train"),
+    (CNN, torch.randn(4, 3, 8, 8), "eval"),
+    (lambda: GPT(layers=2), torch.randint(0, 50, (2, 12)), "train"),
+    (LSTMClassifier, torch.randn(3, 5, 8), "train"),
+    (DropoutMLP, torch.randn(8, 16), "train"),
+])
+def test_deterministic_output_is_bit_identical_to_eager(make, x, mode):
+    torch.manual_seed(0)
+    ref = make()
+    getattr(ref, mode)()
+    test = copy.deepcopy(ref)
+    be = fxstab.backend(format="bf16")
+    outs_ref = _train_step(ref, x, None)
+    outs = _train_step(test, x, be)
+    for a, b in zip(outs_ref, outs):
+        assert torch.equal(a, b)
+    for (n1, p1), (n2, p2) in zip(ref.named_parameters(), test.named_parameters()):
+        assert torch.equal(p1, p2), n1
+    for b1, b2 in zip(ref.buffers(), test.buffers()):
+        assert torch.equal(b1, b2)
+    assert be.reports, "the analysis ran"
+    assert not any(info.failures for info in be.infos), [i.failures for i in be.infos]
+    # the user's RNG stream continues as without fxstab
+    torch.manual_seed(5)
+    ref(x)
+    r1 = torch.rand(4)
+    torch.manual_seed(5)
+    torch.compile(test, backend=be)(x)
+    r2 = torch.rand(4)
+    assert torch.equal(r1, r2)
+
+
+def test_dropout_masks_are_shared_by_all_samples():
+    # output="mean": with a shared mask the sample mean is within rounding noise of the
+    # deterministic output; a fresh mask per sample would move it by O(1).
+    torch.manual_seed(0)
+    m = DropoutMLP().train()
+    x = torch.randn(64, 16)
+    torch.manual_seed(7)
+    det = m(x)
+    be = fxstab.backend(format="bf16", output="mean")
+    torch.manual_seed(7)
+    mean = torch.compile(m, backend=be)(x)
+    assert (mean - det).abs().max() < 0.05 * det.abs().max()
+    assert not torch.equal(mean, det)
+
+
+def test_batchnorm_training_does_not_mix_samples():
+    # Per-sample BatchNorm: each sample normalises with its own batch statistics, so a
+    # BatchNorm output keeps the digits of its input (mixing would average the noise away or
+    # give different statistics to the samples).
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)).train()
+    be, _ = analyse(m, torch.randn(16, 8))
+    r = by_name(be)
+    assert r["1/batch_norm#0"].status == "rounded"
+    assert not be.infos[0].unlifted
+    assert r["1/batch_norm#0"].avg_digits > 1.5
+
+
+def test_output_mean_has_straight_through_gradients():
+    torch.manual_seed(0)
+    m = MLP()
+    x = torch.randn(8, 16)
+    be = fxstab.backend(format="bf16", output="mean")
+    y = torch.compile(m, backend=be)(x)
+    y.sum().backward()
+    grads = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    m(x).sum().backward()
+    for g, p in zip(grads, m.parameters()):
+        assert torch.equal(g, p.grad)
+
+
+# --------------------------------------------------------------------------- runs
+def test_graph_breaks_all_report_with_unique_names():
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.b = nn.Linear(8, 8)
+
+        def forward(self, x):
+            x = torch.softmax(self.a(x), -1)
+            torch._dynamo.graph_break()
+            return torch.softmax(self.b(x), -1)
+
+    torch.manual_seed(0)
+    be, _ = analyse(Broken(), torch.randn(4, 8))
+    assert len(be.infos) == 2
+    names = [r.name for r in be.reports]
+    assert names == ["a/linear#0", "softmax#0", "b/linear#0", "softmax#1"]
+
+
+def test_dynamic_shapes_keep_the_same_names():
+    torch.manual_seed(0)
+    m = MLP()
+    be = fxstab.backend(format="bf16")
+    cm = torch.compile(m, backend=be)
+    cm(torch.randn(4, 16))
+    first = [r.name for r in be.reports]
+    be.clear()
+    y = cm(torch.randn(7, 16))
+    assert torch.equal(y, m(torch.randn(7, 16)) * 0 + y)
+    assert [r.name for r in be.reports] == first
+    assert {r.shape[0] for r in be.reports} == {7}
+
+
+def test_every_k_analyses_one_call_in_k():
+    torch.manual_seed(0)
+    m = MLP()
+    be = fxstab.backend(every=3)
+    cm = torch.compile(m, backend=be)
+    x = torch.randn(4, 16)
+    for i in range(7):
+        assert torch.equal(cm(x), m(x))
+    info = be.infos[0]
+    assert info.calls == 7 and info.analysed_calls == 3
+    assert sorted({r.call for r in be.reports}) == [0, 3, 6]
+
+
+def test_same_seed_same_reports_and_different_seed_differs():
+    torch.manual_seed(0)
+    m, x = GPT(layers=1), torch.randint(0, 50, (2, 8))
+    runs = []
+    for seed in (3, 3, 4):
+        torch._dynamo.reset()
+        torch.manual_seed(0)  # the same dropout masks (the model is in training mode)
+        be, _ = analyse(m, x, seed=seed)
+        runs.append([(r.name, r.avg_digits, r.min_digits, r.zero_fraction) for r in be.reports])
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_phase_and_step_label_reports():
+    torch.manual_seed(0)
+    m = MLP()
+    be = fxstab.backend()
+    cm = torch.compile(m, backend=be)
+    for step in range(2):
+        with be.phase("train", step=step):
+            cm(torch.randn(4, 16))
+    cm(torch.randn(4, 16))
+    labels = [(r.phase, r.step) for r in be.reports]
+    n = len(be.reports) // 3
+    assert labels == [("train", 0)] * n + [("train", 1)] * n + [("default", None)] * n
+
+
+def test_backend_by_name_uses_defaults():
+    torch.manual_seed(0)
+    from fxstab.backend import get_default_backend
+
+    be = get_default_backend()
+    be.clear()
+    m = MLP()
+    x = torch.randn(4, 16)
+    assert torch.equal(torch.compile(m, backend="fxstab")(x), m(x))
+    assert {r.format for r in be.reports} == {"bf16"}
+
+
+def test_a_failing_stochastic_path_never_breaks_the_model(monkeypatch):
+    import sys
+
+    backend_module = sys.modules["fxstab.backend"]  # fxstab.backend is the function
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated failure inside the stochastic path")
+
+    monkeypatch.setattr(backend_module, "round_samples", broken)
+    torch.manual_seed(0)
+    m, x = MLP(), torch.randn(4, 16)
+    be = fxstab.backend()
+    with pytest.warns(RuntimeWarning, match="simulated failure"):
+        y = torch.compile(m, backend=be)(x)
+    assert torch.equal(y, m(x))
+    assert be.infos[0].failures and not be.reports
+
+
+def test_operators_that_cannot_be_lifted_run_per_sample_unrounded():
+    class Sorter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(6, 6)
+
+        def forward(self, x):
+            # torch.cumsum over a data-dependent permutation: lifted by vmap; the custom
+            # autograd-free python op below is not batch-transparent.
+            return torch.cumsum(_PerSampleOnly.apply(self.fc(x)), -1)
+
+    torch.manual_seed(0)
+    be, y = analyse(Sorter(), torch.randn(3, 6), select=["linear", "cumsum", "apply"])
+    info = be.infos[0]
+    r = by_name(be)
+    assert any("apply" in key for key in info.unlifted), info.unlifted
+    assert r["cumsum#0"].status == "rounded"
+
+
+class _PerSampleOnly(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.flip(-1) * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.flip(-1) * 2
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"n_samples": 1}, "n_samples"),
+    ({"n_samples": 2.5}, "n_samples"),
+    ({"format": "bf17"}, "unknown format"),
+    ({"format": (0, 3)}, "exp_bits"),
+    ({"rounding": "sideways"}, "rounding"),
+    ({"granularity": "layer"}, "granularity"),
+    ({"every": 0}, "every"),
+    ({"output": "median"}, "output"),
+    ({"confidence": 1.5}, "confidence"),
+    ({"kernels": "cuda"}, "kernels"),
+    ({"select": 3}, "select"),
+    ({"seed": -1}, "seed"),
+    ({"colour": "red"}, "unknown fxstab option"),
+])
+def test_invalid_options_are_rejected_clearly(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        fxstab.backend(**kwargs)
