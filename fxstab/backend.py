@@ -186,6 +186,9 @@ class GraphAnalysis:
         self._plan()
 
     # -- compile time -------------------------------------------------------------------
+    def _placeholders(self) -> list:
+        return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+
     def _plan(self) -> None:
         pred = _selector(self.cfg.select)
         repeats: dict[tuple, int] = {}
@@ -231,7 +234,7 @@ class GraphAnalysis:
         try:
             _set_rng_states(states)
             with torch.no_grad():
-                sample_out = SampleInterpreter(self, call).run(args)
+                sample_out = self.run_samples(args, call, states)
         except Exception as exc:  # the user's model never crashes because of fxstab
             info.failures.append(f"{type(exc).__name__}: {exc}")
             warnings.warn(f"fxstab: stochastic path of graph {self.index} failed "
@@ -244,14 +247,19 @@ class GraphAnalysis:
             return _straight_through_mean(out, sample_out)
         return out
 
+    def run_samples(self, args: tuple, call: int, rng_states: dict) -> Any:
+        """The stochastic path of one analysed call; returns the outputs' samples."""
+        return SampleInterpreter(self, call).run(args)
+
 
 def _straight_through_mean(det: Any, samples: Any) -> Any:
     det_flat, spec = pytree.tree_flatten(det)
     s_flat, _ = pytree.tree_flatten(samples)
     out = []
     for d, s in zip(det_flat, s_flat):
-        if isinstance(d, torch.Tensor) and d.is_floating_point() and isinstance(s, Stacked):
-            mean = s.t.mean(0).to(d.dtype)
+        t = getattr(s, "t", getattr(s, "samples", None))  # op-level or aten-level samples
+        if isinstance(d, torch.Tensor) and d.is_floating_point() and isinstance(t, torch.Tensor):
+            mean = t.mean(0).to(d.dtype)
             out.append(d + (mean - d).detach())
         else:
             out.append(d)

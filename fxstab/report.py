@@ -23,6 +23,7 @@ COUNTER_KEYS = (
 
 # Status of an operator in one analysed call.
 ROUNDED = "rounded"  # output rounded into the format and recorded
+OBSERVED = "observed"  # recorded without rounding (an exact primitive, recorded on request)
 UNLIFTED = "unlifted"  # could not run on stacked samples: ran per sample, unrounded
 
 

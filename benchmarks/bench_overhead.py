@@ -1,0 +1,174 @@
+"""Cost of an fxstab analysis relative to running the model without it.
+
+For an MLP, a small CNN and a small transformer, and N in {2, 3, 5}: time of one analysed
+forward divided by the plain eager forward and by the inductor-compiled forward, measured in the
+same process, interleaved, median of repeats; also the `every=k` fast path and the peak-memory
+ratio: (parameters + inputs + peak RSS growth during one forward) of a child process that runs
+the analysis over the same for one that runs plain eager.
+
+    python benchmarks/bench_overhead.py                 # prints the table, writes results/
+    python benchmarks/bench_overhead.py --quick         # smaller, for a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+def make(name: str, quick: bool):
+    from models import GPT, MLP
+
+    torch.manual_seed(0)
+    if name == "mlp":
+        m = MLP(784, 512 if not quick else 128, 10)
+        x = (torch.randn(256 if not quick else 64, 784),)
+    elif name == "cnn":
+        m = nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
+        x = (torch.randn(32 if not quick else 8, 3, 32, 32),)
+    elif name == "transformer":
+        m = GPT(vocab=256, d=128 if not quick else 64, heads=4, layers=2, ctx=64)
+        x = (torch.randint(0, 256, (8 if not quick else 2, 64)),)
+    else:
+        raise ValueError(name)
+    return m.eval(), x
+
+
+def timed(fn, repeats: int) -> float:
+    fn()
+    fn()
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def peak_child(model: str, mode: str, n: int, quick: bool) -> float:
+    """Peak RSS growth (MiB) of a child process during one forward in ``mode``.
+
+    The child warms up (compilation, caches), resets the kernel's high-water mark
+    (/proc/self/clear_refs), and reports VmHWM - VmRSS around one more forward; glibc is told to
+    mmap every allocation >= 128 KiB so freed tensors leave RSS and live ones show in it.
+    """
+    code = f"""
+import sys, torch
+sys.path.insert(0, {str(ROOT)!r}); sys.path.insert(0, {str(ROOT / 'tests')!r})
+from benchmarks.bench_overhead import make
+import fxstab
+def status(key):
+    for line in open('/proc/self/status'):
+        if line.startswith(key):
+            return int(line.split()[1])
+m, x = make({model!r}, {quick!r})
+f = m
+if {mode!r} == "fxstab":
+    f = torch.compile(m, backend=fxstab.backend(n_samples={n}))
+with torch.no_grad():
+    f(*x)
+    f(*x)
+    open('/proc/self/clear_refs', 'w').write('5')
+    base = status('VmRSS:')
+    f(*x)
+    peak = status('VmHWM:')
+print((peak - base) / 1024.0)
+"""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=env)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    import fxstab
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="mlp,cnn,transformer")
+    ap.add_argument("--samples", default="2,3,5")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory children")
+    ap.add_argument("--granularity", default="op", choices=["op", "aten"])
+    ap.add_argument("--out", default=str(ROOT / "results"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+
+    rows = []
+    for name in args.models.split(","):
+        model, x = make(name, args.quick)
+        with torch.no_grad():
+            t_eager = timed(lambda: model(*x), args.repeats)
+            torch._dynamo.reset()
+            ind = torch.compile(model)
+            t_ind = timed(lambda: ind(*x), args.repeats)
+            for n in (int(s) for s in args.samples.split(",")):
+                torch._dynamo.reset()
+                be = fxstab.backend(granularity=args.granularity, n_samples=n)
+                f = torch.compile(model, backend=be)
+                t_fx = timed(lambda: f(*x), args.repeats)
+                torch._dynamo.reset()
+                be_k = fxstab.backend(granularity=args.granularity, n_samples=n, every=1000)
+                g = torch.compile(model, backend=be_k)
+                g(*x)  # the analysed call; the rest take the fast path
+                t_every = timed(lambda: g(*x), args.repeats)
+                mem = None
+                if not args.no_memory:
+                    # footprint = parameters + inputs + peak growth during one forward
+                    resident = (sum(p.numel() * p.element_size() for p in model.parameters())
+                                + sum(t.numel() * t.element_size() for t in x)) / 2**20
+                    plain = resident + peak_child(name, "eager", n, args.quick)
+                    fx = resident + peak_child(name, "fxstab", n, args.quick)
+                    mem = fx / plain
+                rows.append({
+                    "model": name, "N": n, "eager_ms": t_eager * 1e3, "inductor_ms": t_ind * 1e3,
+                    "fxstab_ms": t_fx * 1e3, "vs_eager": t_fx / t_eager, "vs_inductor": t_fx / t_ind,
+                    "every1000_vs_eager": t_every / t_eager, "peak_mem_ratio": mem,
+                    "reports": len(be.reports) // max(1, be.infos[0].analysed_calls if be.infos else 1),
+                })
+                r = rows[-1]
+                print(f"{name:<12} N={n}  eager {r['eager_ms']:8.2f} ms  inductor {r['inductor_ms']:8.2f} ms  "
+                      f"fxstab {r['fxstab_ms']:8.2f} ms  x{r['vs_eager']:5.1f} eager  "
+                      f"x{r['vs_inductor']:5.1f} inductor  every=1000 x{r['every1000_vs_eager']:4.2f}  "
+                      f"mem x{mem if mem is None else round(mem, 2)}", flush=True)
+
+    print()
+    print(f"{'model':<12} {'N':>2} {'vs eager':>9} {'vs inductor':>12} {'every=1000':>11} {'peak mem':>9}")
+    for r in rows:
+        mem = "-" if r["peak_mem_ratio"] is None else f"{r['peak_mem_ratio']:.2f}"
+        print(f"{r['model']:<12} {r['N']:>2} {r['vs_eager']:>9.1f} {r['vs_inductor']:>12.1f} "
+              f"{r['every1000_vs_eager']:>11.2f} {mem:>9}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "torch": torch.__version__, "python": platform.python_version(),
+        "machine": platform.machine(), "cpus": os.cpu_count(), "granularity": args.granularity,
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                 capture_output=True, text=True).stdout.strip(),
+    }
+    path = out / f"bench_overhead_{args.granularity}.json"
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""``granularity="aten"``: the arithmetic level of the backend (DESIGN.md §3, §5).
+
+The dynamo graph keeps running as is on the deterministic path. For the stochastic path it is
+lowered to aten primitives with decompositions (softmax becomes exp/sum/div, layer_norm becomes
+mean/var/sub/rsqrt/mul, ...) by ``make_fx`` over an ``fx.Interpreter`` of the graph, with
+``preserve_node_meta`` so every primitive knows which torch-level operator it came from. The
+lowered graph is then interpreted node by node with :func:`fxstab.aten_rules.apply_primitive`,
+the same per-primitive rules the eager driver uses: every floating primitive's output is rounded
+and recorded, GEMM-like primitives get the data-perturbation surrogate, CADNA's counters run.
+
+Names keep the operator context: ``blocks.3.attn/softmax#0/aten.exp#0`` is the first ``exp``
+primitive of the operator ``blocks.3.attn/softmax#0``. Lowering happens on the first analysed
+call for each input signature (shapes, dtypes), with the RNG state saved and restored around it.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable
+
+import torch
+import torch.fx
+import torch.fx.traceback as fx_traceback
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
+
+from . import randbits
+from .backend import GraphAnalysis, _callable, _fetch_attr, _rng_states, _set_rng_states
+from .naming import module_path, qualified_name, source_location
+from .opsets import node_kind
+
+aten = torch.ops.aten
+
+# Decomposed beyond the core aten set, so the primitives the arithmetic level counts are seen.
+_EXTRA_DECOMPOSITIONS = [
+    aten._softmax, aten._log_softmax, aten.native_layer_norm, aten.native_group_norm,
+    aten.native_batch_norm, aten._native_batch_norm_legit, aten._native_batch_norm_legit_functional,
+    aten._native_batch_norm_legit_no_training, aten.gelu, aten.silu, aten.mish, aten.hardswish,
+    aten.hardsigmoid, aten.elu, aten.leaky_relu, aten.softplus, aten.logsumexp, aten.var_mean,
+    aten.mse_loss, aten.nll_loss_forward, aten.huber_loss, aten.smooth_l1_loss, aten.addcmul,
+    aten.addcdiv, aten.lerp, aten.rsub, aten.norm, aten.linalg_vector_norm, aten._log_softmax,
+    aten.rms_norm if hasattr(aten, "rms_norm") else aten.native_layer_norm,
+]
+_RANDOM_PRIMITIVES = frozenset({
+    "rand", "randn", "rand_like", "randn_like", "randint", "randint_like", "bernoulli",
+    "uniform", "normal", "randperm", "multinomial", "native_dropout", "exponential",
+})
+_SYMBOLIC = frozenset({"sym_size", "sym_stride", "sym_numel", "sym_storage_offset"})
+
+
+def _decompositions() -> dict:
+    from torch._decomp import core_aten_decompositions, get_decompositions
+
+    table = dict(core_aten_decompositions())
+    table.update(get_decompositions(_EXTRA_DECOMPOSITIONS))
+    return table
+
+
+class AtenGraphAnalysis(GraphAnalysis):
+    """One dynamo graph analysed at the arithmetic level."""
+
+    def __init__(self, gm: torch.fx.GraphModule, owner: Any, index: int) -> None:
+        self._lowered: dict[tuple, tuple[torch.fx.GraphModule, list]] = {}
+        super().__init__(gm, owner, index)
+
+    def _plan(self) -> None:
+        """Name every torch-level operator (the context of its primitives)."""
+        pred = None
+        if self.cfg.select is not None:
+            from .backend import _selector
+
+            pred = _selector(self.cfg.select)
+        repeats: dict[tuple, int] = {}
+        self.op_names: dict[str, tuple[str, str, str]] = {}
+        self.recorded_ops: set[str] = set()
+        for node in self.gm.graph.nodes:
+            if node.op not in ("call_function", "call_method", "call_module"):
+                continue
+            kind = node_kind(node)
+            path = module_path(node)
+            src = source_location(node)
+            key = (path, kind, src)
+            rep = repeats.get(key, 0)
+            repeats[key] = rep + 1
+            name = self.owner.names.name(path, kind, src, rep)
+            self.op_names[node.name] = (name, path, kind)
+            if pred is None or pred(node, kind, qualified_name(path, kind)):
+                self.recorded_ops.add(node.name)
+                self.info.instrumented.append((name, kind, node.name))
+
+    # -- lowering -------------------------------------------------------------------------
+    def _lower(self, args: tuple) -> tuple[torch.fx.GraphModule, list]:
+        key = tuple((tuple(a.shape), a.dtype, a.device.type) if isinstance(a, torch.Tensor) else
+                    (type(a).__name__, a) for a in args)
+        found = self._lowered.get(key)
+        if found is not None:
+            return found
+        states = _rng_states(args)
+        try:
+            with fx_traceback.preserve_node_meta():
+                lowered = make_fx(torch.fx.Interpreter(self.gm).run,
+                                  decomposition_table=_decompositions(),
+                                  tracing_mode="real")(*[a.detach() if isinstance(a, torch.Tensor)
+                                                         else a for a in args])
+        finally:
+            _set_rng_states(states)
+        names = self._primitive_names(lowered)
+        self._lowered[key] = (lowered, names)
+        return lowered, names
+
+    def _primitive_names(self, lowered: torch.fx.GraphModule) -> list:
+        """(name, module path, record?) for each node of the lowered graph, or None."""
+        from .aten_rules import primitive_kind
+
+        counts: dict[tuple[str, str], int] = {}
+        out = []
+        for node in lowered.graph.nodes:
+            if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+                out.append(None)
+                continue
+            stack = node.meta.get("source_fn_stack") or []
+            origin = stack[-1][0] if stack else None
+            op_name, path, _ = self.op_names.get(origin, ("", module_path(node), ""))
+            kind = primitive_kind(node.target)
+            k = counts.get((op_name, kind), 0)
+            counts[(op_name, kind)] = k + 1
+            prim = f"aten.{kind}#{k}"
+            name = f"{op_name}/{prim}" if op_name else (f"{path}/{prim}" if path else prim)
+            record = origin in self.recorded_ops if self.cfg.select is not None else True
+            out.append((name, path, record))
+        return out
+
+    # -- the stochastic path ----------------------------------------------------------------
+    def run_samples(self, args: tuple, call: int, rng_states: dict) -> Any:
+        from .aten_rules import AtenContext, Stacked, apply_primitive, primitive_kind, to_op_report
+
+        cfg = self.cfg
+        owner = self.owner
+        args = tuple(a.detach().clone() if (isinstance(a, torch.Tensor) and node in self.mutated)
+                     else a for a, node in zip(args, self._placeholders()))
+        lowered, names = self._lower(args)
+        _set_rng_states(rng_states)  # the deterministic pass's random numbers, again
+
+        records: list = []
+        ctx = AtenContext(format=cfg.format, n_samples=cfg.n_samples,
+                          seed=randbits.derive_seed(cfg.seed, self.index, call),
+                          rounding=cfg.rounding, confidence=cfg.confidence,
+                          diagnostics=cfg.diagnostics, cancel_digits=cfg.cancel_digits,
+                          zero_threshold=cfg.zero_threshold, recorder=records.append)
+        env: dict[torch.fx.Node, Any] = {}
+        frontier: dict[torch.fx.Node, frozenset] = {}
+        inputs = iter(args)
+        result = None
+        for i, node in enumerate(lowered.graph.nodes):
+            ins: frozenset = frozenset()
+            for m in node.all_input_nodes:
+                ins |= frontier.get(m, frozenset())
+            frontier[node] = ins
+            if node.op == "placeholder":
+                env[node] = next(inputs)
+                continue
+            if node.op == "get_attr":
+                env[node] = _fetch_attr(lowered, node.target)
+                continue
+            if node.op == "output":
+                result = torch.fx.node.map_arg(node.args[0], lambda m: env[m])
+                continue
+            a = torch.fx.node.map_arg(node.args, lambda m: env[m])
+            kw = torch.fx.node.map_arg(node.kwargs, lambda m: env[m])
+            target = node.target
+            plan = names[i]
+            if plan is None or primitive_kind(target) in _SYMBOLIC:
+                # Python operators on sizes, getitem on tuples, symbolic sizes: plain values.
+                env[node] = _plain_call(_callable(lowered, node), a, kw, Stacked)
+                continue
+            if primitive_kind(target) in _RANDOM_PRIMITIVES:
+                env[node] = _random_call(target, a, kw, Stacked)
+                continue
+            name, path, record = plan
+            before = len(records)
+            env[node] = apply_primitive(target, a, kw, ctx, name=name, salt=i)
+            for rec in records[before:]:
+                if not record:
+                    continue
+                rep = to_op_report(rec, ctx, phase=owner._phase, step=owner._step, call=call,
+                                   inputs=tuple(sorted(ins)))
+                rep.module_path = path
+                owner.reports.append(rep)
+                frontier[node] = frozenset({rec.name})
+            del records[before:]
+        return result
+
+
+def _plain_call(fn: Callable, args: Any, kwargs: Any, stacked_type: type) -> Any:
+    """Run on the first sample of every stacked value (metadata, sizes, tuple access)."""
+    is_s = lambda v: isinstance(v, stacked_type)  # noqa: E731
+    if fn is operator.getitem and isinstance(args[0], (tuple, list)):
+        return args[0][args[1]]
+    a, k = pytree.tree_map(lambda v: v.samples[0] if is_s(v) else v, (args, kwargs), is_leaf=is_s)
+    return fn(*a, **k)
+
+
+def _random_call(op: Any, args: Any, kwargs: Any, stacked_type: type) -> Any:
+    """Random primitives run once, on the first sample's shape: every sample gets the
+    deterministic pass's random numbers (dropout masks)."""
+    is_s = lambda v: isinstance(v, stacked_type)  # noqa: E731
+    if "native_dropout" in str(op):
+        x = args[0]
+        ones = torch.ones_like(x.samples[0] if is_s(x) else x)
+        scaled, mask = op(ones, *args[1:], **kwargs)
+        xs = x.samples if is_s(x) else x
+        return (stacked_type(xs * scaled) if is_s(x) else xs * scaled), mask
+    a, k = pytree.tree_map(lambda v: v.samples[0] if is_s(v) else v, (args, kwargs), is_leaf=is_s)
+    return op(*a, **k)
+
+
+def compile_aten(owner: Any, gm: torch.fx.GraphModule, example_inputs: list) -> AtenGraphAnalysis:
+    analysis = AtenGraphAnalysis(gm, owner, len(owner.graphs))
+    owner.graphs.append(analysis)
+    return analysis
