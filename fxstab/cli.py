@@ -150,10 +150,23 @@ def _cmd_diff(args: argparse.Namespace) -> int:
         raise CLIError(f"--max-drop must be >= 0, got {args.max_drop}")
     base, head = _load(args.base), _load(args.head)
     result = diff(base, head, max_drop=args.max_drop, metric=args.metric)
-    text = {"text": result.to_text, "markdown": result.to_markdown,
-            "json": result.to_json}[args.format]()
+    render = {"text": result.to_text, "markdown": result.to_markdown, "json": result.to_json}
+    for fmt in render:  # extra renderings to files: one process (one torch import) in CI
+        dest = getattr(args, f"{fmt}_out")
+        if dest:
+            text = render[fmt]()
+            _write_text(dest, text if text.endswith("\n") else text + "\n")
+    text = render[args.format]()
     sys.stdout.write(text if text.endswith("\n") else text + "\n")
     return EXIT_DROP if result.failed else EXIT_OK
+
+
+def _write_text(path: str, text: str) -> None:
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as e:
+        raise CLIError(f"cannot write {path!r}: {e.strerror or e}") from None
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
@@ -250,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compare min or avg digits per operator (default min)")
     p.add_argument("--format", choices=("text", "markdown", "json"), default="text",
                    help="output format (markdown suits a pull-request comment)")
+    for fmt in ("text", "markdown", "json"):
+        p.add_argument(f"--{fmt}-out", metavar="FILE",
+                       help=f"also write the {fmt} rendering to FILE")
     p.set_defaults(func=_cmd_diff)
 
     p = sub.add_parser(
