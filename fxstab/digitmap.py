@@ -789,7 +789,8 @@ class DiffResult:
     ``drops`` lost more than ``max_drop`` digits (largest loss first), ``gains`` gained more than
     ``max_drop`` (largest gain first), ``unchanged`` counts the operators within ``max_drop``
     either way. ``failed`` is True when there is any drop; added and removed operators are listed
-    but do not fail the diff.
+    but do not fail the diff. ``origins`` ranks the dropped operators by their local loss in the
+    head map (:meth:`DigitMap.localize`): the first is where the lost digits start.
     """
 
     metric: str
@@ -802,6 +803,7 @@ class DiffResult:
     notes: list[str] = field(default_factory=list)
     base_label: str = "base"
     head_label: str = "head"
+    origins: list[LocalLoss] = field(default_factory=list)
 
     @property
     def failed(self) -> bool:
@@ -836,6 +838,11 @@ class DiffResult:
                 lines.extend(f"  {r.name:<{w}}  {r.kind:<12} {r.digits:5.2f}" for r in rows)
 
         changes("drops", self.drops)
+        if self.origins:
+            o = self.origins[0]
+            lines.append(f"digits are lost first at {o.name} (local loss {o.local_loss:.2f}: "
+                         f"{o.digits:.2f} against {o.reference:.2f} "
+                         f"{'of ' + o.best_input if o.best_input else '(cap)'})")
         changes("gains", self.gains)
         presence("added", self.added)
         presence("removed", self.removed)
@@ -870,6 +877,11 @@ class DiffResult:
             lines.append("")
             lines += change_table(self.drops)
             lines.append("")
+        if self.origins:
+            o = self.origins[0]
+            ref = f"its best input {_md(o.best_input)}" if o.best_input else "the format's cap"
+            lines += [f"Digits are lost first at {_md(o.name)}: {o.digits:.2f} digits against "
+                      f"{o.reference:.2f} of {ref} (local loss {o.local_loss:.2f}).", ""]
         for title, rows, fn in (("Gained digits", self.gains, change_table),
                                 ("Added operators", self.added, presence_table),
                                 ("Removed operators", self.removed, presence_table)):
@@ -892,7 +904,10 @@ class DiffResult:
                 "base": self.base_label, "head": self.head_label,
                 "drops": [ch(r) for r in self.drops], "gains": [ch(r) for r in self.gains],
                 "added": [pr(r) for r in self.added], "removed": [pr(r) for r in self.removed],
-                "unchanged": self.unchanged, "notes": list(self.notes)}
+                "unchanged": self.unchanged, "notes": list(self.notes),
+                "origins": [{"name": o.name, "local_loss": o.local_loss, "digits": o.digits,
+                             "reference": o.reference, "best_input": o.best_input}
+                            for o in self.origins]}
 
     def to_json(self, indent: Optional[int] = 1) -> str:
         return json.dumps(_encode(self.as_dict()), indent=indent, allow_nan=False)
@@ -925,7 +940,8 @@ def diff(base: DigitMap, head: DigitMap, max_drop: float = 0.5, metric: str = "m
 
     Returns:
         A :class:`DiffResult`; ``notes`` lists analysis settings that differ between the maps
-        (a diff across formats or sample counts compares different things).
+        (a diff across formats or sample counts compares different things); ``origins`` ranks
+        the dropped operators by local loss in ``head`` (same metric).
     """
     _check_metric(metric)
     if isinstance(max_drop, bool) or not isinstance(max_drop, (int, float)) \
@@ -959,5 +975,8 @@ def diff(base: DigitMap, head: DigitMap, max_drop: float = 0.5, metric: str = "m
         commit = dm.metadata.get("git_commit")
         return f"{default} {commit[:10]}" if isinstance(commit, str) and commit else default
 
+    dropped = {c.name for c in drops}
+    origins = [x for x in head.localize(metric) if x.name in dropped]
     return DiffResult(metric, float(max_drop), drops, gains, added, removed, unchanged, notes,
-                      base_label or label(base, "base"), head_label or label(head, "head"))
+                      base_label or label(base, "base"), head_label or label(head, "head"),
+                      origins)

@@ -466,3 +466,19 @@ def test_tensorboard_missing_is_a_clear_error(tmp_path):
     with pytest.raises(ModuleNotFoundError, match="pip install tensorboard"):
         series_map().to_tensorboard(tmp_path)
     assert not list(tmp_path.iterdir())
+
+
+def test_diff_names_where_the_lost_digits_start():
+    base = DigitMap.from_reports([
+        rep("l1/linear#0", 2.3, 2.0, 2.41), rep("cancel/linear#0", 1.9, 1.5, 2.41,
+                                                inputs=["l1/linear#0"]),
+        rep("act/gelu#0", 2.2, 2.0, 2.41, inputs=["cancel/linear#0"]),
+        rep("head/softmax#0", 2.3, 1.9, 2.41, inputs=["act/gelu#0"])])
+    r = diff(base, chain_map(), max_drop=0.5, metric="avg")
+    assert {c.name for c in r.drops} == {"cancel/linear#0", "act/gelu#0", "head/softmax#0"}
+    assert r.drops[0].name == "head/softmax#0"  # the largest drop is downstream ...
+    assert r.origins[0].name == "cancel/linear#0"  # ... the loss starts at the cancellation
+    assert "digits are lost first at cancel/linear#0" in r.to_text()
+    assert "Digits are lost first at `cancel/linear#0`" in r.to_markdown()
+    assert json.loads(r.to_json())["origins"][0]["best_input"] == "l1/linear#0"
+    assert diff(base, base).origins == []
