@@ -53,11 +53,13 @@ def _save(fig, path: PathLike) -> Path:
 
 
 def plot_digits(dm: DigitMap, path: PathLike, top: Optional[int] = None,
-                metric: str = "min") -> Path:
+                metric: str = "avg") -> Path:
     """Horizontal bar chart of digits per operator (worst at the top), coloured by severity.
 
-    Bars show ``metric`` digits ("min" or "avg"); a black tick marks the average digits when
-    the bars show the minimum. The dashed line is the format's cap.
+    Operators are ordered worst first as in :meth:`DigitMap.table` (min, then avg digits).
+    Bars show ``metric`` digits ("avg", default, or "min"); a black tick marks the other
+    statistic. (A bar of min digits is often empty: one computational zero in a tensor makes
+    it 0.) The dashed line is the format's cap.
     """
     if metric not in ("min", "avg"):
         raise ValueError(f"metric must be 'min' or 'avg', got {metric!r}")
@@ -72,9 +74,9 @@ def plot_digits(dm: DigitMap, path: PathLike, top: Optional[int] = None,
     try:
         y = list(range(len(ops)))[::-1]  # worst at the top
         ax.barh(y, vals, color=colours)
-        if metric == "min":
-            ax.scatter([_as_digits(op.avg_digits) for op in ops], y, marker="|", s=120,
-                       color="black", label="avg digits", zorder=3)
+        other = "avg" if metric == "min" else "min"
+        ax.scatter([_as_digits(op.digits(other)) for op in ops], y, marker="|", s=120,
+                   color="black", label=f"{other} digits", zorder=3)
         ax.axvline(cap, color="grey", linestyle="--", linewidth=1, label=f"cap {cap:.2f}")
         ax.set_yticks(y)
         ax.set_yticklabels([op.name for op in ops], fontsize=8)
@@ -133,7 +135,13 @@ def plot_graph(dm: DigitMap, path: PathLike, metric: str = "avg") -> Path:
                                        cmap=cmap, vmin=0.0, vmax=cap or 1.0, node_size=600,
                                        edgecolors="black", linewidths=0.5)
         labels = {node: f"{node}\n{v:.2f}" for node, v in zip(nodes, vals)}
-        nx.draw_networkx_labels(g, pos, labels=labels, ax=ax, font_size=7)
+        xs, ys = [p[0] for p in pos.values()], [p[1] for p in pos.values()]
+        xr, yr = (max(xs) - min(xs)) or 1.0, (max(ys) - min(ys)) or 1.0
+        drop = 0.07 * yr  # names under the nodes, not across them
+        nx.draw_networkx_labels(g, {k: (x, y - drop) for k, (x, y) in pos.items()},
+                                labels=labels, ax=ax, font_size=7, verticalalignment="top")
+        ax.set_xlim(min(xs) - 0.15 * xr, max(xs) + 0.15 * xr)
+        ax.set_ylim(min(ys) - 0.25 * yr, max(ys) + 0.1 * yr)
         fig.colorbar(drawn, ax=ax, label=f"{metric} reliable digits (cap {cap:.2f})")
         ax.set_title(f"operator graph ({dm.metadata.get('format', '?')}, {metric} digits)")
         ax.axis("off")
@@ -160,7 +168,8 @@ def plot_series(dm: DigitMap, path: PathLike, top: int = 5, metric: str = "min")
     try:
         styles = ["-", "--", ":", "-."]
         phases = list(dict.fromkeys(p for p, _ in dm.step_keys()))
-        for op in dm.worst(top):
+        worst = dm.worst(top)
+        for op in worst:
             colour = None
             for i, phase in enumerate(phases):
                 pts = [s for s in dm.series(op.name, phase) if s.step is not None]
@@ -176,7 +185,10 @@ def plot_series(dm: DigitMap, path: PathLike, top: int = 5, metric: str = "min")
         ax.set_xlabel("step")
         ax.set_ylabel(f"{metric} reliable digits")
         ax.set_ylim(bottom=0)
-        ax.set_title(f"digits over steps, {top} worst operators")
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_title(f"digits over steps, {len(worst)} worst operator(s)")
         ax.legend(fontsize=7)
         return _save(fig, path)
     finally:

@@ -408,7 +408,7 @@ def test_plots_are_written_and_non_empty(tmp_path):
 
     dm = series_map()
     assert _is_png(plots.plot_digits(dm, tmp_path / "bars.png"))
-    assert _is_png(plots.plot_digits(chain_map(), tmp_path / "bars_avg.png", metric="avg",
+    assert _is_png(plots.plot_digits(chain_map(), tmp_path / "bars_min.png", metric="min",
                                      top=2))
     assert _is_png(plots.plot_graph(chain_map(), tmp_path / "graph.png"))
     svg = plots.plot_graph(chain_map(), tmp_path / "graph.svg")
