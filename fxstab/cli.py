@@ -192,6 +192,9 @@ def _cmd_show(args: argparse.Namespace) -> int:
                 fn(dm, out, **kw)
             except ValueError as e:
                 raise CLIError(f"--{flag}: {e}") from None
+            except ImportError as e:
+                raise CLIError(f"--{flag} needs matplotlib ({e}): pip install 'fxstab[plot]'"
+                               ) from None
             print(f"wrote {out}")
     if args.tensorboard:
         try:

@@ -454,3 +454,18 @@ def test_ci_script_with_the_backend(tmp_path):
     run = _run_script(repo, fx)
     assert run.returncode == 1, run.stdout + run.stderr
     assert "standardize/" in (tmp_path / "digits" / "diff.md").read_text()
+
+
+def test_show_tensorboard_writes_or_skips_cleanly(tmp_path, capsys):
+    path = write_map(tmp_path / "d.json", {"a/linear#0": 2.0, "b/gelu#0": 1.0}, steps=True)
+    logdir = tmp_path / "tb"
+    assert main(["show", str(path), "--tensorboard", str(logdir)]) == 0
+    cap = capsys.readouterr()
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        assert "skipped --tensorboard" in cap.err and "pip install tensorboard" in cap.err
+        assert not logdir.exists()
+    else:
+        assert f"wrote 6 TensorBoard scalars to {logdir}" in cap.out
+        assert any(p.name.startswith("events.out.tfevents") for p in logdir.iterdir())
