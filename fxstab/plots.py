@@ -137,9 +137,14 @@ def plot_graph(dm: DigitMap, path: PathLike, metric: str = "avg") -> Path:
         labels = {node: f"{node}\n{v:.2f}" for node, v in zip(nodes, vals)}
         xs, ys = [p[0] for p in pos.values()], [p[1] for p in pos.values()]
         xr, yr = (max(xs) - min(xs)) or 1.0, (max(ys) - min(ys)) or 1.0
-        drop = 0.07 * yr  # names under the nodes, not across them
-        nx.draw_networkx_labels(g, {k: (x, y - drop) for k, (x, y) in pos.items()},
-                                labels=labels, ax=ax, font_size=7, verticalalignment="top")
+        # names under the nodes, alternately higher and lower from one layer (x) to the next
+        # so that long names of neighbouring layers do not overprint each other
+        rank = {x: i for i, x in enumerate(sorted(set(round(x, 9) for x in xs)))}
+        drop = 0.07 * yr
+        label_pos = {k: (x, y - drop * (1 + 1.6 * (rank[round(x, 9)] % 2)))
+                     for k, (x, y) in pos.items()}
+        nx.draw_networkx_labels(g, label_pos, labels=labels, ax=ax, font_size=7,
+                                verticalalignment="top")
         ax.set_xlim(min(xs) - 0.15 * xr, max(xs) + 0.15 * xr)
         ax.set_ylim(min(ys) - 0.25 * yr, max(ys) + 0.1 * yr)
         fig.colorbar(drawn, ax=ax, label=f"{metric} reliable digits (cap {cap:.2f})")
