@@ -20,3 +20,7 @@ __all__ = [
     "cestac_digits", "computational_zero", "digit_stats", "DigitStats", "format_stochastic",
     "student_t", "backend", "FxstabBackend", "OpReport", "__version__",
 ]
+
+from .digitmap import DiffResult, DigitMap, DigitMapError, diff  # noqa: E402
+
+__all__ += ["DigitMap", "DigitMapError", "DiffResult", "diff"]

@@ -1,10 +1,24 @@
-"""The ``fxstab`` command line."""
+"""The ``fxstab`` command line: demo, formats, record, diff, show.
+
+Exit codes: 0 success; 1 ``diff`` found an operator that lost more than ``--max-drop`` digits;
+2 unusable input (missing or corrupt digit map, schema mismatch, bad target, bad arguments).
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import sys
-from typing import Optional, Sequence
+import traceback
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+EXIT_OK, EXIT_DROP, EXIT_USAGE = 0, 1, 2
+
+
+class CLIError(Exception):
+    """An unusable input: printed as one line ``fxstab <cmd>: error: ...``, exit code 2."""
 
 
 def _cmd_formats(args: argparse.Namespace) -> int:
@@ -25,6 +39,184 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(seed=args.seed)
 
 
+# --------------------------------------------------------------------------- record
+def load_target(spec: str) -> tuple[Any, tuple]:
+    """Import ``path/to/file.py:function``, call it with no arguments, check what it returns.
+
+    The contract: the function takes no arguments and returns ``(model, example_inputs)``;
+    ``model`` is a ``torch.nn.Module`` (or any callable torch.compile accepts) and
+    ``example_inputs`` a tuple (or list) of positional arguments; a single tensor is accepted as
+    a one-element tuple. The file's folder and the current directory are put in front of
+    ``sys.path`` so the file can import its own project.
+
+    Raises:
+        CLIError: malformed spec, missing file or function, or a return value that does not
+            follow the contract. Exceptions raised by the target's own code propagate.
+    """
+    import torch
+
+    path_s, sep, func = spec.rpartition(":")
+    if not sep or not path_s or not func:
+        raise CLIError(f"TARGET must be 'path/to/file.py:function', got {spec!r}")
+    if not func.isidentifier():
+        raise CLIError(f"TARGET function {func!r} is not a Python identifier (in {spec!r})")
+    path = Path(path_s)
+    if path.suffix != ".py":
+        raise CLIError(f"TARGET file must be a .py file, got {path_s!r}")
+    if not path.is_file():
+        raise CLIError(f"TARGET file {path_s!r} does not exist")
+    path = path.resolve()
+    for p in (os.getcwd(), str(path.parent)):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    mod_name = f"_fxstab_target_{path.stem}"
+    mod_spec = importlib.util.spec_from_file_location(mod_name, path)
+    if mod_spec is None or mod_spec.loader is None:  # pragma: no cover - .py files always load
+        raise CLIError(f"cannot import {str(path)!r}")
+    module = importlib.util.module_from_spec(mod_spec)
+    sys.modules[mod_name] = module  # dataclasses and pickling look modules up by name
+    mod_spec.loader.exec_module(module)
+    fn = getattr(module, func, None)
+    if fn is None or not callable(fn):
+        raise CLIError(f"{path_s!r} has no function {func!r}")
+    result = fn()
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        raise CLIError(f"{spec} must return (model, example_inputs), got "
+                       f"{type(result).__name__}")
+    model, inputs = result
+    if not callable(model):
+        raise CLIError(f"{spec} returned a model that is not callable: {type(model).__name__}")
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    if not isinstance(inputs, (tuple, list)):
+        raise CLIError(f"{spec} must return example_inputs as a tuple, got "
+                       f"{type(inputs).__name__}")
+    return model, tuple(inputs)
+
+
+def _cmd_record(args: argparse.Namespace) -> int:
+    import torch
+
+    import fxstab
+
+    from .digitmap import DigitMap
+
+    if args.calls < 1:
+        raise CLIError(f"--calls must be >= 1, got {args.calls}")
+    if not hasattr(fxstab, "backend"):
+        raise CLIError("this fxstab build has no operator-level backend (fxstab.backend)")
+    torch.manual_seed(args.seed)  # the target's parameters and inputs are part of the result
+    model, inputs = load_target(args.target)
+    try:
+        be = fxstab.backend(granularity=args.granularity, format=args.format,
+                            n_samples=args.n_samples, seed=args.seed, rounding=args.rounding,
+                            confidence=args.confidence)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    torch._dynamo.reset()  # a fresh compile: names and graph order do not depend on history
+    compiled = torch.compile(model, backend=be)
+    with torch.no_grad():
+        for step in range(args.calls):
+            with be.phase(args.phase, step=step):
+                compiled(*inputs)
+    meta = {"target": args.target, "format": args.format, "n_samples": args.n_samples,
+            "seed": args.seed, "granularity": args.granularity,
+            "confidence": args.confidence, "rounding": args.rounding}
+    if hasattr(be, "digit_map"):
+        dm = be.digit_map()
+        dm.metadata.update(meta)
+    else:  # pragma: no cover - the backend offers digit_map(); reports are the fallback
+        dm = DigitMap.from_reports(be.reports, metadata=meta)
+    dm.save(args.output)
+    print(dm.table(top=args.top))
+    print(f"saved {len(dm)} operators to {args.output}")
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------- diff / show
+def _load(path: str):
+    from .digitmap import DigitMap, DigitMapError
+
+    try:
+        return DigitMap.load(path)
+    except DigitMapError as e:
+        raise CLIError(str(e)) from None
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    from .digitmap import diff
+
+    if args.max_drop < 0:
+        raise CLIError(f"--max-drop must be >= 0, got {args.max_drop}")
+    base, head = _load(args.base), _load(args.head)
+    result = diff(base, head, max_drop=args.max_drop, metric=args.metric)
+    render = {"text": result.to_text, "markdown": result.to_markdown, "json": result.to_json}
+    for fmt in render:  # extra renderings to files: one process (one torch import) in CI
+        dest = getattr(args, f"{fmt}_out")
+        if dest:
+            text = render[fmt]()
+            _write_text(dest, text if text.endswith("\n") else text + "\n")
+    text = render[args.format]()
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    return EXIT_DROP if result.failed else EXIT_OK
+
+
+def _write_text(path: str, text: str) -> None:
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as e:
+        raise CLIError(f"cannot write {path!r}: {e.strerror or e}") from None
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    from . import plots
+
+    dm = _load(args.digits)
+    if args.top < 1:
+        raise CLIError(f"--top must be >= 1, got {args.top}")
+    meta = dm.metadata
+    extras = ", ".join(f"{k}={meta[k]}" for k in ("target", "seed", "granularity", "rounding",
+                                                  "git_commit") if meta.get(k) is not None)
+    print(dm.table(top=args.top))
+    if extras:
+        print(f"({extras})")
+    print()
+    print(dm.localize_table(top=args.top, metric=args.metric))
+    for flag, fn, kw in (("plot", plots.plot_digits, {"top": args.top}),
+                         ("graph", plots.plot_graph, {}),
+                         ("series", plots.plot_series, {"top": min(args.top, 8)})):
+        out = getattr(args, flag)
+        if out:
+            try:
+                fn(dm, out, **kw)
+            except ValueError as e:
+                raise CLIError(f"--{flag}: {e}") from None
+            except ImportError as e:
+                raise CLIError(f"--{flag} needs matplotlib ({e}): pip install 'fxstab[plot]'"
+                               ) from None
+            print(f"wrote {out}")
+    if args.tensorboard:
+        try:
+            n = dm.to_tensorboard(args.tensorboard)
+            print(f"wrote {n} TensorBoard scalars to {args.tensorboard}")
+        except ModuleNotFoundError as e:
+            print(f"fxstab show: skipped --tensorboard: {e}", file=sys.stderr)
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------- parser
+_RECORD_EPILOG = """\
+TARGET contract: TARGET is 'path/to/file.py:function'. fxstab imports the file (its folder and
+the current directory go first on sys.path), calls function() with no arguments and expects
+(model, example_inputs): a torch.nn.Module (or callable) and a tuple of positional inputs.
+torch.manual_seed(SEED) is set before the call, so a target that builds its model and inputs
+with torch's default generator is deterministic. record compiles the model with the fxstab
+backend, runs it --calls times under torch.no_grad() (step 0, 1, ... of --phase), and saves
+the digit map as JSON. The same target, options and seed give the same digit map.
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fxstab",
@@ -38,12 +230,80 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("formats", help="print the table of named formats")
     p.set_defaults(func=_cmd_formats)
+
+    p = sub.add_parser(
+        "record", help="analyse a model given by a TARGET file and save its digit map",
+        description="Compile a model with the fxstab backend, run it and save its digit map.",
+        epilog=_RECORD_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("target", metavar="TARGET", help="path/to/file.py:function")
+    p.add_argument("-o", "--output", required=True, help="digit map to write (JSON)")
+    p.add_argument("--granularity", default="op", choices=("op", "aten"),
+                   help="operator level or aten arithmetic level (default op)")
+    p.add_argument("--format", default="bf16",
+                   help="simulated format: bf16, fp16, fp8_e4m3, tf32, ... (default bf16)")
+    p.add_argument("--n-samples", type=int, default=3, help="stochastic samples N (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of rounding and model (default 0)")
+    p.add_argument("--confidence", type=float, default=0.95,
+                   help="confidence of the digit estimate (default 0.95)")
+    p.add_argument("--rounding", default="random",
+                   help="rounding mode: random, stochastic, nearest, ... (default random)")
+    p.add_argument("--calls", type=int, default=1,
+                   help="number of analysed calls, recorded as steps 0..calls-1 (default 1)")
+    p.add_argument("--phase", default="eval", help="phase label of the calls (default eval)")
+    p.add_argument("--top", type=int, default=10, help="operators printed (default 10)")
+    p.set_defaults(func=_cmd_record)
+
+    p = sub.add_parser(
+        "diff", help="compare two digit maps; exit 1 when an operator lost digits",
+        description="Match operators by name and report drops, gains, added and removed "
+                    "operators. Exit 0: no operator lost more than --max-drop digits; 1: some "
+                    "did; 2: unusable input (missing or corrupt file, schema mismatch).")
+    p.add_argument("base", metavar="BASE", help="reference digit map (e.g. main)")
+    p.add_argument("head", metavar="HEAD", help="digit map under test (e.g. the branch)")
+    p.add_argument("--max-drop", type=float, default=0.5,
+                   help="digits an operator may lose before the diff fails (default 0.5)")
+    p.add_argument("--metric", choices=("min", "avg"), default="min",
+                   help="compare min or avg digits per operator (default min)")
+    p.add_argument("--format", choices=("text", "markdown", "json"), default="text",
+                   help="output format (markdown suits a pull-request comment)")
+    for fmt in ("text", "markdown", "json"):
+        p.add_argument(f"--{fmt}-out", metavar="FILE",
+                       help=f"also write the {fmt} rendering to FILE")
+    p.set_defaults(func=_cmd_diff)
+
+    p = sub.add_parser(
+        "show", help="print the worst operators and where digits are lost; draw pictures",
+        description="Print the worst operators (by min then avg digits) and the localization "
+                    "ranking (local loss = best input digits - own digits); optionally draw "
+                    "a bar chart, the operator graph and digits over steps.")
+    p.add_argument("digits", metavar="DIGITS", help="digit map (JSON)")
+    p.add_argument("--top", type=int, default=15, help="operators listed (default 15)")
+    p.add_argument("--metric", choices=("min", "avg"), default="avg",
+                   help="digits used for the localization ranking (default avg)")
+    p.add_argument("--plot", metavar="OUT", help="bar chart of digits per operator (.png/.svg)")
+    p.add_argument("--graph", metavar="OUT", help="operator graph coloured by digits (.svg/.png)")
+    p.add_argument("--series", metavar="OUT", help="digits over steps, worst operators (.png)")
+    p.add_argument("--tensorboard", metavar="LOGDIR",
+                   help="also write TensorBoard scalars (needs the tensorboard package)")
+    p.set_defaults(func=_cmd_show)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the command line; returns the exit code (see the module docstring)."""
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except CLIError as e:
+        print(f"fxstab {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as e:
+        if args.command != "record":
+            raise
+        # the target's own code failed: its traceback is what the user needs
+        traceback.print_exc()
+        print(f"fxstab record: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":  # pragma: no cover

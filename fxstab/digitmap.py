@@ -1,0 +1,982 @@
+"""Digit maps: per-operator digits of one analysis, saved, diffed and localized (DESIGN.md §7).
+
+A :class:`DigitMap` aggregates :class:`fxstab.report.OpReport` records (one per instrumented
+operator and analysed call) per stable operator name, keeps per-(phase, step) entries for the time
+series over training, carries the metadata of the analysis and the graph edges between
+instrumented operators. It is saved as JSON only (schema-versioned, written atomically); loading
+validates every key and never executes code. ``docs/digit-maps.md`` documents the schema, the
+naming rule, the diff semantics and the localization rule.
+
+Typical use::
+
+    dm = DigitMap.from_reports(be.reports, metadata={"format": "bf16", "seed": 0})
+    print(dm.table())
+    dm.save("digits.json")
+    result = diff(DigitMap.load("main.json"), dm, max_drop=0.5)
+    print(result.to_markdown())
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence, Union
+
+from .report import COUNTER_KEYS, OBSERVED, ROUNDED, UNLIFTED, OpReport
+
+SCHEMA_NAME = "fxstab-digit-map"
+SCHEMA_VERSION = 1
+
+# An operator aggregated over calls takes its most severe status: a single call that could not
+# be lifted onto the samples means its digits are incomplete for the whole map.
+_STATUS_SEVERITY = {ROUNDED: 0, OBSERVED: 1, UNLIFTED: 2}
+_METRICS = ("min", "avg")
+
+# JSON has no NaN/Infinity literals (Python's json writes invalid tokens for them); a digit map
+# writes non-finite numbers as these strings and reads them back as floats.
+_NONFINITE_TO_STR = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+_STR_TO_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+class DigitMapError(ValueError):
+    """A digit map file or document is unusable: says what is wrong and where.
+
+    Attributes:
+        source: the file (or ``"<string>"``) the document came from.
+        where: the location inside the document, e.g. ``operators[3] 'blocks.0/softmax#0'``.
+        key: the offending key, when one is to blame.
+    """
+
+    def __init__(self, message: str, source: str = "<string>", where: str = "",
+                 key: Optional[str] = None) -> None:
+        self.source = source
+        self.where = where
+        self.key = key
+        self.reason = message
+        parts = [source]
+        if where:
+            parts.append(where)
+        if key is not None:
+            parts.append(f"key {key!r}")
+        super().__init__(f"{': '.join(parts)}: {message}")
+
+
+# --------------------------------------------------------------------------- records
+@dataclass
+class OperatorDigits:
+    """One operator of a digit map, aggregated over all its analysed calls.
+
+    ``numel`` is the total number of output elements analysed over those calls (the weight of
+    ``avg_digits``); ``shape`` is the output shape of the first analysed call. ``status`` is the
+    most severe status of any call (unlifted > observed > rounded). ``inputs`` names the
+    instrumented operators feeding this one (the graph edges).
+    """
+
+    name: str
+    kind: str
+    module_path: str
+    calls: int
+    numel: int
+    avg_digits: float
+    min_digits: float
+    max_digits: float
+    zero_fraction: float = 0.0
+    non_finite: int = 0
+    surrogate: bool = False
+    status: str = ROUNDED
+    source: str = ""
+    shape: tuple = ()
+    counters: dict = field(default_factory=lambda: {k: 0 for k in COUNTER_KEYS})
+    inputs: tuple = ()
+
+    def digits(self, metric: str = "min") -> float:
+        """The digits of this operator under ``metric`` ("min" or "avg")."""
+        _check_metric(metric)
+        return self.min_digits if metric == "min" else self.avg_digits
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name, "kind": self.kind, "module_path": self.module_path,
+            "source": self.source, "shape": list(self.shape), "status": self.status,
+            "calls": self.calls, "numel": self.numel, "avg_digits": self.avg_digits,
+            "min_digits": self.min_digits, "max_digits": self.max_digits,
+            "zero_fraction": self.zero_fraction, "non_finite": self.non_finite,
+            "surrogate": self.surrogate, "counters": dict(self.counters),
+            "inputs": list(self.inputs),
+        }
+
+
+@dataclass
+class StepDigits:
+    """Digits of one operator at one (phase, step): a point of the time series."""
+
+    phase: str
+    step: Optional[int]
+    name: str
+    calls: int
+    numel: int
+    avg_digits: float
+    min_digits: float
+    max_digits: float
+    zero_fraction: float = 0.0
+    non_finite: int = 0
+
+    def digits(self, metric: str = "min") -> float:
+        _check_metric(metric)
+        return self.min_digits if metric == "min" else self.avg_digits
+
+
+@dataclass
+class LocalLoss:
+    """Where an operator loses digits: its digits against the best of its inputs.
+
+    ``best_input`` is None for an operator without instrumented inputs, whose reference is then
+    the format's digit cap (``reference``).
+    """
+
+    name: str
+    kind: str
+    digits: float
+    reference: float
+    best_input: Optional[str]
+    local_loss: float
+
+
+# --------------------------------------------------------------------------- aggregation
+def _check_metric(metric: str) -> None:
+    if metric not in _METRICS:
+        raise ValueError(f"metric must be 'min' or 'avg', got {metric!r}")
+
+
+def _nanmin(values: Iterable[float]) -> float:
+    vals = [v for v in values if not math.isnan(v)]
+    return min(vals) if vals else math.nan
+
+
+def _nanmax(values: Iterable[float]) -> float:
+    vals = [v for v in values if not math.isnan(v)]
+    return max(vals) if vals else math.nan
+
+
+def _weighted(values: Sequence[float], weights: Sequence[int]) -> float:
+    """numel-weighted mean; a plain mean when every call was empty."""
+    total = sum(weights)
+    if total > 0:
+        return sum(v * w for v, w in zip(values, weights) if w) / total
+    return sum(values) / len(values) if values else math.nan
+
+
+def _aggregate(reports: Sequence[OpReport]) -> dict:
+    numels = [int(r.numel) for r in reports]
+    return {
+        "calls": len(reports),
+        "numel": sum(numels),
+        "avg_digits": _weighted([float(r.avg_digits) for r in reports], numels),
+        "min_digits": _nanmin(float(r.min_digits) for r in reports),
+        "max_digits": _nanmax(float(r.max_digits) for r in reports),
+        "zero_fraction": _weighted([float(r.zero_fraction) for r in reports], numels),
+        "non_finite": sum(int(r.non_finite) for r in reports),
+    }
+
+
+def _git_commit(cwd: Optional[PathLike] = None) -> Optional[str]:
+    """HEAD's commit of the git checkout containing ``cwd``; None when there is none."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd or os.getcwd(),
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    commit = out.stdout.strip()
+    return commit if out.returncode == 0 and commit else None
+
+
+def _default_metadata() -> dict:
+    import torch
+
+    from . import __version__
+
+    meta: dict[str, Any] = {"fxstab_version": __version__,
+                            "torch_version": str(torch.__version__)}
+    commit = _git_commit()
+    if commit:
+        meta["git_commit"] = commit
+    return meta
+
+
+def _unique(values: Iterable[Any], what: str) -> Any:
+    seen = sorted({v for v in values if v not in ("", 0, None)}, key=str)
+    if len(seen) > 1:
+        raise ValueError(f"reports mix {what} values {seen}; build one digit map per {what}")
+    return seen[0] if seen else None
+
+
+# --------------------------------------------------------------------------- the map
+class DigitMap:
+    """Per-operator digits of one analysis (or of many calls aggregated), with metadata.
+
+    Attributes:
+        metadata: analysis settings and provenance (format, n_samples, seed, granularity,
+            confidence, rounding, target, analysed_calls, fxstab/torch versions, git commit...).
+        operators: name -> :class:`OperatorDigits`, in graph order (first appearance).
+        steps: :class:`StepDigits` per (phase, step, operator), in order of appearance.
+    """
+
+    def __init__(self, operators: Iterable[OperatorDigits] = (), metadata: Optional[dict] = None,
+                 steps: Iterable[StepDigits] = ()) -> None:
+        self.metadata: dict[str, Any] = dict(metadata or {})
+        self.operators: dict[str, OperatorDigits] = {}
+        for op in operators:
+            if op.name in self.operators:
+                raise ValueError(f"duplicate operator name {op.name!r} in a digit map")
+            self.operators[op.name] = op
+        self.steps: list[StepDigits] = list(steps)
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def from_reports(cls, reports: Iterable[OpReport], metadata: Optional[dict] = None
+                     ) -> "DigitMap":
+        """Aggregate reports per operator name and per (phase, step).
+
+        Args:
+            reports: ``OpReport`` records, one per instrumented operator and analysed call.
+            metadata: settings of the analysis (format, n_samples, seed, granularity,
+                confidence, rounding, target, analysed_calls, ...). They override what is
+                derived here: fxstab/torch versions, the git commit of the current directory
+                (when it is a git checkout), and format, n_samples and analysed_calls taken from
+                the reports.
+
+        Raises:
+            ValueError: reports of one name disagree on kind or module path (names are meant
+                to be unique), or reports mix formats or sample counts.
+        """
+        reports = list(reports)
+        by_name: dict[str, list[OpReport]] = {}
+        for r in reports:
+            by_name.setdefault(r.name, []).append(r)
+        ops = []
+        for name, rs in by_name.items():
+            first = rs[0]
+            for r in rs[1:]:
+                if (r.kind, r.module_path) != (first.kind, first.module_path):
+                    raise ValueError(
+                        f"reports named {name!r} disagree: kind/module {first.kind!r}/"
+                        f"{first.module_path!r} vs {r.kind!r}/{r.module_path!r}; operator "
+                        f"names must be unique")
+            counters = {k: 0 for k in COUNTER_KEYS}
+            inputs: list[str] = []
+            for r in rs:
+                for k, v in (r.counters or {}).items():
+                    counters[k] = counters.get(k, 0) + int(v)
+                for i in r.inputs:
+                    if i not in inputs:
+                        inputs.append(i)
+            status = max((r.status for r in rs), key=lambda s: _STATUS_SEVERITY.get(s, 3))
+            ops.append(OperatorDigits(
+                name=name, kind=first.kind, module_path=first.module_path, source=first.source,
+                shape=tuple(first.shape), status=status, surrogate=any(r.surrogate for r in rs),
+                counters=counters, inputs=tuple(inputs), **_aggregate(rs)))
+        known = set(by_name)
+        for op in ops:  # edges only between instrumented operators of this map
+            op.inputs = tuple(i for i in op.inputs if i in known and i != op.name)
+
+        groups: dict[tuple, dict[str, list[OpReport]]] = {}
+        for r in reports:
+            groups.setdefault((r.phase, r.step), {}).setdefault(r.name, []).append(r)
+        steps = [StepDigits(phase=phase, step=step, name=name, **_aggregate(rs))
+                 for (phase, step), per_op in groups.items() for name, rs in per_op.items()]
+
+        meta = _default_metadata()
+        fmt = _unique((r.format for r in reports), "format")
+        if fmt is not None:
+            meta["format"] = fmt
+        n = _unique((r.n_samples for r in reports), "n_samples")
+        if n is not None:
+            meta["n_samples"] = int(n)
+        meta["analysed_calls"] = len({(r.phase, r.step, r.call) for r in reports})
+        meta.update(metadata or {})
+        return cls(ops, meta, steps)
+
+    # ----------------------------------------------------------------- access
+    def __len__(self) -> int:
+        return len(self.operators)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.operators
+
+    def __getitem__(self, name: str) -> OperatorDigits:
+        try:
+            return self.operators[name]
+        except KeyError:
+            raise KeyError(f"no operator {name!r} in this digit map") from None
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DigitMap):
+            return NotImplemented
+        return self.to_json() == other.to_json()
+
+    @property
+    def cap(self) -> float:
+        """The format's digit cap (p·log10 2); the largest max digits when the format is unknown."""
+        fmt = self.metadata.get("format")
+        if isinstance(fmt, str) and fmt:
+            try:
+                from .formats import get_format
+
+                return get_format(fmt).digit_cap
+            except ValueError:
+                pass
+        return _nanmax(op.max_digits for op in self.operators.values()) if self.operators else 0.0
+
+    def sorted_worst_first(self) -> list[OperatorDigits]:
+        """Operators by min digits, then avg digits, then name (NaN digits count as 0)."""
+        def key(op: OperatorDigits) -> tuple:
+            return (_as_digits(op.min_digits), _as_digits(op.avg_digits), op.name)
+        return sorted(self.operators.values(), key=key)
+
+    def worst(self, k: int = 10) -> list[OperatorDigits]:
+        """The ``k`` operators with the fewest reliable digits (worst first)."""
+        if k < 0:
+            raise ValueError(f"k must be >= 0, got {k}")
+        return self.sorted_worst_first()[:k]
+
+    def table(self, top: Optional[int] = None) -> str:
+        """A readable text table of the operators, worst first (by min digits, then avg)."""
+        ops = self.sorted_worst_first() if top is None else self.worst(top)
+        m = self.metadata
+        head = (f"digit map: {len(self)} operators, format {m.get('format', '?')}, "
+                f"N={m.get('n_samples', '?')}, cap {self.cap:.2f} digits, "
+                f"{m.get('analysed_calls', '?')} analysed call(s)")
+        if not ops:
+            return head + "\n(no operators)"
+        width = max(8, *(len(op.name) for op in ops))
+        kw = max(4, *(len(op.kind) for op in ops))
+        lines = [head,
+                 f"{'operator':<{width}}  {'kind':<{kw}}  {'calls':>5}  {'numel':>10}  "
+                 f"{'min':>5}  {'avg':>5}  {'max':>5}  {'zero%':>6}  {'nonfin':>6}  flags"]
+        for op in ops:
+            flags = []
+            if op.surrogate:
+                flags.append("surrogate")
+            if op.status != ROUNDED:
+                flags.append(op.status)
+            flags += [f"{k}={v}" for k, v in op.counters.items() if v]
+            lines.append(
+                f"{op.name:<{width}}  {op.kind:<{kw}}  {op.calls:>5}  {op.numel:>10}  "
+                f"{op.min_digits:>5.2f}  {op.avg_digits:>5.2f}  {op.max_digits:>5.2f}  "
+                f"{100 * op.zero_fraction:>5.1f}%  {op.non_finite:>6}  {' '.join(flags)}".rstrip())
+        if top is not None and top < len(self):
+            lines.append(f"... {len(self) - top} more operator(s)")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (f"DigitMap({len(self)} operators, format={self.metadata.get('format')!r}, "
+                f"steps={len(self.step_keys())})")
+
+    # ----------------------------------------------------------------- time series
+    def step_keys(self) -> list[tuple[str, Optional[int]]]:
+        """The distinct (phase, step) pairs, in order of appearance."""
+        keys: dict[tuple, None] = {}
+        for s in self.steps:
+            keys.setdefault((s.phase, s.step), None)
+        return list(keys)
+
+    def series(self, name: str, phase: Optional[str] = None) -> list[StepDigits]:
+        """Digits of operator ``name`` per (phase, step), optionally of one phase only.
+
+        Points are ordered by phase (first appearance) then step; steps that are None (calls
+        made outside a ``phase(..., step=...)`` context) come first within their phase.
+        """
+        if name not in self.operators:
+            raise KeyError(f"no operator {name!r} in this digit map")
+        phases = {p: i for i, (p, _) in enumerate(self.step_keys())}
+        pts = [s for s in self.steps if s.name == name and (phase is None or s.phase == phase)]
+        return sorted(pts, key=lambda s: (phases[s.phase], -1 if s.step is None else s.step))
+
+    def to_tensorboard(self, log_dir: PathLike, metric: str = "min") -> int:
+        """Write digits per operator and step as TensorBoard scalars ``digits_<metric>/<name>``.
+
+        Points without a step are written at step 0. Needs the ``tensorboard`` package
+        (``torch.utils.tensorboard``).
+
+        Returns:
+            The number of scalars written.
+
+        Raises:
+            ModuleNotFoundError: tensorboard is not installed (``pip install tensorboard``).
+        """
+        _check_metric(metric)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:  # torch raises ImportError with its own text
+            raise ModuleNotFoundError(
+                "TensorBoard scalars need the 'tensorboard' package: pip install tensorboard"
+            ) from e
+        n = 0
+        with SummaryWriter(log_dir=str(log_dir)) as writer:
+            for s in self.steps:
+                tag = f"digits_{metric}/{s.phase}/{s.name}"
+                writer.add_scalar(tag, s.digits(metric), 0 if s.step is None else s.step)
+                n += 1
+        return n
+
+    # ----------------------------------------------------------------- localization
+    def graph(self) -> "Any":
+        """The networkx DiGraph of instrumented operators (edge = input -> consumer).
+
+        Node attributes: kind, module_path, avg_digits, min_digits, max_digits, numel, status,
+        surrogate.
+        """
+        import networkx as nx
+
+        g = nx.DiGraph()
+        for op in self.operators.values():
+            g.add_node(op.name, kind=op.kind, module_path=op.module_path,
+                       avg_digits=op.avg_digits, min_digits=op.min_digits,
+                       max_digits=op.max_digits, numel=op.numel, status=op.status,
+                       surrogate=op.surrogate)
+        for op in self.operators.values():
+            for i in op.inputs:
+                if i in self.operators:
+                    g.add_edge(i, op.name)
+        return g
+
+    def localize(self, metric: str = "avg") -> list[LocalLoss]:
+        """Rank operators by where digits are lost, not merely where they are low.
+
+        An operator's local loss is the best digits among its instrumented inputs minus its
+        own digits: an operator that receives accurate inputs and returns few digits is where
+        the loss happens, while the operators downstream of it merely inherit low digits (their
+        local loss is small). An operator without instrumented inputs (it reads only model
+        inputs, parameters or unselected operators) is compared with the format's digit cap:
+        its local loss is ``cap - own digits``. A negative local loss means the operator
+        restores digits (e.g. a normalization after a cancellation).
+
+        Args:
+            metric: "avg" (default) or "min" digits. The average is the default because the
+                minimum over a large tensor is dominated by individual near-zero elements, so
+                min-based losses are noisier.
+
+        Returns:
+            One :class:`LocalLoss` per operator, largest local loss first (ties: fewer own
+            digits first, then name).
+        """
+        _check_metric(metric)
+        cap = self.cap
+        out = []
+        for op in self.operators.values():
+            own = _as_digits(op.digits(metric))
+            ins = [i for i in op.inputs if i in self.operators]
+            if ins:
+                best = max(ins, key=lambda i: (_as_digits(self.operators[i].digits(metric)), i))
+                ref = _as_digits(self.operators[best].digits(metric))
+            else:
+                best, ref = None, cap
+            out.append(LocalLoss(op.name, op.kind, own, ref, best, ref - own))
+        return sorted(out, key=lambda x: (-x.local_loss, x.digits, x.name))
+
+    def localize_table(self, top: Optional[int] = None, metric: str = "avg") -> str:
+        """The localization ranking as text (see :meth:`localize`)."""
+        ranked = self.localize(metric)
+        if top is not None:
+            ranked = ranked[:top]
+        if not ranked:
+            return "(no operators)"
+        width = max(8, *(len(r.name) for r in ranked))
+        lines = [f"where digits are lost ({metric} digits; local loss = best input - own, "
+                 f"cap {self.cap:.2f} without instrumented inputs)",
+                 f"{'operator':<{width}}  {'loss':>6}  {'own':>5}  {'ref':>5}  best input"]
+        for r in ranked:
+            lines.append(f"{r.name:<{width}}  {r.local_loss:>6.2f}  {r.digits:>5.2f}  "
+                         f"{r.reference:>5.2f}  {r.best_input or '(cap)'}")
+        return "\n".join(lines)
+
+    # ----------------------------------------------------------------- JSON
+    def as_dict(self) -> dict:
+        """The JSON document (non-finite floats still as floats; see :meth:`to_json`)."""
+        steps = []
+        index: dict[tuple, dict] = {}
+        for s in self.steps:
+            key = (s.phase, s.step)
+            if key not in index:
+                index[key] = {"phase": s.phase, "step": s.step, "operators": {}}
+                steps.append(index[key])
+            index[key]["operators"][s.name] = {
+                "calls": s.calls, "numel": s.numel, "avg_digits": s.avg_digits,
+                "min_digits": s.min_digits, "max_digits": s.max_digits,
+                "zero_fraction": s.zero_fraction, "non_finite": s.non_finite,
+            }
+        return {
+            "schema": SCHEMA_NAME,
+            "schema_version": SCHEMA_VERSION,
+            "metadata": dict(self.metadata),
+            "operators": [op.as_dict() for op in self.operators.values()],
+            "steps": steps,
+        }
+
+    def to_json(self, indent: Optional[int] = 1) -> str:
+        """Serialize to JSON text; NaN/±inf become the strings "NaN"/"Infinity"/"-Infinity".
+
+        Raises:
+            DigitMapError: metadata holds a value JSON cannot represent.
+        """
+        try:
+            return json.dumps(_encode(self.as_dict()), indent=indent, allow_nan=False,
+                              ensure_ascii=False)
+        except (TypeError, ValueError) as e:
+            raise DigitMapError(f"cannot serialize: {e}", source="<DigitMap>") from e
+
+    @classmethod
+    def from_json(cls, text: Union[str, bytes], source: str = "<string>") -> "DigitMap":
+        """Parse and validate a JSON digit map (see docs/digit-maps.md for the schema).
+
+        Raises:
+            DigitMapError: not JSON, not a digit map, wrong schema version, a missing key or a
+                value of the wrong type; the message names the source, location and key.
+        """
+        try:
+            doc = json.loads(text, parse_constant=lambda c: _STR_TO_NONFINITE[c])
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DigitMapError(f"not valid JSON ({e})", source) from None
+        return _validate(doc, source)
+
+    def save(self, path: PathLike) -> Path:
+        """Write the digit map as JSON atomically (temp file in the same folder + os.replace).
+
+        A failure leaves any previous file at ``path`` untouched and no temp file behind.
+        """
+        path = Path(path)
+        text = self.to_json()  # serialize first: a bad value never opens a file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.write("\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        return path
+
+    @classmethod
+    def load(cls, path: PathLike) -> "DigitMap":
+        """Read and validate a digit map file; never executes code.
+
+        Raises:
+            DigitMapError: the file is missing, unreadable, or not a valid digit map.
+        """
+        src = str(path)
+        try:
+            data = Path(path).read_bytes()
+        except FileNotFoundError:
+            raise DigitMapError("no such file", src) from None
+        except OSError as e:
+            raise DigitMapError(f"cannot read ({e.strerror or e})", src) from None
+        return cls.from_json(data, source=src)
+
+
+def _as_digits(v: float) -> float:
+    """NaN digits (unknown) count as 0 reliable digits in rankings and diffs."""
+    return 0.0 if math.isnan(v) else v
+
+
+# --------------------------------------------------------------------------- encoding
+def _encode(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return _NONFINITE_TO_STR[repr(obj)]
+    if isinstance(obj, dict):
+        return {k: _encode(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_encode(v) for v in obj]
+    return obj
+
+
+class _Checker:
+    """Typed accessors that raise DigitMapError naming source, location and key."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, msg: str, where: str = "", key: Optional[str] = None) -> DigitMapError:
+        return DigitMapError(msg, self.source, where, key)
+
+    def get(self, d: dict, key: str, kind: str, where: str, required: bool = True,
+            default: Any = None, nullable: bool = False) -> Any:
+        if key not in d:
+            if required:
+                raise self.fail("missing", where, key)
+            return default
+        v = d[key]
+        if v is None and nullable:
+            return None
+        return self.check(v, kind, where, key)
+
+    def check(self, v: Any, kind: str, where: str, key: Optional[str]) -> Any:
+        def bad() -> DigitMapError:
+            return self.fail(f"must be {kind}, got {v!r} ({type(v).__name__})", where, key)
+
+        if kind == "a string":
+            if not isinstance(v, str):
+                raise bad()
+            return v
+        if kind == "an integer":
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise bad()
+            return v
+        if kind == "a non-negative integer":
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise bad()
+            return v
+        if kind == "a boolean":
+            if not isinstance(v, bool):
+                raise bad()
+            return v
+        if kind == "a number":
+            if isinstance(v, str) and v in _STR_TO_NONFINITE:
+                return _STR_TO_NONFINITE[v]
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise bad()
+            return float(v)
+        if kind == "an object":
+            if not isinstance(v, dict):
+                raise bad()
+            return v
+        if kind == "a list":
+            if not isinstance(v, list):
+                raise bad()
+            return v
+        raise AssertionError(kind)
+
+
+_META_TYPES = {
+    "fxstab_version": "a string", "torch_version": "a string", "format": "a string",
+    "n_samples": "an integer", "seed": "an integer", "granularity": "a string",
+    "confidence": "a number", "rounding": "a string", "target": "a string",
+    "analysed_calls": "a non-negative integer", "git_commit": "a string",
+}
+_META_REQUIRED = ("fxstab_version", "torch_version")
+
+
+def _validate(doc: Any, source: str) -> DigitMap:
+    c = _Checker(source)
+    if not isinstance(doc, dict):
+        raise c.fail(f"a digit map is a JSON object, got {type(doc).__name__}")
+    if doc.get("schema") != SCHEMA_NAME:
+        if "schema" not in doc:
+            raise c.fail(f"not an fxstab digit map (no 'schema' key; expected {SCHEMA_NAME!r})")
+        raise c.fail(f"not an fxstab digit map: schema is {doc['schema']!r}, expected "
+                     f"{SCHEMA_NAME!r}", key="schema")
+    version = c.get(doc, "schema_version", "an integer", "")
+    if version != SCHEMA_VERSION:
+        hint = ("written by a newer fxstab; upgrade fxstab" if version > SCHEMA_VERSION
+                else "written by an older fxstab; record it again")
+        raise c.fail(f"schema version {version} is not supported (this fxstab reads version "
+                     f"{SCHEMA_VERSION}): {hint}", key="schema_version")
+
+    meta = c.get(doc, "metadata", "an object", "")
+    for key in _META_REQUIRED:
+        c.get(meta, key, _META_TYPES[key], "metadata")
+    for key, kind in _META_TYPES.items():
+        c.get(meta, key, kind, "metadata", required=False, nullable=True)
+    if "confidence" in meta and meta["confidence"] is not None:
+        meta["confidence"] = float(c.check(meta["confidence"], "a number", "metadata",
+                                           "confidence"))
+
+    ops = []
+    seen: set[str] = set()
+    for i, o in enumerate(c.get(doc, "operators", "a list", "")):
+        where = f"operators[{i}]"
+        o = c.check(o, "an object", where, None)
+        name = c.get(o, "name", "a string", where)
+        if name in seen:
+            raise c.fail(f"duplicate operator name {name!r}", where, "name")
+        seen.add(name)
+        where = f"operators[{i}] {name!r}"
+        shape = c.get(o, "shape", "a list", where, required=False, default=[])
+        for d in shape:
+            c.check(d, "a non-negative integer", where, "shape")
+        counters = {k: 0 for k in COUNTER_KEYS}
+        for k, v in c.get(o, "counters", "an object", where, required=False, default={}).items():
+            counters[k] = c.check(v, "a non-negative integer", where, f"counters.{k}")
+        inputs = c.get(o, "inputs", "a list", where, required=False, default=[])
+        for x in inputs:
+            c.check(x, "a string", where, "inputs")
+        ops.append(OperatorDigits(
+            name=name,
+            kind=c.get(o, "kind", "a string", where),
+            module_path=c.get(o, "module_path", "a string", where),
+            calls=c.get(o, "calls", "a non-negative integer", where),
+            numel=c.get(o, "numel", "a non-negative integer", where),
+            avg_digits=c.get(o, "avg_digits", "a number", where),
+            min_digits=c.get(o, "min_digits", "a number", where),
+            max_digits=c.get(o, "max_digits", "a number", where),
+            zero_fraction=c.get(o, "zero_fraction", "a number", where, False, 0.0),
+            non_finite=c.get(o, "non_finite", "a non-negative integer", where, False, 0),
+            surrogate=c.get(o, "surrogate", "a boolean", where, False, False),
+            status=c.get(o, "status", "a string", where, False, ROUNDED),
+            source=c.get(o, "source", "a string", where, False, ""),
+            shape=tuple(shape), counters=counters, inputs=tuple(inputs)))
+    for i, op in enumerate(ops):
+        for x in op.inputs:
+            if x not in seen:
+                raise c.fail(f"names unknown operator {x!r} (inputs must be operators of this "
+                             f"map)", f"operators[{i}] {op.name!r}", "inputs")
+
+    steps = []
+    for i, s in enumerate(c.get(doc, "steps", "a list", "", required=False, default=[])):
+        where = f"steps[{i}]"
+        s = c.check(s, "an object", where, None)
+        phase = c.get(s, "phase", "a string", where)
+        step = c.get(s, "step", "an integer", where, nullable=True)
+        for name, e in c.get(s, "operators", "an object", where).items():
+            w = f"{where} operator {name!r}"
+            if name not in seen:
+                raise c.fail("is not an operator of this map", w)
+            e = c.check(e, "an object", w, None)
+            steps.append(StepDigits(
+                phase=phase, step=step, name=name,
+                calls=c.get(e, "calls", "a non-negative integer", w),
+                numel=c.get(e, "numel", "a non-negative integer", w),
+                avg_digits=c.get(e, "avg_digits", "a number", w),
+                min_digits=c.get(e, "min_digits", "a number", w),
+                max_digits=c.get(e, "max_digits", "a number", w),
+                zero_fraction=c.get(e, "zero_fraction", "a number", w, False, 0.0),
+                non_finite=c.get(e, "non_finite", "a non-negative integer", w, False, 0)))
+    return DigitMap(ops, meta, steps)
+
+
+# --------------------------------------------------------------------------- diff
+@dataclass
+class OpChange:
+    """One operator present in both maps: its digits under the diff's metric."""
+
+    name: str
+    kind: str
+    base: float
+    head: float
+
+    @property
+    def delta(self) -> float:
+        """head - base (negative: digits lost)."""
+        return self.head - self.base
+
+
+@dataclass
+class OpPresence:
+    """An operator present in only one of the two maps."""
+
+    name: str
+    kind: str
+    digits: float
+
+
+@dataclass
+class DiffResult:
+    """Outcome of :func:`diff`: drops, gains, added and removed operators.
+
+    ``drops`` lost more than ``max_drop`` digits (largest loss first), ``gains`` gained more than
+    ``max_drop`` (largest gain first), ``unchanged`` counts the operators within ``max_drop``
+    either way. ``failed`` is True when there is any drop; added and removed operators are listed
+    but do not fail the diff. ``origins`` ranks the dropped operators by their local loss in the
+    head map (:meth:`DigitMap.localize`): the first is where the lost digits start.
+    """
+
+    metric: str
+    max_drop: float
+    drops: list[OpChange]
+    gains: list[OpChange]
+    added: list[OpPresence]
+    removed: list[OpPresence]
+    unchanged: int
+    notes: list[str] = field(default_factory=list)
+    base_label: str = "base"
+    head_label: str = "head"
+    origins: list[LocalLoss] = field(default_factory=list)
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.drops)
+
+    @property
+    def exit_code(self) -> int:
+        """0 when no operator lost more than ``max_drop`` digits, 1 otherwise."""
+        return 1 if self.failed else 0
+
+    def summary(self) -> str:
+        if self.failed:
+            return (f"FAIL: {len(self.drops)} operator(s) lost more than {self.max_drop:g} "
+                    f"{self.metric} digits")
+        return f"OK: no operator lost more than {self.max_drop:g} {self.metric} digits"
+
+    def to_text(self) -> str:
+        lines = [f"fxstab diff {self.base_label} -> {self.head_label}: {self.summary()}"]
+        lines += [f"note: {n}" for n in self.notes]
+
+        def changes(title: str, rows: list[OpChange]) -> None:
+            if rows:
+                w = max(len(r.name) for r in rows)
+                lines.append(f"{title} ({len(rows)}):")
+                lines.extend(f"  {r.name:<{w}}  {r.kind:<12} {r.base:5.2f} -> {r.head:5.2f}  "
+                             f"({r.delta:+.2f})" for r in rows)
+
+        def presence(title: str, rows: list[OpPresence]) -> None:
+            if rows:
+                w = max(len(r.name) for r in rows)
+                lines.append(f"{title} ({len(rows)}):")
+                lines.extend(f"  {r.name:<{w}}  {r.kind:<12} {r.digits:5.2f}" for r in rows)
+
+        changes("drops", self.drops)
+        if self.origins:
+            o = self.origins[0]
+            lines.append(f"digits are lost first at {o.name} (local loss {o.local_loss:.2f}: "
+                         f"{o.digits:.2f} against {o.reference:.2f} "
+                         f"{'of ' + o.best_input if o.best_input else '(cap)'})")
+        changes("gains", self.gains)
+        presence("added", self.added)
+        presence("removed", self.removed)
+        lines.append(f"unchanged: {self.unchanged} operator(s) within "
+                     f"+/-{self.max_drop:g} digits")
+        return "\n".join(lines)
+
+    def to_markdown(self) -> str:
+        """A pull-request comment: verdict, drops table, other sections folded."""
+        icon = ":x:" if self.failed else ":white_check_mark:"
+        lines = ["<!-- fxstab-digit-map-diff -->",
+                 f"### fxstab digit map {icon} {self.summary()}", "",
+                 f"Metric: **{self.metric} digits** per operator, threshold {self.max_drop:g}; "
+                 f"{_md(self.base_label)} → {_md(self.head_label)}."]
+        for n in self.notes:
+            lines.append(f"> **Note:** {_md_text(n)}")
+        lines.append("")
+
+        def change_table(rows: list[OpChange]) -> list[str]:
+            out = ["| operator | kind | base | head | change |", "|---|---|--:|--:|--:|"]
+            out += [f"| {_md(r.name)} | {_md_text(r.kind)} | {r.base:.2f} | {r.head:.2f} | "
+                    f"**{r.delta:+.2f}** |" for r in rows]
+            return out
+
+        def presence_table(rows: list[OpPresence]) -> list[str]:
+            out = ["| operator | kind | digits |", "|---|---|--:|"]
+            out += [f"| {_md(r.name)} | {_md_text(r.kind)} | {r.digits:.2f} |" for r in rows]
+            return out
+
+        if self.drops:
+            lines.append(f"**Lost digits ({len(self.drops)})**")
+            lines.append("")
+            lines += change_table(self.drops)
+            lines.append("")
+        if self.origins:
+            o = self.origins[0]
+            ref = f"its best input {_md(o.best_input)}" if o.best_input else "the format's cap"
+            lines += [f"Digits are lost first at {_md(o.name)}: {o.digits:.2f} digits against "
+                      f"{o.reference:.2f} of {ref} (local loss {o.local_loss:.2f}).", ""]
+        for title, rows, fn in (("Gained digits", self.gains, change_table),
+                                ("Added operators", self.added, presence_table),
+                                ("Removed operators", self.removed, presence_table)):
+            if rows:
+                lines += [f"<details><summary>{title} ({len(rows)})</summary>", ""]
+                lines += fn(rows)
+                lines += ["", "</details>", ""]
+        lines.append(f"{self.unchanged} operator(s) unchanged within ±{self.max_drop:g} digits.")
+        return "\n".join(lines) + "\n"
+
+    def as_dict(self) -> dict:
+        def ch(r: OpChange) -> dict:
+            return {"name": r.name, "kind": r.kind, "base": r.base, "head": r.head,
+                    "delta": r.delta}
+
+        def pr(r: OpPresence) -> dict:
+            return {"name": r.name, "kind": r.kind, "digits": r.digits}
+
+        return {"metric": self.metric, "max_drop": self.max_drop, "failed": self.failed,
+                "base": self.base_label, "head": self.head_label,
+                "drops": [ch(r) for r in self.drops], "gains": [ch(r) for r in self.gains],
+                "added": [pr(r) for r in self.added], "removed": [pr(r) for r in self.removed],
+                "unchanged": self.unchanged, "notes": list(self.notes),
+                "origins": [{"name": o.name, "local_loss": o.local_loss, "digits": o.digits,
+                             "reference": o.reference, "best_input": o.best_input}
+                            for o in self.origins]}
+
+    def to_json(self, indent: Optional[int] = 1) -> str:
+        return json.dumps(_encode(self.as_dict()), indent=indent, allow_nan=False)
+
+
+def _md_text(s: str) -> str:
+    return s.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _md(s: str) -> str:
+    """Inline code for names (backticks in a name fall back to escaped text)."""
+    return f"`{s}`".replace("|", "\\|") if "`" not in s else _md_text(s)
+
+
+_COMPARED_SETTINGS = ("format", "n_samples", "granularity", "confidence", "rounding", "seed",
+                      "target")
+
+
+def diff(base: DigitMap, head: DigitMap, max_drop: float = 0.5, metric: str = "min",
+         base_label: Optional[str] = None, head_label: Optional[str] = None) -> DiffResult:
+    """Match operators by name and compare their digits.
+
+    Args:
+        base: the reference map (e.g. the main branch).
+        head: the map under test (e.g. the pull request).
+        max_drop: tolerance in digits: a drop larger than this fails; changes within it either
+            way count as unchanged.
+        metric: "min" (default) or "avg" digits per operator. NaN digits count as 0.
+        base_label, head_label: names in the rendering (default: the maps' git commits).
+
+    Returns:
+        A :class:`DiffResult`; ``notes`` lists analysis settings that differ between the maps
+        (a diff across formats or sample counts compares different things); ``origins`` ranks
+        the dropped operators by local loss in ``head`` (same metric).
+    """
+    _check_metric(metric)
+    if isinstance(max_drop, bool) or not isinstance(max_drop, (int, float)) \
+            or not math.isfinite(max_drop) or max_drop < 0:
+        raise ValueError(f"max_drop must be a finite number >= 0, got {max_drop!r}")
+    drops, gains, unchanged = [], [], 0
+    for name, b in base.operators.items():
+        if name not in head.operators:
+            continue
+        h = head.operators[name]
+        c = OpChange(name, h.kind, _as_digits(b.digits(metric)), _as_digits(h.digits(metric)))
+        if -c.delta > max_drop:
+            drops.append(c)
+        elif c.delta > max_drop:
+            gains.append(c)
+        else:
+            unchanged += 1
+    drops.sort(key=lambda c: (c.delta, c.name))
+    gains.sort(key=lambda c: (-c.delta, c.name))
+    added = [OpPresence(n, o.kind, _as_digits(o.digits(metric)))
+             for n, o in head.operators.items() if n not in base.operators]
+    removed = [OpPresence(n, o.kind, _as_digits(o.digits(metric)))
+               for n, o in base.operators.items() if n not in head.operators]
+    notes = []
+    for key in _COMPARED_SETTINGS:
+        bv, hv = base.metadata.get(key), head.metadata.get(key)
+        if bv is not None and hv is not None and bv != hv:
+            notes.append(f"{key} differs: {bv!r} (base) vs {hv!r} (head)")
+
+    def label(dm: DigitMap, default: str) -> str:
+        commit = dm.metadata.get("git_commit")
+        return f"{default} {commit[:10]}" if isinstance(commit, str) and commit else default
+
+    dropped = {c.name for c in drops}
+    origins = [x for x in head.localize(metric) if x.name in dropped]
+    return DiffResult(metric, float(max_drop), drops, gains, added, removed, unchanged, notes,
+                      base_label or label(base, "base"), head_label or label(head, "head"),
+                      origins)

@@ -1,0 +1,484 @@
+"""Digit maps: aggregation, JSON schema and validation, atomic save, diff, localization, plots."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from fxstab.digitmap import (
+    SCHEMA_VERSION,
+    DigitMap,
+    DigitMapError,
+    diff,
+)
+from fxstab.report import COUNTER_KEYS, OBSERVED, ROUNDED, UNLIFTED, OpReport
+
+BF16_CAP = 8 * math.log10(2.0)
+
+
+def rep(name: str, avg: float, mn: float, mx: float, numel: int = 100, inputs=(),
+        kind: str = "", module: str = "", **kw) -> OpReport:
+    kind = kind or name.split("/")[-1].split("#")[0]
+    module = module if module else name.split("/")[0]
+    kw.setdefault("format", "bf16")
+    kw.setdefault("n_samples", 3)
+    return OpReport(name=name, kind=kind, module_path=module, avg_digits=avg, min_digits=mn,
+                    max_digits=mx, numel=numel, inputs=tuple(inputs), **kw)
+
+
+def chain_map() -> DigitMap:
+    """l1 (good) -> cancel (loses digits) -> act -> head: everything after cancel is low."""
+    return DigitMap.from_reports([
+        rep("l1/linear#0", 2.3, 2.0, 2.41),
+        rep("cancel/linear#0", 0.4, 0.0, 1.0, inputs=["l1/linear#0"]),
+        rep("act/gelu#0", 0.35, 0.0, 1.0, inputs=["cancel/linear#0"]),
+        rep("head/softmax#0", 0.3, 0.0, 0.9, inputs=["act/gelu#0"]),
+    ], metadata={"seed": 0, "granularity": "op"})
+
+
+def simple_map(digits: dict[str, float], **meta) -> DigitMap:
+    """One operator per entry; avg = min = max = the given digits."""
+    m = {"seed": 0}
+    m.update(meta)
+    return DigitMap.from_reports([rep(n, d, d, d) for n, d in digits.items()], metadata=m)
+
+
+# --------------------------------------------------------------------------- aggregation
+def test_aggregation_over_calls():
+    c1 = dict.fromkeys(COUNTER_KEYS, 0) | {"cancellation": 2}
+    c2 = dict.fromkeys(COUNTER_KEYS, 0) | {"cancellation": 1, "anomaly": 3}
+    reports = [
+        rep("m/linear#0", 2.0, 1.0, 2.4, numel=100, zero_fraction=0.1, non_finite=1,
+            counters=c1, call=0, shape=(4, 25), source="m.py:3"),
+        rep("m/linear#0", 1.0, 0.5, 2.2, numel=300, zero_fraction=0.5, non_finite=2,
+            counters=c2, call=1, surrogate=True, status=UNLIFTED, shape=(12, 25)),
+        rep("m/softmax#0", 2.0, 2.0, 2.0, numel=0, inputs=["m/linear#0", "outside/relu#0"],
+            call=0, status=OBSERVED),
+        rep("m/softmax#0", 1.0, 1.0, 1.0, numel=0, inputs=["m/linear#0"], call=1),
+    ]
+    dm = DigitMap.from_reports(reports, metadata={"seed": 7})
+    op = dm["m/linear#0"]
+    assert op.calls == 2 and op.numel == 400
+    assert op.avg_digits == pytest.approx((2.0 * 100 + 1.0 * 300) / 400)
+    assert op.min_digits == 0.5 and op.max_digits == 2.4
+    assert op.zero_fraction == pytest.approx((0.1 * 100 + 0.5 * 300) / 400)
+    assert op.non_finite == 3
+    assert op.counters["cancellation"] == 3 and op.counters["anomaly"] == 3
+    assert op.surrogate is True
+    assert op.status == UNLIFTED  # the most severe status of any call
+    assert op.shape == (4, 25) and op.source == "m.py:3"  # first call
+    sm = dm["m/softmax#0"]
+    assert sm.avg_digits == pytest.approx(1.5)  # empty outputs: plain mean over calls
+    assert sm.status == OBSERVED
+    # edges only between operators of the map
+    assert sm.inputs == ("m/linear#0",)
+    assert list(dm.operators) == ["m/linear#0", "m/softmax#0"]  # graph order
+    assert dm.metadata["format"] == "bf16" and dm.metadata["n_samples"] == 3
+    assert dm.metadata["analysed_calls"] == 2 and dm.metadata["seed"] == 7
+    assert dm.metadata["fxstab_version"] and dm.metadata["torch_version"]
+
+
+def test_from_reports_rejects_inconsistent_reports():
+    with pytest.raises(ValueError, match="disagree"):
+        DigitMap.from_reports([rep("a/linear#0", 1, 1, 1),
+                               rep("a/linear#0", 1, 1, 1, kind="softmax")])
+    with pytest.raises(ValueError, match="mix format"):
+        DigitMap.from_reports([rep("a/x#0", 1, 1, 1), rep("b/x#0", 1, 1, 1, format="fp16")])
+
+
+def test_metadata_git_commit_absent_outside_a_checkout(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    dm = DigitMap.from_reports([rep("a/x#0", 1, 1, 1)])
+    assert "git_commit" not in dm.metadata
+
+
+def test_series_per_phase_and_step():
+    reports = []
+    for step in range(3):
+        reports.append(rep("a/linear#0", 2.0 - step * 0.5, 1.5 - step * 0.5, 2.4,
+                           phase="train", step=step, call=step))
+        reports.append(rep("b/softmax#0", 2.0, 2.0, 2.0, phase="train", step=step, call=step))
+    reports.append(rep("a/linear#0", 2.2, 2.1, 2.4, phase="eval", step=0, call=3))
+    dm = DigitMap.from_reports(reports)
+    assert dm.step_keys() == [("train", 0), ("train", 1), ("train", 2), ("eval", 0)]
+    s = dm.series("a/linear#0")
+    assert [(p.phase, p.step, p.min_digits) for p in s] == [
+        ("train", 0, 1.5), ("train", 1, 1.0), ("train", 2, 0.5), ("eval", 0, 2.1)]
+    assert [p.step for p in dm.series("a/linear#0", phase="eval")] == [0]
+    assert dm["a/linear#0"].calls == 4
+    with pytest.raises(KeyError, match="nope"):
+        dm.series("nope")
+
+
+def test_table_and_worst_are_worst_first():
+    dm = DigitMap.from_reports([
+        rep("a/x#0", 2.0, 1.0, 2.4), rep("b/x#0", 0.5, 0.0, 2.0),
+        rep("c/x#0", 0.3, 0.0, 2.0), rep("d/x#0", 2.4, 2.4, 2.4, surrogate=True)])
+    assert [o.name for o in dm.worst(3)] == ["c/x#0", "b/x#0", "a/x#0"]
+    lines = dm.table().splitlines()
+    assert lines[0].startswith("digit map: 4 operators, format bf16, N=3")
+    order = [ln.split()[0] for ln in lines[2:]]
+    assert order == ["c/x#0", "b/x#0", "a/x#0", "d/x#0"]
+    assert lines[-1].endswith("surrogate")
+    assert "1 more operator" in dm.table(top=3)
+    with pytest.raises(ValueError):
+        dm.worst(-1)
+
+
+# --------------------------------------------------------------------------- JSON
+def test_json_round_trip_including_nan_and_inf(tmp_path):
+    reports = [rep("a/exp#0", math.nan, -math.inf, math.inf, phase="train", step=0),
+               rep("b/div#0", 1.25, 0.5, 2.0, inputs=["a/exp#0"], phase="train", step=0,
+                   counters=dict.fromkeys(COUNTER_KEYS, 0) | {"division": 4})]
+    dm = DigitMap.from_reports(reports, metadata={"seed": 3, "confidence": 0.95,
+                                                  "target": "t.py:f", "extra": {"k": [1, 2]}})
+    text = dm.to_json()
+
+    def refuse(token):
+        raise AssertionError(f"invalid JSON token {token}")
+
+    doc = json.loads(text, parse_constant=refuse)  # strictly valid JSON
+    assert doc["schema_version"] == SCHEMA_VERSION
+    op = doc["operators"][0]
+    assert (op["avg_digits"], op["min_digits"], op["max_digits"]) == ("NaN", "-Infinity",
+                                                                      "Infinity")
+    path = dm.save(tmp_path / "d.json")
+    back = DigitMap.load(path)
+    a = back["a/exp#0"]
+    assert math.isnan(a.avg_digits) and a.min_digits == -math.inf and a.max_digits == math.inf
+    assert back == dm
+    assert back.to_json() == text
+    assert back["b/div#0"].counters["division"] == 4
+    assert back.metadata["extra"] == {"k": [1, 2]}
+    assert DigitMap.from_json(text) == dm
+    # a bare NaN token (Python's json default) is read too
+    assert math.isnan(DigitMap.from_json(text.replace('"NaN"', "NaN"))["a/exp#0"].avg_digits)
+
+
+def _doc() -> dict:
+    return json.loads(chain_map().to_json())
+
+
+def _mutations():
+    def m(fn):
+        def apply():
+            d = _doc()
+            fn(d)
+            return json.dumps(d)
+        return apply
+
+    def set_(path, value):
+        def fn(d):
+            obj = d
+            for k in path[:-1]:
+                obj = obj[k]
+            obj[path[-1]] = value
+        return fn
+
+    def del_(path):
+        def fn(d):
+            obj = d
+            for k in path[:-1]:
+                obj = obj[k]
+            del obj[path[-1]]
+        return fn
+
+    return [
+        ("not json", lambda: "{oops", "not valid JSON", None),
+        ("array", lambda: "[1, 2]", "is a JSON object", None),
+        ("pickle", lambda: b"\x80\x04\x95", "not valid JSON", None),
+        ("no schema", m(del_(["schema"])), "not an fxstab digit map", None),
+        ("other schema", m(set_(["schema"], "other")), "not an fxstab digit map", "schema"),
+        ("newer", m(set_(["schema_version"], SCHEMA_VERSION + 1)), "upgrade fxstab",
+         "schema_version"),
+        ("older", m(set_(["schema_version"], 0)), "older fxstab", "schema_version"),
+        ("version type", m(set_(["schema_version"], "1")), "must be an integer",
+         "schema_version"),
+        ("no operators", m(del_(["operators"])), "missing", "operators"),
+        ("no torch version", m(del_(["metadata", "torch_version"])), "metadata", "torch_version"),
+        ("seed type", m(set_(["metadata", "seed"], "zero")), "must be an integer", "seed"),
+        ("op min missing", m(del_(["operators", 2, "min_digits"])),
+         "operators[2] 'act/gelu#0'", "min_digits"),
+        ("op min str", m(set_(["operators", 1, "min_digits"], "low")),
+         "must be a number, got 'low'", "min_digits"),
+        ("op calls bool", m(set_(["operators", 0, "calls"], True)),
+         "must be a non-negative integer", "calls"),
+        ("op numel negative", m(set_(["operators", 0, "numel"], -3)),
+         "non-negative integer", "numel"),
+        ("op surrogate int", m(set_(["operators", 0, "surrogate"], 1)), "a boolean",
+         "surrogate"),
+        ("op counters", m(set_(["operators", 0, "counters", "cancellation"], 1.5)),
+         "non-negative integer", "counters.cancellation"),
+        ("op shape", m(set_(["operators", 0, "shape"], [2, "x"])), "non-negative integer",
+         "shape"),
+        ("duplicate", m(set_(["operators", 1, "name"], "l1/linear#0")), "duplicate", "name"),
+        ("unknown input", m(set_(["operators", 1, "inputs"], ["ghost#0"])), "ghost#0",
+         "inputs"),
+        ("step unknown op", m(lambda d: d["steps"][0]["operators"].update(
+            {"ghost#0": d["steps"][0]["operators"]["l1/linear#0"]})), "ghost#0", None),
+        ("step type", m(set_(["steps", 0, "step"], "one")), "steps[0]", "step"),
+    ]
+
+
+@pytest.mark.parametrize("label,make,message,key", _mutations(),
+                         ids=[m[0] for m in _mutations()])
+def test_load_reports_exactly_what_is_wrong(tmp_path, label, make, message, key):
+    path = tmp_path / "bad.json"
+    data = make()
+    path.write_bytes(data if isinstance(data, bytes) else data.encode())
+    with pytest.raises(DigitMapError) as e:
+        DigitMap.load(path)
+    assert isinstance(e.value, ValueError)
+    text = str(e.value)
+    assert text.startswith(str(path)), text
+    assert message in text, text
+    assert e.value.key == key
+    if key is not None:
+        assert repr(key) in text
+
+
+def test_load_missing_file(tmp_path):
+    with pytest.raises(DigitMapError, match="no such file"):
+        DigitMap.load(tmp_path / "absent.json")
+
+
+def test_save_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "d.json"
+    path.write_text("previous")
+    import fxstab.digitmap as mod
+
+    def broken_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(mod.os, "replace", broken_replace)
+    with pytest.raises(OSError, match="disk full"):
+        chain_map().save(path)
+    assert path.read_text() == "previous"
+    assert sorted(os.listdir(tmp_path)) == ["d.json"]  # no temp file left behind
+    monkeypatch.undo()
+
+    # a value JSON cannot hold fails before any file is opened
+    bad = chain_map()
+    bad.metadata["model"] = object()
+    with pytest.raises(DigitMapError, match="cannot serialize"):
+        bad.save(tmp_path / "new.json")
+    assert sorted(os.listdir(tmp_path)) == ["d.json"]
+
+    chain_map().save(path)
+    assert sorted(os.listdir(tmp_path)) == ["d.json"]
+    assert DigitMap.load(path) == chain_map()
+
+
+# --------------------------------------------------------------------------- diff
+def test_diff_drop_gain_added_removed():
+    base = simple_map({"a/x#0": 2.0, "b/x#0": 2.0, "c/x#0": 1.0, "d/x#0": 2.0, "gone/x#0": 1.0})
+    head = simple_map({"a/x#0": 0.5, "b/x#0": 1.6, "c/x#0": 2.2, "d/x#0": 1.5, "new/x#0": 0.1})
+    r = diff(base, head, max_drop=0.5)
+    assert [(c.name, c.delta) for c in r.drops] == [("a/x#0", pytest.approx(-1.5))]
+    assert [(c.name, c.delta) for c in r.gains] == [("c/x#0", pytest.approx(1.2))]
+    assert [p.name for p in r.added] == ["new/x#0"] and r.added[0].digits == 0.1
+    assert [p.name for p in r.removed] == ["gone/x#0"]
+    assert r.unchanged == 2  # b lost 0.4 and d exactly 0.5: within the threshold
+    assert r.failed and r.exit_code == 1
+    ok = diff(base, head, max_drop=1.5)
+    assert not ok.failed and ok.exit_code == 0 and ok.unchanged == 4
+    assert diff(base, base, max_drop=0.0).exit_code == 0
+    assert diff(base, head, max_drop=0.0).unchanged == 0
+
+
+def test_diff_metric_avg_and_nan():
+    base = DigitMap.from_reports([rep("a/x#0", 2.0, 0.0, 2.4), rep("b/x#0", 2.0, 2.0, 2.0)])
+    head = DigitMap.from_reports([rep("a/x#0", 0.5, 0.0, 2.4),
+                                  rep("b/x#0", math.nan, math.nan, math.nan)])
+    by_min = diff(base, head, metric="min")
+    assert [c.name for c in by_min.drops] == ["b/x#0"]  # NaN digits count as 0
+    by_avg = diff(base, head, metric="avg")
+    assert [c.name for c in by_avg.drops] == ["b/x#0", "a/x#0"]
+    with pytest.raises(ValueError, match="metric"):
+        diff(base, head, metric="max")
+    with pytest.raises(ValueError, match="max_drop"):
+        diff(base, head, max_drop=-1)
+
+
+def test_diff_notes_differing_settings():
+    r = diff(simple_map({"a/x#0": 2.0}, rounding="random"),
+             simple_map({"a/x#0": 2.0}, rounding="nearest"))
+    assert r.notes == ["rounding differs: 'random' (base) vs 'nearest' (head)"]
+    assert "note: rounding differs" in r.to_text()
+    assert "**Note:** rounding differs" in r.to_markdown()
+
+
+def test_diff_markdown_shape():
+    base = simple_map({"blocks.0/softmax#0": 2.4, "b|x/gelu#0": 2.0, "c/x#0": 1.0,
+                       "gone/x#0": 1.0}, git_commit="a" * 40)
+    head = simple_map({"blocks.0/softmax#0": 0.0, "b|x/gelu#0": 2.0, "c/x#0": 2.0,
+                       "new/x#0": 2.0}, git_commit="b" * 40)
+    md = diff(base, head, max_drop=0.5).to_markdown()
+    lines = md.splitlines()
+    assert lines[0] == "<!-- fxstab-digit-map-diff -->"  # lets CI update its own comment
+    assert lines[1].startswith("### fxstab digit map :x: FAIL: 1 operator(s) lost more than 0.5")
+    assert "`base aaaaaaaaaa` → `head bbbbbbbbbb`" in md
+    i = lines.index("| operator | kind | base | head | change |")
+    assert lines[i + 1] == "|---|---|--:|--:|--:|"
+    assert lines[i + 2] == "| `blocks.0/softmax#0` | softmax | 2.40 | 0.00 | **-2.40** |"
+    for section in ("Gained digits (1)", "Added operators (1)", "Removed operators (1)"):
+        assert f"<details><summary>{section}</summary>" in md
+    assert md.count("<details>") == md.count("</details>") == 3
+    assert lines[-1] == "1 operator(s) unchanged within ±0.5 digits."
+    # a table cell never breaks on a | in a name
+    ok = diff(base, base).to_markdown()
+    assert ":white_check_mark: OK" in ok and "<details>" not in ok
+    for row in (ln for ln in md.splitlines() if ln.startswith("| `b")):
+        assert row.count(" | ") == 4
+
+
+def test_diff_json_rendering():
+    base = simple_map({"a/x#0": 2.0, "gone/x#0": 1.0})
+    head = simple_map({"a/x#0": math.nan, "new/x#0": 2.0})
+    doc = json.loads(diff(base, head).to_json())
+    assert doc["failed"] is True and doc["metric"] == "min" and doc["max_drop"] == 0.5
+    assert doc["drops"] == [{"name": "a/x#0", "kind": "x", "base": 2.0, "head": 0.0,
+                             "delta": -2.0}]
+    assert doc["added"][0]["name"] == "new/x#0" and doc["removed"][0]["name"] == "gone/x#0"
+    assert doc["unchanged"] == 0
+
+
+# --------------------------------------------------------------------------- localization
+def test_localize_ranks_the_cancelling_operator_first():
+    dm = chain_map()
+    # by plain digits the last downstream operator looks worst ...
+    assert dm.worst(1)[0].name == "head/softmax#0"
+    # ... but the digits are lost at the cancelling linear
+    ranked = dm.localize()
+    assert ranked[0].name == "cancel/linear#0"
+    assert ranked[0].best_input == "l1/linear#0"
+    assert ranked[0].local_loss == pytest.approx(2.3 - 0.4)
+    first = ranked[[r.name for r in ranked].index("l1/linear#0")]
+    assert first.best_input is None and first.reference == pytest.approx(BF16_CAP)
+    assert first.local_loss == pytest.approx(BF16_CAP - 2.3)
+    assert [r.name for r in dm.localize(metric="min")][0] == "cancel/linear#0"
+    text = dm.localize_table()
+    assert text.splitlines()[2].split()[0] == "cancel/linear#0"
+
+
+def test_localize_uses_the_best_input_and_allows_restoring_operators():
+    dm = DigitMap.from_reports([
+        rep("a/linear#0", 2.3, 2.3, 2.3), rep("b/linear#0", 0.2, 0.2, 0.2),
+        rep("m/add#0", 1.0, 1.0, 1.0, inputs=["b/linear#0", "a/linear#0"]),
+        rep("n/layer_norm#0", 1.8, 1.8, 1.8, inputs=["m/add#0"]),
+    ])
+    by = {r.name: r for r in dm.localize()}
+    assert by["m/add#0"].best_input == "a/linear#0"
+    assert by["m/add#0"].local_loss == pytest.approx(1.3)
+    assert by["n/layer_norm#0"].local_loss == pytest.approx(-0.8)  # restores digits
+    assert by["b/linear#0"].local_loss == pytest.approx(BF16_CAP - 0.2)
+    assert [r.name for r in dm.localize()][:2] == ["b/linear#0", "m/add#0"]
+
+
+def test_graph_has_edges_and_digit_attributes():
+    g = chain_map().graph()
+    assert set(g.edges) == {("l1/linear#0", "cancel/linear#0"),
+                            ("cancel/linear#0", "act/gelu#0"), ("act/gelu#0", "head/softmax#0")}
+    assert g.nodes["cancel/linear#0"]["avg_digits"] == 0.4
+    assert g.nodes["cancel/linear#0"]["kind"] == "linear"
+
+
+# --------------------------------------------------------------------------- plots
+def _is_png(path: Path) -> bool:
+    return path.stat().st_size > 0 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def series_map() -> DigitMap:
+    reports = []
+    for step in range(4):
+        reports += [rep("l1/linear#0", 2.3, 2.0, 2.41, phase="train", step=step, call=step),
+                    rep("cancel/linear#0", 1.5 - 0.4 * step, 1.0 - 0.3 * step, 2.0,
+                        inputs=["l1/linear#0"], phase="train", step=step, call=step)]
+    reports.append(rep("cancel/linear#0", 0.3, 0.1, 1.0, inputs=["l1/linear#0"], phase="eval",
+                       step=3, call=4))
+    return DigitMap.from_reports(reports)
+
+
+def test_plots_are_written_and_non_empty(tmp_path):
+    from fxstab import plots
+
+    dm = series_map()
+    assert _is_png(plots.plot_digits(dm, tmp_path / "bars.png"))
+    assert _is_png(plots.plot_digits(chain_map(), tmp_path / "bars_min.png", metric="min",
+                                     top=2))
+    assert _is_png(plots.plot_graph(chain_map(), tmp_path / "graph.png"))
+    svg = plots.plot_graph(chain_map(), tmp_path / "graph.svg")
+    assert svg.read_text().lstrip().startswith("<?xml") and "cancel/linear#0" in svg.read_text()
+    assert _is_png(plots.plot_series(dm, tmp_path / "series.png", top=2))
+
+
+def test_plot_errors(tmp_path):
+    from fxstab import plots
+
+    with pytest.raises(ValueError, match="no per-step"):
+        plots.plot_series(chain_map(), tmp_path / "s.png")
+    with pytest.raises(ValueError, match="no operators"):
+        plots.plot_digits(DigitMap(metadata={}), tmp_path / "e.png")
+    with pytest.raises(ValueError, match=r"\.png, \.svg"):
+        plots.plot_digits(chain_map(), tmp_path / "x.jpg")
+    assert not list(tmp_path.iterdir())
+
+
+def test_severity_bands():
+    from fxstab.plots import severity
+
+    assert severity(0.0, BF16_CAP)[0] == "lost"
+    assert severity(1.0, BF16_CAP)[0] == "poor"
+    assert severity(1.5, BF16_CAP)[0] == "fair"
+    assert severity(BF16_CAP, BF16_CAP)[0] == "good"
+    assert severity(math.nan, BF16_CAP)[0] == "lost"
+
+
+# --------------------------------------------------------------------------- TensorBoard
+def _has_tensorboard() -> bool:
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_tensorboard(), reason="tensorboard is not installed")
+def test_tensorboard_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    dm = series_map()
+    n = dm.to_tensorboard(tmp_path)
+    assert n == len(dm.steps) == 9
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    events = acc.Scalars("digits_min/train/cancel/linear#0")
+    assert [e.step for e in events] == [0, 1, 2, 3]
+    assert events[1].value == pytest.approx(0.7)
+
+
+@pytest.mark.skipif(_has_tensorboard(), reason="tensorboard is installed")
+def test_tensorboard_missing_is_a_clear_error(tmp_path):
+    with pytest.raises(ModuleNotFoundError, match="pip install tensorboard"):
+        series_map().to_tensorboard(tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
+def test_diff_names_where_the_lost_digits_start():
+    base = DigitMap.from_reports([
+        rep("l1/linear#0", 2.3, 2.0, 2.41), rep("cancel/linear#0", 1.9, 1.5, 2.41,
+                                                inputs=["l1/linear#0"]),
+        rep("act/gelu#0", 2.2, 2.0, 2.41, inputs=["cancel/linear#0"]),
+        rep("head/softmax#0", 2.3, 1.9, 2.41, inputs=["act/gelu#0"])])
+    r = diff(base, chain_map(), max_drop=0.5, metric="avg")
+    assert {c.name for c in r.drops} == {"cancel/linear#0", "act/gelu#0", "head/softmax#0"}
+    assert r.drops[0].name == "head/softmax#0"  # the largest drop is downstream ...
+    assert r.origins[0].name == "cancel/linear#0"  # ... the loss starts at the cancellation
+    assert "digits are lost first at cancel/linear#0" in r.to_text()
+    assert "Digits are lost first at `cancel/linear#0`" in r.to_markdown()
+    assert json.loads(r.to_json())["origins"][0]["best_input"] == "l1/linear#0"
+    assert diff(base, base).origins == []
