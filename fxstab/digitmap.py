@@ -481,6 +481,18 @@ class DigitMap:
             out.append(LocalLoss(op.name, op.kind, own, ref, best, ref - own))
         return sorted(out, key=lambda x: (-x.local_loss, x.digits, x.name))
 
+    def nonfinite_sources(self) -> list[str]:
+        """Operators that produce NaN/inf although none of their instrumented inputs did.
+
+        This is where an overflow or an invalid operation starts; everything downstream merely
+        propagates it. Graph order (the order of the map) is kept.
+        """
+        out = []
+        for op in self.operators.values():
+            if op.non_finite and not any(self.operators[i].non_finite for i in op.inputs if i in self.operators):
+                out.append(op.name)
+        return out
+
     def localize_table(self, top: Optional[int] = None, metric: str = "avg") -> str:
         """The localization ranking as text (see :meth:`localize`)."""
         ranked = self.localize(metric)

@@ -41,6 +41,9 @@ FAMILIES: dict[str, frozenset[str]] = {
                       "rnn_tanh_cell", "rnn_relu_cell"}),
     "elementwise": frozenset({"exp", "log", "sqrt", "rsqrt", "pow", "div", "reciprocal",
                               "log1p", "expm1", "log2", "log10", "exp2"}),
+    # Additions and subtractions are where cancellation happens, and residual connections merge
+    # branches there: without them, localization would blame the next operator.
+    "addsub": frozenset({"add", "sub"}),
 }
 
 DEFAULT_FAMILIES = frozenset(FAMILIES)
