@@ -18,3 +18,7 @@ __all__ = [
     "cestac_digits", "computational_zero", "digit_stats", "DigitStats", "format_stochastic",
     "student_t", "__version__",
 ]
+from .counters import instability_counters  # noqa: E402  (arithmetic level)
+from .stochastic import AnalysisResult, StochasticTensor, analyze, stochastic  # noqa: E402
+
+__all__ += ["instability_counters", "stochastic", "StochasticTensor", "analyze", "AnalysisResult"]
