@@ -81,7 +81,7 @@ EXACT_PRIMITIVES = frozenset({
     "squeeze", "select", "slice", "clone", "contiguous", "alias", "detach", "lift_fresh_copy",
     "cat", "stack", "split", "split_with_sizes", "chunk", "unbind", "index", "index_select",
     "gather", "narrow", "flatten", "unflatten", "repeat", "roll", "flip", "diagonal", "as_strided",
-    "_to_copy", "to", "copy", "neg", "abs", "maximum", "minimum", "max", "min", "amax", "amin",
+    "_to_copy", "to", "copy", "convert_element_type", "neg", "abs", "maximum", "minimum", "max", "min", "amax", "amin",
     "clamp", "clamp_min", "clamp_max", "relu", "threshold", "hardtanh", "where", "masked_fill",
     "constant_pad_nd", "sort", "topk", "embedding", "scatter", "slice_scatter", "select_scatter",
     "index_put", "fill", "zeros_like", "ones_like", "full_like", "empty_like", "new_zeros",
@@ -233,6 +233,9 @@ class AtenContext:
         if not self.cancel_digits > 0:
             raise ValueError(f"cancel_digits must be > 0, got {self.cancel_digits!r}")
         self.working_dtype = working_dtype_for(self.fmt)
+        # fp64 format in fp64: rounding needs the exact result's side (error-free transforms)
+        self.eft = (self.working_dtype == torch.float64 and self.fmt.man_bits == 52
+                    and self.rounding is Rounding.RANDOM and self.randomness == "fast")
         self.cap = self.fmt.digit_cap
         t = student_t(self.n_samples, self.confidence)
         n = self.n_samples
@@ -284,20 +287,104 @@ def round_stacked(samples: torch.Tensor, fmt: Format, mode: Rounding, seed: int,
     mask = (1 << shift) - 1
     rem = bits & mask
     lo = bits - rem
-    numel = x[0].numel()
-    draws, flips = sample_draws(n)
-    ndraw = max(draws) + 1
-    gen = torch.Generator(device=x.device)
-    gen.manual_seed(seed & ((1 << 63) - 1))
-    nbytes = (numel + 7) // 8
-    words = torch.randint(0, 256, (ndraw, nbytes), generator=gen, dtype=torch.uint8, device=x.device)
-    shifts = torch.arange(8, dtype=torch.uint8, device=x.device)
-    rb = ((words.unsqueeze(-1) >> shifts) & 1).reshape(ndraw, nbytes * 8)[:, :numel]
-    flip = torch.tensor(flips, dtype=torch.uint8, device=x.device).reshape(n, 1)
-    up = (rb[torch.tensor(draws, device=x.device)] ^ flip).reshape(x.shape).bool()
+    up = _random_up(n, x[0].numel(), seed, x.device).reshape(x.shape)
     up &= rem != 0
     out = torch.where(up, lo + (1 << shift), lo)
     return out.view(samples.dtype)
+
+
+def _random_up(n: int, numel: int, seed: int, device, extra_draws: int = 0) -> torch.Tensor:
+    """Rounding directions [N (+extra), numel] (bool) with CADNA's cross-sample scheme.
+
+    ``extra_draws`` appends that many independent rows (used by the fp64 path for a shared
+    direction)."""
+    draws, flips = sample_draws(n)
+    ndraw = max(draws) + 1 + extra_draws
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed & ((1 << 63) - 1))
+    nbytes = (numel + 7) // 8
+    words = torch.randint(0, 256, (ndraw, nbytes), generator=gen, dtype=torch.uint8, device=device)
+    shifts = torch.arange(8, dtype=torch.uint8, device=device)
+    rb = ((words.unsqueeze(-1) >> shifts) & 1).reshape(ndraw, nbytes * 8)[:, :numel]
+    flip = torch.tensor(flips + [False] * extra_draws, dtype=torch.uint8, device=device).reshape(-1, 1)
+    idx = torch.tensor(draws + list(range(max(draws) + 1, ndraw)), device=device)
+    return (rb[idx] ^ flip).bool()
+
+
+# Error-free transformations for the fp64 format (DESIGN.md §1): the working dtype is the
+# format, so the side of the exact result must be computed, not read off extra bits.
+_SPLIT = 134217729.0  # 2**27 + 1, Veltkamp's splitter for binary64
+
+
+def _two_prod_err(a: torch.Tensor, b: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """a*b - p exactly (Dekker), p = fl(a*b); valid without overflow in the splitting."""
+    ca = _SPLIT * a
+    ah = ca - (ca - a)
+    al = a - ah
+    cb = _SPLIT * b
+    bh = cb - (cb - b)
+    bl = b - bh
+    return al * bl - (((p - ah * bh) - al * bh) - ah * bl)
+
+
+def _fp64_side(kind: str, op, args: tuple, kwargs: dict, y: torch.Tensor) -> Optional[torch.Tensor]:
+    """Sign of (exact result - y) for add/sub/mul/div/sqrt in fp64, or None if unknown."""
+    name = getattr(op, "_overloadname", "")
+    if kind in ("add", "sub", "rsub"):
+        if kwargs.get("alpha", args[2] if len(args) > 2 else 1) != 1:
+            return None
+        a, b = _aligned(args[:2], y.dim() - 1)
+        a = torch.as_tensor(a, dtype=y.dtype, device=y.device)
+        b = torch.as_tensor(b, dtype=y.dtype, device=y.device)
+        if kind == "sub":
+            b = -b
+        elif kind == "rsub":
+            a, b = b, -a
+        bb = y - a
+        err = (a - (y - bb)) + (b - bb)
+        return torch.sign(err)
+    if kind == "mul":
+        a, b = (torch.as_tensor(v, dtype=y.dtype, device=y.device)
+                for v in _aligned(args[:2], y.dim() - 1))
+        return torch.sign(_two_prod_err(a, b, y))
+    if kind == "div" and name in ("Tensor", "Scalar") and not kwargs.get("rounding_mode"):
+        a, b = (torch.as_tensor(v, dtype=y.dtype, device=y.device)
+                for v in _aligned(args[:2], y.dim() - 1))
+        ph = y * b
+        r = (a - ph) - _two_prod_err(y, b, ph)
+        return torch.sign(r) * torch.sign(b)
+    if kind == "reciprocal":
+        b = args[0].samples
+        ph = y * b
+        return torch.sign((1.0 - ph) - _two_prod_err(y, b, ph)) * torch.sign(b)
+    if kind == "sqrt":
+        a = args[0].samples
+        ph = y * y
+        return torch.sign((a - ph) - _two_prod_err(y, y, ph))
+    return None
+
+
+def _round_fp64(kind: str, op, args: tuple, kwargs: dict, y: torch.Tensor, seed: int) -> torch.Tensor:
+    """Random rounding in the fp64 format on fp64 results (already rounded to nearest).
+
+    With the exact side known (TwoSum/TwoProd), a sample keeps y or moves to the neighbour on the
+    exact result's side, each with probability 1/2 (exactly CESTAC's random rounding). For other
+    primitives the side is unknown: one shared random side per element stands in for it, so a
+    result moves by at most one unit in the last place, as a rounding error would.
+    """
+    n = y.shape[0]
+    numel = y[0].numel()
+    side = _fp64_side(kind, op, args, kwargs, y)
+    rnd = _random_up(n, numel, seed, y.device, extra_draws=1 if side is None else 0)
+    up = rnd[:n].reshape(y.shape)
+    if side is None:
+        shared = rnd[n:].reshape((1,) + y.shape[1:])
+        side = torch.where(shared, 1.0, -1.0).to(y.dtype)
+        moved = torch.nextafter(y, side * math.inf)
+        return torch.where(up & torch.isfinite(y), moved, y)
+    side = side.expand(y.shape) if side.shape != y.shape else side
+    moved = torch.nextafter(y, side * math.inf)
+    return torch.where(up & (side != 0) & torch.isfinite(y), moved, y)
 
 
 def _perturb(samples: torch.Tensor, eta: float, seed: int, randomness: str) -> tuple[torch.Tensor, int]:
@@ -558,14 +645,21 @@ def _compute_counters(kind: str, args: tuple, kwargs: dict, out: Optional[Stacke
         found.append(("branching", c.any(0) & ~c.all(0)))
     if oa is not None and not bool(oa.finite.all()):
         bad = ~oa.finite
-        for x in args:
+        for x in pytree.tree_leaves(args, is_leaf=lambda v: isinstance(v, Stacked)):
             o = _operand(x, ctx)
             if o is not None:
-                bad = bad & o.finite
+                fin = o.finite
             elif isinstance(x, torch.Tensor) and x.is_floating_point():
-                bad = bad & torch.isfinite(x)
-            elif isinstance(x, float) and not math.isfinite(x):
-                bad = torch.zeros_like(bad)
+                fin = torch.isfinite(x)
+            elif isinstance(x, float):
+                fin = torch.tensor(math.isfinite(x))
+            else:
+                continue
+            try:  # elementwise when the operand broadcasts to the output, else as a whole
+                torch.broadcast_shapes(fin.shape, bad.shape)
+            except RuntimeError:
+                fin = fin.all()
+            bad = bad & fin
         found.append(("anomaly", bad))
     return found
 
@@ -599,6 +693,8 @@ def _fix_dtype_kwargs(kind: str, kwargs: dict, ctx: AtenContext) -> dict:
 
 
 def _to_working(x, ctx):
+    if isinstance(x, torch.dtype) and x.is_floating_point:
+        return ctx.working_dtype
     if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != ctx.working_dtype:
         return x.to(ctx.working_dtype)
     return x
@@ -670,7 +766,10 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
     j = 0
     for v in flat:
         if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == n:
-            if v.is_floating_point() and do_round:
+            if v.is_floating_point() and do_round and ctx.eft:
+                v = _round_fp64(kind, op, args, kwargs, v, randbits.derive_seed(seed, 100 + j))
+                j += 1
+            elif v.is_floating_point() and do_round:
                 v = round_stacked(v, ctx.fmt, ctx.rounding, randbits.derive_seed(seed, 100 + j),
                                   ctx.randomness)
                 j += 1
