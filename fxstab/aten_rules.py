@@ -88,7 +88,7 @@ EXACT_PRIMITIVES = frozenset({
     "new_ones", "new_full", "new_empty", "floor", "ceil", "trunc", "round", "sign", "sgn",
     "_reshape_alias", "view_as", "expand_as", "movedim", "squeeze_copy", "unsqueeze_copy",
     "view_copy", "permute_copy", "t_copy", "transpose_copy", "expand_copy", "detach_copy",
-    "pixel_shuffle", "max_pool2d_with_indices", "max_pool1d", "max_pool2d", "repeat_interleave",
+    "pixel_shuffle", "broadcast_in_dim", "collapse_view", "split_dim", "squeeze_copy", "max_pool2d_with_indices", "max_pool1d", "max_pool2d", "repeat_interleave",
 })
 _ADD = frozenset({"add", "sub", "rsub"})
 _DIV = frozenset({"div", "reciprocal", "remainder", "fmod", "floor_divide"})
@@ -155,17 +155,17 @@ def _analyze(s: torch.Tensor, ctx: "AtenContext") -> _Analysis:
         z = torch.zeros(shape, dtype=torch.bool, device=s.device)
         d = torch.where(ident, ctx.cap, 0.0).to(ctx.working_dtype)
         return _Analysis(d, z, (s == 0).all(0), ~z, ident)
-    n = s.shape[0]
     mn, mx = torch.aminmax(s, dim=0)
-    identical = mx == mn
-    finite = torch.isfinite(mn) & torch.isfinite(mx)
+    spread = mx - mn
+    identical = spread == 0
+    finite = (spread * 0) == 0  # x*0 == 0 exactly when x is finite (torch.isfinite is slower)
     mean = s.mean(0)
-    rel = (s - mean) / mean.abs()
+    rel = (s - mean) * (1.0 / mean.abs())
     var = (rel * rel).sum(0)
-    d = ctx._dconst - 0.5 * torch.log10(var)
-    d = torch.nan_to_num(d, nan=0.0, posinf=ctx.cap, neginf=0.0).clamp_(0.0, ctx.cap)
-    d = torch.where(identical, ctx.cap, d)
-    d = torch.where(finite, d, 0.0)
+    # identical samples give var == 0 (or a rounding residue of the mean) -> +inf -> cap below
+    d = torch.log10(var).mul_(-0.5).add_(ctx._dconst)
+    d = torch.nan_to_num_(d, nan=0.0, posinf=ctx.cap, neginf=0.0).clamp_(0.0, ctx.cap)
+    d = torch.where(identical & finite, ctx.cap, d)
     exact_zero = identical & (mx == 0)
     zero = finite & ~exact_zero & (d < ctx.zero_threshold)
     return _Analysis(d, zero, exact_zero, finite, identical)
@@ -279,18 +279,26 @@ def round_stacked(samples: torch.Tensor, fmt: Format, mode: Rounding, seed: int,
     e = (bits >> wm) & wones
     lo_e, hi_e = fmt.emin + wbias, fmt.emax + wbias
     # zeros (e == 0 and no mantissa) are exact; count them as in range
-    e_chk = torch.where(x == 0, lo_e, e)
-    emin_seen, emax_seen = torch.aminmax(e_chk)
-    if int(emin_seen) < lo_e or int(emax_seen) >= hi_e:
+    emin_seen, emax_seen = torch.aminmax(e)
+    if int(emax_seen) >= hi_e:  # inf/NaN or the format's top binade (overflow): full model
         return round_samples(samples, fmt, mode, seed)
     shift = wm - fmt.man_bits
     mask = (1 << shift) - 1
     rem = bits & mask
     lo = bits - rem
     up = _random_up(n, x[0].numel(), seed, x.device).reshape(x.shape)
-    up &= rem != 0
-    out = torch.where(up, lo + (1 << shift), lo)
-    return out.view(samples.dtype)
+    out = torch.where(up & (rem != 0), lo + (1 << shift), lo).view(samples.dtype)
+    if int(emin_seen) < lo_e and fmt.emin > 1 - wbias:
+        # below the format's normal range the quantum is the fixed min_subnormal q: scale by
+        # 1/q (exact, a power of two), truncate, step away from zero when rounding up. (A format
+        # whose emin is the working dtype's, like bf16 in fp32, shares its subnormal grid: the
+        # constant mask above is already right there.)
+        q = fmt.min_subnormal
+        y = x * (1.0 / q)
+        t = torch.trunc(y)
+        sub = torch.where(up & (t != y), t + torch.sign(y), t) * q
+        out = torch.where(e < lo_e, sub, out)
+    return out
 
 
 def _random_up(n: int, numel: int, seed: int, device, extra_draws: int = 0) -> torch.Tensor:
@@ -862,10 +870,12 @@ def _stats(out: Stacked, ctx: AtenContext) -> DigitStats:
     if numel == 0:
         return DigitStats(ctx.cap, ctx.cap, ctx.cap, 0, 0.0, 0)
     an = out.analysis(ctx)
-    d = an.digits.double()
-    vals = torch.stack([d.mean(), d.min(), d.max(), an.zero.double().mean(),
-                        (~an.finite).double().sum()]).tolist()
-    return DigitStats(vals[0], vals[1], vals[2], numel, vals[3], int(vals[4]))
+    d = an.digits
+    dmin, dmax = torch.aminmax(d)
+    vals = torch.stack([d.sum(dtype=torch.float64), dmin.double(), dmax.double(),
+                        an.zero.sum().double(), an.finite.sum().double()]).tolist()
+    return DigitStats(vals[0] / numel, vals[1], vals[2], numel, vals[3] / numel,
+                      numel - int(vals[4]))
 
 
 def to_op_report(record: PrimitiveRecord, ctx: AtenContext, *, module_path: str = "",

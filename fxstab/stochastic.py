@@ -287,9 +287,21 @@ def stochastic(
         raise ValueError(f"fxstab.stochastic needs floating values, got dtype {t.dtype}; convert "
                          f"with .double() or .float() first")
     nominal = t.dtype
-    w = t.to(ctx.working_dtype)
-    w = quantize(w, ctx.fmt, "nearest")
+    w = _nearest(t, ctx)
     return StochasticTensor(ctx.stack(w), ctx, nominal)
+
+
+_HARDWARE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+             "fp64": torch.float64}
+
+
+def _nearest(t: torch.Tensor, ctx: AtenContext) -> torch.Tensor:
+    """Round-to-nearest into the format, in the working dtype: a hardware cast where the format
+    is a torch dtype (IEEE, same as ml_dtypes), else :func:`fxstab.rounding.quantize`."""
+    hw = _HARDWARE.get(ctx.fmt.name)
+    if hw is not None and ctx.fmt == get_format(hw):
+        return t.to(hw).to(ctx.working_dtype)
+    return quantize(t.to(ctx.working_dtype), ctx.fmt, "nearest")
 
 
 class AnalysisResult:

@@ -238,3 +238,16 @@ def test_analyze_detailed_events():
     res = fxstab.analyze(lambda x: (x + 1e-7) - x, diagnostics="detailed")(torch.ones(4))
     assert res.counters["cancellation"] == 4
     assert res.events and res.events[0].kind == "cancellation" and res.events[0].count == 4
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp32", "fp8_e4m3"])
+def test_fast_rounding_with_zeros_and_subnormals(fmt):
+    f = get_format(fmt)
+    wd = fxstab.formats.working_dtype_for(f)
+    vals = torch.tensor([0.0, -0.0, 1.0, f.min_normal * 0.3, -f.min_normal * 0.77,
+                         f.min_subnormal * 2.5, f.min_normal * 1.01], dtype=wd)
+    samples = vals.expand(3, -1).contiguous()
+    out = round_stacked(samples, f, Rounding.RANDOM, 9)
+    lo, hi = quantize(vals, f, "down"), quantize(vals, f, "up")
+    assert bool(((out == lo) | (out == hi)).all()), (out, lo, hi)
+    assert torch.equal(torch.signbit(out[:, 1]), torch.ones(3, dtype=torch.bool))
