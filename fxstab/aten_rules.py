@@ -50,7 +50,7 @@ from . import randbits
 from .counters import CounterEvent, Counters, active_collectors, check_diagnostics
 from .digits import ZERO_THRESHOLD, DigitStats, student_t
 from .formats import Format, FormatLike, get_format, working_dtype_for
-from .report import COUNTER_KEYS, OBSERVED, ROUNDED, UNLIFTED, OpReport, empty_counters
+from .report import OBSERVED, ROUNDED, UNLIFTED, OpReport, empty_counters
 from .rounding import Rounding, _WORKING, round_samples, sample_draws
 from .surrogate import perturb_samples
 

@@ -25,7 +25,6 @@ per operation. Views are copies: an in-place update of a view does not reach its
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -199,16 +198,13 @@ def _scalar(t: StochasticTensor, ctx: AtenContext):
 
 
 def _functional(func):
-    packet = func.overloadpacket.__name__
-    base = packet[:-1] if packet.endswith("_") else packet
-    base = base.lstrip("_") if base not in ("_foreach",) else base
-    for name in (packet[:-1] if packet.endswith("_") else packet, base):
-        p = getattr(aten, name, None)
-        if p is not None and p is not func.overloadpacket:
-            ov = getattr(p, func._overloadname, None)
-            if ov is not None and not ov._schema.is_mutable:
-                return ov
-    return None
+    """The functional overload of an in-place primitive (``add_.Tensor`` -> ``add.Tensor``)."""
+    name = func.overloadpacket.__name__
+    if not name.endswith("_"):
+        return None
+    packet = getattr(aten, name[:-1], None)
+    ov = getattr(packet, func._overloadname, None) if packet is not None else None
+    return ov if ov is not None and not ov._schema.is_mutable else None
 
 
 def _inplace(func, args, kwargs, ctx):
