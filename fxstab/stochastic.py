@@ -1,0 +1,368 @@
+"""Stochastic values in eager PyTorch code: CADNA's ``float_st`` for tensors (DESIGN.md §3, §5).
+
+``fxstab.stochastic(x, format="fp32")`` returns a :class:`StochasticTensor`, a wrapper tensor
+subclass that holds N stacked samples and runs every aten primitive it meets through the
+arithmetic-level rules of :mod:`fxstab.aten_rules` (rounding into the format, digits, CADNA's
+counters). Composite operators (softmax, layer_norm, batch_norm, gelu, silu, logsumexp, var...)
+are decomposed into primitives first, so the digits and counters are those of the arithmetic.
+
+Mixing with plain tensors and Python numbers works: they are exact data (identical samples).
+When Python needs a number or a bool the CESTAC semantics apply: ``float(x)`` is the sample
+mean; ``x == y`` is true when ``x - y`` is an exact or computational zero; ``<``, ``>``, ``<=``,
+``>=`` are decided on the mean difference, a computational-zero difference counting as unstable
+branching. Data-dependent loops (Newton iterations, sums run until they stop changing) therefore
+stop where CADNA's do.
+
+Approximations (see docs/arithmetic-level.md): every primitive is computed in the working dtype
+(:func:`fxstab.formats.working_dtype_for`, fp64 for fp32/tf32) and the result is rounded into the
+format; for an fp32 format that reproduces random-rounded fp32 arithmetic for the basic
+operations (the fp64 result of +, -, *, / of fp32 values rounds to the same fp32 neighbours as the
+exact result, since 53 >= 2*24+2) and to within fp64 accuracy for library functions. For the fp64
+format the working dtype is fp64 itself: results are already rounded to nearest and the random
+rounding cannot see the exact result's side, so fp64 digits are optimistic by up to one half unit
+per operation. Views are copies: an in-place update of a view does not reach its base.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+from torch._decomp import get_decompositions
+from torch.utils import _pytree as pytree
+
+from .aten_rules import AtenContext, PrimitiveRecord, Stacked, apply_primitive, to_op_report
+from .counters import Counters, active_collectors, instability_counters
+from .digits import format_stochastic
+from .formats import FormatLike, get_format
+from .rounding import quantize
+
+aten = torch.ops.aten
+
+__all__ = ["StochasticTensor", "stochastic", "analyze", "AnalysisResult", "instability_counters"]
+
+_DECOMPOSED_NAMES = [
+    "_softmax", "_log_softmax", "native_layer_norm", "native_batch_norm",
+    "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
+    "_native_batch_norm_legit_functional", "native_group_norm", "gelu", "silu", "mish",
+    "hardswish", "hardsigmoid", "softplus", "elu", "leaky_relu", "logsumexp", "var_mean", "var",
+    "std", "std_mean", "mse_loss", "addcmul", "addcdiv", "linalg_vector_norm", "norm", "lerp",
+    "_rms_norm", "rms_norm", "huber_loss", "smooth_l1_loss", "log_sigmoid_forward", "softshrink",
+    "hardshrink", "celu", "selu", "glu", "nll_loss_forward", "binary_cross_entropy",
+]
+
+
+def _decompositions() -> dict:
+    table = getattr(_decompositions, "_table", None)
+    if table is None:
+        ops = [getattr(aten, n) for n in _DECOMPOSED_NAMES if hasattr(aten, n)]
+        table = _decompositions._table = get_decompositions(ops)
+    return table
+
+
+_CONTEXTS: dict = {}
+
+
+def _context(format, n_samples, seed, rounding, confidence, diagnostics, randomness) -> AtenContext:
+    key = (get_format(format), n_samples, seed, str(rounding), confidence, diagnostics, randomness)
+    ctx = _CONTEXTS.get(key)
+    if ctx is None:
+        ctx = _CONTEXTS[key] = AtenContext(format, n_samples, seed, rounding, confidence,
+                                           diagnostics, randomness=randomness)
+    return ctx
+
+
+class StochasticTensor(torch.Tensor):
+    """A tensor of N synchronous stochastic samples (CESTAC), shaped like one sample.
+
+    Attributes:
+        value: The sample mean, a plain tensor of the nominal dtype.
+        samples: The samples ``[N, ...]`` in the working dtype.
+        digits: Per-element CESTAC digits (plain tensor).
+    """
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, stacked: Stacked, ctx: AtenContext, dtype: torch.dtype):
+        r = torch.Tensor._make_wrapper_subclass(
+            cls, tuple(stacked.shape), dtype=dtype, device=stacked.samples.device,
+            requires_grad=False)
+        r._st = stacked
+        r._ctx = ctx
+        return r
+
+    # -- user-facing views ----------------------------------------------------------------
+    @property
+    def samples(self) -> torch.Tensor:
+        return self._st.samples
+
+    @property
+    def value(self) -> torch.Tensor:
+        s = self._st.samples
+        m = s.double().mean(0) if s.is_floating_point() else s[0]
+        return m.to(self.dtype)
+
+    @property
+    def digits(self) -> torch.Tensor:
+        return self._st.analysis(self._ctx).digits.clone()
+
+    @property
+    def context(self) -> AtenContext:
+        return self._ctx
+
+    def _texts(self) -> list:
+        an = self._st.analysis(self._ctx)
+        means = self._st.samples.double().mean(0).reshape(-1).tolist()
+        digs = an.digits.reshape(-1).tolist()
+        ez = an.exact_zero.reshape(-1).tolist()
+        return [format_stochastic(m, d, e, cap=self._ctx.cap) for m, d, e in zip(means, digs, ez)]
+
+    def __str__(self) -> str:
+        if not self._st.samples.is_floating_point():
+            return str(self._st.samples[0])
+        texts = self._texts()
+        if self.dim() == 0:
+            return texts[0]
+        return str(np.array(texts, dtype=object).reshape(tuple(self.shape))).replace("'", "")
+
+    def __repr__(self) -> str:
+        return (f"StochasticTensor({self}, format={self._ctx.fmt.name}, "
+                f"n_samples={self._ctx.n_samples})")
+
+    def __format__(self, spec: str) -> str:
+        return str(self) if not spec else format(float(self), spec)
+
+    # -- dispatch -------------------------------------------------------------------------
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        leaves = pytree.tree_leaves((args, kwargs))
+        ctx = next(x._ctx for x in leaves if isinstance(x, StochasticTensor))
+
+        if func is aten._local_scalar_dense.default:
+            return _scalar(args[0], ctx)
+        table = _decompositions()
+        if func in table:
+            out = table[func](*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        schema = func._schema
+        if schema.is_mutable:
+            return _inplace(func, args, kwargs, ctx)
+
+        nominal = _nominal_dtype(leaves, kwargs)
+
+        def unwrap(x):
+            return x._st if isinstance(x, StochasticTensor) else x
+
+        uargs, ukw = pytree.tree_map(unwrap, (args, kwargs))
+        out = apply_primitive(func, tuple(uargs), ukw, ctx)
+        return pytree.tree_map(lambda x: _wrap(x, ctx, nominal), out,
+                               is_leaf=lambda x: isinstance(x, Stacked))
+
+
+def _wrap(x, ctx, nominal):
+    if isinstance(x, Stacked):
+        dtype = nominal if x.samples.is_floating_point() else x.samples.dtype
+        return StochasticTensor(x, ctx, dtype)
+    return x
+
+
+def _nominal_dtype(leaves, kwargs) -> torch.dtype:
+    dt = kwargs.get("dtype")
+    if isinstance(dt, torch.dtype) and dt.is_floating_point:
+        return dt
+    best = None
+    for x in leaves:
+        if isinstance(x, StochasticTensor) and x.dtype.is_floating_point:
+            best = x.dtype if best is None else torch.promote_types(best, x.dtype)
+    return best or torch.get_default_dtype()
+
+
+def _scalar(t: StochasticTensor, ctx: AtenContext):
+    """float()/int()/bool() of a stochastic scalar: the mean (floats), the common value (others)."""
+    s = t._st.samples.reshape(t._st.samples.shape[0])
+    if s.is_floating_point():
+        return float(s.double().mean())
+    vals = s.tolist()
+    if len(set(vals)) > 1:
+        # samples disagree on an integer/boolean: CADNA's unstable branching (bool) or intrinsic
+        key = "branching" if s.dtype == torch.bool else "intrinsic"
+        ctx.counters.add(key, 1)
+        for c in active_collectors():
+            c.add(key, 1)
+        return max(set(vals), key=vals.count)
+    return vals[0]
+
+
+def _functional(func):
+    """The functional overload of an in-place primitive (``add_.Tensor`` -> ``add.Tensor``)."""
+    name = func.overloadpacket.__name__
+    if not name.endswith("_"):
+        return None
+    packet = getattr(aten, name[:-1], None)
+    ov = getattr(packet, func._overloadname, None) if packet is not None else None
+    return ov if ov is not None and not ov._schema.is_mutable else None
+
+
+def _inplace(func, args, kwargs, ctx):
+    """x.add_(y), x.copy_(y), x.zero_()...: run the functional form and store the result."""
+    self_ = args[0]
+    if func.overloadpacket.__name__ in ("copy_",):
+        src = args[1]
+        res = src._st if isinstance(src, StochasticTensor) else ctx.stack(torch.as_tensor(src))
+        res = Stacked(res.samples.expand(ctx.n_samples, *self_.shape).contiguous())
+    else:
+        fn = _functional(func)
+        if fn is None or "out" in kwargs:
+            raise NotImplementedError(
+                f"fxstab.stochastic: in-place/out= primitive {func} has no functional form "
+                f"fxstab knows; rewrite the code without it")
+        out = StochasticTensor.__torch_dispatch__(fn, (), args, kwargs)
+        res = out._st if isinstance(out, StochasticTensor) else ctx.stack(out)
+    if isinstance(self_, StochasticTensor):
+        if res.samples.is_floating_point() != self_._st.samples.is_floating_point():
+            res = Stacked(res.samples.to(self_._st.samples.dtype))
+        self_._st = res
+        return self_
+    # a plain tensor updated from stochastic values keeps their mean (e.g. BatchNorm's running
+    # statistics): it cannot hold samples
+    with torch._C._DisableTorchDispatch():
+        mean = res.samples.double().mean(0) if res.samples.is_floating_point() else res.samples[0]
+        self_.copy_(mean.to(self_.dtype))
+    return self_
+
+
+# --------------------------------------------------------------------------- entry points
+def stochastic(
+    x: Any,
+    format: FormatLike = "fp32",
+    n_samples: int = 3,
+    seed: int = 0,
+    rounding: str = "random",
+    *,
+    confidence: float = 0.95,
+    diagnostics: str = "summary",
+    randomness: str = "fast",
+    context: Optional[AtenContext] = None,
+) -> StochasticTensor:
+    """A stochastic value (CADNA's ``float_st``) for a tensor, NumPy array or Python number.
+
+    The input is rounded to nearest into the format (as assigning a double to a ``float_st``
+    does) and enters as N identical samples; every operation on it then rounds randomly.
+
+    Args:
+        x: Floating tensor, NumPy array or Python number.
+        format: Simulated format (``"fp32"``, ``"bf16"``, a pair...).
+        n_samples: N >= 2.
+        seed: Base seed. Values created with the same settings share one context (so their
+            operations draw distinct rounding bits).
+        rounding: Rounding mode of every result (``random``: CESTAC).
+        confidence: Student-t confidence of the digits.
+        diagnostics: Counters: ``off`` | ``summary`` | ``detailed``.
+        randomness: ``fast`` or ``philox`` (bit-exact with the kernels' references).
+        context: An explicit :class:`~fxstab.aten_rules.AtenContext` (overrides the settings).
+    """
+    ctx = context or _context(format, n_samples, seed, rounding, confidence, diagnostics, randomness)
+    if isinstance(x, StochasticTensor):
+        return x
+    if isinstance(x, torch.Tensor):
+        t = x.detach()
+    elif isinstance(x, (np.ndarray, np.generic, list, tuple)):
+        t = torch.as_tensor(np.asarray(x))
+        if not t.is_floating_point():
+            t = t.to(torch.float64)
+    elif isinstance(x, (float, int)) and not isinstance(x, bool):
+        t = torch.tensor(float(x), dtype=torch.float64 if ctx.fmt.name == "fp64" else torch.float32)
+    else:
+        raise ValueError(f"fxstab.stochastic takes a tensor, NumPy array or number, got "
+                         f"{type(x).__name__}")
+    if not t.is_floating_point():
+        raise ValueError(f"fxstab.stochastic needs floating values, got dtype {t.dtype}; convert "
+                         f"with .double() or .float() first")
+    nominal = t.dtype
+    w = _nearest(t, ctx)
+    return StochasticTensor(ctx.stack(w), ctx, nominal)
+
+
+_HARDWARE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+             "fp64": torch.float64}
+
+
+def _nearest(t: torch.Tensor, ctx: AtenContext) -> torch.Tensor:
+    """Round-to-nearest into the format, in the working dtype: a hardware cast where the format
+    is a torch dtype (IEEE, same as ml_dtypes), else :func:`fxstab.rounding.quantize`."""
+    hw = _HARDWARE.get(ctx.fmt.name)
+    if hw is not None and ctx.fmt == get_format(hw):
+        return t.to(hw).to(ctx.working_dtype)
+    return quantize(t.to(ctx.working_dtype), ctx.fmt, "nearest")
+
+
+class AnalysisResult:
+    """What :func:`analyze` returns.
+
+    Attributes:
+        value: Output(s) with each stochastic tensor replaced by its mean.
+        samples: Output(s) as stacked samples ``[N, ...]``.
+        digits: Output(s) as per-element digits.
+        counters: CADNA's counters over the whole call (dict with ``COUNTER_KEYS``).
+        events: Per-event records (``diagnostics="detailed"``).
+        reports: One :class:`~fxstab.report.OpReport` per recorded primitive, in call order.
+        output: The raw output (stochastic tensors).
+    """
+
+    def __init__(self, output, counters: Counters, reports: list):
+        self.output = output
+        pick = lambda f: pytree.tree_map(  # noqa: E731
+            lambda x: f(x) if isinstance(x, StochasticTensor) else x, output)
+        self.value = pick(lambda t: t.value)
+        self.samples = pick(lambda t: t.samples)
+        self.digits = pick(lambda t: t.digits)
+        self.counters = dict(counters.counts)
+        self.events = list(counters.events)
+        self.reports = reports
+
+    def table(self, worst: int = 20) -> str:
+        """The recorded primitives, fewest min digits first."""
+        rows = sorted(self.reports, key=lambda r: r.min_digits)[:worst]
+        lines = [f"{'primitive':<28} {'avg':>6} {'min':>6}  counters"]
+        for r in rows:
+            cs = ", ".join(f"{k}={v}" for k, v in r.counters.items() if v)
+            lines.append(f"{r.name:<28} {r.avg_digits:6.2f} {r.min_digits:6.2f}  {cs}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"AnalysisResult(value={self.value!r}, counters={self.counters})"
+
+
+def analyze(fn: Callable, *, format: FormatLike = "fp32", n_samples: int = 3, seed: int = 0,
+            rounding: str = "random", confidence: float = 0.95, diagnostics: str = "summary",
+            randomness: str = "fast", cancel_digits: float = 4.0) -> Callable[..., AnalysisResult]:
+    """Analyse a plain function of tensors, NumPy arrays or Python floats at the arithmetic level.
+
+    ``fxstab.analyze(f, format="fp32")(x, y)`` turns every floating argument into a stochastic
+    value, runs ``f`` once (eager driver), and returns an :class:`AnalysisResult`. Each call uses
+    a fresh context, so the same call with the same seed gives the same samples.
+    """
+    def run(*args, **kwargs) -> AnalysisResult:
+        records: list[PrimitiveRecord] = []
+        ctx = AtenContext(format, n_samples, seed, rounding, confidence, diagnostics,
+                          cancel_digits=cancel_digits, recorder=records.append,
+                          randomness=randomness)
+
+        def lift(a):
+            if isinstance(a, torch.Tensor) and a.is_floating_point() or \
+                    isinstance(a, (float, np.floating)) or \
+                    (isinstance(a, np.ndarray) and np.issubdtype(a.dtype, np.floating)):
+                return stochastic(a, context=ctx)
+            return a
+
+        largs, lkw = pytree.tree_map(lift, (args, kwargs))
+        with instability_counters(diagnostics if diagnostics != "off" else "summary") as c:
+            out = fn(*largs, **lkw)
+        reports = [to_op_report(r, ctx, call=i) for i, r in enumerate(records)]
+        return AnalysisResult(out, c if diagnostics != "off" else Counters("summary"), reports)
+
+    return run

@@ -1,0 +1,52 @@
+"""Calibration bands of the two tables in benchmarks/ (DESIGN.md §10), one seed.
+
+The bands: unstable formulations keep ~0 digits in fp32 (classical) and ~0-1 (operators);
+stabilized ones keep >= 5.5 of fp32's 7.22 and >= 14 of fp64's 15.95. The benchmark scripts print
+the full tables over several seeds.
+"""
+
+import importlib.util
+import math
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+classical = _load("bench_classical")
+optable = _load("bench_operator_table")
+
+
+@pytest.mark.parametrize("case", classical.CASES, ids=lambda c: c.name)
+def test_classical_case(case):
+    avg32, min32, c32 = classical.digits_of(case.unstable, case.args(), "fp32", 0)
+    assert avg32 <= 0.5, f"{case.name} unstable fp32 kept {avg32:.2f} digits"
+    if case.name == "Rump's polynomial":
+        avg64, _, c64 = classical.digits_of(case.unstable, case.args(), "fp64", 0)
+        assert avg64 <= 0.5 and c64["cancellation"] >= 1
+        assert c32["cancellation"] >= 1
+    if case.stable is not None:
+        s32, _, sc32 = classical.digits_of(case.stable, case.args(), "fp32", 0)
+        s64, _, _ = classical.digits_of(case.stable, case.args(), "fp64", 0)
+        assert 5.5 <= s32 <= 7.23, f"{case.name} stable fp32 {s32:.2f}"
+        assert 14.0 <= s64 <= 15.96, f"{case.name} stable fp64 {s64:.2f}"
+
+
+@pytest.mark.parametrize("row", optable.ROWS, ids=lambda r: f"{r.operator}-{r.variant}")
+def test_operator_row(row):
+    avg32, min32, _ = optable.digits_of(row, "fp32", 0)
+    avg64, _, _ = optable.digits_of(row, "fp64", 0)
+    if row.unstable:
+        assert avg32 <= 1.5 and min32 <= 0.5, f"{row.variant}: fp32 avg {avg32:.2f} min {min32:.2f}"
+    else:
+        assert avg32 >= 5.5 and avg64 >= 14.0, f"{row.variant}: fp32 {avg32:.2f} fp64 {avg64:.2f}"

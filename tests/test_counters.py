@@ -1,0 +1,158 @@
+"""CADNA's instability counters (DESIGN.md §5) on constructed cases of each kind."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxstab
+from fxstab.aten_rules import AtenContext, Stacked, apply_primitive
+from fxstab.counters import Counters, instability_counters
+from fxstab.report import COUNTER_KEYS
+
+aten = torch.ops.aten
+
+
+def _noise_zero(fmt="fp32"):
+    """A computational zero: (1 + 1e-7) - 1 in fp32, random rounding (samples 0 or 1 ulp)."""
+    x = fxstab.stochastic(1.0, format=fmt, seed=11)
+    return (x + 1e-7) - x
+
+
+def _counts(fn, diagnostics="summary"):
+    with instability_counters(diagnostics) as c:
+        fn()
+    return c
+
+
+def test_keys_are_the_report_keys():
+    c = _counts(lambda: None)
+    assert tuple(c.counts) == COUNTER_KEYS
+    assert c.total == 0
+
+
+def test_cancellation_fires_and_reports_the_event():
+    c = _counts(_noise_zero, "detailed")
+    assert c.counts["cancellation"] == 1
+    assert sum(c.counts.values()) == 1
+    (ev,) = c.events
+    assert ev.kind == "cancellation" and ev.primitive == "aten.sub.Tensor" and ev.count == 1
+    assert ev.digits < 0.5
+
+
+def test_cancellation_counts_elements():
+    x = fxstab.stochastic(torch.ones(5), seed=3)
+    c = _counts(lambda: (x + 1e-7) - x)
+    assert c.counts["cancellation"] == 5
+
+
+def test_cancellation_threshold_is_four_digits():
+    # losing ~3 digits (1 + 1e-3) - 1 is not a cancellation in CADNA's sense
+    x = fxstab.stochastic(1.0, seed=5)
+    c = _counts(lambda: (x + 1.2345e-3) - x)
+    assert c.counts["cancellation"] == 0
+
+
+def test_division_multiplication_power_math():
+    z = _noise_zero()
+    c = _counts(lambda: (1.0 / z, 2.0 / z))
+    assert c.counts["division"] == 2
+    c = _counts(lambda: z * z)
+    assert c.counts["multiplication"] == 1
+    c = _counts(lambda: z * 2.0)  # one factor exact: not unstable
+    assert c.counts["multiplication"] == 0
+    c = _counts(lambda: z ** 2)
+    assert c.counts["power"] == 1
+    c = _counts(lambda: (z.exp(), z.sin(), torch.sigmoid(z)))
+    assert c.counts["math_function"] == 3
+
+
+def test_intrinsic_abs_floor_and_int_cast():
+    ctx = AtenContext("fp32", 3, 0)
+    mixed = Stacked(torch.tensor([[1e-8], [-1e-8], [2e-8]], dtype=torch.float64))
+    with instability_counters() as c:
+        apply_primitive(aten.abs.default, (mixed,), {}, ctx)
+    assert c.counts["intrinsic"] == 1
+    straddle = Stacked(torch.tensor([[0.9999999], [1.0000001], [1.0]], dtype=torch.float64))
+    with instability_counters() as c:
+        apply_primitive(aten.floor.default, (straddle,), {}, ctx)
+        apply_primitive(aten._to_copy.default, (straddle,), {"dtype": torch.int64}, ctx)
+    assert c.counts["intrinsic"] == 2
+    same_sign = Stacked(torch.tensor([[1.5], [1.6], [1.7]], dtype=torch.float64))
+    with instability_counters() as c:
+        apply_primitive(aten.abs.default, (same_sign,), {}, ctx)
+        apply_primitive(aten.floor.default, (same_sign,), {}, ctx)
+    assert c.total == 0
+
+
+def test_branching_comparisons_selections_where():
+    z = _noise_zero()
+    c = _counts(lambda: (z > 0, torch.maximum(z, torch.zeros(())), F.relu(z),
+                         torch.clamp(z, min=0.0)))
+    assert c.counts["branching"] == 4
+    ctx = AtenContext("fp32", 3, 0)
+    cond = Stacked(torch.tensor([[True, True], [False, True], [True, True]]))
+    a = Stacked(torch.zeros(3, 2, dtype=torch.float64))
+    with instability_counters() as c:
+        apply_primitive(aten.where.self, (cond, a, torch.ones(2, dtype=torch.float64)), {}, ctx)
+    assert c.counts["branching"] == 1
+
+
+def test_anomaly_from_finite_inputs_only():
+    big = fxstab.stochastic(100.0, seed=1)
+    c = _counts(lambda: big.exp())  # e^100 overflows fp32
+    assert c.counts["anomaly"] == 1
+    nan_in = fxstab.stochastic(torch.tensor([math.nan, 1.0]), seed=1)
+    c = _counts(lambda: nan_in + 1.0)
+    assert c.counts["anomaly"] == 0
+    neg = fxstab.stochastic(-1.0, seed=1)
+    c = _counts(lambda: neg.sqrt())
+    assert c.counts["anomaly"] == 1 and c.counts["math_function"] == 0
+
+
+def test_stable_code_counts_nothing():
+    g = torch.Generator().manual_seed(0)
+    x = fxstab.stochastic(torch.rand(16, 32, generator=g) + 0.5, seed=2)
+    w = torch.rand(32, 8, generator=g)
+
+    def stable():
+        y = (x * x + 1.0).sqrt().log()
+        p = torch.softmax(4 * torch.arange(8.0) + y @ w, -1)
+        return (p * 2).exp() / (1 + x.mean())
+
+    c = _counts(stable)
+    assert c.total == 0, c.counts
+
+
+def test_diagnostics_off_computes_no_counters():
+    ctx = AtenContext("fp32", 3, 0, diagnostics="off")
+    z = Stacked(torch.tensor([[1e-8], [-1e-8], [2e-8]], dtype=torch.float64))
+    apply_primitive(aten.reciprocal.default, (z,), {}, ctx)
+    assert ctx.counters.total == 0
+    ctx = AtenContext("fp32", 3, 0, diagnostics="summary")
+    apply_primitive(aten.reciprocal.default, (z,), {}, ctx)
+    assert ctx.counters.counts["division"] == 1
+
+
+def test_records_carry_per_primitive_counters():
+    records = []
+    ctx = AtenContext("fp32", 3, 0, recorder=records.append)
+    one = ctx.stack(torch.ones(4, dtype=torch.float64))
+    y = apply_primitive(aten.add.Tensor, (one, 1e-7), {}, ctx)
+    apply_primitive(aten.sub.Tensor, (y, one), {}, ctx)
+    assert [r.name for r in records] == ["aten.add#0", "aten.sub#0"]
+    assert records[1].counters["cancellation"] == 4 and records[0].counters["cancellation"] == 0
+    assert records[1].stats.min < 0.5 and records[0].stats.min > 6
+
+
+def test_bad_settings():
+    with pytest.raises(ValueError, match="diagnostics"):
+        Counters("verbose")
+    with pytest.raises(ValueError, match="diagnostics"):
+        with instability_counters("loud"):
+            pass
+    with pytest.raises(ValueError, match="n_samples"):
+        AtenContext("fp32", 1)
+    with pytest.raises(ValueError, match="randomness"):
+        AtenContext("fp32", 3, randomness="os")
