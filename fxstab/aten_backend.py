@@ -118,8 +118,7 @@ class AtenGraphAnalysis(GraphAnalysis):
             if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
                 out.append(None)
                 continue
-            stack = node.meta.get("source_fn_stack") or []
-            origin = stack[-1][0] if stack else None
+            origin = _origin(node, self.op_names)
             op_name, path, _ = self.op_names.get(origin, ("", module_path(node), ""))
             kind = primitive_kind(node.target)
             k = counts.get((op_name, kind), 0)
@@ -157,7 +156,13 @@ class AtenGraphAnalysis(GraphAnalysis):
                 ins |= frontier.get(m, frozenset())
             frontier[node] = ins
             if node.op == "placeholder":
-                env[node] = next(inputs)
+                v = next(inputs)
+                # Inputs and buffers enter as N identical samples; parameters stay plain (the
+                # rules broadcast plain operands) so weights are never copied N times.
+                if isinstance(v, torch.Tensor) and v.is_floating_point() and \
+                        not isinstance(v, torch.nn.Parameter):
+                    v = ctx.stack(v)
+                env[node] = v
                 continue
             if node.op == "get_attr":
                 env[node] = _fetch_attr(lowered, node.target)
@@ -189,6 +194,19 @@ class AtenGraphAnalysis(GraphAnalysis):
                 frontier[node] = frozenset({rec.name})
             del records[before:]
         return result
+
+
+def _origin(node: torch.fx.Node, known: dict) -> Any:
+    """Name of the dynamo-graph node a lowered primitive came from (``from_node`` provenance,
+    else the source function's node name), or None."""
+    for source in node.meta.get("from_node") or []:
+        name = getattr(source, "name", None)
+        if name in known:
+            return name
+    stack = node.meta.get("source_fn_stack") or []
+    if stack and stack[-1][0] in known:
+        return stack[-1][0]
+    return None
 
 
 def _plain_call(fn: Callable, args: Any, kwargs: Any, stacked_type: type) -> Any:

@@ -1,0 +1,139 @@
+"""granularity="aten": lowering, names with operator context, counters, bit-identity."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxstab
+from models import CNN, MLP, CancellingLinear, DropoutMLP, OffsetLayerNorm
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def analyse(model, *inputs, **options):
+    be = fxstab.backend(granularity="aten", **options)
+    out = torch.compile(model, backend=be)(*inputs)
+    assert not any(info.failures for info in be.infos), [info.failures for info in be.infos]
+    return be, out
+
+
+def test_primitives_are_named_within_their_operator():
+    torch.manual_seed(0)
+    be, _ = analyse(OffsetLayerNorm(offset=0.0, spread=1.0), torch.randn(4, 32))
+    names = [r.name for r in be.reports]
+    assert names[0] == "fc/linear#0/aten.addmm#0"
+    ln = [n for n in names if n.startswith("ln/layer_norm#0/aten.")]
+    # layer_norm decomposes into its arithmetic: mean/var, rsqrt, sub, mul, add
+    kinds = {n.split("aten.")[1].split("#")[0] for n in ln}
+    assert {"rsqrt", "sub", "mul"} <= kinds
+    assert all(r.module_path == ("fc" if r.name.startswith("fc") else "ln") for r in be.reports)
+    # edges follow the data: the first layer_norm primitive reads the linear's output
+    first_ln = next(r for r in be.reports if r.name in ln)
+    assert first_ln.inputs == ("fc/linear#0/aten.addmm#0",)
+
+
+def test_cancellation_is_located_at_the_primitive_and_counted():
+    torch.manual_seed(0)
+    be, _ = analyse(OffsetLayerNorm(offset=1000.0, spread=1e-2), torch.randn(8, 32))
+    r = {x.name: x for x in be.reports}
+    sub = r["ln/layer_norm#0/aten.sub#0"]
+    assert sub.avg_digits < 0.3  # x - mean(x): the offset cancels
+    assert r["fc/linear#0/aten.addmm#0"].avg_digits > 2.0
+    total = {k: sum(x.counters[k] for x in be.reports) for k in sub.counters}
+    assert total["cancellation"] + total["multiplication"] + total["math_function"] > 0
+
+
+def test_gemm_primitives_use_the_surrogate():
+    torch.manual_seed(0)
+    bad, _ = analyse(CancellingLinear(offset=1000.0), torch.randn(8, 16))
+    good, _ = analyse(CancellingLinear(offset=0.0), torch.randn(8, 16))
+    b = {x.name: x for x in bad.reports}["fc2/linear#0/aten.mm#0"]
+    g = {x.name: x for x in good.reports}["fc2/linear#0/aten.mm#0"]
+    assert b.surrogate and g.surrogate
+    assert b.avg_digits < 0.5 < 1.5 < g.avg_digits
+
+
+@pytest.mark.parametrize("make, x, mode", [
+    (MLP, torch.randn(8, 16), "train"),
+    (CNN, torch.randn(4, 3, 8, 8), "train"),
+    (DropoutMLP, torch.randn(8, 16), "train"),
+])
+def test_deterministic_output_and_gradients_unchanged(make, x, mode):
+    torch.manual_seed(0)
+    ref = make()
+    getattr(ref, mode)()
+    test = copy.deepcopy(ref)
+    be = fxstab.backend(granularity="aten")
+    compiled = torch.compile(test, backend=be)
+    torch.manual_seed(3)
+    y_ref = ref(x)
+    y_ref.square().mean().backward()
+    r_ref = torch.rand(3)
+    torch.manual_seed(3)
+    y = compiled(x)
+    y.square().mean().backward()
+    r = torch.rand(3)
+    assert torch.equal(y, y_ref) and torch.equal(r, r_ref)
+    for p1, p2 in zip(ref.parameters(), test.parameters()):
+        assert torch.equal(p1.grad, p2.grad)
+    for b1, b2 in zip(ref.buffers(), test.buffers()):
+        assert torch.equal(b1, b2)
+    assert be.reports
+
+
+def test_dropout_masks_are_the_deterministic_ones():
+    torch.manual_seed(0)
+    m = DropoutMLP().train()
+    x = torch.randn(64, 16)
+    torch.manual_seed(7)
+    det = m(x)
+    be = fxstab.backend(granularity="aten", output="mean")
+    torch.manual_seed(7)
+    mean = torch.compile(m, backend=be)(x)
+    assert (mean - det).abs().max() < 0.05 * det.abs().max()
+
+
+def test_every_k_and_same_seed_same_reports():
+    torch.manual_seed(0)
+    m, x = MLP(), torch.randn(4, 16)
+    be = fxstab.backend(granularity="aten", every=2, seed=5)
+    cm = torch.compile(m, backend=be)
+    for _ in range(4):
+        cm(x)
+    assert be.infos[0].analysed_calls == 2
+    calls = sorted({r.call for r in be.reports})
+    assert calls == [0, 2]
+    first = [(r.name, r.avg_digits) for r in be.reports if r.call == 0]
+    torch._dynamo.reset()
+    be2 = fxstab.backend(granularity="aten", seed=5)
+    torch.compile(m, backend=be2)(x)
+    assert [(r.name, r.avg_digits) for r in be2.reports] == first
+
+
+def test_eager_driver_and_compiled_aten_path_agree_on_digits():
+    # The same per-primitive rules run in both; their random streams differ (per call salts),
+    # so compare averages over many elements: within 0.15 digits of each other.
+    torch.manual_seed(0)
+    x = torch.randn(256, 64) * 3 + 100.0
+
+    def f(t):
+        return (t - t.mean(-1, keepdim=True)).exp().sum(-1)
+
+    be = fxstab.backend(granularity="aten", format="bf16", seed=1)
+    torch.compile(f, backend=be)(x)
+    compiled = {r.name.split("/")[-1].split("#")[0]: r.avg_digits for r in be.reports}
+    res = fxstab.analyze(f, format="bf16", seed=1)(x)
+    eager = {r.name.split("/")[-1].split("#")[0]: r.avg_digits for r in res.reports}
+    common = set(compiled) & set(eager)
+    assert {"aten.sub", "aten.exp", "aten.sum"} <= common
+    for k in common:
+        assert abs(compiled[k] - eager[k]) < 0.15, (k, compiled[k], eager[k])
