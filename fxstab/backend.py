@@ -430,14 +430,27 @@ class SampleInterpreter:
 
     # -- surrogate, rounding, recording ----------------------------------------------------
     def _perturb(self, plan: NodePlan, leaves: list) -> tuple[list, bool]:
+        """The GEMM surrogate (DESIGN.md §4) on the operands that carry samples.
+
+        Plain operands (weights, constants: identical in every sample) are not perturbed:
+        perturbing one factor of a product by a relative eta already moves each output by eta
+        times its condition-weighted magnitude, which is what the surrogate must expose, and
+        copying every weight N times per call would cost more than the product. When no operand
+        carries samples yet (the model's inputs meet its weights), every floating operand is
+        perturbed: which of them is ill-conditioned (a near tie among keys, a cancelling weight)
+        is unknown.
+        """
         eta = self.cfg.data_perturbation_threshold
         fired = False
         new = list(leaves)
-        for i, v in enumerate(leaves):
-            t = v.t if isinstance(v, Stacked) else v
-            if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
-                continue
-            samples = self._stack(v) if isinstance(v, Stacked) else self._stack(self._to_working(t))
+        floats = [i for i, v in enumerate(leaves)
+                  if isinstance(v, Stacked) and v.t.is_floating_point()]
+        if not floats:
+            floats = [i for i, v in enumerate(leaves)
+                      if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        for i in floats:
+            v = leaves[i]
+            samples = v.t if isinstance(v, Stacked) else self._stack(self._to_working(v))
             out, count = perturb_samples(samples.contiguous(), eta, self._seed(plan, 1000 + i))
             if count:
                 fired = True
