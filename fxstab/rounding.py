@@ -120,7 +120,11 @@ def round_with_bits(
 
     if mode is Rounding.NEAREST:
         half = one << (sh - 1)
-        lo_odd = ((lo >> sh) & 1) == 1
+        # Parity of lo in units of the quantum is bit ``sh`` of the significand (implicit bit
+        # included), not of the bit pattern: at shift == wm (|x| in [min_sub, 2 min_sub) of a
+        # format whose subnormals are normal in the working dtype) bit wm of the pattern is the
+        # exponent's lowest bit, while lo = 1 quantum is odd.
+        lo_odd = ((significand >> sh) & 1) == 1
         up = (rem > half) | ((rem == half) & lo_odd)
     elif mode is Rounding.ZERO:
         up = torch.zeros_like(sign)
