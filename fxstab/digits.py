@@ -12,7 +12,8 @@ clipped to [0, cap]. An element whose samples are not all exactly zero and whose
 ``zero_threshold`` (0.5: zero digits once rounded, as CADNA prints) is a computational zero.
 
 The implementation evaluates sigma/|mean| from the relative deviations (x_i - mean)/|mean|, which
-is the same quantity but cannot underflow for tiny values or overflow for huge ones.
+is the same quantity but cannot underflow for tiny values or overflow for huge ones, with the
+corrected two-pass variance so that the rounding of the mean does not bias sigma.
 """
 
 from __future__ import annotations
@@ -128,21 +129,33 @@ def cestac_digits(
         format: Simulated format; sets the cap (p*log10 2). Defaults to the samples' dtype.
         confidence: Confidence of the Student-t interval.
     """
-    if not samples.is_floating_point():
-        raise ValueError(f"samples must be floating, got {samples.dtype}")
-    if samples.dim() < 1:
-        raise ValueError("samples need a leading sample dimension")
+    _check_samples(samples)
     n = samples.shape[0]
     t = student_t(n, confidence)
     cap = digits_cap(format, samples.dtype)
     return _digits(samples, n, t, cap)
 
 
+def _check_samples(samples: torch.Tensor) -> None:
+    if not isinstance(samples, torch.Tensor) or not samples.is_floating_point():
+        raise ValueError(f"samples must be a floating tensor, got "
+                         f"{getattr(samples, 'dtype', type(samples).__name__)}")
+    if samples.dim() < 1:
+        raise ValueError("samples need a leading sample dimension [N, ...], got a 0-d tensor")
+
+
 def _digits(samples: torch.Tensor, n: int, t: float, cap: float) -> torch.Tensor:
-    mean = samples.mean(0)
+    # Sum of x_i / N: no overflow for values near the dtype's max (three fp32 samples near
+    # 3e38, a bf16 softmax that is about to overflow, have a finite mean).
+    mean = (samples / n).sum(0)
     absmean = mean.abs()
     rel = (samples - mean) / absmean
-    var = (rel * rel).sum(0) / (n - 1)
+    # Corrected two-pass variance: sum(r^2) - (sum r)^2 / N removes the error of the rounded
+    # mean exactly (sum (x - m~)^2 = sum (x - m)^2 + N (m - m~)^2). Without it an fp64 mean
+    # one ulp off biases sigma^2 by (ulp / sigma)^2: 1e-8 relative at a 1e-12 spread, and a
+    # factor 1.5 for samples one ulp apart.
+    s1 = rel.sum(0)
+    var = torch.clamp((rel * rel).sum(0) - s1 * s1 / n, min=0.0) / (n - 1)
     c = math.log10(math.sqrt(n) / t) - 0.5 * torch.log10(var)
     c = torch.clamp(torch.nan_to_num(c, nan=0.0, posinf=cap, neginf=0.0), 0.0, cap)
     identical = (samples == samples[0]).all(0)
@@ -193,12 +206,14 @@ def digit_stats(
 
     An empty tensor has no element that lost digits: its avg/min/max are the cap.
     """
+    _check_samples(samples)
     n = samples.shape[0]
+    t = student_t(n, confidence)  # validates N and the confidence even for empty tensors
     cap = digits_cap(format, samples.dtype)
-    numel = samples[0].numel() if n else 0
+    numel = samples[0].numel()
     if numel == 0:
         return DigitStats(cap, cap, cap, 0, 0.0, 0)
-    d = _digits(samples, n, student_t(n, confidence), cap)
+    d = _digits(samples, n, t, cap)
     zeros = computational_zero(samples, d, threshold=zero_threshold)
     non_finite = (~torch.isfinite(samples).all(0)).sum()
     dd = d.double()
