@@ -100,6 +100,11 @@ def round_with_bits(
     ``rand`` supplies the randomness, broadcastable to ``x``: 0/1 bits for ``random`` (1 picks
     the upper neighbour in magnitude), uint32 words held in int64 for ``stochastic``; unused
     for the deterministic modes. This is the shared core of every rounding path.
+
+    The contract a kernel reproduces: with ``lo``/``hi`` the neighbours of |x| and
+    ``frac = (|x| - lo) / (hi - lo)``, ``random`` takes hi iff the bit is 1, ``stochastic``
+    iff ``word < floor(frac * 2**32)``, ``nearest`` ties to an even integral significand;
+    values on the grid never move. fp32 works on int32 patterns, fp64 on int64.
     """
     int_dtype, wm, wbias, wexp_ones, sh_max = _WORKING[x.dtype]
     m = fmt.man_bits
