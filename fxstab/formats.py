@@ -10,6 +10,7 @@ the all-ones pattern as NaN, so its largest value is 448 rather than 240.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import Union
 
@@ -43,11 +44,13 @@ class Format:
             ("exp_bits", self.exp_bits, _MIN_EXP_BITS, _MAX_EXP_BITS),
             ("man_bits", self.man_bits, _MIN_MAN_BITS, _MAX_MAN_BITS),
         ):
-            if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, bool) or not hasattr(type(value), "__index__"):
                 raise ValueError(
                     f"{field} must be an integer in [{lo}, {hi}], got {value!r} "
                     f"({type(value).__name__})"
                 )
+            value = operator.index(value)  # numpy/torch integers become plain ints
+            object.__setattr__(self, field, value)
             if not lo <= value <= hi:
                 raise ValueError(f"{field} must be in [{lo}, {hi}], got {value}")
         if not self.name:
@@ -166,11 +169,12 @@ def get_format(spec: FormatLike) -> Format:
     if isinstance(spec, (tuple, list)):
         if len(spec) != 2:
             raise ValueError(f"a format pair is (exp_bits, man_bits), got {spec!r}")
-        e, m = spec
-        for name, known in FORMATS.items():
-            if (known.exp_bits, known.man_bits) == (e, m) and not known.finite_only:
+        fmt = Format(*spec)  # validates first: (5.0, 2) must not match fp8_e5m2 by equality
+        for known in FORMATS.values():
+            if (known.exp_bits, known.man_bits) == (fmt.exp_bits, fmt.man_bits) \
+                    and not known.finite_only:
                 return known
-        return Format(e, m)
+        return fmt
     raise ValueError(f"cannot make a format from {spec!r} ({type(spec).__name__}); pass a name "
                      f"such as 'bf16', an (exp_bits, man_bits) pair or a Format")
 

@@ -17,7 +17,7 @@ The layout of the streams is part of the contract shared with ``fxstab.kernels``
 
 Arithmetic is done on int64 tensors holding uint32 values; 32x32-bit products are split into
 16-bit halves so no intermediate overflows int64 (signed overflow is undefined in the C++
-that eager kernels and inductor emit).
+that eager kernels and inductor emit). Draws are non-negative integers (< 2**32).
 """
 
 from __future__ import annotations
@@ -40,11 +40,15 @@ def split_seed(seed: int) -> tuple[int, int]:
 
 
 def _mul32(const: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hi, lo) 32-bit halves of const * x for uint32 values held in int64."""
+    """(hi, lo) 32-bit halves of const * x for uint32 values held in int64.
+
+    Two 16x32-bit partial products (< 2**48 each), combined with in-place operations: on the
+    CPU a fresh multi-megabyte temporary costs more than the arithmetic on it.
+    """
     p_lo = x * (const & 0xFFFF)  # < 2**48
     p_hi = x * (const >> 16)  # < 2**48
-    hi = (p_hi + (p_lo >> 16)) >> 16
-    lo = (p_lo + ((p_hi & 0xFFFF) << 16)) & M32
+    lo = (p_hi & 0xFFFF).bitwise_left_shift_(16).add_(p_lo).bitwise_and_(M32)
+    hi = p_hi.add_(p_lo.bitwise_right_shift_(16)).bitwise_right_shift_(16)
     return hi, lo
 
 
@@ -54,16 +58,20 @@ def philox(seed: int, c0: torch.Tensor, c1, c2, c3, n_rounds: int = N_ROUNDS):
     c0 = torch.as_tensor(c0, dtype=torch.int64)
     like = c0
     c1, c2, c3 = (torch.as_tensor(c, dtype=torch.int64, device=like.device) for c in (c1, c2, c3))
+    shape = torch.broadcast_shapes(c0.shape, c1.shape, c2.shape, c3.shape)
     for _ in range(n_rounds):
         hi_b, lo_b = _mul32(PHILOX_ROUND_B, c2)
         hi_a, lo_a = _mul32(PHILOX_ROUND_A, c0)
-        c0 = hi_b ^ c1 ^ k0
-        c2 = hi_a ^ c3 ^ k1
+        if hi_b.shape != shape:
+            hi_b = hi_b.expand(shape).clone()
+        if hi_a.shape != shape:
+            hi_a = hi_a.expand(shape).clone()
+        c0 = hi_b.bitwise_xor_(c1).bitwise_xor_(k0)
+        c2 = hi_a.bitwise_xor_(c3).bitwise_xor_(k1)
         c1 = lo_b
         c3 = lo_a
         k0 = (k0 + PHILOX_KEY_A) & M32
         k1 = (k1 + PHILOX_KEY_B) & M32
-    shape = torch.broadcast_shapes(c0.shape, c1.shape, c2.shape, c3.shape)
     return tuple(c.expand(shape) for c in (c0, c1, c2, c3))
 
 
@@ -75,17 +83,29 @@ def random_bits(seed: int, numel: int, draws: torch.Tensor | list[int], device=N
     words = philox(seed, g & M32, draws, g >> 32, 0)  # 4 x [D, G]
     w = torch.stack(words, dim=-1)  # [D, G, 4]
     shifts = torch.arange(32, dtype=torch.int64, device=draws.device)
-    bits = (w.unsqueeze(-1) >> shifts) & 1  # [D, G, 4, 32]
+    bits = (w.unsqueeze(-1) >> shifts).bitwise_and_(1)  # [D, G, 4, 32]
     return bits.reshape(draws.shape[0], groups * 128)[:, :numel]
 
 
 def uniform_words(seed: int, numel: int, draws: torch.Tensor | list[int], device=None) -> torch.Tensor:
-    """32-bit uniforms (int64 in [0, 2**32)) for draws x elements: tensor [len(draws), numel]."""
-    draws = torch.as_tensor(draws, dtype=torch.int64, device=device).reshape(-1, 1)
-    e = torch.arange(numel, dtype=torch.int64, device=draws.device).reshape(1, -1)
-    words = torch.stack(philox(seed, e & M32, draws >> 2, e >> 32, 0), dim=0)  # [4, D, numel]
-    index = (draws & 3).reshape(1, -1, 1).expand(1, draws.shape[0], numel)
-    return torch.gather(words, 0, index).squeeze(0)
+    """32-bit uniforms (int64 in [0, 2**32)) for draws x elements: tensor [len(draws), numel].
+
+    One Philox evaluation per element serves the four draws 4b..4b+3, so it is computed once
+    per block b that the draws touch (N=3 samples: one evaluation, not three).
+    """
+    draws = torch.as_tensor(draws, dtype=torch.int64, device=device).reshape(-1)
+    dev = draws.device
+    wanted = draws.tolist()
+    blocks = sorted({d >> 2 for d in wanted})
+    e = torch.arange(numel, dtype=torch.int64, device=dev)
+    e_lo, e_hi = e & M32, e >> 32
+    out = torch.empty((len(wanted), numel), dtype=torch.int64, device=dev)
+    for b in blocks:
+        words = philox(seed, e_lo, b, e_hi, 0)
+        for i, d in enumerate(wanted):
+            if d >> 2 == b:
+                out[i] = words[d & 3]
+    return out
 
 
 def derive_seed(seed: int, *salt: int) -> int:

@@ -50,10 +50,14 @@ class Rounding(str, Enum):
 
 
 _WORKING = {
-    # dtype: (int view dtype, mantissa bits, exponent bias, exponent all-ones)
-    torch.float32: (torch.int32, 23, 127, 0xFF),
-    torch.float64: (torch.int64, 52, 1023, 0x7FF),
+    # dtype: (int view dtype, mantissa bits, exponent bias, exponent all-ones, largest shift)
+    # The largest shift keeps ``1 << shift`` and ``half`` inside the int type; shifts beyond it
+    # only occur for |x| < min_subnormal, where any half larger than the significand decides
+    # the same (2**29 > 2**24 > an fp32 significand; 2**61 > 2**53 for fp64).
+    torch.float32: (torch.int32, 23, 127, 0xFF, 30),
+    torch.float64: (torch.int64, 52, 1023, 0x7FF, 62),
 }
+_SIGN = {torch.int32: -(1 << 31), torch.int64: -(1 << 63)}
 
 
 def _float_bits(value: float, dtype: torch.dtype) -> int:
@@ -96,91 +100,99 @@ def round_with_bits(
     ``rand`` supplies the randomness, broadcastable to ``x``: 0/1 bits for ``random`` (1 picks
     the upper neighbour in magnitude), uint32 words held in int64 for ``stochastic``; unused
     for the deterministic modes. This is the shared core of every rounding path.
-    """
-    int_dtype, wm, wbias, wexp_ones = _WORKING[x.dtype]
-    bits = x.view(int_dtype).to(torch.int64)
-    sign = torch.signbit(x)
-    mag = bits & (0x7FFFFFFF if int_dtype == torch.int32 else (1 << 63) - 1)
-    exp_field = mag >> wm
-    special = exp_field == wexp_ones  # inf or NaN in the working dtype
 
-    # Unbiased exponent (subnormals of the working dtype count as its emin), and the number of
-    # low bits below the format's quantum at this exponent.
-    e_eff = torch.clamp(exp_field, min=1) - wbias
-    shift = (wm - fmt.man_bits) + torch.clamp(fmt.emin - e_eff, min=0)
-    tiny = shift > wm  # |x| < min_subnormal: lo = 0, hi = min_subnormal
-    sh = torch.clamp(shift, max=62)
-    one = torch.ones_like(sh)
-    unit = one << sh
+    The contract a kernel reproduces: with ``lo``/``hi`` the neighbours of |x| and
+    ``frac = (|x| - lo) / (hi - lo)``, ``random`` takes hi iff the bit is 1, ``stochastic``
+    iff ``word < floor(frac * 2**32)``, ``nearest`` ties to an even integral significand;
+    values on the grid never move. fp32 works on int32 patterns, fp64 on int64.
+    """
+    int_dtype, wm, wbias, wexp_ones, sh_max = _WORKING[x.dtype]
+    m = fmt.man_bits
+    bits = x.view(int_dtype)  # a view: never modified in place below
+    mag = bits & ~_SIGN[int_dtype]
+    inf_bits = wexp_ones << wm
+    max_bits = _float_bits(fmt.max_normal, x.dtype)
+
+    # Low bits below the format's quantum: shift = (wm - m) + clamp(emin - e_eff, 0), with
+    # e_eff = max(E, 1) - wbias the unbiased exponent (working subnormals count as its emin).
+    # With K = emin + wbias >= 1 that is (wm - m) + clamp(K - E, 0, K - 1).
+    k = fmt.emin + wbias
+    exp_field = mag >> wm
+    # |x| < min_subnormal ("tiny": lo = 0, hi = min_subnormal) needs E < K - m; for formats
+    # whose subnormals are the working dtype's (bf16 in fp32) it cannot happen, and then the
+    # significand's bits below wm are the pattern's own.
+    may_be_tiny = k - m > 0
+    if may_be_tiny:
+        # significand with the implicit bit: mag - (max(E - 1, 0) << wm)
+        significand = mag - (exp_field - 1).clamp_(min=0).bitwise_left_shift_(wm)
+    else:
+        significand = mag
+    shift = exp_field.neg_().add_(k).clamp_(0, k - 1).add_(wm - m)  # reuses exp_field
+    tiny = shift > wm if may_be_tiny else None
+    sh = shift.clamp(max=sh_max) if may_be_tiny else shift
+    unit = torch.bitwise_left_shift(torch.ones_like(sh), sh)
     low_mask = unit - 1
-    significand = (mag & ((1 << wm) - 1)) | ((exp_field != 0).to(torch.int64) << wm)
-    rem = torch.where(tiny, significand, mag & low_mask)
-    lo = torch.where(tiny, torch.zeros_like(mag), mag & ~low_mask)
-    hi = torch.where(tiny, torch.full_like(mag, _float_bits(fmt.min_subnormal, x.dtype)), lo + unit)
+    rem = significand & low_mask  # = mag & low_mask unless tiny, where it is the significand
 
     if mode is Rounding.NEAREST:
-        half = one << (sh - 1)
-        lo_odd = ((lo >> sh) & 1) == 1
-        up = (rem > half) | ((rem == half) & lo_odd)
+        # ties to even: up iff rem + parity > half (integers; parity = bit sh of the significand,
+        # implicit bit included: at shift == wm, lo = one quantum is odd).
+        go = (significand >> sh).bitwise_and_(1).add_(rem) > (low_mask >> 1).add_(1)
     elif mode is Rounding.ZERO:
-        up = torch.zeros_like(sign)
-    elif mode is Rounding.UP:
-        up = ~sign
-    elif mode is Rounding.DOWN:
-        up = sign
+        go = None
+    elif mode in (Rounding.UP, Rounding.DOWN):
+        go = (bits >= 0) if mode is Rounding.UP else (bits < 0)
+        go &= rem != 0
     elif mode is Rounding.RANDOM:
         if rand is None:
             raise ValueError("random rounding needs random bits")
-        up = rand != 0
+        go = (rand != 0) & (rem != 0)
     elif mode is Rounding.STOCHASTIC:
         if rand is None:
             raise ValueError("stochastic rounding needs random words")
-        # P(up) = rem / 2**shift, resolved on 32 bits: compare a uniform word with the
-        # remainder scaled to 32 bits (exact for shift <= 32, truncated below 2**-32 beyond).
-        down_shift = torch.clamp(shift - 32, min=0, max=63)
-        up_shift = torch.clamp(32 - shift, min=0)
-        scaled = (rem >> down_shift) << up_shift
-        up = rand < scaled
+        # P(up) = rem / 2**shift, resolved on 32 bits: up iff word < rem * 2**(32 - shift)
+        # (exact for shift <= 32), i.e. iff word >> (32 - shift) < rem; for shift > 32 (only
+        # below min_subnormal) iff word < rem >> (shift - 32), truncated below 2**-32.
+        go = (rand >> (32 - shift).clamp_(min=0)) < (rem >> (shift - 32).clamp_(0, sh_max))
     else:  # pragma: no cover - Rounding is closed
         raise ValueError(f"unknown rounding mode {mode!r}")
 
-    exact = rem == 0
-    res = torch.where(exact | ~up, lo, hi)
-    res = torch.where(exact, mag, res)
+    res = mag - rem  # lo; exact values (rem == 0) are their own lo and never go up
+    if tiny is not None:
+        res.masked_fill_(tiny, 0)
+        unit.masked_fill_(tiny, _float_bits(fmt.min_subnormal, x.dtype))
+    if go is not None:
+        res += torch.where(go, unit, 0)
 
-    # Overflow and special values.
-    max_bits = _float_bits(fmt.max_normal, x.dtype)
-    inf_bits = wexp_ones << wm
-    nan_bits = inf_bits | (1 << (wm - 1))
-    over = (res > max_bits) & ~special
+    # Overflow and special values (inf/NaN of the working dtype: mag >= inf_bits).
+    over = res > max_bits
     if saturate:
-        res = torch.where(over, torch.full_like(res, max_bits), res)
-        is_inf = special & ((mag & ((1 << wm) - 1)) == 0)
-        res = torch.where(is_inf, torch.full_like(res, max_bits), res)
+        res.masked_fill_(over, max_bits)  # also turns inf into max
     else:
-        # IEEE 754 at overflow: rounding toward zero gives max, otherwise inf. The directed
-        # modes know their direction even for values already on the (unbounded) grid; random
-        # and stochastic went toward zero when they picked the lower neighbour.
+        # IEEE 754 at overflow: rounding toward zero gives max, otherwise inf (NaN for fn
+        # formats). The directed modes know their direction even for values already on the
+        # (unbounded) grid; random and stochastic went toward zero iff they picked lo < |x|.
+        big = (inf_bits | (1 << (wm - 1))) if fmt.finite_only else inf_bits
         if mode is Rounding.NEAREST:
-            toward_zero = torch.zeros_like(sign)
+            res.masked_fill_(over, big)
         elif mode is Rounding.ZERO:
-            toward_zero = torch.ones_like(sign)
-        elif mode is Rounding.UP:
-            toward_zero = sign
-        elif mode is Rounding.DOWN:
-            toward_zero = ~sign
+            res.masked_fill_(over, max_bits)
         else:
-            toward_zero = ~exact & ~up
-        big = nan_bits if fmt.finite_only else inf_bits
-        res = torch.where(over, torch.where(toward_zero, torch.full_like(res, max_bits),
-                                            torch.full_like(res, big)), res)
-        if fmt.finite_only:
-            is_inf = special & ((mag & ((1 << wm) - 1)) == 0)
-            res = torch.where(is_inf, torch.full_like(res, nan_bits), res)
-    res = torch.where(special & ((mag & ((1 << wm) - 1)) != 0), mag, res)  # NaN unchanged
-
-    out = res.to(int_dtype).view(x.dtype)
-    return torch.where(sign, -out, out)
+            if mode is Rounding.UP:
+                toward_zero = bits < 0
+            elif mode is Rounding.DOWN:
+                toward_zero = bits >= 0
+            else:
+                toward_zero = res < mag
+            toward_zero &= over
+            res.masked_fill_(over, big)
+            res.masked_fill_(toward_zero, max_bits)
+        # infinite inputs stay infinite (or become NaN in an fn format)
+        is_inf = mag == inf_bits
+        res.masked_fill_(is_inf, big)
+    res = torch.where(mag > inf_bits, mag, res)  # NaN unchanged
+    res |= bits & _SIGN[int_dtype]  # the sign of x, zeros and NaN included
+    return res.view(x.dtype)
 
 
 def _working(x: torch.Tensor, fmt: Format) -> torch.dtype:
