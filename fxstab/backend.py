@@ -38,7 +38,7 @@ from torch.utils import _pytree as pytree
 
 from . import randbits
 from .config import AnalysisConfig
-from .digits import digits_cap, student_t
+from .digits import digits_cap, stats_vector, student_t
 from .formats import working_dtype_for
 from .naming import NameRegistry, module_path, qualified_name, source_location
 from .opsets import (
@@ -481,23 +481,13 @@ class SampleInterpreter:
 
     def _stats(self, samples: torch.Tensor) -> torch.Tensor:
         """[sum, min, max, zeros, non-finite, numel] of one output's per-element digits."""
-        from .digits import _digits  # the estimator's core, without re-validation
-
         n = samples.shape[0]
         cap = digits_cap(self.fmt, samples.dtype)
         flat = samples.reshape(n, -1)
-        numel = flat.shape[1]
-        if numel == 0:
+        if flat.shape[1] == 0:
             return torch.tensor([0.0, cap, cap, 0.0, 0.0, 0.0], dtype=torch.float64,
                                 device=samples.device)
-        d = _digits(flat, n, student_t(n, self.cfg.confidence), cap)
-        finite = torch.isfinite(flat).all(0)
-        exact_zero = (flat == 0).all(0)
-        zeros = (finite & ~exact_zero & (d < self.cfg.zero_threshold)).sum()
-        dd = d.double()
-        return torch.stack([dd.sum(), dd.min(), dd.max(), zeros.double(),
-                            (~finite).sum().double(),
-                            torch.tensor(float(numel), dtype=torch.float64, device=d.device)])
+        return stats_vector(flat, student_t(n, self.cfg.confidence), cap, self.cfg.zero_threshold)
 
     def _finish(self) -> None:
         if not self.pending:

@@ -29,7 +29,7 @@ from .formats import Format, FormatLike, get_format
 
 __all__ = [
     "student_t", "cestac_digits", "computational_zero", "digit_stats", "DigitStats",
-    "format_stochastic", "digits_cap",
+    "format_stochastic", "digits_cap", "stats_vector",
 ]
 
 ZERO_THRESHOLD = 0.5
@@ -207,6 +207,14 @@ class DigitStats:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_vector(cls, v: "torch.Tensor | list") -> "DigitStats":
+        """From the 6 values of :func:`stats_vector` (tensor or list)."""
+        total, mn, mx, zeros, nf, numel = v.tolist() if isinstance(v, torch.Tensor) else v
+        if numel == 0:
+            raise ValueError("no elements: use the format's cap")
+        return cls(total / numel, mn, mx, int(numel), zeros / numel, int(nf))
+
 
 def digit_stats(
     samples: torch.Tensor,
@@ -225,15 +233,26 @@ def digit_stats(
     numel = samples[0].numel()
     if numel == 0:
         return DigitStats(cap, cap, cap, 0, 0.0, 0)
+    return DigitStats.from_vector(stats_vector(samples, t, cap, zero_threshold))
+
+
+def stats_vector(samples: torch.Tensor, t: float, cap: float,
+                 zero_threshold: float = ZERO_THRESHOLD) -> torch.Tensor:
+    """The reductions of :func:`digit_stats` as one float64 tensor on the samples' device:
+    [sum of digits, min, max, computational zeros, non-finite elements, numel].
+
+    No host synchronisation: a caller that measures many tensors converts them all at once.
+    ``samples`` is [N, ...] with at least one element per sample.
+    """
+    n = samples.shape[0]
     masks = _masks(samples)
     d = _digits(samples, n, t, cap, masks)
     _, finite, exact_zero = masks
     zeros = finite & ~exact_zero & (d < zero_threshold)
-    non_finite = (~finite).sum()
     dd = d.double()
-    vals = torch.stack([dd.mean(), dd.min(), dd.max(), zeros.double().mean(), non_finite.double()])
-    avg, mn, mx, zf, nf = vals.tolist()
-    return DigitStats(avg, mn, mx, numel, zf, int(nf))
+    numel = torch.tensor(float(d.numel()), dtype=torch.float64, device=d.device)
+    return torch.stack([dd.sum(), dd.min(), dd.max(), zeros.sum().double(),
+                        (~finite).sum().double(), numel])
 
 
 # --------------------------------------------------------------------------- printing
