@@ -272,7 +272,7 @@ def round_stacked(samples: torch.Tensor, fmt: Format, mode: Rounding, seed: int,
     """
     if randomness == "philox" or mode is not Rounding.RANDOM or samples.dtype not in _WORKING:
         return round_samples(samples, fmt, mode, seed)
-    int_dtype, wm, wbias, wones = _WORKING[samples.dtype]
+    int_dtype, wm, wbias, wones = _WORKING[samples.dtype][:4]
     n = samples.shape[0]
     x = samples.contiguous()
     bits = x.view(int_dtype)
