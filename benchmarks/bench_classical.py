@@ -11,15 +11,17 @@ stabilized ones ~6-7 (fp32, cap 7.22) and ~15 (fp64, cap 15.95).
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import platform
 import sys
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import save_json  # noqa: E402
 
 import fxstab
 
@@ -183,9 +185,7 @@ def main(argv=None) -> int:
     print(f"\n({a.seeds} seeds, N=3, random rounding; min over seeds, avg of means; "
           f"{time.perf_counter() - t0:.1f} s)")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"rows": rows, "torch": torch.__version__, "python": sys.version,
-                       "machine": platform.platform()}, f, indent=1)
+        save_json(a.json, {"benchmark": "bench_classical", "seeds": a.seeds, "rows": rows})
     return 0
 
 

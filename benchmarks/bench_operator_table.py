@@ -11,15 +11,17 @@ min CESTAC digits of the output. Expected: the unstable formulations keep ~0-1 d
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import platform
 import sys
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import save_json  # noqa: E402
 import torch.nn.functional as F
 
 import fxstab
@@ -183,9 +185,7 @@ def main(argv=None) -> int:
     print(f"\n({a.seeds} seeds, N=3, random rounding, arithmetic level (eager driver); "
           f"{time.perf_counter() - t0:.1f} s)")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"rows": rows, "torch": torch.__version__, "python": sys.version,
-                       "machine": platform.platform()}, f, indent=1)
+        save_json(a.json, {"benchmark": "bench_operator_table", "seeds": a.seeds, "rows": rows})
     return 0
 
 

@@ -13,9 +13,7 @@ the analysis over the same for one that runs plain eager.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -100,6 +98,7 @@ print((peak - base) / 1024.0)
 
 def main(argv=None) -> int:
     import fxstab
+    from benchmarks.common import save_json
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="mlp,cnn,transformer")
@@ -156,16 +155,8 @@ def main(argv=None) -> int:
         mem = "-" if r["peak_mem_ratio"] is None else f"{r['peak_mem_ratio']:.2f}"
         print(f"{r['model']:<12} {r['N']:>2} {r['vs_eager']:>9.1f} {r['vs_inductor']:>12.1f} "
               f"{r['every1000_vs_eager']:>11.2f} {mem:>9}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "torch": torch.__version__, "python": platform.python_version(),
-        "machine": platform.machine(), "cpus": os.cpu_count(), "granularity": args.granularity,
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                 capture_output=True, text=True).stdout.strip(),
-    }
-    path = out / f"bench_overhead_{args.granularity}.json"
-    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    path = save_json(Path(args.out) / f"bench_overhead_{args.granularity}.json",
+                     {"benchmark": "bench_overhead", "granularity": args.granularity, "rows": rows})
     print(f"\nwrote {path}")
     return 0
 

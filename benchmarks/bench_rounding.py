@@ -13,21 +13,19 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
-import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-import fxstab
-from fxstab.digits import digit_stats
-from fxstab.rounding import Rounding, quantize, round_samples
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import fxstab  # noqa: E402
+from benchmarks.common import save_json  # noqa: E402
+from fxstab.digits import digit_stats  # noqa: E402
+from fxstab.rounding import Rounding, quantize, round_samples  # noqa: E402
 
 
 def _time(fn, min_time: float, min_reps: int) -> float:
@@ -44,17 +42,6 @@ def _time(fn, min_time: float, min_reps: int) -> float:
         if len(times) >= 200:
             break
     return min(times)
-
-
-def _git_commit() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return rev + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def run(sizes: list[int], fmt: str, modes: list[str], n_samples: int, min_time: float,
@@ -122,17 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    meta = {
-        "benchmark": "bench_rounding", "time": stamp, "commit": _git_commit(),
-        "torch": torch.__version__, "python": sys.version.split()[0],
-        "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()},
-        "format": args.format, "n_samples": args.n_samples, "rows": rows,
-    }
-    path = out / f"bench_rounding-{stamp}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(meta, indent=1))
-    tmp.replace(path)
+    path = save_json(out / f"bench_rounding-{stamp}.json", {
+        "benchmark": "bench_rounding", "format": args.format, "n_samples": args.n_samples,
+        "rows": rows})
     print(f"saved {path}")
     if args.plot:
         import matplotlib
