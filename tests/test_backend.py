@@ -202,7 +202,8 @@ def test_deterministic_output_is_bit_identical_to_eager(make, x, mode):
     assert torch.equal(r1, r2)
 
 
-def test_dropout_masks_are_shared_by_all_samples():
+@pytest.mark.parametrize("granularity", ["op", "aten"])
+def test_dropout_masks_are_shared_by_all_samples(granularity):
     # output="mean": with a shared mask the sample mean is within rounding noise of the
     # deterministic output; a fresh mask per sample would move it by O(1).
     torch.manual_seed(0)
@@ -210,7 +211,7 @@ def test_dropout_masks_are_shared_by_all_samples():
     x = torch.randn(64, 16)
     torch.manual_seed(7)
     det = m(x)
-    be = fxstab.backend(format="bf16", output="mean")
+    be = fxstab.backend(granularity=granularity, format="bf16", output="mean")
     torch.manual_seed(7)
     mean = torch.compile(m, backend=be)(x)
     assert (mean - det).abs().max() < 0.05 * det.abs().max()
