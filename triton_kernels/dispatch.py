@@ -60,7 +60,7 @@ def _format_from(exp_bits: int, man_bits: int, finite_only: bool) -> Format:
 @functools.lru_cache(maxsize=None)
 def register_ops() -> tuple:
     """Register ``fxstab::round_digits`` and ``fxstab::perturb`` (once); returns the ops."""
-    from . import perturb as _perturb
+    from . import gemm_perturb as _perturb
     from . import round_digits as _rd
 
     @torch.library.custom_op("fxstab::round_digits", mutates_args=())

@@ -9,7 +9,8 @@ import torch
 
 from fxstab.formats import Format
 
-INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64}
+INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
+            torch.bfloat16: torch.int16}
 
 
 def kernels_runnable() -> bool:
