@@ -39,7 +39,11 @@ def _check(samples, fmt, mode, saturate=False, want_digits=True, n_check=True):
     # avg/min/max within the digit tolerance; counts (zero fraction * numel, non-finite) exact.
     numel = samples[0].numel()
     assert torch.allclose(sa[:3], sb[:3], rtol=0, atol=tol), (sa.tolist(), sb.tolist())
-    assert round(sa[3].item() * numel) == round(sb[3].item() * numel), (sa.tolist(), sb.tolist())
+    # Computational zeros: exact, except elements whose reference digits lie within the digit
+    # tolerance of the threshold (either side is right there; none in practice on the CPU).
+    borderline = int(((db - 0.5).abs() <= tol).sum()) if want_digits else 0
+    zeros_a, zeros_b = round(sa[3].item() * numel), round(sb[3].item() * numel)
+    assert abs(zeros_a - zeros_b) <= borderline, (sa.tolist(), sb.tolist(), borderline)
     assert sa[4].item() == sb[4].item()
     if want_digits:
         assert da.shape == samples.shape[1:]
