@@ -160,7 +160,7 @@ def _round_bits(x, rand, MODE: tl.constexpr, IS64: tl.constexpr, WM: tl.constexp
 
 @triton.jit
 def _round_digits_kernel(
-    x_ptr, out_ptr, digits_ptr, part_ptr, numel, seed,
+    x_ptr, out_ptr, digits_ptr, part_ptr, numel, seed, size_class,
     N: tl.constexpr, MODE: tl.constexpr, IS64: tl.constexpr, WM: tl.constexpr,
     EXP_ONES: tl.constexpr, SHMAX: tl.constexpr, SHIFT0: tl.constexpr, EB: tl.constexpr,
     MAX_BITS: tl.constexpr, MINSUB_BITS: tl.constexpr, INF_BITS: tl.constexpr,
@@ -283,7 +283,14 @@ _AUTOTUNE_CONFIGS = [
     for rows in (8, 16, 32) for warps in (4, 8)
 ]
 _INTERPRETER_ROWS = 8  # fixed config under TRITON_INTERPRET=1 (no autotuning on the CPU)
+# Fixed GPU config when FXSTAB_AUTOTUNE=0 (tests: one compile per variant instead of six).
+_FIXED_GPU = triton.Config({"ROWS": 16}, num_warps=4)
 _autotuned = None
+
+
+def _size_class(numel: int) -> int:
+    """Autotune bucket: < 1M elements, < 16M, larger (L2-resident vs HBM-bound tiles)."""
+    return 0 if numel < 1 << 20 else (1 if numel < 1 << 24 else 2)
 
 
 def interpreter_active() -> bool:
@@ -446,14 +453,16 @@ def round_digits(
     partials = torch.empty((triton.cdiv(numel, min_block), 5), dtype=torch.float64,
                            device=samples.device)
     dptr = digits if digits is not None else partials  # never written when not asked
-    if interpreter_active():
-        rows = _INTERPRETER_ROWS
+    sc = _size_class(numel)
+    if interpreter_active() or os.environ.get("FXSTAB_AUTOTUNE", "1") == "0":
+        rows = _INTERPRETER_ROWS if interpreter_active() else _FIXED_GPU.kwargs["ROWS"]
         grid = (triton.cdiv(numel, rows * 128),)
-        _round_digits_kernel[grid](samples, out, dptr, partials, numel, s, ROWS=rows, **kw)
+        _round_digits_kernel[grid](samples, out, dptr, partials, numel, s, sc, ROWS=rows,
+                                   num_warps=_FIXED_GPU.num_warps, **kw)
     else:
         kernel = _get_autotuned()
         kernel[lambda meta: (triton.cdiv(numel, meta["ROWS"] * 128),)](
-            samples, out, dptr, partials, numel, s, **kw)
+            samples, out, dptr, partials, numel, s, sc, **kw)
         rows = kernel.best_config.kwargs["ROWS"]
     if not (stats or want_digits):
         return out, None, digits
@@ -468,9 +477,10 @@ def _get_autotuned():
     """The autotuned kernel, built on first GPU use (no work at import)."""
     global _autotuned
     if _autotuned is None:
-        # Narrow key: the tile choice depends on N (registers) and the working dtype width;
-        # the mode changes the arithmetic but not the memory pattern.
-        _autotuned = triton.autotune(configs=_AUTOTUNE_CONFIGS, key=["N", "IS64", "MODE"])(
+        # Narrow key: N (registers), working dtype width, mode (arithmetic per byte) and a
+        # three-way size bucket; the format and the flags reuse the bucket's choice.
+        _autotuned = triton.autotune(configs=_AUTOTUNE_CONFIGS,
+                                     key=["N", "IS64", "MODE", "size_class"])(
             _round_digits_kernel)
     return _autotuned
 
