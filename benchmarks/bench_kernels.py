@@ -42,6 +42,8 @@ def timer(fn, device: torch.device, min_time: float = 0.5, max_reps: int = 50) -
     if device.type == "cuda":
         import triton.testing
 
+        fn()  # first call autotunes / compiles; keep it out of do_bench's run-count estimate
+        torch.cuda.synchronize()
         q = triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8], warmup=25, rep=100)
         return tuple(float(v) for v in q)
     fn()  # warm-up (allocator, first-call compilation)
@@ -105,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="largest numel for the eager torch path (it needs ~10x the memory)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", default="results", help="folder for JSON and plot")
+    ap.add_argument("--tag", default="", help="suffix of the JSON/plot file names")
     args = ap.parse_args(argv)
 
     from fxstab.formats import get_format
@@ -126,8 +129,33 @@ def main(argv: list[str] | None = None) -> int:
     copy_bytes = 1 << 30 if gpu else 1 << 26
     bw = copy_bandwidth(device, copy_bytes)
     print(f"# device {device}, copy bandwidth {bw:.1f} GB/s ({copy_bytes >> 20} MiB copy)")
-    compiled_fn = {}
     rows = []
+    hdr = f"{'path':>9} {'N':>2} {'numel':>8} {'ms':>10} {'GB/s':>9} {'copy%':>6} {'x unfused':>9}"
+    print(f"# format {fmt.name}, mode {args.mode}, {args.dtype}, digits written: {args.digits}")
+    print(hdr, flush=True)
+    try:
+        _measure(args, ns, sizes, paths, fmt, dtype, esize, seed, device, bw, rows, round_digits,
+                 round_digits_torch)
+    except KeyboardInterrupt:  # `timeout --signal=INT`: keep what was measured
+        print("# interrupted: saving the rows measured so far", flush=True)
+    print("# summary")
+    print(hdr)
+    for r in rows:
+        print(_fmt_row(r))
+    _save(args, rows, fmt, device, bw, ns, paths)
+    return 0
+
+
+def _fmt_row(r: dict) -> str:
+    sp = r.get("speedup_vs_unfused")
+    return (f"{r['path']:>9} {r['n']:>2} {r['numel']:>8.0e} {r['ms']:>10.3f} {r['gbs']:>9.2f} "
+            f"{100 * r['frac_copy']:>5.1f}% {'' if sp is None else f'{sp:.2f}':>9}")
+
+
+def _measure(args, ns, sizes, paths, fmt, dtype, esize, seed, device, bw, rows, round_digits,
+             round_digits_torch) -> None:
+    gpu = device.type == "cuda"
+    compiled = None
     for n in ns:
         for numel in sizes:
             need = 2 * n * numel * esize
@@ -150,9 +178,9 @@ def main(argv: list[str] | None = None) -> int:
                     fn = lambda: round_digits_torch(x, fmt, args.mode, seed,  # noqa: E731
                                                     want_digits=args.digits)
                 else:
-                    if n not in compiled_fn:
-                        compiled_fn[n] = torch.compile(round_digits_torch, dynamic=False)
-                    cf = compiled_fn[n]
+                    if compiled is None:
+                        compiled = torch.compile(round_digits_torch)
+                    cf = compiled
                     fn = lambda: cf(x, fmt, args.mode, seed, want_digits=args.digits)  # noqa: E731
                 try:
                     ms, lo, hi = timer(fn, device)
@@ -164,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                 base[path] = ms
                 rows.append(dict(path=path, n=n, numel=numel, ms=ms, ms_p20=lo, ms_p80=hi,
                                  gbs=gbs, frac_copy=gbs / bw, bytes=moved))
+                print(_fmt_row(rows[-1]), flush=True)
             for r in rows:
                 if r["n"] == n and r["numel"] == numel and "unfused" in base:
                     r["speedup_vs_unfused"] = base["unfused"] / r["ms"]
@@ -171,17 +200,11 @@ def main(argv: list[str] | None = None) -> int:
             if gpu:
                 torch.cuda.empty_cache()
 
-    hdr = f"{'path':>9} {'N':>2} {'numel':>8} {'ms':>10} {'GB/s':>9} {'copy%':>6} {'x unfused':>9}"
-    print(f"# format {fmt.name}, mode {args.mode}, {args.dtype}, digits written: {args.digits}")
-    print(hdr)
-    for r in rows:
-        sp = r.get("speedup_vs_unfused")
-        print(f"{r['path']:>9} {r['n']:>2} {r['numel']:>8.0e} {r['ms']:>10.3f} {r['gbs']:>9.2f} "
-              f"{100 * r['frac_copy']:>5.1f}% {'' if sp is None else f'{sp:.2f}':>9}")
 
+def _save(args, rows, fmt, device, bw, ns, paths) -> None:
     outdir = Path(args.out)
     outdir.mkdir(parents=True, exist_ok=True)
-    tag = f"kernels_{device.type}_{fmt.name}_{args.mode}_{args.dtype}"
+    tag = f"kernels_{device.type}_{fmt.name}_{args.mode}_{args.dtype}{args.tag}"
     result = dict(machine=machine_info(device), copy_gbs=bw, format=fmt.name, mode=args.mode,
                   dtype=args.dtype, digits=args.digits, rows=rows)
     (outdir / f"{tag}.json").write_text(json.dumps(result, indent=2))
@@ -208,7 +231,6 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("# matplotlib missing: no plot")
     print(f"# wrote {outdir / (tag + '.json')}")
-    return 0
 
 
 if __name__ == "__main__":
