@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _fmt_row(r: dict) -> str:
     sp = r.get("speedup_vs_unfused")
-    return (f"{r['path']:>9} {r['n']:>2} {r['numel']:>8.0e} {r['ms']:>10.3f} {r['gbs']:>9.2f} "
+    return (f"{r['path']:>9} {r['n']:>2} {r['numel']:>8.0e} {r['ms']:>10.3f} {r['gbs']:>9.3g} "
             f"{100 * r['frac_copy']:>5.1f}% {'' if sp is None else f'{sp:.2f}':>9}")
 
 
