@@ -219,18 +219,18 @@ def _round_digits_kernel(
         if STATS:
             if i == 0:
                 r0 = r
-                total = r
+                total = r / N  # sum of x_i / N, as the reference: no overflow near the max
                 identical = r == r
                 all_zero = r == 0
                 finite = rmag < INF_BITS
             else:
-                total = total + r  # sequential, as torch's CPU mean over dim 0
+                total = total + r / N  # sequential, as torch's CPU sum over dim 0
                 identical = identical & (r == r0)
                 all_zero = all_zero & (r == 0)
                 finite = finite & (rmag < INF_BITS)
 
     if STATS:
-        mean = total / N
+        mean = total
         absmean = tl.abs(mean)
         # rel = (r - mean) / |mean| through one reciprocal per element instead of N IEEE
         # divisions (~10 instructions each on the GPU); within 1.5 ulp of the division.
@@ -245,9 +245,15 @@ def _round_digits_kernel(
             rel = ((r - mean) * scale) * inv
             if i == 0:
                 acc = rel * rel
+                s1 = rel
             else:
                 acc = acc + rel * rel
-        var = acc / (N - 1)
+                s1 = s1 + rel
+        # Corrected two-pass variance (as fxstab.digits): subtracting (sum r)^2 / N removes the
+        # error of the rounded mean.
+        # (where, not maximum: a NaN from inf - inf must survive, as torch's clamp keeps it)
+        v = acc - s1 * s1 / N
+        var = tl.where(v < 0, 0.0, v) / (N - 1)
         # C = log10(sqrt(N) / t) - log10(var) / 2; log2 * log10(2) is within a few ulps of
         # log10 (the tests bound the difference).
         if FAST_LOG2:
