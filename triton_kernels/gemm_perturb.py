@@ -2,8 +2,9 @@
 
 For stacked input samples ``[N, numel]`` an element is *close* when every sample is within
 ``eta * |mean|`` of the mean (identical samples included); close elements are multiplied, per
-sample, by ``1 + eta * r`` with ``r = (w >> 8) * 2**-23 - 1`` and ``w`` word ``k % 4`` of
-``philox(seed, lo32(e), k // 4, hi32(e), 0)``, exactly as ``fxstab.surrogate.perturb_samples``.
+sample, by ``1 + eta * r`` with ``r = (2b + 1) / 256 - 1`` and ``b`` the byte of
+``fxstab.randbits.random_bytes`` for (sample k, element e), exactly as
+``fxstab.surrogate.perturb_samples``.
 
 One program owns ``BLOCK`` elements of every sample: it sums the samples (mean), re-reads them
 for the separation test and a third time to perturb and store; the re-reads hit L1/L2, so HBM
@@ -56,22 +57,20 @@ def _perturb_kernel(x_ptr, out_ptr, count_ptr, numel, seed, eta,
         x = tl.load(x_ptr + i * stride + offs, mask=mask, other=0.0)
         # all(|x_k - mean| <= bound) == (max_k |x_k - mean| <= bound), NaN giving False in both
         close = close & (tl.abs(x - mean) <= bound)
-    c0 = (offs & 0xFFFFFFFF).to(tl.uint32)
-    c2 = (offs >> 32).to(tl.uint32)
+    # fxstab.randbits.random_bytes: byte e % 4 of word (e // 4) % 4 of
+    # philox(seed, lo32(e // 16), k, hi32(e // 16), 0) for sample k, element e.
+    g = offs // 16
+    c0 = (g & 0xFFFFFFFF).to(tl.uint32)
+    c2 = (g >> 32).to(tl.uint32)
     zero = tl.zeros([BLOCK], dtype=tl.uint32)
+    word = (offs // 4) % 4
+    shift = ((offs % 4) * 8).to(tl.uint32)
     for i in tl.static_range(N):
-        if i % 4 == 0:
-            s0, s1, s2, s3 = tl.philox(seed, c0, zero + i // 4, c2, zero)
-        if i % 4 == 0:
-            w = s0
-        elif i % 4 == 1:
-            w = s1
-        elif i % 4 == 2:
-            w = s2
-        else:
-            w = s3
+        s0, s1, s2, s3 = tl.philox(seed, c0, zero + i, c2, zero)
+        w = tl.where(word == 0, s0, tl.where(word == 1, s1, tl.where(word == 2, s2, s3)))
+        b = (w >> shift) & 0xFF
         x = tl.load(x_ptr + i * stride + offs, mask=mask, other=0.0)
-        r = (w >> 8).to(x.dtype) * 1.1920928955078125e-07 - 1.0  # 2**-23; exact
+        r = (2 * b + 1).to(x.dtype) * 0.00390625 - 1.0  # (2b + 1) / 256 - 1: exact
         y = tl.where(close, x * (1.0 + eta * r), x)
         tl.store(out_ptr + i * stride + offs, y, mask=mask)
     tl.store(count_ptr + pid, tl.sum(close.to(tl.int32)))
