@@ -11,7 +11,6 @@ stabilized ones ~6-7 (fp32, cap 7.22) and ~15 (fp64, cap 15.95).
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path

@@ -398,7 +398,6 @@ def _round_fp64(kind: str, op, args: tuple, kwargs: dict, y: torch.Tensor, seed:
 def _perturb(samples: torch.Tensor, eta: float, seed: int, randomness: str) -> tuple[torch.Tensor, int]:
     if randomness == "philox":
         return perturb_samples(samples, eta, seed)
-    n = samples.shape[0]
     mean = samples.mean(0)
     spread = (samples - mean).abs().amax(0)
     close = spread <= eta * mean.abs()

@@ -24,16 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-import logging
-import math
-import operator
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.fx
-import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
 from . import randbits
@@ -42,13 +38,12 @@ from .digits import digits_cap, stats_vector, student_t
 from .formats import working_dtype_for
 from .naming import NameRegistry, module_path, qualified_name, source_location
 from .opsets import (
-    DEFAULT_KINDS, DROPOUT_KINDS, FAMILIES, RANDOM_KINDS, family_of, is_gemm, node_kind,
+    DEFAULT_KINDS, DROPOUT_KINDS, FAMILIES, RANDOM_KINDS, is_gemm, node_kind,
 )
 from .report import ROUNDED, UNLIFTED, OpReport, empty_counters
 from .rounding import round_samples
 from .surrogate import perturb_samples
 
-log = logging.getLogger("fxstab")
 
 __all__ = ["backend", "FxstabBackend", "GraphAnalysis", "GraphInfo", "default_backend"]
 
@@ -450,8 +445,13 @@ class SampleInterpreter:
                       if isinstance(v, torch.Tensor) and v.is_floating_point()]
         for i in floats:
             v = leaves[i]
-            samples = v.t if isinstance(v, Stacked) else self._stack(self._to_working(v))
-            out, count = perturb_samples(samples.contiguous(), eta, self._seed(plan, 1000 + i))
+            samples = (v.t if isinstance(v, Stacked) else self._stack(self._to_working(v))).contiguous()
+            if self.a.owner.uses_triton(samples):
+                from .kernels.dispatch import perturb
+
+                out, count = perturb(samples, eta, self._seed(plan, 1000 + i), kernels=self.cfg.kernels)
+            else:
+                out, count = perturb_samples(samples, eta, self._seed(plan, 1000 + i))
             if count:
                 fired = True
                 new[i] = Stacked(out)
@@ -468,32 +468,47 @@ class SampleInterpreter:
                 new.append(v)
                 continue
             samples = self._stack(v) if isinstance(v, Stacked) else self._stack(t)
-            if status == ROUNDED:
-                samples = round_samples(samples, self.fmt, self.cfg.rounding,
-                                        seed=self._seed(plan, j), saturate=self.cfg.saturate)
+            samples, vec = self._round_stats(samples, status == ROUNDED, self._seed(plan, j))
             if not shape:
                 shape = tuple(samples.shape[1:])
-            stats.append(self._stats(samples))
+            stats.append(vec)
             new.append(Stacked(samples))
         if stats:
             self.pending.append((plan, torch.stack(stats), fired, status, shape))
         return pytree.tree_unflatten(new, spec)
 
-    def _stats(self, samples: torch.Tensor) -> torch.Tensor:
-        """[sum, min, max, zeros, non-finite, numel] of one output's per-element digits."""
+    def _round_stats(self, samples: torch.Tensor, rounded: bool, seed: int):
+        """Round (unless ``rounded`` is False) and measure one output's samples.
+
+        Returns the samples and [sum of digits, min, max, zeros, non-finite, numel]. The fused
+        Triton kernel does both in one pass where ``kernels`` selects it (CUDA by default);
+        the plain-torch path computes the same bits.
+        """
+        cfg = self.cfg
         n = samples.shape[0]
         cap = digits_cap(self.fmt, samples.dtype)
-        flat = samples.reshape(n, -1)
-        if flat.shape[1] == 0:
-            return torch.tensor([0.0, cap, cap, 0.0, 0.0, 0.0], dtype=torch.float64,
-                                device=samples.device)
-        return stats_vector(flat, student_t(n, self.cfg.confidence), cap, self.cfg.zero_threshold)
+        numel = samples[0].numel()
+        if numel == 0:
+            return samples, torch.tensor([0.0, cap, cap, 0.0, 0.0, 0.0], dtype=torch.float64)
+        if rounded and self.a.owner.uses_triton(samples):
+            from .kernels.dispatch import round_and_stats
+
+            out, st = round_and_stats(samples, self.fmt, cfg.rounding, seed,
+                                      saturate=cfg.saturate, confidence=cfg.confidence,
+                                      zero_threshold=cfg.zero_threshold, kernels=cfg.kernels)
+            return out, torch.tensor([st.avg * numel, st.min, st.max, st.zero_fraction * numel,
+                                      float(st.non_finite), float(numel)], dtype=torch.float64)
+        if rounded:
+            samples = round_samples(samples, self.fmt, cfg.rounding, seed=seed,
+                                    saturate=cfg.saturate)
+        return samples, stats_vector(samples.reshape(n, -1), student_t(n, cfg.confidence), cap,
+                                     cfg.zero_threshold)
 
     def _finish(self) -> None:
         if not self.pending:
             return
         owner = self.a.owner
-        rows = torch.cat([s for _, s, _, _, _ in self.pending]).cpu().tolist()
+        rows = torch.cat([s.cpu() for _, s, _, _, _ in self.pending]).tolist()
         i = 0
         for plan, s, fired, status, shape in self.pending:
             k = s.shape[0]
@@ -561,6 +576,11 @@ class FxstabBackend:
         self.enabled = True
         self._phase = "default"
         self._step: Optional[int] = None
+
+    def uses_triton(self, t: torch.Tensor) -> bool:
+        """Whether rounding/statistics of ``t`` go through the fused Triton kernels."""
+        k = self.config.kernels
+        return k == "triton" or (k == "auto" and t.device.type == "cuda")
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         if self.config.granularity == "aten":
@@ -665,12 +685,29 @@ def backend(
     cfg = AnalysisConfig(granularity=granularity, format=format, n_samples=n_samples, seed=seed,
                          rounding=rounding, output=output, select=select, every=every,
                          confidence=confidence, kernels=kernels, **options)
+    if cfg.kernels == "triton":
+        _check_triton_usable()
     if cfg.trace_rnn:
         # Dynamo graph-breaks on nn.LSTM/GRU/RNN unless told to trace them.
         import torch._dynamo
 
         torch._dynamo.config.allow_rnn = True
     return FxstabBackend(cfg)
+
+
+def _check_triton_usable() -> None:
+    """kernels="triton" needs Triton, and a GPU or the interpreter: say so before compiling."""
+    import os
+
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        raise ValueError("kernels='triton' needs the triton package (pip install 'fxstab[kernels]'); "
+                         "use kernels='torch' or 'auto'") from exc
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise ValueError("kernels='triton' without a CUDA device runs the kernels under the Triton "
+                         "interpreter only: set TRITON_INTERPRET=1 before importing fxstab, or use "
+                         "kernels='torch' / 'auto'")
 
 
 _DEFAULT: Optional[FxstabBackend] = None

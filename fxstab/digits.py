@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from .formats import Format, FormatLike, get_format
+from .formats import FormatLike, get_format
 
 __all__ = [
     "student_t", "cestac_digits", "computational_zero", "digit_stats", "DigitStats",

@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-import torch.nn as nn
 
 import fxstab
 from models import CNN, MLP, CancellingLinear, DropoutMLP, OffsetLayerNorm

@@ -6,7 +6,6 @@ the full tables over several seeds.
 """
 
 import importlib.util
-import math
 import pathlib
 import sys
 

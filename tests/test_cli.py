@@ -325,7 +325,7 @@ def test_record_target_contract(tmp_path, monkeypatch, capsys, stand_in_backend)
     for target, message in cases:
         assert main(["record", target, "-o", "x.json"]) == 2, target
         err = capsys.readouterr().err
-        assert f"fxstab record: error: " in err and message in err, (target, err)
+        assert "fxstab record: error: " in err and message in err, (target, err)
     assert main(["record", "t.py:single", "-o", "x.json", "--calls", "0"]) == 2
     assert not (tmp_path / "x.json").exists()
 

@@ -15,7 +15,7 @@ from fxstab.digitmap import (
     DigitMapError,
     diff,
 )
-from fxstab.report import COUNTER_KEYS, OBSERVED, ROUNDED, UNLIFTED, OpReport
+from fxstab.report import COUNTER_KEYS, OBSERVED, UNLIFTED, OpReport
 
 BF16_CAP = 8 * math.log10(2.0)
 

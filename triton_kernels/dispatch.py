@@ -15,7 +15,7 @@ single node through torch.compile / AOTAutograd / make_fx.
 from __future__ import annotations
 
 import functools
-from typing import Optional, Union
+from typing import Union
 
 import torch
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from fxstab.formats import Format, get_format
+from fxstab.formats import get_format
 from fxstab.kernels.round_digits import round_digits, round_digits_torch
 from fxstab.rounding import Rounding
 
