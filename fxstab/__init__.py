@@ -18,3 +18,8 @@ __all__ = [
     "cestac_digits", "computational_zero", "digit_stats", "DigitStats", "format_stochastic",
     "student_t", "__version__",
 ]
+
+from . import inject  # noqa: E402  (monitor: instability injection)
+from .monitor import Mode, MonitorConfig, StabilityMonitor  # noqa: E402
+
+__all__ += ["StabilityMonitor", "MonitorConfig", "Mode", "inject"]
