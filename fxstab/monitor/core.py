@@ -177,6 +177,7 @@ class StabilityMonitor:
                          impls=implementations(kind, fn, stable, custom))
             if self._forced is not None:
                 op.mode, op.pinned = self._forced, True
+                op.ever_promoted = self._forced > Mode.NORMAL
             self._ops[name] = op
             self._order.append(name)
         return op
