@@ -25,3 +25,8 @@ __all__ = [
     "DiffResult", "diff", "instability_counters", "stochastic", "StochasticTensor", "analyze",
     "AnalysisResult", "__version__",
 ]
+
+from . import inject  # noqa: E402  (monitor: instability injection)
+from .monitor import Mode, MonitorConfig, StabilityMonitor  # noqa: E402
+
+__all__ += ["StabilityMonitor", "MonitorConfig", "Mode", "inject"]

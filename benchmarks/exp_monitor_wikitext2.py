@@ -1,0 +1,437 @@
+"""Stability monitor on a 6-layer Transformer LM trained in bf16 on WikiText-2 (issue 7).
+
+Arms, each clean and with each injected instability (``fxstab.inject``):
+  bf16      uninstrumented bf16 model (same execution path: dynamo + eager backend)
+  fp32      every candidate operator pinned to STABLE_KERNEL with fp32 working precision
+  monitor   selective monitoring (``StabilityMonitor``, thresholds from ``monitor.calibrate``)
+
+The injections switch on at a quarter of the run and ramp geometrically to their overflow
+regime by three quarters. Measured: validation loss, NaN/Inf frequency (steps whose first
+forward/backward was non-finite; the loop then asks the monitor to sweep every operator and
+retries the batch once, and skips the update if it is still non-finite), detection precision
+and recall (injected operator promoted vs any other operator promoted), overhead (train-step
+wall clock relative to the bf16 arm of the same run), fraction of operators promoted.
+
+    python benchmarks/exp_monitor_wikitext2.py                 # CPU defaults, a few minutes
+    python benchmarks/exp_monitor_wikitext2.py --device cuda --d-model 256 --seq 128 \
+        --batch 32 --vocab 20000 --steps 2000                  # GPU-sized run
+
+Writes results/monitor_wikitext2.json and results/monitor_wikitext2_loss.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxstab
+from fxstab import inject
+from fxstab.monitor import StabilityMonitor
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
+if not DATA.exists():
+    DATA = Path("/work/shared/data/wikitext-2")
+
+# (injection, module path, strength at onset, strength at the end of the ramp, calibration
+# strength). Ends: fp16 partial sums ~ c*|rowsum| pass 65504; logits x 256 pass exp's 88.7;
+# a LayerNorm input x 2^100 squares past 3.4e38.
+INJECTIONS = {
+    "fp16_accumulation": ("blocks.2.mlp.0", 1.0, 2.0 ** 17, 64.0),
+    "naive_softmax": ("blocks.1.attn.softmax", 1.0, 256.0, 32.0),
+    "overflow_activation": ("blocks.4.ln2", 1.0, 2.0 ** 100, 2.0 ** 100),
+}
+
+
+# -- data ------------------------------------------------------------------------------------
+def tokenize(path: Path) -> list[str]:
+    words = []
+    with open(path, encoding="utf8") as f:
+        for line in f:
+            words.extend(line.split() + ["<eos>"])
+    return words
+
+
+def load(vocab_cap: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    train, valid = tokenize(DATA / "train.txt"), tokenize(DATA / "valid.txt")
+    counts = collections.Counter(train)
+    vocab = ["<unk>"] + [w for w, _ in counts.most_common() if w != "<unk>"][: vocab_cap - 1]
+    index = {w: i for i, w in enumerate(vocab)}
+    enc = lambda ws: torch.tensor([index.get(w, 0) for w in ws], dtype=torch.long)  # noqa: E731
+    return enc(train), enc(valid), len(vocab)
+
+
+# -- model -----------------------------------------------------------------------------------
+class Attention(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.softmax = nn.Softmax(dim=-1)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x, mask):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d // self.heads))
+        a = a.masked_fill(mask, float("-inf"))
+        return self.proj((self.softmax(a) @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.ln1, self.attn, self.ln2 = nn.LayerNorm(d), Attention(d, heads), nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x, mask):
+        x = x + self.attn(self.ln1(x), mask)
+        return x + self.mlp(self.ln2(x))
+
+
+class LM(nn.Module):
+    def __init__(self, vocab: int, d: int, heads: int, layers: int, seq: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
+        self.blocks = nn.ModuleList([Block(d, heads) for _ in range(layers)])
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+        self.register_buffer("mask", torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1))
+
+    def forward(self, idx):
+        x = self.emb(idx) + self.pos
+        for blk in self.blocks:
+            x = blk(x, self.mask)
+        return self.head(self.ln_f(x))
+
+
+# -- training --------------------------------------------------------------------------------
+class Bar:
+    """A one-line progress bar (stderr)."""
+
+    def __init__(self, total: int, label: str) -> None:
+        self.total, self.label, self.n, self.t0 = total, label, 0, time.time()
+
+    def update(self, info: str = "") -> None:
+        self.n += 1
+        frac = self.n / self.total
+        fill = int(30 * frac)
+        sys.stderr.write(f"\r{self.label:<34} [{'#' * fill}{'.' * (30 - fill)}] "
+                         f"{self.n}/{self.total} {time.time() - self.t0:5.0f}s {info:<24}")
+        if self.n == self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def batches(data: torch.Tensor, seq: int, batch: int, steps: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        i = torch.randint(0, data.numel() - seq - 1, (batch,), generator=g)
+        x = torch.stack([data[j:j + seq] for j in i.tolist()])
+        y = torch.stack([data[j + 1:j + seq + 1] for j in i.tolist()])
+        yield x, y
+
+
+def strength(t: int, steps: int, s0: float, s1: float) -> float:
+    start, end = steps // 4, 3 * steps // 4
+    if t < start:
+        return 0.0
+    frac = min(1.0, (t - start) / max(1, end - start))
+    return s0 * (s1 / s0) ** frac
+
+
+def make_model(args, vocab: int) -> LM:
+    torch.manual_seed(args.seed)
+    return LM(vocab, args.d_model, args.heads, args.layers, args.seq).to(args.device)
+
+
+def evaluate(model, val: torch.Tensor, args) -> float:
+    losses = []
+    n = args.seq * args.batch
+    with torch.no_grad():
+        for b in range(args.val_batches):
+            chunk = val[b * n: (b + 1) * n + 1]
+            if chunk.numel() < n + 1:
+                break
+            x = chunk[:-1].view(args.batch, args.seq).to(args.device)
+            y = chunk[1:].view(args.batch, args.seq).to(args.device)
+            losses.append(float(F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())))
+    return sum(losses) / len(losses)
+
+
+def run_arm(arm: str, scenario: str, args, data, vocab: int, thresholds) -> dict:
+    train, val = data
+    torch._dynamo.reset()  # the recompile limit is per code object, shared by all arms
+    model = make_model(args, vocab).to(torch.bfloat16)
+    handle = None
+    if scenario != "clean":
+        path, s0, s1, _ = INJECTIONS[scenario]
+        handle = inject.INJECTIONS[scenario](model, path, 0.0 if scenario ==
+                                             "fp16_accumulation" else 1.0)
+    monitor = None
+    if arm == "bf16":
+        runner = torch.compile(model, backend="eager") if args.form == "compile" else model
+    else:
+        if arm == "fp32":
+            monitor = StabilityMonitor(format="bf16", stable_dtype="fp32")
+            monitor.force("STABLE_KERNEL")
+        else:
+            monitor = StabilityMonitor(format="bf16", k=args.k, period=args.period,
+                                       tau_warn=thresholds[0], tau_safe=thresholds[1],
+                                       recheck=args.recheck, seed=args.seed)
+        runner = (torch.compile(model, backend=monitor.backend()) if args.form == "compile"
+                  else monitor.wrap(model))
+    params = list(model.parameters())
+    masters = [p.detach().float().clone().requires_grad_(False) for p in params]
+    opt = torch.optim.AdamW(masters, lr=args.lr, weight_decay=0.01)
+
+    def forward_backward(x, y):
+        loss = F.cross_entropy(runner(x).float().flatten(0, 1), y.flatten())
+        loss.backward()
+        gnorm = torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(p.grad.float()) for p in params]))
+        return loss, gnorm
+
+    curve, val_curve = [], []
+    nonfinite = skipped = 0
+    times = []
+    bar = Bar(args.steps, f"{scenario}/{arm}")
+    for t, (x, y) in enumerate(batches(train, args.seq, args.batch, args.steps, args.seed + 1)):
+        if handle is not None:
+            path, s0, s1, _ = INJECTIONS[scenario]
+            handle.strength = strength(t, args.steps, s0, s1) if scenario == \
+                "fp16_accumulation" else max(1.0, strength(t, args.steps, s0, s1))
+        x, y = x.to(args.device), y.to(args.device)
+        t0 = time.perf_counter()
+        loss, gnorm = forward_backward(x, y)
+        if not (torch.isfinite(loss) and torch.isfinite(gnorm)):
+            nonfinite += 1
+            for p in params:
+                p.grad = None
+            if monitor is not None and arm == "monitor":
+                monitor.sweep()  # check every operator on the retry
+                loss, gnorm = forward_backward(x, y)
+        if torch.isfinite(loss) and torch.isfinite(gnorm):
+            scale = min(1.0, args.clip / (float(gnorm) + 1e-6))
+            for m, p in zip(masters, params):
+                m.grad = p.grad.float() * scale
+            opt.step()
+            with torch.no_grad():
+                for m, p in zip(masters, params):
+                    p.copy_(m)
+        else:
+            skipped += 1
+        for p in params:
+            p.grad = None
+        if monitor is not None:
+            monitor.step()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        curve.append(float(loss))
+        if (t + 1) % args.eval_every == 0 or t + 1 == args.steps:
+            if monitor is not None:
+                with monitor.paused():
+                    val_curve.append((t + 1, evaluate(runner, val, args)))
+            else:
+                val_curve.append((t + 1, evaluate(runner, val, args)))
+        bar.update(f"loss {float(loss):.3f}")
+    warm = min(args.warmup, len(times) - 1)
+    out = {
+        "scenario": scenario, "arm": arm, "val_loss": val_curve[-1][1], "val_curve": val_curve,
+        "train_loss": curve, "nonfinite_steps": nonfinite, "skipped_updates": skipped,
+        "nonfinite_frequency": nonfinite / args.steps, "train_time_s": sum(times[warm:]),
+    }
+    if monitor is not None:
+        s = monitor.summary()
+        out.update(operators=s["operators"], promoted=s["ever_promoted"],
+                   fraction_promoted=len(s["ever_promoted"]) / max(1, s["operators"]),
+                   promotions=s["promotions"], monitor_time_fraction=s["time_fraction"],
+                   checks=s["checks"])
+        if arm == "monitor":
+            out["history"] = {n: h for n, h in monitor.history.items() if h}
+        if handle is not None:
+            out["injected_op"] = handle.op_name
+            out["detected"] = any(handle.matches(n) for n in s["ever_promoted"])
+            out["false_positives"] = [n for n in s["ever_promoted"] if not handle.matches(n)]
+            first = [p["step"] for p in s["promotions"] if handle.matches(p["op"])]
+            out["detection_step"] = first[0] if first else None
+        else:
+            out["false_positives"] = list(s["ever_promoted"])
+    return out
+
+
+def calibrate(args, vocab: int, train: torch.Tensor):
+    """Clean vs injected dispersions on the initial model; returns (calibration, monitor)."""
+    probe = list(batches(train, args.seq, args.batch, args.calib_batches, args.seed + 7))
+
+    def measure(scenario):
+        model = make_model(args, vocab).to(torch.bfloat16)
+        handle = None
+        if scenario != "clean":
+            path, _, _, s_cal = INJECTIONS[scenario]
+            handle = inject.INJECTIONS[scenario](model, path, s_cal)
+        mon = StabilityMonitor(format="bf16", k=args.k, promote=False, seed=args.seed)
+        runner = mon.wrap(model)
+        with torch.no_grad():
+            for x, _ in probe:
+                mon.sweep()
+                runner(x.to(args.device))
+                mon.step()
+        ms = mon.measurements()
+        if handle is None:
+            return ms
+        return {n: v for n, v in ms.items() if handle.matches(n)}
+
+    clean = measure("clean")
+    injected = {}
+    for scenario in args.injections:
+        injected.update(measure(scenario))
+    mon = StabilityMonitor(format="bf16")
+    cal = mon.calibrate(clean, injected)
+    return cal, clean, injected
+
+
+def plot(results: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    scenarios = list(dict.fromkeys(r["scenario"] for r in results))
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(4.5 * len(scenarios), 3.6),
+                             squeeze=False)
+    for ax, sc in zip(axes[0], scenarios):
+        for r in results:
+            if r["scenario"] != sc:
+                continue
+            y = torch.tensor(r["train_loss"])
+            k = max(1, len(y) // 40)
+            smooth = [float(y[max(0, i - k):i + 1].nan_to_num(nan=float("inf")).mean())
+                      for i in range(len(y))]
+            ax.plot(smooth, label=r["arm"])
+        ax.set_title(sc)
+        ax.set_xlabel("step")
+        ax.set_ylim(bottom=0)
+        ax.set_ylabel("train loss (smoothed)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vocab", type=int, default=1000, help="vocabulary cap (train counts)")
+    ap.add_argument("--d-model", type=int, default=32)
+    ap.add_argument("--heads", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=160)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--eval-every", type=int, default=40)
+    ap.add_argument("--val-batches", type=int, default=10)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--period", type=int, default=1)
+    ap.add_argument("--recheck", type=int, default=50)
+    ap.add_argument("--calib-batches", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=3, help="steps excluded from timing")
+    ap.add_argument("--form", choices=("compile", "wrap"), default="compile")
+    ap.add_argument("--injections", nargs="*", default=list(INJECTIONS),
+                    choices=list(INJECTIONS))
+    ap.add_argument("--arms", nargs="*", default=["bf16", "fp32", "monitor"],
+                    choices=["bf16", "fp32", "monitor"])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=ROOT / "results")
+    args = ap.parse_args(argv)
+
+    train, val, vocab = load(args.vocab)
+    print(f"WikiText-2: {train.numel()} train / {val.numel()} valid tokens, vocab {vocab}; "
+          f"model d={args.d_model} heads={args.heads} layers={args.layers} seq={args.seq} "
+          f"batch={args.batch}, {args.steps} steps on {args.device}")
+    cal, clean, injected = calibrate(args, vocab, train)
+    print(f"calibration: {cal}")
+    thresholds = (cal.tau_warn, cal.tau_safe)
+
+    results = []
+    for scenario in ["clean"] + list(args.injections):
+        for arm in args.arms:
+            results.append(run_arm(arm, scenario, args, (train, val), vocab, thresholds))
+
+    base = {r["scenario"]: r for r in results if r["arm"] == "bf16"}
+    ref = {r["scenario"]: r for r in results if r["arm"] == "fp32"}
+    rows = []
+    for r in results:
+        b, f = base.get(r["scenario"]), ref.get(r["scenario"])
+        r["overhead"] = r["train_time_s"] / b["train_time_s"] - 1 if b else None
+        r["val_vs_fp32"] = (r["val_loss"] / f["val_loss"] - 1 if f and math.isfinite(
+            f["val_loss"]) else None)
+    mon_runs = [r for r in results if r["arm"] == "monitor"]
+    inj_runs = [r for r in mon_runs if r["scenario"] != "clean"]
+    tp = sum(r["detected"] for r in inj_runs)
+    fp = sum(len(r["false_positives"]) for r in mon_runs)
+    precision = tp / (tp + fp) if tp + fp else float("nan")
+    recall = tp / len(inj_runs) if inj_runs else float("nan")
+
+    head = (f"{'scenario':<20} {'arm':<8} {'val loss':>8} {'vs fp32':>8} {'NaN/Inf':>7} "
+            f"{'skipped':>7} {'promoted':>9} {'detected@':>9} {'FP':>3} {'overhead':>8} "
+            f"{'mon time':>8}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        pct = lambda v: "-" if v is None else f"{100 * v:+.1f}%"  # noqa: E731
+        prom = (f"{len(r['promoted'])}/{r['operators']}" if "promoted" in r else "-")
+        det = "-"
+        if r["arm"] == "monitor" and r["scenario"] != "clean":
+            det = str(r["detection_step"]) if r["detected"] else "missed"
+        fps = str(len(r["false_positives"])) if r["arm"] == "monitor" else "-"
+        mt = f"{100 * r['monitor_time_fraction']:.1f}%" if r["arm"] == "monitor" else "-"
+        lines.append(f"{r['scenario']:<20} {r['arm']:<8} {r['val_loss']:8.3f} "
+                     f"{pct(r['val_vs_fp32']):>8} {r['nonfinite_steps']:>7} "
+                     f"{r['skipped_updates']:>7} {prom:>9} {det:>9} {fps:>3} "
+                     f"{pct(r['overhead']):>8} {mt:>8}")
+    lines.append(f"detection over {len(inj_runs)} injected runs: precision {precision:.2f}, "
+                 f"recall {recall:.2f} (TP {tp}, FP {fp} incl. the clean run)")
+    lines.append(f"calibration: {cal}")
+    table = "\n".join(lines)
+    print(table)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"],
+                                capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    meta = {"torch": torch.__version__, "fxstab": fxstab.__version__, "python":
+            platform.python_version(), "machine": platform.machine(), "cpu_threads":
+            torch.get_num_threads(), "commit": commit, "args": {k: str(v) for k, v in
+                                                                  vars(args).items()}}
+    payload = {"meta": meta, "calibration": cal.as_dict(), "precision": precision,
+               "recall": recall, "table": table, "results": results}
+    jpath = args.out / "monitor_wikitext2.json"
+    tmp = jpath.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=1, default=str))
+    os.replace(tmp, jpath)
+    plot(results, args.out / "monitor_wikitext2_loss.png")
+    print(f"wrote {jpath} and {args.out / 'monitor_wikitext2_loss.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,465 @@
+"""The monitor's core: operator table, rotating schedule, replicas, scores, promotions.
+
+Both front ends (``monitor.backend()`` for ``torch.compile`` and ``monitor.wrap(model)`` for
+eager models) discover operators, name them ``module.path/kind#k`` and route every call of a
+candidate through :meth:`StabilityMonitor._call`, which runs the operator's current mode and,
+when the schedule says so, K perturbed replicas of it (DESIGN.md §8).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..randbits import derive_seed
+from .config import MonitorConfig, Mode
+from .modes import CustomOp, implementations
+
+__all__ = ["StabilityMonitor", "OpState", "Promotion", "register_op", "custom_op_of"]
+
+# Registered custom ops, keyed by the public callable's id (the callable is kept alive here).
+_CUSTOM_OPS: dict[int, tuple[Callable, CustomOp]] = {}
+# Eager monitors currently running a forward (innermost last); see wrap.py.
+_EAGER_STACK: list = []
+
+
+def custom_op_of(fn: Any) -> Optional[CustomOp]:
+    """The registered :class:`CustomOp` behind a public callable, or ``None``."""
+    entry = _CUSTOM_OPS.get(id(fn))
+    return entry[1] if entry is not None and entry[0] is fn else None
+
+
+def register_op(name: str, fn: Callable, fp32_fn: Optional[Callable] = None,
+                stable_fn: Optional[Callable] = None) -> Callable:
+    """Register a custom operator with the monitor's modes; returns the callable to use.
+
+    The returned function runs ``fn`` (NORMAL) when no monitor is active; inside a monitored
+    model it is one candidate operator of kind ``name`` whose mode the monitor switches. It is
+    ``torch.compiler.allow_in_graph``-ed so dynamo keeps it as one graph node (``fn`` must then
+    work on fake tensors: no ``.item()`` or data-dependent Python control flow).
+
+    Args:
+        name: Kind name of the operator (a Python identifier, e.g. ``"my_fused_norm"``).
+        fn: NORMAL implementation.
+        fp32_fn: FP32_ACCUMULATION implementation (default: ``fn`` on fp32-upcast inputs).
+        stable_fn: STABLE_KERNEL implementation (default: ``fp32_fn or fn`` upcast to the
+            monitor's stable dtype).
+    """
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"a custom op name must be a Python identifier, got {name!r}")
+    for label, f in (("fn", fn), ("fp32_fn", fp32_fn), ("stable_fn", stable_fn)):
+        if f is not None and not callable(f) or (label == "fn" and f is None):
+            raise ValueError(f"{label} must be callable, got {f!r}")
+    spec = CustomOp(name, fn, fp32_fn, stable_fn)
+
+    def op(*args, **kwargs):
+        if _EAGER_STACK:
+            return _EAGER_STACK[-1].call_custom(op, spec, args, kwargs)
+        return fn(*args, **kwargs)
+
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = fn.__doc__
+    op.fxstab_custom_op = spec  # type: ignore[attr-defined]
+    op = torch.compiler.allow_in_graph(op)
+    _CUSTOM_OPS[id(op)] = (op, spec)
+    return op
+
+
+@dataclass
+class Promotion:
+    """One mode change: ``old -> new`` of ``op`` at ``step`` because of ``score`` (``reason``)."""
+
+    step: int
+    op: str
+    old: str
+    new: str
+    score: float
+    reason: str
+
+
+@dataclass
+class OpState:
+    """What the monitor knows about one candidate operator."""
+
+    name: str
+    kind: str
+    index: int
+    impls: tuple = field(repr=False, default=())
+    mode: Mode = Mode.NORMAL
+    score: float = 0.0
+    n: int = 0  # measurements since the last reset of the EMA
+    checks: int = 0
+    checked_step: int = -1
+    last_recheck: int = 0
+    pinned: bool = False
+    skip_reason: str = ""
+    ever_promoted: bool = False
+    history: list = field(default_factory=list, repr=False)  # (step, S, score, probe mode)
+
+
+def _floats_of(out: Any) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(out)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+class StabilityMonitor:
+    """Always-on stability monitor for low-precision training (DESIGN.md §8).
+
+    Example::
+
+        mon = fxstab.StabilityMonitor(format="bf16", k=4, tau_warn=0.05, tau_safe=0.5)
+        model = torch.compile(model, backend=mon.backend())   # or: model = mon.wrap(model)
+        for batch in data:
+            loss = model(batch); loss.backward(); opt.step(); opt.zero_grad()
+            mon.step()
+        print(mon.modes, mon.promotions)
+
+    Each step one operator of a rotating schedule (plus every operator whose score is at least
+    ``watch * tau_warn``, plus promoted operators due for a recheck) is checked: K replicas run
+    under ``no_grad`` on inputs scaled by (1 + U(-u, u)); the relative dispersion S of their
+    outputs updates the operator's EMA score, which drives promotions. Replicas draw from their
+    own generator, so the training computation (outputs, gradients, global RNG) is unchanged
+    while no operator is promoted.
+
+    Args:
+        config: A :class:`MonitorConfig`; or pass its fields as keyword arguments.
+    """
+
+    def __init__(self, config: Optional[MonitorConfig] = None, **kwargs: Any) -> None:
+        if config is not None and kwargs:
+            raise ValueError("pass either a MonitorConfig or keyword arguments, not both")
+        self.config = config if config is not None else MonitorConfig(**kwargs)
+        self._ops: dict[str, OpState] = {}
+        self._order: list[str] = []
+        self._step = 0
+        self._sweep: set[str] = set()
+        self._sweep_all = False
+        self._paused = 0
+        self._forced: Optional[Mode] = None
+        self._promotions: list[Promotion] = []
+        self._gens: dict[Any, torch.Generator] = {}
+        self._signs: dict[Any, torch.Tensor] = {}
+        self.monitor_time = 0.0
+        self._t_start: Optional[float] = None
+        self._t_last_step: Optional[float] = None
+        self.step_time = 0.0
+        self.checks_run = 0
+
+    # -- front ends ----------------------------------------------------------------------------
+    def backend(self):
+        """A ``torch.compile`` backend that routes candidate operators through this monitor."""
+        from .compile import MonitorBackend
+        return MonitorBackend(self)
+
+    def wrap(self, model: torch.nn.Module):
+        """Wrap an eager model: candidate calls inside its forward go through this monitor."""
+        from .wrap import MonitoredModule
+        return MonitoredModule(model, self)
+
+    def register(self, name: str, fn: Callable, fp32_fn: Optional[Callable] = None,
+                 stable_fn: Optional[Callable] = None) -> Callable:
+        """Register a custom operator (see :func:`register_op`); returns the callable to use."""
+        return register_op(name, fn, fp32_fn, stable_fn)
+
+    # -- operator table ------------------------------------------------------------------------
+    def _discover(self, name: str, kind: str, fn: Callable,
+                  custom: Optional[CustomOp] = None) -> OpState:
+        op = self._ops.get(name)
+        if op is None:
+            stable = torch.float64 if self.config.stable_dtype == "fp64" else torch.float32
+            op = OpState(name=name, kind=kind, index=len(self._order),
+                         impls=implementations(kind, fn, stable, custom))
+            if self._forced is not None:
+                op.mode, op.pinned = self._forced, True
+                op.ever_promoted = self._forced > Mode.NORMAL
+            self._ops[name] = op
+            self._order.append(name)
+        return op
+
+    @property
+    def operators(self) -> list[str]:
+        """Candidate operator names in schedule order."""
+        return list(self._order)
+
+    # -- runtime -------------------------------------------------------------------------------
+    def _call(self, op: OpState, args: tuple, kwargs: dict) -> Any:
+        if self._t_start is None:
+            self._t_start = time.perf_counter()
+        out = op.impls[op.mode](args, kwargs)
+        if self._paused or op.pinned or op.skip_reason or op.checked_step == self._step:
+            return out
+        if self._due(op):
+            out = self._check(op, args, kwargs, out)
+        return out
+
+    def _recheck_due(self, op: OpState) -> bool:
+        return op.mode != Mode.NORMAL and self._step - op.last_recheck >= self.config.recheck
+
+    def _due(self, op: OpState) -> bool:
+        cfg = self.config
+        if self._sweep_all or op.name in self._sweep or self._recheck_due(op):
+            return True
+        if self._step % cfg.period:
+            return False
+        rotating = (self._step // cfg.period) % len(self._order)
+        return op.index == rotating or op.score >= cfg.watch * cfg.tau_warn
+
+    def _check(self, op: OpState, args: tuple, kwargs: dict, out: Any) -> Any:
+        t0 = time.perf_counter()
+        cfg = self.config
+        op.checked_step = self._step
+        self._sweep.discard(op.name)
+        recheck = cfg.promote and self._recheck_due(op)
+        probe = Mode.NORMAL if recheck else op.mode
+        s = self.dispersion(op, probe, args, kwargs)
+        if s is None:
+            self.monitor_time += time.perf_counter() - t0
+            return out
+        op.checks += 1
+        self.checks_run += 1
+        if recheck:
+            op.last_recheck = self._step
+            limit = cfg.hysteresis * cfg.tau_warn
+            if s < limit:
+                self._set_mode(op, Mode.NORMAL, s, f"recheck: NORMAL dispersion {s:.3g} < "
+                               f"hysteresis*tau_warn = {limit:.3g}")
+                op.score, op.n = s, 1
+        else:
+            op.score = s if op.n == 0 else cfg.beta * op.score + (1 - cfg.beta) * s
+            if not math.isfinite(s):
+                op.score = math.inf
+            op.n += 1
+            if cfg.promote:
+                new = op.mode
+                if op.score > cfg.tau_safe:
+                    new = Mode.STABLE_KERNEL
+                elif op.score > cfg.tau_warn:
+                    new = max(op.mode, Mode.FP32_ACCUMULATION)
+                if new > op.mode:
+                    bound = "tau_safe" if new == Mode.STABLE_KERNEL else "tau_warn"
+                    value = cfg.tau_safe if new == Mode.STABLE_KERNEL else cfg.tau_warn
+                    reason = (f"score {op.score:.3g} > {bound} = {value:.3g}"
+                              + (" (non-finite replica)" if not math.isfinite(s) else ""))
+                    self._set_mode(op, new, op.score, reason)
+                    op.n = 0  # the EMA restarts on the new kernel
+                    op.last_recheck = self._step
+                    # This call's output is recomputed with the safer kernel, so the step that
+                    # detected the problem already trains on the repaired operator.
+                    out = op.impls[op.mode](args, kwargs)
+        op.history.append((self._step, s, op.score, probe.name))
+        self.monitor_time += time.perf_counter() - t0
+        return out
+
+    def _set_mode(self, op: OpState, new: Mode, score: float, reason: str) -> None:
+        self._promotions.append(Promotion(self._step, op.name, op.mode.name, new.name,
+                                          float(score), reason))
+        if new > Mode.NORMAL:
+            op.ever_promoted = True
+        op.mode = new
+
+    # -- the dispersion estimate ---------------------------------------------------------------
+    def _generator(self, device: torch.device) -> torch.Generator:
+        key = str(device)
+        g = self._gens.get(key)
+        if g is None:
+            g = self._gens[key] = torch.Generator(device=device)
+        return g
+
+    def _sign_vector(self, rows: int, device: torch.device) -> torch.Tensor:
+        key = (rows, str(device))
+        a = self._signs.get(key)
+        if a is None:
+            g = torch.Generator().manual_seed(derive_seed(self.config.seed, 0x5167, rows))
+            a = (torch.randint(0, 2, (rows,), generator=g) * 2 - 1).to(torch.float32)
+            a = self._signs[key] = a.to(device)
+        return a
+
+    def reduce(self, y: torch.Tensor, salt: int = 0) -> torch.Tensor:
+        """Reduce a flat fp32 output to at most ``projection_dim`` coordinates.
+
+        ``projection``: z = a^T Y with Y the output folded into rows of ``projection_dim``
+        and ``a`` a fixed random sign vector, i.e. a fixed sign matrix R with E||Ry||^2 =
+        ||y||^2 (cross terms cancel in expectation); ``block``: a fixed, seeded block of
+        ``projection_dim`` consecutive elements; ``full``: ``y`` itself.
+        """
+        d = self.config.projection_dim
+        n = y.numel()
+        if n <= d or self.config.estimator == "full":
+            return y
+        if self.config.estimator == "block":
+            off = derive_seed(self.config.seed, 0xB10C, salt, n) % (n - d + 1)
+            return y[off:off + d]
+        rows, tail = divmod(n, d)
+        a = self._sign_vector(rows + 1, y.device)
+        z = a[:rows] @ y[: rows * d].view(rows, d)
+        if tail:
+            z[:tail] += a[rows] * y[rows * d:]
+        return z
+
+    def dispersion(self, op: OpState, mode: Mode, args: tuple, kwargs: dict) -> Optional[float]:
+        """S of ``op`` run in ``mode`` on K perturbed replicas of ``(args, kwargs)``.
+
+        S = sqrt(sum_k ||y_k - ybar||^2 / (K-1)) / (||ybar|| + eps), norms after
+        :meth:`reduce`; ``inf`` when a replica is non-finite; ``None`` when the call has no
+        floating input (nothing to perturb; the operator is then skipped for good).
+        """
+        cfg = self.config
+        leaves, _ = tree_flatten((args, kwargs))
+        floats = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        if not floats:
+            op.skip_reason = "no floating-point input"
+            return None
+        if op.kind == "scaled_dot_product_attention":
+            p = args[5] if len(args) > 5 else kwargs.get("dropout_p", 0.0)
+            if p:
+                op.skip_reason = "dropout inside the operator: replicas would differ by masks"
+                return None
+        u = cfg.unit_roundoff
+        g = self._generator(floats[0].device)
+        g.manual_seed(derive_seed(cfg.seed, op.index, self._step) & (2**63 - 1))
+
+        def perturb(t):
+            if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
+                return t
+            r = torch.rand(t.shape, generator=g, device=t.device, dtype=torch.float32)
+            return (t.to(torch.float32) * (1.0 + u * (2.0 * r - 1.0))).to(t.dtype)
+
+        zs = []
+        with torch.no_grad():
+            for _ in range(cfg.k):
+                a, kw = tree_map(perturb, (args, kwargs))
+                ys = _floats_of(op.impls[mode](a, kw))
+                y = torch.cat([t.reshape(-1).to(torch.float32) for t in ys])
+                if not bool(torch.isfinite(y).all()):
+                    return math.inf
+                zs.append(self.reduce(y, op.index))
+            z = torch.stack(zs)
+            zbar = z.mean(dim=0)
+            spread = torch.sqrt(((z - zbar) ** 2).sum() / (cfg.k - 1))
+            return float(spread / (torch.linalg.vector_norm(zbar) + cfg.eps))
+
+    # -- control -------------------------------------------------------------------------------
+    def step(self) -> None:
+        """End the current training step (advances the schedule, accounts step time)."""
+        now = time.perf_counter()
+        start = self._t_last_step if self._t_last_step is not None else self._t_start
+        if start is not None:
+            self.step_time += now - start
+        self._t_last_step = now
+        self._step += 1
+        self._sweep_all = False
+
+    @property
+    def current_step(self) -> int:
+        return self._step
+
+    def sweep(self) -> None:
+        """Check every operator on its next call (e.g. after a non-finite loss)."""
+        self._sweep = set(self._order)
+        self._sweep_all = True
+        for op in self._ops.values():
+            op.checked_step = -1
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No checks inside (e.g. evaluation); modes still apply."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def force(self, mode: "Mode | str", names: Optional[Iterable[str]] = None) -> None:
+        """Pin operators to ``mode`` (never checked or changed); ``None`` pins every operator,
+        including ones discovered later (the all-fp32 baseline uses STABLE_KERNEL)."""
+        mode = Mode.parse(mode)
+        targets = list(self._order) if names is None else list(names)
+        for name in targets:
+            if name not in self._ops:
+                raise ValueError(f"unknown operator {name!r}; known: {self._order}")
+            op = self._ops[name]
+            if op.mode != mode:
+                self._set_mode(op, mode, op.score, "forced")
+            op.pinned = True
+        if names is None:
+            self._forced = mode
+
+    def calibrate(self, clean: Any, injected: Any, *, safe_ratio: float = 10.0,
+                  margin: float = 2.0):
+        """Set tau_warn / tau_safe from clean vs injected scores; returns the separation found.
+
+        See :func:`fxstab.monitor.calibrate.choose_thresholds`.
+        """
+        from .calibrate import choose_thresholds
+        cal = choose_thresholds(clean, injected, safe_ratio=safe_ratio, margin=margin)
+        self.config = replace(self.config, tau_warn=cal.tau_warn, tau_safe=cal.tau_safe)
+        return cal
+
+    # -- reporting -----------------------------------------------------------------------------
+    @property
+    def modes(self) -> dict[str, str]:
+        return {n: self._ops[n].mode.name for n in self._order}
+
+    @property
+    def scores(self) -> dict[str, float]:
+        return {n: self._ops[n].score for n in self._order}
+
+    @property
+    def promotions(self) -> list[Promotion]:
+        return list(self._promotions)
+
+    @property
+    def history(self) -> dict[str, list]:
+        """Per operator: (step, S, score, probed mode) for every check."""
+        return {n: list(self._ops[n].history) for n in self._order}
+
+    def measurements(self) -> dict[str, list[float]]:
+        """Per operator, every dispersion S measured so far (calibration input)."""
+        return {n: [h[1] for h in self._ops[n].history] for n in self._order}
+
+    @property
+    def promoted(self) -> list[str]:
+        """Operators currently above NORMAL (pinned ones included)."""
+        return [n for n in self._order if self._ops[n].mode != Mode.NORMAL]
+
+    @property
+    def ever_promoted(self) -> list[str]:
+        return [n for n in self._order if self._ops[n].ever_promoted]
+
+    @property
+    def fraction_promoted(self) -> float:
+        return len(self.promoted) / len(self._order) if self._order else 0.0
+
+    @property
+    def time_fraction(self) -> float:
+        """Monitor time (replicas, scores) as a fraction of the steps' wall-clock time."""
+        return self.monitor_time / self.step_time if self.step_time > 0 else 0.0
+
+    def summary(self) -> dict:
+        """JSON-ready state: config, modes, scores, promotions, overhead."""
+        cfg = asdict(self.config)
+        cfg["format"] = self.config.fmt.name
+        return {
+            "config": cfg, "step": self._step, "operators": len(self._order),
+            "modes": self.modes, "scores": self.scores,
+            "promotions": [asdict(p) for p in self._promotions],
+            "promoted": self.promoted, "ever_promoted": self.ever_promoted,
+            "fraction_promoted": self.fraction_promoted, "checks": self.checks_run,
+            "monitor_time_s": self.monitor_time, "step_time_s": self.step_time,
+            "time_fraction": self.time_fraction,
+        }
+
+    def table(self) -> str:
+        """Operators as text: name, mode, score, checks."""
+        w = max([len(n) for n in self._order] + [8])
+        lines = [f"{'operator':<{w}}  {'mode':<17}  {'score':>9}  checks"]
+        for n in self._order:
+            op = self._ops[n]
+            lines.append(f"{n:<{w}}  {op.mode.name:<17}  {op.score:9.3g}  {op.checks}")
+        return "\n".join(lines)

@@ -1,0 +1,43 @@
+import pytest
+
+from fxstab.monitor import Mode, MonitorConfig, StabilityMonitor
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"k": 1}, r"k \(replicas per check\) must be an integer >= 2, got 1"),
+    ({"k": 2.5}, r"k .* got 2.5"),
+    ({"period": 0}, "period must be an integer >= 1, got 0"),
+    ({"beta": 1.0}, r"beta must be in \[0.0, 1.0\), got 1.0"),
+    ({"beta": -0.1}, "beta must be in"),
+    ({"tau_warn": 0.0}, "tau_warn must be in"),
+    ({"tau_warn": 0.5, "tau_safe": 0.1}, "tau_safe must be larger than tau_warn"),
+    ({"recheck": 0}, "recheck must be an integer >= 1"),
+    ({"projection_dim": 0}, "projection_dim must be an integer >= 1"),
+    ({"estimator": "sketch"}, "estimator must be one of"),
+    ({"format": "bf17"}, "format: unknown format 'bf17'"),
+    ({"families": ("linear", "gemm")}, r"unknown operator families \['gemm'\]"),
+    ({"families": "linear"}, "families must be a sequence"),
+    ({"stable_dtype": "fp16"}, "stable_dtype must be one of"),
+    ({"hysteresis": 0.0}, "hysteresis must be in"),
+    ({"seed": 1.5}, "seed must be an int"),
+    ({"promote": "yes"}, "promote must be True or False"),
+])
+def test_bad_config_is_rejected(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MonitorConfig(**kwargs)
+    with pytest.raises(ValueError, match=match):
+        StabilityMonitor(**kwargs)
+
+
+def test_config_is_frozen_and_resolves_format():
+    cfg = MonitorConfig(format="bfloat16")
+    assert cfg.fmt.name == "bf16" and cfg.unit_roundoff == 2.0 ** -8
+    with pytest.raises(AttributeError):
+        cfg.k = 8  # type: ignore[misc]
+
+
+def test_mode_parse():
+    assert Mode.parse("fp32") is Mode.FP32_ACCUMULATION
+    assert Mode.parse("STABLE_KERNEL") is Mode.STABLE_KERNEL
+    with pytest.raises(ValueError, match="unknown monitor mode 'fast'"):
+        Mode.parse("fast")
