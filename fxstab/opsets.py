@@ -92,7 +92,7 @@ def target_kind(op: str, target: Any) -> str:
         name = str(target).rsplit(".", 1)[-1]
     else:
         return op
-    name = name.lstrip("_") if name not in ("__getitem__",) else "getitem"
+    name = name.strip("_") if name not in ("__getitem__",) else "getitem"  # __matmul__ -> matmul
     return _ALIASES.get(name, name)
 
 

@@ -17,6 +17,7 @@ The same function is the plain-torch reference of the fused Triton kernel in
 
 from __future__ import annotations
 
+import struct
 from enum import Enum
 from typing import Optional
 
@@ -61,9 +62,13 @@ _SIGN = {torch.int32: -(1 << 31), torch.int64: -(1 << 63)}
 
 
 def _float_bits(value: float, dtype: torch.dtype) -> int:
-    """Bit pattern (as a Python int) of a finite non-negative float in ``dtype``."""
-    t = torch.tensor(value, dtype=dtype)
-    return int(t.view(_WORKING[dtype][0]).item())
+    """Bit pattern (as a Python int) of a finite non-negative float in ``dtype``.
+
+    Plain Python (struct), so no tensor is made and a torch.compile'd caller keeps one graph.
+    """
+    if dtype == torch.float32:
+        return struct.unpack("<i", struct.pack("<f", value))[0]
+    return struct.unpack("<q", struct.pack("<d", value))[0]
 
 
 def sample_draws(n_samples: int) -> tuple[list[int], list[bool]]:
