@@ -1,5 +1,6 @@
 """fxstab: find where a PyTorch program loses significant digits in low precision."""
 
+from . import inject
 from .backend import FxstabBackend, backend
 from .counters import instability_counters
 from .digitmap import DiffResult, DigitMap, DigitMapError, diff
@@ -12,6 +13,7 @@ from .digits import (
     student_t,
 )
 from .formats import FORMATS, Format, get_format
+from .monitor import Mode, MonitorConfig, StabilityMonitor
 from .report import OpReport
 from .rounding import Rounding, quantize, round_samples
 from .stochastic import AnalysisResult, StochasticTensor, analyze, stochastic
@@ -23,10 +25,5 @@ __all__ = [
     "cestac_digits", "computational_zero", "digit_stats", "DigitStats", "format_stochastic",
     "student_t", "backend", "FxstabBackend", "OpReport", "DigitMap", "DigitMapError",
     "DiffResult", "diff", "instability_counters", "stochastic", "StochasticTensor", "analyze",
-    "AnalysisResult", "__version__",
+    "AnalysisResult", "StabilityMonitor", "MonitorConfig", "Mode", "inject", "__version__",
 ]
-
-from . import inject  # noqa: E402  (monitor: instability injection)
-from .monitor import Mode, MonitorConfig, StabilityMonitor  # noqa: E402
-
-__all__ += ["StabilityMonitor", "MonitorConfig", "Mode", "inject"]

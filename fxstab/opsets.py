@@ -92,7 +92,9 @@ def target_kind(op: str, target: Any) -> str:
         name = str(target).rsplit(".", 1)[-1]
     else:
         return op
-    name = name.strip("_") if name not in ("__getitem__",) else "getitem"  # __matmul__ -> matmul
+    if name.startswith("__") and name.endswith("__"):  # Tensor.__matmul__ -> matmul
+        name = name[2:-2]
+    name = name.lstrip("_")  # _softmax -> softmax; a trailing "_" (in place: add_) stays
     return _ALIASES.get(name, name)
 
 
