@@ -60,7 +60,7 @@ class AtenGraphAnalysis(GraphAnalysis):
     """One dynamo graph analysed at the arithmetic level."""
 
     def __init__(self, gm: torch.fx.GraphModule, owner: Any, index: int) -> None:
-        self._lowered: dict[tuple, tuple[torch.fx.GraphModule, list]] = {}
+        self._lowered: dict[tuple, tuple[torch.fx.GraphModule, list, dict]] = {}
         super().__init__(gm, owner, index)
 
     def _plan(self) -> None:
@@ -89,7 +89,7 @@ class AtenGraphAnalysis(GraphAnalysis):
                 self.info.instrumented.append((name, kind, node.name))
 
     # -- lowering -------------------------------------------------------------------------
-    def _lower(self, args: tuple) -> tuple[torch.fx.GraphModule, list]:
+    def _lower(self, args: tuple) -> tuple[torch.fx.GraphModule, list, dict]:
         key = tuple((tuple(a.shape), a.dtype, a.device.type) if isinstance(a, torch.Tensor) else
                     (type(a).__name__, a) for a in args)
         found = self._lowered.get(key)
@@ -105,8 +105,8 @@ class AtenGraphAnalysis(GraphAnalysis):
         finally:
             _set_rng_states(states)
         names = self._primitive_names(lowered)
-        self._lowered[key] = (lowered, names)
-        return lowered, names
+        self._lowered[key] = (lowered, names, self._last_uses(lowered.graph))
+        return self._lowered[key]
 
     def _primitive_names(self, lowered: torch.fx.GraphModule) -> list:
         """(name, module path, record?) for each node of the lowered graph, or None."""
@@ -137,7 +137,7 @@ class AtenGraphAnalysis(GraphAnalysis):
         owner = self.owner
         args = tuple(a.detach().clone() if (isinstance(a, torch.Tensor) and node in self.mutated)
                      else a for a, node in zip(args, self._placeholders()))
-        lowered, names = self._lower(args)
+        lowered, names, free_after = self._lower(args)
         _set_rng_states(rng_states)  # the deterministic pass's random numbers, again
 
         records: list = []
@@ -193,6 +193,8 @@ class AtenGraphAnalysis(GraphAnalysis):
                 owner.reports.append(rep)
                 frontier[node] = frozenset({rec.name})
             del records[before:]
+            for dead in free_after.get(node, ()):
+                env.pop(dead, None)
         return result
 
 

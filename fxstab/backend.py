@@ -178,9 +178,24 @@ class GraphAnalysis:
         self.info = GraphInfo(index=index, n_nodes=len(gm.graph.nodes))
         self.mutated = _mutated_placeholders(gm.graph)
         self.plans: list[NodePlan] = []
+        self.free_after = self._last_uses(gm.graph)
         self._plan()
 
     # -- compile time -------------------------------------------------------------------
+    @staticmethod
+    def _last_uses(graph: torch.fx.Graph) -> dict:
+        """node -> the values whose last use it is: the stochastic path frees them right after,
+        so at most the live activations exist N times (not every activation of the graph)."""
+        last: dict = {}
+        for node in graph.nodes:
+            for m in node.all_input_nodes:
+                last[m] = node
+        freed: dict = {}
+        for value, user in last.items():
+            if user.op != "output":
+                freed.setdefault(user, []).append(value)
+        return freed
+
     def _placeholders(self) -> list:
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
 
@@ -320,6 +335,8 @@ class SampleInterpreter:
                 result = torch.fx.node.map_arg(node.args[0], lambda m: env[m])
             else:
                 env[node] = self._run_node(plan, env)
+            for dead in self.a.free_after.get(node, ()):
+                env.pop(dead, None)
         self._finish()
         return result
 

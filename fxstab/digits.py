@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from .formats import FormatLike, get_format
+from .randbits import CPU_CHUNK
 
 __all__ = [
     "student_t", "cestac_digits", "computational_zero", "digit_stats", "DigitStats",
@@ -245,6 +246,19 @@ def stats_vector(samples: torch.Tensor, t: float, cap: float,
     ``samples`` is [N, ...] with at least one element per sample.
     """
     n = samples.shape[0]
+    flat = samples.reshape(n, -1)
+    if flat.device.type == "cpu" and flat.shape[1] > CPU_CHUNK:
+        # Column chunks bound the temporaries on the CPU; sums, mins and maxes combine.
+        parts = torch.stack([_stats_columns(flat[:, a:a + CPU_CHUNK], n, t, cap, zero_threshold)
+                             for a in range(0, flat.shape[1], CPU_CHUNK)])
+        return torch.stack([parts[:, 0].sum(), parts[:, 1].min(), parts[:, 2].max(),
+                            parts[:, 3].sum(), parts[:, 4].sum(), parts[:, 5].sum()])
+    return _stats_columns(flat, n, t, cap, zero_threshold)
+
+
+
+def _stats_columns(samples: torch.Tensor, n: int, t: float, cap: float,
+                   zero_threshold: float) -> torch.Tensor:
     masks = _masks(samples)
     d = _digits(samples, n, t, cap, masks)
     _, finite, exact_zero = masks

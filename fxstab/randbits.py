@@ -30,6 +30,10 @@ PHILOX_ROUND_A = 0xD2511F53
 PHILOX_ROUND_B = 0xCD9E8D57
 N_ROUNDS = 10  # tl.randint's default
 M32 = 0xFFFFFFFF
+# Elements per sample that the CPU paths (rounding, surrogate, digit statistics) process at
+# once: a multiple of the 128-element random-bit group, so a chunk starts on a stream boundary;
+# bounds their temporaries (int patterns, bits) to a few MB instead of ~20 bytes per element.
+CPU_CHUNK = 1 << 16
 M64 = (1 << 64) - 1
 
 
@@ -75,11 +79,20 @@ def philox(seed: int, c0: torch.Tensor, c1, c2, c3, n_rounds: int = N_ROUNDS):
     return tuple(c.expand(shape) for c in (c0, c1, c2, c3))
 
 
-def random_bits(seed: int, numel: int, draws: torch.Tensor | list[int], device=None) -> torch.Tensor:
-    """Bits for ``random`` rounding: int64 tensor [len(draws), numel] of 0/1 (layout above)."""
+def _check_start(start: int, multiple: int) -> None:
+    if start < 0 or start % multiple:
+        raise ValueError(f"start must be a non-negative multiple of {multiple}, got {start}")
+
+
+def random_bits(seed: int, numel: int, draws: torch.Tensor | list[int], device=None,
+                start: int = 0) -> torch.Tensor:
+    """Bits for ``random`` rounding: int64 tensor [len(draws), numel] of 0/1 (layout above),
+    for elements ``start .. start + numel - 1`` (``start`` a multiple of 128)."""
+    _check_start(start, 128)
     draws = torch.as_tensor(draws, dtype=torch.int64, device=device).reshape(-1, 1)
     groups = (numel + 127) // 128
-    g = torch.arange(groups, dtype=torch.int64, device=draws.device).reshape(1, -1)
+    g = torch.arange(start // 128, start // 128 + groups, dtype=torch.int64,
+                     device=draws.device).reshape(1, -1)
     words = philox(seed, g & M32, draws, g >> 32, 0)  # 4 x [D, G]
     w = torch.stack(words, dim=-1)  # [D, G, 4]
     shifts = torch.arange(32, dtype=torch.int64, device=draws.device)
@@ -87,17 +100,20 @@ def random_bits(seed: int, numel: int, draws: torch.Tensor | list[int], device=N
     return bits.reshape(draws.shape[0], groups * 128)[:, :numel]
 
 
-def uniform_words(seed: int, numel: int, draws: torch.Tensor | list[int], device=None) -> torch.Tensor:
-    """32-bit uniforms (int64 in [0, 2**32)) for draws x elements: tensor [len(draws), numel].
+def uniform_words(seed: int, numel: int, draws: torch.Tensor | list[int], device=None,
+                  start: int = 0) -> torch.Tensor:
+    """32-bit uniforms (int64 in [0, 2**32)) for draws x elements ``start ..``: tensor
+    [len(draws), numel].
 
     One Philox evaluation per element serves the four draws 4b..4b+3, so it is computed once
     per block b that the draws touch (N=3 samples: one evaluation, not three).
     """
+    _check_start(start, 1)
     draws = torch.as_tensor(draws, dtype=torch.int64, device=device).reshape(-1)
     dev = draws.device
     wanted = draws.tolist()
     blocks = sorted({d >> 2 for d in wanted})
-    e = torch.arange(numel, dtype=torch.int64, device=dev)
+    e = torch.arange(start, start + numel, dtype=torch.int64, device=dev)
     e_lo, e_hi = e & M32, e >> 32
     out = torch.empty((len(wanted), numel), dtype=torch.int64, device=dev)
     for b in blocks:
@@ -123,11 +139,15 @@ def derive_seed(seed: int, *salt: int) -> int:
     return z
 
 
-def random_bytes(seed: int, numel: int, draws: torch.Tensor | list[int], device=None) -> torch.Tensor:
-    """8-bit uniforms (int64 in [0, 256)) for draws x elements: tensor [len(draws), numel]."""
+def random_bytes(seed: int, numel: int, draws: torch.Tensor | list[int], device=None,
+                 start: int = 0) -> torch.Tensor:
+    """8-bit uniforms (int64 in [0, 256)) for draws x elements ``start ..`` (a multiple of
+    16): tensor [len(draws), numel]."""
+    _check_start(start, 16)
     draws = torch.as_tensor(draws, dtype=torch.int64, device=device).reshape(-1, 1)
     groups = (numel + 15) // 16
-    g = torch.arange(groups, dtype=torch.int64, device=draws.device).reshape(1, -1)
+    g = torch.arange(start // 16, start // 16 + groups, dtype=torch.int64,
+                     device=draws.device).reshape(1, -1)
     w = torch.stack(philox(seed, g & M32, draws, g >> 32, 0), dim=-1)  # [D, G, 4]
     shifts = torch.arange(0, 32, 8, dtype=torch.int64, device=draws.device)
     b = (w.unsqueeze(-1) >> shifts) & 0xFF  # [D, G, 4 words, 4 bytes]

@@ -280,16 +280,30 @@ def round_samples(
     n = samples.shape[0]
     xw = samples.to(wdtype).contiguous().reshape(n, -1)
     numel = xw.shape[1]
+    s = _default_seed(seed) if mode in (Rounding.RANDOM, Rounding.STOCHASTIC) else 0
+    if numel <= randbits.CPU_CHUNK or xw.device.type != "cpu":
+        out = _round_columns(xw, fmt, mode, s, saturate, 0)
+    else:
+        # Column chunks bound the temporaries (int patterns, random bits) on the CPU; the
+        # streams are indexed by element, so the bits are those of one pass.
+        out = torch.empty_like(xw)
+        step = randbits.CPU_CHUNK
+        for a in range(0, numel, step):
+            out[:, a:a + step] = _round_columns(xw[:, a:a + step], fmt, mode, s, saturate, a)
+    return out.reshape(samples.shape).to(samples.dtype)
+
+
+def _round_columns(xw: torch.Tensor, fmt: Format, mode: Rounding, seed: int, saturate: bool,
+                   start: int) -> torch.Tensor:
+    """round_samples on columns ``start ..`` of flattened samples [N, numel]."""
+    n, numel = xw.shape
     rand = None
     if mode is Rounding.RANDOM:
-        s = _default_seed(seed)
         draws, flips = sample_draws(n)
         free = sorted(set(draws))
-        bits = randbits.random_bits(s, numel, free, device=samples.device)
-        flip = torch.tensor(flips, dtype=torch.int64, device=samples.device).reshape(n, 1)
-        rand = bits[torch.tensor(draws, device=samples.device)] ^ flip
+        bits = randbits.random_bits(seed, numel, free, device=xw.device, start=start)
+        flip = torch.tensor(flips, dtype=torch.int64, device=xw.device).reshape(n, 1)
+        rand = bits[torch.tensor(draws, device=xw.device)] ^ flip
     elif mode is Rounding.STOCHASTIC:
-        s = _default_seed(seed)
-        rand = randbits.uniform_words(s, numel, list(range(n)), device=samples.device)
-    out = round_with_bits(xw, fmt, mode, rand, saturate)
-    return out.reshape(samples.shape).to(samples.dtype)
+        rand = randbits.uniform_words(seed, numel, list(range(n)), device=xw.device, start=start)
+    return round_with_bits(xw, fmt, mode, rand, saturate)

@@ -21,13 +21,16 @@ from __future__ import annotations
 import torch
 
 from . import randbits
+from .randbits import CPU_CHUNK
 
 __all__ = ["perturb_samples", "uniform_signed"]
 
 
-def uniform_signed(seed: int, numel: int, n_samples: int, dtype: torch.dtype, device=None) -> torch.Tensor:
-    """r in (-1, 1), 256 symmetric levels: tensor [n_samples, numel] of ``dtype``."""
-    b = randbits.random_bytes(seed, numel, list(range(n_samples)), device=device)
+def uniform_signed(seed: int, numel: int, n_samples: int, dtype: torch.dtype, device=None,
+                   start: int = 0) -> torch.Tensor:
+    """r in (-1, 1), 256 symmetric levels: tensor [n_samples, numel] of ``dtype`` for elements
+    ``start ..`` (a multiple of 16)."""
+    b = randbits.random_bytes(seed, numel, list(range(n_samples)), device=device, start=start)
     return (2 * b + 1).to(dtype) * (2.0 ** -8) - 1.0
 
 
@@ -44,9 +47,21 @@ def perturb_samples(samples: torch.Tensor, eta: float, seed: int) -> tuple[torch
     numel = flat.shape[1]
     if numel == 0:
         return samples, 0
+    if numel <= CPU_CHUNK or flat.device.type != "cpu":
+        perturbed, count = _perturb_columns(flat, eta, seed, 0)
+    else:  # column chunks bound the temporaries on the CPU (elementwise: same result)
+        perturbed, count = torch.empty_like(flat), 0
+        for a in range(0, numel, CPU_CHUNK):
+            perturbed[:, a:a + CPU_CHUNK], c = _perturb_columns(flat[:, a:a + CPU_CHUNK], eta,
+                                                                seed, a)
+            count += c
+    return perturbed.reshape(samples.shape), count
+
+
+def _perturb_columns(flat: torch.Tensor, eta: float, seed: int, start: int) -> tuple[torch.Tensor, int]:
     mean = flat.mean(0)
     spread = (flat - mean).abs().amax(0)
     close = spread <= eta * mean.abs()
-    r = uniform_signed(seed, numel, n, flat.dtype, device=flat.device)
-    perturbed = torch.where(close, flat * (1.0 + eta * r), flat)
-    return perturbed.reshape(samples.shape), int(close.sum())
+    r = uniform_signed(seed, flat.shape[1], flat.shape[0], flat.dtype, device=flat.device,
+                       start=start)
+    return torch.where(close, flat * (1.0 + eta * r), flat), int(close.sum())

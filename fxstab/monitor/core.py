@@ -12,7 +12,7 @@ import contextlib
 import math
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
