@@ -728,10 +728,19 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
     kwargs = kwargs or {}
     is_stacked = lambda x: isinstance(x, Stacked)  # noqa: E731
     leaves = pytree.tree_leaves((args, kwargs), is_leaf=is_stacked)
-    if not any(is_stacked(x) for x in leaves):
-        return op(*args, **kwargs)
     n = ctx.n_samples
     kind = primitive_kind(op)
+    from_plain = not any(is_stacked(x) for x in leaves)
+    if from_plain:
+        # Only plain operands (parameters, constants): run once. An arithmetic result is still
+        # a result of the simulated arithmetic, so it enters the samples here (N identical
+        # copies, then rounded below); a model whose data all come from parameters (token
+        # embeddings) would otherwise never be analysed.
+        out = op(*args, **kwargs)
+        flat_out = pytree.tree_leaves(out)
+        if kind in EXACT_PRIMITIVES or not any(
+                isinstance(v, torch.Tensor) and v.is_floating_point() for v in flat_out):
+            return out
     args = tuple(pytree.tree_map(lambda x: _to_working(x, ctx), a) if not is_stacked(a) else a
                  for a in args)
     kwargs = _fix_dtype_kwargs(kind, kwargs, ctx)
@@ -765,7 +774,13 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
             new_args.append(a)
         args = tuple(new_args)
 
-    raw, lifted = _run_batched(op, kind, args, kwargs, n)
+    if from_plain:
+        raw = pytree.tree_map(
+            lambda v: _to_working(v, ctx).unsqueeze(0).expand(n, *v.shape).contiguous()
+            if isinstance(v, torch.Tensor) and v.is_floating_point() else v, out)
+        lifted = True
+    else:
+        raw, lifted = _run_batched(op, kind, args, kwargs, n)
     exact = kind in EXACT_PRIMITIVES
     do_round = lifted and not exact and ctx.rounding is not None
     flat, spec = pytree.tree_flatten(raw)

@@ -124,3 +124,17 @@ def test_eager_driver_and_compiled_aten_path_agree_on_digits():
     assert {"aten.sub", "aten.exp", "aten.sum"} <= common
     for k in common:
         assert abs(compiled[k] - eager[k]) < 0.15, (k, compiled[k], eager[k])
+
+
+def test_models_fed_only_by_parameters_are_analysed():
+    # A language model's floating data all come from its embedding tables (parameters): the
+    # first arithmetic primitive on them brings the values into the samples.
+    from models import GPT
+
+    torch.manual_seed(0)
+    be, _ = analyse(GPT(layers=1), torch.randint(0, 50, (2, 8)))
+    names = [r.name for r in be.reports]
+    assert names[0] == "add#0/aten.add#0"  # token + position embeddings
+    assert any(n.startswith("blocks.0.attn") or "scaled_dot_product" in n for n in names) or \
+        any(n.startswith("blocks.0.qkv") for n in names)
+    assert len(names) > 20
