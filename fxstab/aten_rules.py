@@ -155,6 +155,10 @@ def _analyze(s: torch.Tensor, ctx: "AtenContext") -> _Analysis:
         z = torch.zeros(shape, dtype=torch.bool, device=s.device)
         d = torch.where(ident, ctx.cap, 0.0).to(ctx.working_dtype)
         return _Analysis(d, z, (s == 0).all(0), ~z, ident)
+    if s[0].numel() == 0:  # an empty output (e.g. a zero-size batch): nothing to measure
+        e = torch.zeros(s.shape[1:], dtype=torch.bool, device=s.device)
+        return _Analysis(torch.zeros(s.shape[1:], dtype=ctx.working_dtype, device=s.device),
+                         e, e, ~e, ~e)
     mn, mx = torch.aminmax(s, dim=0)
     spread = mx - mn
     identical = spread == 0
@@ -270,7 +274,8 @@ def round_stacked(samples: torch.Tensor, fmt: Format, mode: Rounding, seed: int,
     format's normal range (and for zeros), and hands any tensor holding subnormals, values near
     overflow, inf or NaN to :func:`fxstab.rounding.round_samples`, which models the whole range.
     """
-    if randomness == "philox" or mode is not Rounding.RANDOM or samples.dtype not in _WORKING:
+    if randomness == "philox" or mode is not Rounding.RANDOM or samples.dtype not in _WORKING \
+            or samples.numel() == 0:
         return round_samples(samples, fmt, mode, seed)
     int_dtype, wm, wbias, wones = _WORKING[samples.dtype][:4]
     n = samples.shape[0]

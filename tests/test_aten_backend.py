@@ -138,3 +138,11 @@ def test_models_fed_only_by_parameters_are_analysed():
     assert any(n.startswith("blocks.0.attn") or "scaled_dot_product" in n for n in names) or \
         any(n.startswith("blocks.0.qkv") for n in names)
     assert len(names) > 20
+
+
+def test_eval_batchnorm_with_empty_saved_statistics_is_analysed():
+    # In eval mode the lowered batch_norm returns zero-size saved statistics: empty outputs
+    # must pass through the rules (regression: aminmax over an empty tensor).
+    torch.manual_seed(0)
+    be, _ = analyse(CNN().eval(), torch.randn(2, 3, 8, 8))
+    assert any("batch_norm" in r.name for r in be.reports)
