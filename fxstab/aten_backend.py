@@ -44,6 +44,8 @@ _EXTRA_DECOMPOSITIONS = [
 _RANDOM_PRIMITIVES = frozenset({
     "rand", "randn", "rand_like", "randn_like", "randint", "randint_like", "bernoulli",
     "uniform", "normal", "randperm", "multinomial", "native_dropout", "exponential",
+    "bernoulli_", "uniform_", "normal_", "exponential_", "random_", "geometric_", "cauchy_",
+    "log_normal_",
 })
 _SYMBOLIC = frozenset({"sym_size", "sym_stride", "sym_numel", "sym_storage_offset"})
 

@@ -103,6 +103,9 @@ _COMPARE = {"eq": "eq", "ne": "ne", "lt": "lt", "le": "le", "gt": "gt", "ge": "g
             "less": "lt", "less_equal": "le", "greater": "gt", "greater_equal": "ge",
             "not_equal": "ne"}
 _SELECT2 = frozenset({"maximum", "minimum", "fmax", "fmin"})
+# Tensor factories (no arithmetic: their values are constants or uninitialised memory).
+_FACTORY_PREFIXES = ("empty", "zeros", "ones", "full", "arange", "scalar_tensor", "new_",
+                     "eye", "linspace", "logspace")
 _REDUCE_SUM = frozenset({"sum", "mean", "nansum"})
 
 
@@ -743,7 +746,7 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
         # embeddings) would otherwise never be analysed.
         out = op(*args, **kwargs)
         flat_out = pytree.tree_leaves(out)
-        if kind in EXACT_PRIMITIVES or not any(
+        if kind in EXACT_PRIMITIVES or kind.startswith(_FACTORY_PREFIXES) or not any(
                 isinstance(v, torch.Tensor) and v.is_floating_point() for v in flat_out):
             return out
     args = tuple(pytree.tree_map(lambda x: _to_working(x, ctx), a) if not is_stacked(a) else a
