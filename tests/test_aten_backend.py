@@ -11,11 +11,7 @@ import fxstab
 from models import CNN, MLP, CancellingLinear, DropoutMLP, OffsetLayerNorm
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def analyse(model, *inputs, **options):
