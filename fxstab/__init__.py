@@ -1,7 +1,7 @@
 """fxstab: find where a PyTorch program loses significant digits in low precision."""
 
 from . import inject
-from .backend import FxstabBackend, backend
+from .backend import FxstabBackend, backend, get_default_backend
 from .counters import instability_counters
 from .digitmap import DiffResult, DigitMap, DigitMapError, diff
 from .digits import (
@@ -23,7 +23,8 @@ __version__ = "0.1.0"
 __all__ = [
     "FORMATS", "Format", "get_format", "Rounding", "quantize", "round_samples",
     "cestac_digits", "computational_zero", "digit_stats", "DigitStats", "format_stochastic",
-    "student_t", "backend", "FxstabBackend", "OpReport", "DigitMap", "DigitMapError",
+    "student_t", "backend", "FxstabBackend", "get_default_backend", "OpReport", "DigitMap",
+    "DigitMapError",
     "DiffResult", "diff", "instability_counters", "stochastic", "StochasticTensor", "analyze",
     "AnalysisResult", "StabilityMonitor", "MonitorConfig", "Mode", "inject", "__version__",
 ]

@@ -733,7 +733,7 @@ _DEFAULT: Optional[FxstabBackend] = None
 def default_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     """``torch.compile(model, backend="fxstab")``: a shared backend with default options.
 
-    Its reports are at ``fxstab.backend_module.get_default_backend().reports``.
+    Its reports are at ``fxstab.get_default_backend().reports``.
     """
     return get_default_backend()(gm, example_inputs)
 
