@@ -1,0 +1,465 @@
+/* Fused CPU kernels of fxstab: rounding + CESTAC digit statistics, and the GEMM surrogate.
+ *
+ * One pass over the samples of each element does what the plain-torch references do in about
+ * thirty tensor passes (fxstab/rounding.py: round_with_bits and round_samples; fxstab/digits.py:
+ * stats_vector; fxstab/surrogate.py: perturb_samples). The random bits are the same Philox4x32-10
+ * streams (fxstab/randbits.py), so rounded and perturbed samples are bit-identical to the
+ * references; the digit statistics agree to a few ulps (log10 of a different libm).
+ *
+ * Built at first use by fxstab/native.py (plain C, OpenMP, no Python or torch headers) and
+ * called through ctypes with raw pointers. Samples are [n, numel] with sample k of element e at
+ * x[k * xs + e]: xs = numel for stacked samples, xs = 0 for a plain tensor broadcast to every
+ * sample.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MODE_NONE (-1)
+#define MODE_RANDOM 0
+#define MODE_STOCHASTIC 1
+#define MODE_NEAREST 2
+#define MODE_UP 3
+#define MODE_DOWN 4
+#define MODE_ZERO 5
+
+#define MAX_SAMPLES 256
+
+typedef struct {
+    int64_t man_bits;      /* m: the format's stored significand bits */
+    int64_t k;             /* emin + working bias (>= 1) */
+    int64_t max_bits;      /* bit pattern of the format's largest finite value (working dtype) */
+    int64_t min_sub_bits;  /* bit pattern of the format's smallest subnormal */
+    int64_t finite_only;   /* fn format: overflow gives NaN, not inf */
+    int64_t mode;          /* MODE_* */
+    int64_t saturate;
+    uint64_t seed;
+    double t;              /* Student t quantile */
+    double cap;            /* digit cap p*log10(2) */
+    double zero_threshold;
+    int64_t nthreads;
+} params_t;
+
+/* Philox4x32-10 exactly as tl.philox / fxstab.randbits.philox. */
+static inline void philox(uint64_t seed, uint32_t c[4]) {
+    uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
+    for (int r = 0; r < 10; r++) {
+        uint64_t pb = (uint64_t)0xCD9E8D57u * c[2];
+        uint64_t pa = (uint64_t)0xD2511F53u * c[0];
+        uint32_t n0 = (uint32_t)(pb >> 32) ^ c[1] ^ k0;
+        uint32_t n2 = (uint32_t)(pa >> 32) ^ c[3] ^ k1;
+        c[1] = (uint32_t)pb;
+        c[3] = (uint32_t)pa;
+        c[0] = n0;
+        c[2] = n2;
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+}
+
+/* Cross-sample scheme of fxstab.rounding.sample_draws: draw index and flip of each sample. */
+static int sample_draws(int64_t n, int *draws, int *flips) {
+    int free_ = 0, start = (int)(n % 2);
+    for (int i = 0; i < n; i++) {
+        int j = i - start;
+        if (i >= start && j % 2 == 1) {
+            draws[i] = draws[i - 1];
+            flips[i] = 1;
+        } else {
+            draws[i] = free_++;
+            flips[i] = 0;
+        }
+    }
+    return free_;
+}
+
+/* ---------------------------------------------------------------------------------------
+ * Rounding of one value (round_with_bits), for fp32 (uint32 patterns) and fp64 (uint64).
+ * `rnd` is the random bit (random mode) or the 32-bit word (stochastic mode). `mode` is a
+ * compile-time constant at every call site (the callers are specialised per mode), so the
+ * switch folds away and the element loops vectorise.
+ */
+typedef struct {
+    int64_t m, k, max_bits, min_sub_bits, finite_only, saturate;
+} rp_t;
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+#define DEFINE_ROUND(NAME, UT, IT, WM, SH_MAX)                                                       \
+    ALWAYS_INLINE UT NAME(UT bits, const rp_t r, const int mode, uint32_t rnd) {                \
+        const UT sign = (UT)1 << (8 * sizeof(UT) - 1);                                          \
+        const UT inf_bits = (((UT)1 << (8 * sizeof(UT) - 1 - (WM))) - 1) << (WM);               \
+        UT mag = bits & ~sign;                                                                  \
+        const int neg = (int)(bits >> (8 * sizeof(UT) - 1)); /* arithmetic 0/1: vectorises */                                                           \
+        const IT rm = (IT)r.m, rk = (IT)r.k;                                                   \
+        IT e = (IT)(mag >> (WM));                                                     \
+        const int may_be_tiny = rk - rm > 0;                                                        \
+        UT significand = (may_be_tiny & (e > 1)) ? mag - ((UT)(e - 1) << (WM)) : mag;           \
+        IT shift = rk - e;                                                                \
+        shift = shift < 0 ? 0 : shift;                                                          \
+        shift = shift > rk - 1 ? rk - 1 : shift;                                              \
+        shift += (WM) - rm;                                                                    \
+        int tiny = may_be_tiny & (shift > (WM));                                                 \
+        IT sh = (may_be_tiny & (shift > (SH_MAX))) ? (SH_MAX) : shift;                      \
+        UT unit = (UT)1 << sh;                                                                  \
+        UT low_mask = unit - 1;                                                                 \
+        UT rem = significand & low_mask;                                                        \
+        int go = 0;                                                                             \
+        switch (mode) {                                                                         \
+        case MODE_NEAREST:                                                                      \
+            go = ((significand >> sh) & 1) + rem > (low_mask >> 1) + 1;                         \
+            break;                                                                              \
+        case MODE_UP: go = (rem != 0) & (neg ^ 1); break;                                             \
+        case MODE_DOWN: go = (rem != 0) & neg; break;                                            \
+        case MODE_RANDOM: go = (rem != 0) & (int)rnd; break; /* rnd is 0 or 1 */                                     \
+        case MODE_STOCHASTIC: {                                                                 \
+            /* word >> (32 - shift) < rem >> (shift - 32), both shifts clamped at 0 */          \
+            IT a = 32 - shift, b = shift - 32;                                                  \
+            a = a < 0 ? 0 : a;                                                                  \
+            b = b < 0 ? 0 : (b > (SH_MAX) ? (SH_MAX) : b);                                      \
+            go = (UT)(a >= 32 ? 0u : rnd >> a) < (rem >> b);                                    \
+            break;                                                                              \
+        }                                                                                       \
+        default: go = 0;                                                                        \
+        }                                                                                       \
+        UT res = tiny ? 0 : mag - rem;                                                          \
+        unit = tiny ? (UT)r.min_sub_bits : unit;                                                \
+        res = go ? res + unit : res;                                                            \
+        int over = res > (UT)r.max_bits;                                                        \
+        if (r.saturate) {                                                                       \
+            res = over ? (UT)r.max_bits : res;                                                  \
+        } else {                                                                                \
+            UT big = r.finite_only ? (inf_bits | ((UT)1 << ((WM) - 1))) : inf_bits;             \
+            int toward_zero;                                                                    \
+            switch (mode) {                                                                     \
+            case MODE_NEAREST: toward_zero = 0; break;                                          \
+            case MODE_ZERO: toward_zero = 1; break;                                             \
+            case MODE_UP: toward_zero = neg; break;                                             \
+            case MODE_DOWN: toward_zero = !neg; break;                                          \
+            default: toward_zero = res < mag;                                                   \
+            }                                                                                   \
+            res = over ? (toward_zero ? (UT)r.max_bits : big) : res;                            \
+            res = mag == inf_bits ? big : res;                                                  \
+        }                                                                                       \
+        res = mag > inf_bits ? mag : res;                                                       \
+        return res | (bits & sign);                                                             \
+    }
+
+DEFINE_ROUND(round_f32, uint32_t, int32_t, 23, 30)
+DEFINE_ROUND(round_f64, uint64_t, int64_t, 52, 62)
+
+/* Rounds `cnt` consecutive values of one sample; `rb` holds their random bits or words. */
+#define DEFINE_ROUND_ROW(NAME, FT, UT, ROUND)                                                   \
+    ALWAYS_INLINE void NAME(const FT *restrict x, FT *restrict o, int64_t cnt, const rp_t r,    \
+                            const int mode, const uint32_t *restrict rb) {                      \
+        _Pragma("omp simd")                                                                     \
+        for (int64_t el = 0; el < cnt; el++) {                                                  \
+            UT b;                                                                               \
+            memcpy(&b, &x[el], sizeof b);                                                       \
+            b = ROUND(b, r, mode, rb[el]);                                                      \
+            memcpy(&o[el], &b, sizeof b);                                                       \
+        }                                                                                       \
+    }
+
+DEFINE_ROUND_ROW(round_row_f32, float, uint32_t, round_f32)
+DEFINE_ROUND_ROW(round_row_f64, double, uint64_t, round_f64)
+
+/* log10 of a positive normal double: 2 atanh((m-1)/(m+1)) series on m in [sqrt(1/2), sqrt(2)),
+ * absolute error below 1e-14; plain arithmetic so the digit loop vectorises. */
+ALWAYS_INLINE double log10_pos(double v) {
+    uint64_t b;
+    memcpy(&b, &v, sizeof b);
+    int e = (int)(b >> 52) - 1023;
+    uint64_t mb = (b & 0x000FFFFFFFFFFFFFull) | 0x3FF0000000000000ull;
+    double m;
+    memcpy(&m, &mb, sizeof m);
+    int big = m > 1.4142135623730951;
+    m = big ? 0.5 * m : m;
+    e += big;
+    double s = (m - 1.0) / (m + 1.0), s2 = s * s;
+    double ln = 2.0 * s * (1.0 + s2 * (1.0 / 3 + s2 * (1.0 / 5 + s2 * (1.0 / 7 + s2 * (1.0 / 9
+                + s2 * (1.0 / 11 + s2 * (1.0 / 13 + s2 * (1.0 / 15))))))));
+    return (ln + (double)e * 0.69314718055994530942) * 0.43429448190325182765;
+}
+
+/* The same in float for fp32 samples (error ~1e-7, the float's own): the loop stays 8 wide. */
+ALWAYS_INLINE float log10_posf(float v) {
+    uint32_t b;
+    memcpy(&b, &v, sizeof b);
+    int e = (int)(b >> 23) - 127;
+    uint32_t mb = (b & 0x007FFFFFu) | 0x3F800000u;
+    float m;
+    memcpy(&m, &mb, sizeof m);
+    int big = m > 1.41421356f;
+    m = big ? 0.5f * m : m;
+    e += big;
+    float s = (m - 1.0f) / (m + 1.0f), s2 = s * s;
+    float ln = 2.0f * s * (1.0f + s2 * (1.0f / 3 + s2 * (1.0f / 5 + s2 * (1.0f / 7 + s2 * (1.0f / 9)))));
+    return (ln + (float)e * 0.693147181f) * 0.434294482f;
+}
+
+#define BLK 128
+
+/* ---------------------------------------------------------------------------------------
+ * CESTAC digits (fxstab.digits._digits, in the working dtype) of `cnt` elements whose n
+ * samples are rows[i][el]; accumulates the statistics and writes digits to `dig` if given.
+ */
+#define DEFINE_DIGITS_BLOCK(NAME, FT, DBL_MIN_, LOG10, IT)                                                 \
+    ALWAYS_INLINE void NAME(const FT *const *rows, int64_t n, int64_t cnt, const params_t *p,  \
+                            double K, FT *restrict dig, double *s_sum, double *s_min,           \
+                            double *s_max, double *s_zero, double *s_nf) {                      \
+        FT mn[BLK], mx[BLK], mean[BLK], s1[BLK], s2[BLK];                                       \
+        int bad[BLK];                                                                           \
+        /* statistics, not samples: products by reciprocals and reassociated sums are fine */   \
+        const FT fn = (FT)n, inv_n = (FT)1 / fn, cap = (FT)p->cap, thr = (FT)p->zero_threshold;\
+        for (int64_t el = 0; el < cnt; el++) {                                                  \
+            FT v = rows[0][el];                                                                 \
+            mn[el] = v; mx[el] = v; bad[el] = v != v; mean[el] = v * inv_n;                \
+        }                                                                                       \
+        for (int64_t i = 1; i < n; i++) {                                                       \
+            const FT *restrict row = rows[i];                                                   \
+            for (int64_t el = 0; el < cnt; el++) {                                              \
+                FT v = row[el];                                                                 \
+                bad[el] |= v != v;                                                              \
+                mn[el] = v < mn[el] ? v : mn[el];                                               \
+                mx[el] = v > mx[el] ? v : mx[el];                                               \
+                mean[el] += v * inv_n;                                                          \
+            }                                                                                   \
+        }                                                                                       \
+        FT s1inv[BLK];                                                                          \
+        for (int64_t el = 0; el < cnt; el++) {                                                  \
+            s1[el] = 0; s2[el] = 0;                                                             \
+            s1inv[el] = (FT)1 / (mean[el] < 0 ? -mean[el] : mean[el]);                          \
+        }                                                                                       \
+        for (int64_t i = 0; i < n; i++) {                                                       \
+            const FT *restrict row = rows[i];                                                   \
+            for (int64_t el = 0; el < cnt; el++) {                                              \
+                FT r = (row[el] - mean[el]) * s1inv[el];                                        \
+                s1[el] += r;                                                                    \
+                s2[el] += r * r;                                                                \
+            }                                                                                   \
+        }                                                                                       \
+        /* one block: FT sums of <= 128 values in [0, 16] lose nothing that matters */         \
+        FT sum = 0, lo = (FT)p->cap, hi = 0;                                                    \
+        IT zeros = 0, nf = 0;                                                                   \
+        _Pragma("omp simd reduction(+:sum, zeros, nf) reduction(min:lo) reduction(max:hi)")     \
+        for (int64_t el = 0; el < cnt; el++) {                                                  \
+            int finite = !bad[el] & (mn[el] - mn[el] == 0) & (mx[el] - mx[el] == 0);            \
+            int identical = !bad[el] & (mn[el] == mx[el]);                                      \
+            FT var = s2[el] - s1[el] * s1[el] * inv_n;                                          \
+            var = var < 0 ? 0 : var;                                                            \
+            var = var / (FT)(n - 1);                                                            \
+            /* var = 0 -> log = -inf -> cap; NaN or inf -> 0; tiny -> above the cap */          \
+            int normal = (var >= (FT)DBL_MIN_) & (var - var == 0);                              \
+            FT lv = LOG10(normal ? var : (FT)1);                                                \
+            FT c = (FT)-0.5 * lv + (FT)K;                                                       \
+            c = normal ? c : (((var >= 0) & (var < (FT)DBL_MIN_)) ? cap : (FT)0);               \
+            c = c > cap ? cap : (c < 0 ? (FT)0 : c);                                            \
+            c = mean[el] == 0 ? (FT)0 : c;                                                      \
+            c = identical ? cap : c;                                                            \
+            c = finite ? c : (FT)0;                                                             \
+            int exact_zero = identical & (mx[el] == 0);                                         \
+            zeros += finite & !exact_zero & (c < thr);                                          \
+            nf += !finite;                                                                      \
+            sum += c;                                                                           \
+            lo = c < lo ? c : lo;                                                               \
+            hi = c > hi ? c : hi;                                                               \
+            if (dig) dig[el] = c;                                                               \
+        }                                                                                       \
+        *s_sum += (double)sum; *s_zero += (double)zeros; *s_nf += (double)nf;                   \
+        *s_min = (double)lo < *s_min ? (double)lo : *s_min;                                     \
+        *s_max = (double)hi > *s_max ? (double)hi : *s_max;                                     \
+    }
+
+DEFINE_DIGITS_BLOCK(digits_block_f32, float, 1.1754943508222875e-38, log10_posf, int32_t)
+DEFINE_DIGITS_BLOCK(digits_block_f64, double, 2.2250738585072014e-308, log10_pos, int64_t)
+
+/* Random bits (random mode) or words (stochastic mode) of sample i for elements e0..e0+cnt-1
+ * of group g (e0 = 128 g): fxstab.randbits.random_bits / uniform_words. */
+ALWAYS_INLINE void sample_bits(const params_t *p, const int mode, int64_t g, int64_t cnt,
+                               int64_t i, const int *draws, const int *flips,
+                               uint32_t (*dwords)[4], uint32_t *rb) {
+    if (mode == MODE_RANDOM) {
+        const uint32_t *w = dwords[draws[i]];
+        uint32_t f = (uint32_t)flips[i];
+        for (int q = 0; q < 4; q++) {  /* a full 128-element group, even past cnt */
+            uint32_t wq = w[q];
+            for (int b = 0; b < 32; b++) rb[q * 32 + b] = ((wq >> b) & 1) ^ f;
+        }
+    } else if (mode == MODE_STOCHASTIC) {
+        for (int64_t el = 0; el < cnt; el++) {
+            uint64_t e = (uint64_t)(g * BLK + el);
+            uint32_t c[4] = {(uint32_t)e, (uint32_t)(i >> 2), (uint32_t)(e >> 32), 0};
+            philox(p->seed, c);
+            rb[el] = c[i & 3];
+        }
+    } else {
+        for (int64_t el = 0; el < cnt; el++) rb[el] = 0;
+    }
+}
+
+/* ---------------------------------------------------------------------------------------
+ * round_stats: round (mode != MODE_NONE) the n samples of each element into `out` and
+ * accumulate stats[6] = [sum of digits, min, max, computational zeros, non-finite, numel]
+ * (stats may be NULL: rounding only); per-element digits into `dig` when not NULL.
+ * Work is split into groups of 128 elements: one Philox evaluation per group and draw gives
+ * the random bits of the whole group.
+ */
+#define DEFINE_ROUND_STATS_MODE(NAME, FT, ROW, DIGITS, MODE)                                    \
+    static void NAME(const FT *x, int64_t xs, FT *out, int64_t n, int64_t numel,                \
+                     const params_t *p, double *stats, FT *dig) {                               \
+        const int mode = MODE;                                                                  \
+        int draws[MAX_SAMPLES], flips[MAX_SAMPLES];                                             \
+        int n_free = sample_draws(n, draws, flips);                                             \
+        int64_t groups = (numel + BLK - 1) / BLK;                                               \
+        const rp_t r = {p->man_bits, p->k, p->max_bits, p->min_sub_bits, p->finite_only,       \
+                        p->saturate};                                                           \
+        const double K = log10(sqrt((double)n) / p->t);                                         \
+        double s_sum = 0, s_min = INFINITY, s_max = -INFINITY, s_zero = 0, s_nf = 0;            \
+        int want_stats = stats != NULL || dig != NULL;                                          \
+        int nt = (int)p->nthreads;                                                              \
+        if (numel * n < 32768) nt = 1;                                                          \
+        _Pragma("omp parallel for num_threads(nt) schedule(static) reduction(+:s_sum, s_zero, s_nf) reduction(min:s_min) reduction(max:s_max)") \
+        for (int64_t g = 0; g < groups; g++) {                                                  \
+            uint32_t dwords[MAX_SAMPLES][4];                                                    \
+            uint32_t rb[BLK];                                                                   \
+            const FT *rows[MAX_SAMPLES];                                                        \
+            int64_t e0 = g * BLK, cnt = e0 + BLK < numel ? BLK : numel - e0;                    \
+            if (mode == MODE_RANDOM) {                                                          \
+                for (int d = 0; d < n_free; d++) {                                              \
+                    dwords[d][0] = (uint32_t)g;                                                 \
+                    dwords[d][1] = (uint32_t)d;                                                 \
+                    dwords[d][2] = (uint32_t)((uint64_t)g >> 32);                               \
+                    dwords[d][3] = 0;                                                           \
+                    philox(p->seed, dwords[d]);                                                 \
+                }                                                                               \
+            }                                                                                   \
+            for (int64_t i = 0; i < n; i++) {                                                   \
+                const FT *xi = x + i * xs + e0;                                                 \
+                if (mode != MODE_NONE) {                                                        \
+                    FT *oi = out + i * numel + e0;                                              \
+                    sample_bits(p, mode, g, cnt, i, draws, flips, dwords, rb);                  \
+                    ROW(xi, oi, cnt, r, mode, rb);                                              \
+                    rows[i] = oi;                                                               \
+                } else {                                                                        \
+                    rows[i] = xi;                                                               \
+                }                                                                               \
+            }                                                                                   \
+            if (want_stats)                                                                     \
+                DIGITS(rows, n, cnt, p, K, dig ? dig + e0 : NULL, &s_sum, &s_min, &s_max,      \
+                       &s_zero, &s_nf);                                                         \
+        }                                                                                       \
+        if (stats) {                                                                            \
+            stats[0] = s_sum;                                                                   \
+            stats[1] = s_min;                                                                   \
+            stats[2] = s_max;                                                                   \
+            stats[3] = s_zero;                                                                  \
+            stats[4] = s_nf;                                                                    \
+            stats[5] = (double)numel;                                                           \
+        }                                                                                       \
+    }
+
+DEFINE_ROUND_STATS_MODE(rs_f32_random, float, round_row_f32, digits_block_f32, MODE_RANDOM)
+DEFINE_ROUND_STATS_MODE(rs_f32_stochastic, float, round_row_f32, digits_block_f32, MODE_STOCHASTIC)
+DEFINE_ROUND_STATS_MODE(rs_f32_nearest, float, round_row_f32, digits_block_f32, MODE_NEAREST)
+DEFINE_ROUND_STATS_MODE(rs_f32_up, float, round_row_f32, digits_block_f32, MODE_UP)
+DEFINE_ROUND_STATS_MODE(rs_f32_down, float, round_row_f32, digits_block_f32, MODE_DOWN)
+DEFINE_ROUND_STATS_MODE(rs_f32_zero, float, round_row_f32, digits_block_f32, MODE_ZERO)
+DEFINE_ROUND_STATS_MODE(rs_f32_none, float, round_row_f32, digits_block_f32, MODE_NONE)
+
+DEFINE_ROUND_STATS_MODE(rs_f64_random, double, round_row_f64, digits_block_f64, MODE_RANDOM)
+DEFINE_ROUND_STATS_MODE(rs_f64_stochastic, double, round_row_f64, digits_block_f64, MODE_STOCHASTIC)
+DEFINE_ROUND_STATS_MODE(rs_f64_nearest, double, round_row_f64, digits_block_f64, MODE_NEAREST)
+DEFINE_ROUND_STATS_MODE(rs_f64_up, double, round_row_f64, digits_block_f64, MODE_UP)
+DEFINE_ROUND_STATS_MODE(rs_f64_down, double, round_row_f64, digits_block_f64, MODE_DOWN)
+DEFINE_ROUND_STATS_MODE(rs_f64_zero, double, round_row_f64, digits_block_f64, MODE_ZERO)
+DEFINE_ROUND_STATS_MODE(rs_f64_none, double, round_row_f64, digits_block_f64, MODE_NONE)
+
+/* Exported entry points: one specialised body per mode (the mode is a constant in each). */
+#define DEFINE_ROUND_STATS(NAME, FT, DT)                                                        \
+    void NAME(const FT *x, int64_t xs, FT *out, int64_t n, int64_t numel, const params_t *p,   \
+              double *stats, FT *dig) {                                                         \
+        if (n < 1 || n > MAX_SAMPLES) return;                                                   \
+        switch (p->mode) {                                                                      \
+        case MODE_RANDOM: rs_##DT##_random(x, xs, out, n, numel, p, stats, dig); break;         \
+        case MODE_STOCHASTIC: rs_##DT##_stochastic(x, xs, out, n, numel, p, stats, dig); break; \
+        case MODE_NEAREST: rs_##DT##_nearest(x, xs, out, n, numel, p, stats, dig); break;       \
+        case MODE_UP: rs_##DT##_up(x, xs, out, n, numel, p, stats, dig); break;                 \
+        case MODE_DOWN: rs_##DT##_down(x, xs, out, n, numel, p, stats, dig); break;             \
+        case MODE_ZERO: rs_##DT##_zero(x, xs, out, n, numel, p, stats, dig); break;             \
+        default: rs_##DT##_none(x, xs, out, n, numel, p, stats, dig); break;                    \
+        }                                                                                       \
+    }
+
+DEFINE_ROUND_STATS(fxstab_round_stats_f32, float, f32)
+DEFINE_ROUND_STATS(fxstab_round_stats_f64, double, f64)
+
+/* ---------------------------------------------------------------------------------------
+ * GEMM surrogate (fxstab.surrogate.perturb_samples): element e is perturbed when
+ * max_k |x_k - mean| <= eta * |mean|; sample k then becomes x_k * (1 + eta * r), r =
+ * (2 b + 1) 2^-8 - 1 with b byte e % 4 of word (e / 4) % 4 of philox(seed, e / 16, k, ...).
+ * Returns the number of perturbed elements.
+ */
+#define DEFINE_PERTURB(NAME, FT)                                                                \
+    int64_t NAME(const FT *x, int64_t xs, FT *out, int64_t n, int64_t numel, double eta_d,     \
+                 uint64_t seed, int64_t nthreads) {                                             \
+        if (n < 1 || n > MAX_SAMPLES) return -1;                                                \
+        int64_t groups = (numel + BLK - 1) / BLK, count = 0;                                    \
+        int nt = (int)nthreads;                                                                 \
+        const FT eta = (FT)eta_d, fn = (FT)n;                                                   \
+        if (numel * n < 32768) nt = 1;                                                          \
+        _Pragma("omp parallel for num_threads(nt) schedule(static) reduction(+:count)")         \
+        for (int64_t g = 0; g < groups; g++) {                                                  \
+            FT mean[BLK], spread[BLK], fac[BLK];                                                \
+            int close[BLK];                                                                     \
+            uint32_t rb[BLK];                                                                   \
+            int64_t e0 = g * BLK, cnt = e0 + BLK < numel ? BLK : numel - e0;                    \
+            for (int64_t el = 0; el < cnt; el++) { mean[el] = 0; spread[el] = 0; }              \
+            for (int64_t i = 0; i < n; i++) {                                                   \
+                const FT *restrict xi = x + i * xs + e0;                                        \
+                for (int64_t el = 0; el < cnt; el++) mean[el] += xi[el];                        \
+            }                                                                                   \
+            for (int64_t el = 0; el < cnt; el++) mean[el] = mean[el] / fn; /* torch's mean */   \
+            for (int64_t i = 0; i < n; i++) {                                                   \
+                const FT *restrict xi = x + i * xs + e0;                                        \
+                for (int64_t el = 0; el < cnt; el++) {                                          \
+                    FT d = xi[el] - mean[el];                                                   \
+                    d = d < 0 ? -d : d;                                                         \
+                    /* amax propagates NaN */                                                   \
+                    spread[el] = (d > spread[el] || d != d) && spread[el] == spread[el]         \
+                                 ? d : spread[el];                                              \
+                }                                                                               \
+            }                                                                                   \
+            int64_t c = 0;                                                                      \
+            for (int64_t el = 0; el < cnt; el++) {                                              \
+                FT am = mean[el] < 0 ? -mean[el] : mean[el];                                    \
+                close[el] = spread[el] <= eta * am;                                             \
+                c += close[el];                                                                 \
+            }                                                                                   \
+            count += c;                                                                         \
+            for (int64_t i = 0; i < n; i++) {                                                   \
+                const FT *restrict xi = x + i * xs + e0;                                        \
+                FT *restrict oi = out + i * numel + e0;                                         \
+                if (c == 0) {                                                                   \
+                    memcpy(oi, xi, (size_t)cnt * sizeof(FT));                                   \
+                    continue;                                                                   \
+                }                                                                               \
+                for (int64_t q = 0; q < (cnt + 15) / 16; q++) {                                 \
+                    uint64_t gg = (uint64_t)(g * (BLK / 16) + q);                               \
+                    uint32_t w[4] = {(uint32_t)gg, (uint32_t)i, (uint32_t)(gg >> 32), 0};       \
+                    philox(seed, w);                                                            \
+                    for (int b = 0; b < 16; b++) rb[q * 16 + b] = (w[b >> 2] >> (8 * (b & 3))) & 0xFF; \
+                }                                                                               \
+                for (int64_t el = 0; el < cnt; el++) {                                          \
+                    FT r = (FT)(2 * rb[el] + 1) * (FT)(1.0 / 256.0) - (FT)1;                    \
+                    fac[el] = (FT)1 + eta * r;                                                  \
+                    oi[el] = close[el] ? xi[el] * fac[el] : xi[el];                             \
+                }                                                                               \
+            }                                                                                   \
+        }                                                                                       \
+        return count;                                                                           \
+    }
+
+DEFINE_PERTURB(fxstab_perturb_f32, float)
+DEFINE_PERTURB(fxstab_perturb_f64, double)

@@ -1,0 +1,244 @@
+"""Fused CPU kernels: rounding + digit statistics and the GEMM surrogate in one pass each.
+
+The plain-torch references (:func:`fxstab.rounding.round_samples`,
+:func:`fxstab.digits.stats_vector`, :func:`fxstab.surrogate.perturb_samples`) make about thirty
+passes over every element; on a CPU that costs more than the model's matmuls. The C source in
+``fxstab/csrc/cpu_kernels.c`` does the same work in one pass per element, on all cores
+(OpenMP, ``torch.get_num_threads()`` threads), with the same Philox streams: rounded and
+perturbed samples are bit-identical to the references and the statistics agree to a few ulps.
+
+The library is compiled on first use with the system C compiler (``$CC``, else ``cc``; about a
+second) into a cache directory (``$FXSTAB_CACHE_DIR``, else ``$XDG_CACHE_HOME/fxstab``, else
+``~/.cache/fxstab``), keyed by a hash of the source and flags. Without a compiler, or with
+``FXSTAB_NATIVE=0``, :func:`available` is False and callers use the references (one warning).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import math
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .digits import digits_cap, student_t
+from .formats import Format
+from .rounding import Rounding, _WORKING, _float_bits
+
+__all__ = ["available", "supports", "round_stats", "perturb", "library_path"]
+
+_SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.c"
+# -march=native: the element loops vectorise (variable shifts need AVX2 on x86); the cache key
+# includes the CPU's feature flags, so a cache shared between machines never loads code built
+# for another CPU. No -ffast-math: the rounding must follow IEEE arithmetic exactly
+# (-fno-trapping-math only lets the vectoriser evaluate both sides of a select).
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared",
+          "-std=gnu11"]
+MAX_SAMPLES = 256  # cpu_kernels.c: per-thread stack buffers
+_MODES = {Rounding.RANDOM: 0, Rounding.STOCHASTIC: 1, Rounding.NEAREST: 2, Rounding.UP: 3,
+          Rounding.DOWN: 4, Rounding.ZERO: 5}
+
+
+class _Params(ctypes.Structure):
+    _fields_ = [
+        ("man_bits", ctypes.c_int64), ("k", ctypes.c_int64), ("max_bits", ctypes.c_int64),
+        ("min_sub_bits", ctypes.c_int64), ("finite_only", ctypes.c_int64),
+        ("mode", ctypes.c_int64), ("saturate", ctypes.c_int64), ("seed", ctypes.c_uint64),
+        ("t", ctypes.c_double), ("cap", ctypes.c_double), ("zero_threshold", ctypes.c_double),
+        ("nthreads", ctypes.c_int64),
+    ]
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("FXSTAB_CACHE_DIR"):
+        return Path(os.environ["FXSTAB_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "fxstab"
+
+
+def _cpu_signature() -> str:
+    """The machine and its CPU's feature flags (what -march=native compiles for)."""
+    sig = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features", "model name")):
+                    sig += line
+    except OSError:
+        sig += platform.processor()
+    return sig
+
+
+def library_path() -> Path:
+    """Where the compiled library for this source and these flags lives (or will)."""
+    cc = os.environ.get("CC", "cc")
+    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join([cc] + _FLAGS).encode()
+                         + _cpu_signature().encode()).hexdigest()[:16]
+    return _cache_dir() / f"cpu_kernels-{key}.so"
+
+
+def _build(path: Path) -> None:
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        raise RuntimeError(f"no C compiler ({cc!r} not found; set CC)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed:\n{proc.stderr.strip()}")
+        os.replace(tmp, path)  # atomic: concurrent first uses never load a partial file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.lru_cache(maxsize=None)
+def _lib() -> Optional[ctypes.CDLL]:
+    if os.environ.get("FXSTAB_NATIVE", "1") == "0":
+        return None
+    try:
+        path = library_path()
+        if not path.exists():
+            _build(path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError) as exc:
+        warnings.warn(f"fxstab: the fused CPU kernels are unavailable ({exc}); using the "
+                      f"plain-torch path, which is several times slower", RuntimeWarning,
+                      stacklevel=3)
+        return None
+    p, i64, u64, dbl = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_double
+    for name in ("fxstab_round_stats_f32", "fxstab_round_stats_f64"):
+        fn = getattr(lib, name)
+        fn.argtypes = [p, i64, p, i64, i64, ctypes.POINTER(_Params), p, p]
+        fn.restype = None
+    for name in ("fxstab_perturb_f32", "fxstab_perturb_f64"):
+        fn = getattr(lib, name)
+        fn.argtypes = [p, i64, p, i64, i64, dbl, u64, i64]
+        fn.restype = i64
+    return lib
+
+
+def available() -> bool:
+    """Whether the fused CPU kernels can run here (compiles them on the first call)."""
+    return _lib() is not None
+
+
+def supports(t: torch.Tensor, n_samples: Optional[int] = None) -> bool:
+    """Whether ``t`` (a CPU fp32/fp64 tensor) can go through the kernels."""
+    n = t.shape[0] if n_samples is None else n_samples
+    return (t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64)
+            and 1 <= n <= MAX_SAMPLES and available())
+
+
+def _layout(x: torch.Tensor, n_samples: Optional[int]) -> tuple[torch.Tensor, int, int, tuple]:
+    """(contiguous data, n, sample stride, sample shape) for stacked or broadcast samples."""
+    if n_samples is None:
+        n = x.shape[0]
+        if n and x.stride(0) == 0 and x[0].is_contiguous():  # expand()ed plain value
+            return x[0], n, 0, tuple(x.shape[1:])
+        x = x.contiguous()
+        return x, n, x[0].numel() if n else 0, tuple(x.shape[1:])
+    x = x.contiguous()
+    return x, n_samples, 0, tuple(x.shape)
+
+
+def round_stats(
+    samples: torch.Tensor,
+    fmt: Format,
+    mode: Optional[Rounding],
+    seed: int = 0,
+    *,
+    saturate: bool = False,
+    confidence: float = 0.95,
+    zero_threshold: float = 0.5,
+    want_stats: bool = True,
+    want_digits: bool = False,
+    n_samples: Optional[int] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Round samples into ``fmt`` and measure their digits, in one pass.
+
+    Args:
+        samples: CPU fp32/fp64 tensor ``[N, ...]``; or, with ``n_samples``, one plain value
+            ``[...]`` that every sample shares (read N times, never copied).
+        fmt: Simulated format (must fit the samples' dtype).
+        mode: Rounding mode, or ``None`` to measure without rounding.
+        seed: Seed of the random streams (the same streams as ``round_samples``).
+        want_stats: Return ``[sum of digits, min, max, computational zeros, non-finite,
+            numel]`` (float64, the layout of :func:`fxstab.digits.stats_vector`).
+        want_digits: Return the per-element digits (shape ``[...]``, samples' dtype).
+
+    Returns:
+        ``(rounded [N, ...], stats or None, digits or None)``; without rounding the first item
+        is the samples themselves (stacked as given).
+    """
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("fxstab.native: the fused CPU kernels are unavailable")
+    x, n, xs, shape = _layout(samples, n_samples)
+    if not (x.device.type == "cpu" and x.dtype in _WORKING and 1 <= n <= MAX_SAMPLES):
+        raise ValueError(f"fxstab.native.round_stats: CPU float32/float64 samples with "
+                         f"1..{MAX_SAMPLES} samples, got {x.dtype} on {x.device}, N={n}")
+    if (want_stats or want_digits) and n < 2:
+        raise ValueError(f"digits need N >= 2 samples, got N={n}")
+    if not fmt.fits_in(x.dtype):
+        raise ValueError(f"format {fmt.name} does not fit in {x.dtype}")
+    numel = math.prod(shape)
+    _, wm, wbias, _, _ = _WORKING[x.dtype]
+    p = _Params(
+        man_bits=fmt.man_bits, k=fmt.emin + wbias, max_bits=_float_bits(fmt.max_normal, x.dtype),
+        min_sub_bits=_float_bits(fmt.min_subnormal, x.dtype), finite_only=int(fmt.finite_only),
+        mode=-1 if mode is None else _MODES[mode], saturate=int(saturate),
+        seed=seed & ((1 << 64) - 1),
+        t=student_t(n, confidence) if n >= 2 else 1.0,
+        cap=digits_cap(fmt, x.dtype), zero_threshold=zero_threshold,
+        nthreads=torch.get_num_threads())
+    out = x if mode is None else torch.empty((n, *shape), dtype=x.dtype)
+    if mode is None and n_samples is not None:
+        out = x.expand(n, *shape)
+    stats = torch.empty(6, dtype=torch.float64) if want_stats else None
+    digits = torch.empty(shape, dtype=x.dtype) if want_digits else None
+    if numel:
+        fn = lib.fxstab_round_stats_f32 if x.dtype == torch.float32 else lib.fxstab_round_stats_f64
+        fn(x.data_ptr(), xs, None if mode is None else out.data_ptr(), n, numel, ctypes.byref(p),
+           None if stats is None else stats.data_ptr(),
+           None if digits is None else digits.data_ptr())
+    elif stats is not None:
+        stats.copy_(torch.tensor([0.0, p.cap, p.cap, 0.0, 0.0, 0.0], dtype=torch.float64))
+    return out, stats, digits
+
+
+def perturb(samples: torch.Tensor, eta: float, seed: int, *,
+            n_samples: Optional[int] = None) -> tuple[torch.Tensor, int]:
+    """The GEMM surrogate of :func:`fxstab.surrogate.perturb_samples`, bit for bit.
+
+    ``samples`` is ``[N, ...]``, or one plain value with ``n_samples`` (every sample identical:
+    all elements are perturbed, the result is ``[N, ...]``). Returns the perturbed samples and
+    the number of perturbed elements.
+    """
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("fxstab.native: the fused CPU kernels are unavailable")
+    x, n, xs, shape = _layout(samples, n_samples)
+    if not (x.device.type == "cpu" and x.dtype in _WORKING and 1 <= n <= MAX_SAMPLES):
+        raise ValueError(f"fxstab.native.perturb: CPU float32/float64 samples with "
+                         f"1..{MAX_SAMPLES} samples, got {x.dtype} on {x.device}, N={n}")
+    numel = math.prod(shape)
+    out = torch.empty((n, *shape), dtype=x.dtype)
+    if numel == 0:
+        return out, 0
+    fn = lib.fxstab_perturb_f32 if x.dtype == torch.float32 else lib.fxstab_perturb_f64
+    count = fn(x.data_ptr(), xs, out.data_ptr(), n, numel, float(eta), seed & ((1 << 64) - 1),
+               torch.get_num_threads())
+    return out, int(count)

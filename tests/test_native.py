@@ -1,0 +1,199 @@
+"""The fused CPU kernels (fxstab.native) against the plain-torch references, bit for bit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fxstab
+from fxstab import native
+from fxstab.digits import cestac_digits, computational_zero, digits_cap, stats_vector, student_t
+from fxstab.formats import get_format
+from fxstab.rounding import Rounding, round_samples
+from fxstab.surrogate import perturb_samples
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler for fxstab.native")
+
+FORMATS = ["bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "tf32", (3, 2), (8, 23)]
+_INT = {torch.float32: torch.int32, torch.float64: torch.int64}
+
+
+def _hard_values(dtype: torch.dtype, fmt) -> torch.Tensor:
+    """Specials, signed zeros, the format's extremes and their neighbours, and a wide range."""
+    f = get_format(fmt)
+    finfo = torch.finfo(dtype)
+    special = [float("nan"), float("inf"), float("-inf"), 0.0, -0.0, f.max_normal,
+               -f.max_normal, f.max_normal * (1 + 2.0 ** -(f.man_bits + 2)), f.min_subnormal,
+               f.min_subnormal * 0.5, f.min_subnormal * 1.5, -f.min_subnormal * 0.25,
+               f.min_normal, f.min_normal * (1 - 2.0 ** -12), finfo.tiny, finfo.max, -finfo.max,
+               finfo.tiny * 2.0 ** -10]
+    g = torch.Generator().manual_seed(0)
+    mant = torch.rand(997, generator=g, dtype=torch.float64) + 0.5
+    expo = torch.randint(-150, 150, (997,), generator=g).double()
+    sign = torch.where(torch.rand(997, generator=g) < 0.5, -1.0, 1.0).double()
+    wide = (sign * mant * torch.exp2(expo)).to(dtype)
+    return torch.cat([torch.tensor(special, dtype=torch.float64).to(dtype), wide])
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.contiguous().view(_INT[a.dtype]),
+                                              b.contiguous().view(_INT[b.dtype]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("mode", list(Rounding))
+def test_rounding_is_bit_identical_to_the_reference(dtype, fmt, mode):
+    f = get_format(fmt)
+    if not f.fits_in(dtype):
+        pytest.skip("format does not fit the dtype")
+    v = _hard_values(dtype, fmt)
+    # three samples that differ, then identical ones: both kinds of element in one tensor
+    x = torch.stack([v, v * (1 + 2.0 ** -9), -v]).reshape(3, 5, -1)
+    for saturate in (False, True):
+        ref = round_samples(x, f, mode, seed=2024, saturate=saturate)
+        out, stats, digits = native.round_stats(x, f, mode, 2024, saturate=saturate,
+                                                want_digits=True)
+        assert _same_bits(out, ref), (fmt, mode, saturate)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize("numel", [1, 127, 128, 129, 1000, 70000])
+def test_sample_counts_and_odd_sizes(n, numel):
+    """The antithetic draws of every N and element counts across the 128-element groups."""
+    g = torch.Generator().manual_seed(n * numel)
+    x = torch.randn(n, numel, generator=g)
+    for mode in (Rounding.RANDOM, Rounding.STOCHASTIC):
+        ref = round_samples(x, "bf16", mode, seed=7)
+        out, st, _ = native.round_stats(x, get_format("bf16"), mode, 7)
+        assert _same_bits(out, ref)
+        want = stats_vector(ref, student_t(n), digits_cap("bf16", x.dtype))
+        torch.testing.assert_close(st, want, rtol=2e-6, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_statistics_and_digits_match_the_estimator(dtype):
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(4000, generator=g, dtype=torch.float64)
+    rel = torch.logspace(-14, 0, 4000, dtype=torch.float64)  # every digit count from 0 to the cap
+    x = torch.stack([base, base * (1 + rel), base * (1 - rel)]).to(dtype)
+    x[:, :10] = 0.0  # exact zeros
+    x[1, 10] = float("nan")
+    x[2, 11] = float("inf")
+    x[:, 12] = torch.tensor([1e-3, -1e-3, 0.0], dtype=dtype)  # mean 0 with spread
+    fmt = "fp64" if dtype == torch.float64 else "fp32"
+    _, st, d = native.round_stats(x, get_format(fmt), None, want_digits=True)
+    ref_d = cestac_digits(x, fmt)
+    torch.testing.assert_close(d, ref_d, rtol=0, atol=2e-5 if dtype == torch.float32 else 1e-9)
+    ref = stats_vector(x, student_t(3), digits_cap(fmt, dtype))
+    torch.testing.assert_close(st, ref, rtol=1e-6, atol=1e-3)
+    assert st[3].item() == computational_zero(x, ref_d).sum().item()
+    assert st[4].item() == 2.0  # the NaN and the inf elements
+
+
+def test_plain_values_are_read_n_times_not_copied():
+    x = torch.randn(300, 7)
+    fmt = get_format("bf16")
+    out, st, _ = native.round_stats(x, fmt, Rounding.RANDOM, 5, n_samples=3)
+    ref = round_samples(x.expand(3, 300, 7), fmt, "random", seed=5)
+    assert _same_bits(out, ref)
+    out2, st2, _ = native.round_stats(x.expand(3, 300, 7), fmt, Rounding.RANDOM, 5)
+    assert _same_bits(out2, ref) and torch.equal(st, st2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_perturbation_is_bit_identical_to_the_reference(dtype):
+    g = torch.Generator().manual_seed(3)
+    v = torch.randn(2, 1001, generator=g, dtype=dtype)
+    # separated elements (left alone), identical ones (perturbed), specials and huge values
+    x = torch.stack([v[0], v[0] * (1 + 2.0 ** -12), v[0] + v[1]])
+    x[:, :4] = torch.tensor([float("nan"), float("inf"), 0.0, torch.finfo(dtype).max],
+                            dtype=dtype).unsqueeze(0)
+    eta = 2.0 ** -8
+    ref, n_ref = perturb_samples(x, eta, 11)
+    out, n_out = native.perturb(x, eta, 11)
+    assert _same_bits(out, ref) and n_out == n_ref > 0
+    plain = v[0]
+    ref, n_ref = perturb_samples(plain.expand(3, -1).contiguous(), eta, 11)
+    out, n_out = native.perturb(plain, eta, 11, n_samples=3)
+    assert _same_bits(out, ref) and n_out == n_ref == plain.numel()
+
+
+def test_empty_and_bad_input():
+    fmt = get_format("bf16")
+    out, st, d = native.round_stats(torch.empty(3, 0), fmt, Rounding.RANDOM, 1, want_digits=True)
+    assert out.shape == (3, 0) and st.tolist()[5] == 0.0 and d.numel() == 0
+    assert native.perturb(torch.empty(3, 0, 4), 2.0 ** -8, 1)[1] == 0
+    with pytest.raises(ValueError, match="float32/float64"):
+        native.round_stats(torch.ones(3, 4, dtype=torch.int32), fmt, Rounding.RANDOM, 1)
+    with pytest.raises(ValueError, match="float32/float64"):
+        native.round_stats(torch.ones(3, 4, dtype=torch.float16), fmt, Rounding.RANDOM, 1)
+    with pytest.raises(ValueError, match="1..256"):
+        native.perturb(torch.ones(300, 4), 2.0 ** -8, 1)
+    with pytest.raises(ValueError, match="N >= 2"):
+        native.round_stats(torch.ones(1, 4), fmt, Rounding.RANDOM, 1)
+    with pytest.raises(ValueError, match="does not fit"):
+        native.round_stats(torch.ones(3, 4), get_format("fp64"), Rounding.RANDOM, 1)
+
+
+def test_threads_do_not_change_results():
+    x = torch.randn(3, 200_000)
+    fmt = get_format("fp16")
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        a = native.round_stats(x, fmt, Rounding.RANDOM, 9)
+        torch.set_num_threads(2)
+        b = native.round_stats(x, fmt, Rounding.RANDOM, 9)
+    finally:
+        torch.set_num_threads(old)
+    assert _same_bits(a[0], b[0])
+    torch.testing.assert_close(a[1], b[1], rtol=1e-12, atol=1e-6)
+
+
+def test_disabled_by_environment(tmp_path):
+    code = ("import warnings, fxstab.native as n; warnings.simplefilter('error'); "
+            "print(n.available())")
+    env = dict(os.environ, FXSTAB_NATIVE="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_missing_compiler_falls_back_with_one_warning(tmp_path):
+    code = ("import warnings, fxstab.native as n\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    print(n.available(), n.available(), len(w), 'unavailable' in str(w[0].message))\n")
+    env = dict(os.environ, CC="no-such-compiler-fxstab", FXSTAB_CACHE_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False False 1 True"
+
+
+def test_backend_cpu_kernels_match_the_torch_path():
+    """Same model, same seed: the fused path and the references report the same digits."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(),
+                                torch.nn.Linear(128, 128), torch.nn.LayerNorm(128),
+                                torch.nn.Softmax(-1))
+    x = torch.randn(16, 64)
+    reports = {}
+    for k in ("cpu", "torch"):
+        torch._dynamo.reset()
+        be = fxstab.backend(n_samples=3, seed=1, kernels=k)
+        with torch.no_grad():
+            y = torch.compile(model, backend=be)(x)
+        assert torch.equal(y, model(x))
+        reports[k] = {r.name: r for r in be.reports}
+    assert reports["cpu"].keys() == reports["torch"].keys() and len(reports["cpu"]) == 5
+    for name, r in reports["cpu"].items():
+        t = reports["torch"][name]
+        assert r.surrogate == t.surrogate and r.non_finite == t.non_finite
+        assert abs(r.avg_digits - t.avg_digits) < 1e-5, name
+        assert abs(r.min_digits - t.min_digits) < 1e-4, name
+        assert r.zero_fraction == t.zero_fraction, name
