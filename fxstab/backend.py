@@ -32,7 +32,7 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from . import randbits
+from . import native, randbits
 from .config import AnalysisConfig
 from .digits import digits_cap, stats_vector, student_t
 from .formats import working_dtype_for
@@ -300,6 +300,8 @@ class SampleInterpreter:
         self.fmt = self.cfg.format
         self.wdtype = working_dtype_for(self.fmt)
         self.pending: list[tuple[NodePlan, torch.Tensor, bool, str, tuple]] = []
+        # ids of the working copies of the module's parameters and buffers (GEMM surrogate)
+        self.weights: set[int] = set()
 
     # -- helpers --------------------------------------------------------------------------
     def _seed(self, plan: NodePlan, purpose: int) -> int:
@@ -324,13 +326,19 @@ class SampleInterpreter:
             if node.op == "placeholder":
                 v = next(placeholders)
                 if isinstance(v, torch.Tensor):
+                    weight = _is_weight(node, v)
                     if node in self.a.mutated:
                         v = v.detach().clone()
                     v = self._to_working(v.detach())
+                    if weight:
+                        self.weights.add(id(v))
                 env[node] = v
             elif node.op == "get_attr":
                 v = _fetch_attr(self.a.gm, node.target)
-                env[node] = self._to_working(v.detach()) if isinstance(v, torch.Tensor) else v
+                if isinstance(v, torch.Tensor):
+                    v = self._to_working(v.detach())
+                    self.weights.add(id(v))
+                env[node] = v
             elif node.op == "output":
                 result = torch.fx.node.map_arg(node.args[0], lambda m: env[m])
             else:
@@ -448,9 +456,13 @@ class SampleInterpreter:
         perturbing one factor of a product by a relative eta already moves each output by eta
         times its condition-weighted magnitude, which is what the surrogate must expose, and
         copying every weight N times per call would cost more than the product. When no operand
-        carries samples yet (the model's inputs meet its weights), every floating operand is
-        perturbed: which of them is ill-conditioned (a near tie among keys, a cancelling weight)
-        is unknown.
+        carries samples yet (the model's inputs meet it), every floating operand that is data is
+        perturbed: which of them is ill-conditioned (a near tie among keys, a cancelling input)
+        is unknown. Weights (the module's parameters and buffers) are not data: perturbing the
+        data already moves every term x_k * w_k of a dot product by its own relative eta, and the
+        product then runs against one weight instead of N copies (the arithmetic level does the
+        same: its inputs carry samples, its weights do not). Only a product of weights alone has
+        its weights perturbed.
         """
         eta = self.cfg.data_perturbation_threshold
         fired = False
@@ -460,10 +472,23 @@ class SampleInterpreter:
         if not floats:
             floats = [i for i, v in enumerate(leaves)
                       if isinstance(v, torch.Tensor) and v.is_floating_point()]
+            data = [i for i in floats if id(leaves[i]) not in self.weights]
+            floats = data or floats
+        owner = self.a.owner
         for i in floats:
             v = leaves[i]
+            if owner.uses_native(v.t if isinstance(v, Stacked) else self._to_working(v)):
+                # a plain operand is read N times, never copied into N samples first
+                out, count = native.perturb(*((v.t,) if isinstance(v, Stacked) else
+                                              (self._to_working(v),)), eta,
+                                            self._seed(plan, 1000 + i),
+                                            n_samples=None if isinstance(v, Stacked) else self.n)
+                if count:
+                    fired = True
+                    new[i] = Stacked(out)
+                continue
             samples = (v.t if isinstance(v, Stacked) else self._stack(self._to_working(v))).contiguous()
-            if self.a.owner.uses_triton(samples):
+            if owner.uses_triton(samples):
                 from .kernels.dispatch import perturb
 
                 out, count = perturb(samples, eta, self._seed(plan, 1000 + i), kernels=self.cfg.kernels)
@@ -507,6 +532,12 @@ class SampleInterpreter:
         numel = samples[0].numel()
         if numel == 0:
             return samples, torch.tensor([0.0, cap, cap, 0.0, 0.0, 0.0], dtype=torch.float64)
+        if self.a.owner.uses_native(samples):
+            out, vec, _ = native.round_stats(samples, self.fmt, cfg.rounding if rounded else None,
+                                             seed, saturate=cfg.saturate,
+                                             confidence=cfg.confidence,
+                                             zero_threshold=cfg.zero_threshold)
+            return out, vec
         if rounded and self.a.owner.uses_triton(samples):
             from .kernels.dispatch import round_and_stats
 
@@ -544,6 +575,13 @@ class SampleInterpreter:
                 shape=shape, counters=empty_counters(), inputs=plan.inputs, call=self.call,
             )
             owner.reports.append(report)
+
+
+def _is_weight(node: torch.fx.Node, value: torch.Tensor) -> bool:
+    """Whether a placeholder holds a module parameter or buffer (dynamo lifts both to graph
+    inputs named ``L_self_modules_fc_parameters_weight_``, ``..._buffers_running_mean_``)."""
+    return (isinstance(value, torch.nn.Parameter) or "_parameters_" in node.name
+            or "_buffers_" in node.name)
 
 
 def _is_float_cast(node: torch.fx.Node, leaves: list) -> bool:
@@ -598,6 +636,11 @@ class FxstabBackend:
         """Whether rounding/statistics of ``t`` go through the fused Triton kernels."""
         k = self.config.kernels
         return k == "triton" or (k == "auto" and t.device.type == "cuda")
+
+    def uses_native(self, t: torch.Tensor) -> bool:
+        """Whether rounding/statistics of ``t`` go through the fused CPU kernels
+        (:mod:`fxstab.native`): ``kernels="cpu"``, or ``"auto"`` on a CPU tensor."""
+        return self.config.kernels in ("auto", "cpu") and native.supports(t, self.config.n_samples)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         if self.config.granularity == "aten":
@@ -691,7 +734,9 @@ def backend(
             predicate ``(node, qualified_name) -> bool``.
         every: Analyse one call in ``every``; the others only run the deterministic path.
         confidence: Confidence of the CESTAC estimator (Student t).
-        kernels: ``auto`` | ``triton`` | ``torch`` implementation of rounding and statistics.
+        kernels: Implementation of rounding, statistics and the surrogate: ``auto`` (Triton on
+            CUDA tensors, the fused CPU kernels of :mod:`fxstab.native` on CPU tensors, the
+            plain-torch references where neither applies), ``triton``, ``cpu`` or ``torch``.
         **options: ``diagnostics``, ``cancel_digits``, ``zero_threshold``,
             ``data_perturbation_threshold``, ``saturate``, ``trace_rnn`` (see AnalysisConfig).
     """
@@ -704,6 +749,9 @@ def backend(
                          confidence=confidence, kernels=kernels, **options)
     if cfg.kernels == "triton":
         _check_triton_usable()
+    if cfg.kernels == "cpu" and not native.available():
+        raise ValueError("kernels='cpu' needs the fused CPU kernels, which could not be built "
+                         "here (a C compiler with OpenMP); use kernels='auto' or 'torch'")
     if cfg.trace_rnn:
         # Dynamo graph-breaks on nn.LSTM/GRU/RNN unless told to trace them.
         import torch._dynamo

@@ -11,7 +11,7 @@ from .rounding import Rounding
 
 GRANULARITIES = ("op", "aten")
 OUTPUTS = ("deterministic", "mean")
-KERNELS = ("auto", "triton", "torch")
+KERNELS = ("auto", "triton", "cpu", "torch")
 DIAGNOSTICS = ("off", "summary", "detailed")
 
 Select = Union[None, str, Callable[..., bool], "list[str]", "tuple[str, ...]", "set[str]", "frozenset[str]"]

@@ -336,6 +336,7 @@ def test_a_failing_stochastic_path_never_breaks_the_model(monkeypatch):
         raise RuntimeError("simulated failure inside the stochastic path")
 
     monkeypatch.setattr(backend_module, "round_samples", broken)
+    monkeypatch.setattr(backend_module.native, "round_stats", broken)  # the fused CPU path
     torch.manual_seed(0)
     m, x = MLP(), torch.randn(4, 16)
     be = fxstab.backend()
@@ -392,3 +393,34 @@ class _PerSampleOnly(torch.autograd.Function):
 def test_invalid_options_are_rejected_clearly(kwargs, match):
     with pytest.raises(ValueError, match=match):
         fxstab.backend(**kwargs)
+
+
+def test_surrogate_perturbs_data_operands_not_weights(monkeypatch):
+    """A GEMM that meets the model's inputs perturbs its data operands, never the weights."""
+    import sys
+
+    backend_module = sys.modules["fxstab.backend"]
+    seen = []
+    for mod, name in ((backend_module.native, "perturb"), (backend_module, "perturb_samples")):
+        original = getattr(mod, name)
+
+        def spy(samples, *args, _original=original, **kwargs):
+            seen.append(tuple(samples.shape[-2:]))
+            return _original(samples, *args, **kwargs)
+
+        monkeypatch.setattr(mod, name, spy)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 8)
+
+        def forward(self, x, a, b):
+            return self.fc(x), a @ b
+
+    torch.manual_seed(0)
+    be = fxstab.backend()
+    with torch.no_grad():
+        torch.compile(Net(), backend=be)(torch.randn(4, 16), torch.randn(3, 5), torch.randn(5, 2))
+    assert sorted(seen) == [(3, 5), (4, 16), (5, 2)]  # x, a and b; not fc.weight (8, 16)
+    assert all(r.surrogate for r in be.reports if r.kind in ("linear", "matmul"))
