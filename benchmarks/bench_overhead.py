@@ -2,7 +2,7 @@
 
 For an MLP, a small CNN and a small transformer, and N in {2, 3, 5}: time of one analysed
 forward divided by the plain eager forward and by the inductor-compiled forward, measured in the
-same process, interleaved, median of repeats; also the `every=k` fast path and the peak-memory
+same process, interleaved call by call, median of repeats; also the `every=k` fast path and the peak-memory
 ratio: (parameters + inputs + peak RSS growth during one forward) of a child process that runs
 the analysis over the same for one that runs plain eager.
 
@@ -49,15 +49,19 @@ def make(name: str, quick: bool):
     return m.eval(), x
 
 
-def timed(fn, repeats: int) -> float:
-    fn()
-    fn()
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
+def timed_interleaved(fns: list, repeats: int) -> list[float]:
+    """Median time of each function, calling them in turn in every repeat: on a shared machine
+    a load change then hits all of them alike instead of one side of a ratio."""
+    for fn in fns:
         fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+        fn()
+    ts = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            t = time.perf_counter()
+            fn()
+            ts[i].append(time.perf_counter() - t)
+    return [statistics.median(t) for t in ts]
 
 
 def peak_child(model: str, mode: str, n: int, quick: bool) -> float:
@@ -106,28 +110,31 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory children")
     ap.add_argument("--granularity", default="op", choices=["op", "aten"])
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                    help="torch threads (default: all cores); 1 is steadier on a shared machine")
     ap.add_argument("--out", default=str(ROOT / "results"))
     args = ap.parse_args(argv)
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(max(1, args.threads))
 
     rows = []
     for name in args.models.split(","):
         model, x = make(name, args.quick)
         with torch.no_grad():
-            t_eager = timed(lambda: model(*x), args.repeats)
             torch._dynamo.reset()
             ind = torch.compile(model)
-            t_ind = timed(lambda: ind(*x), args.repeats)
+            ind(*x)
             for n in (int(s) for s in args.samples.split(",")):
                 torch._dynamo.reset()
                 be = fxstab.backend(granularity=args.granularity, n_samples=n)
                 f = torch.compile(model, backend=be)
-                t_fx = timed(lambda: f(*x), args.repeats)
+                t_eager, t_ind, t_fx = timed_interleaved(
+                    [lambda: model(*x), lambda: ind(*x), lambda: f(*x)], args.repeats)
                 torch._dynamo.reset()
                 be_k = fxstab.backend(granularity=args.granularity, n_samples=n, every=1000)
                 g = torch.compile(model, backend=be_k)
                 g(*x)  # the analysed call; the rest take the fast path
-                t_every = timed(lambda: g(*x), args.repeats)
+                t_eager_k, t_every = timed_interleaved([lambda: model(*x), lambda: g(*x)],
+                                                       args.repeats)
                 mem = None
                 if not args.no_memory:
                     # footprint = parameters + inputs + peak growth during one forward
@@ -139,7 +146,7 @@ def main(argv=None) -> int:
                 rows.append({
                     "model": name, "N": n, "eager_ms": t_eager * 1e3, "inductor_ms": t_ind * 1e3,
                     "fxstab_ms": t_fx * 1e3, "vs_eager": t_fx / t_eager, "vs_inductor": t_fx / t_ind,
-                    "every1000_vs_eager": t_every / t_eager, "peak_mem_ratio": mem,
+                    "every1000_vs_eager": t_every / t_eager_k, "peak_mem_ratio": mem,
                     "reports": len(be.reports) // max(1, be.infos[0].analysed_calls if be.infos else 1),
                 })
                 r = rows[-1]

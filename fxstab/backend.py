@@ -62,7 +62,10 @@ _PER_SAMPLE_KINDS = frozenset({"batch_norm", "instance_norm"})
 
 # Operators that accept extra leading batch dimensions natively: called once on the stacked
 # samples (their first k positional tensors stacked), faster than vmap's fallback loop.
-_BATCHED_KINDS = {"scaled_dot_product_attention": 3}
+# Operators that take stacked samples directly in their leading arguments (count): SDPA batches
+# over leading dims, and linear with a plain weight runs as one addmm over N * batch rows
+# (vmap would split it into mm + add).
+_BATCHED_KINDS = {"scaled_dot_product_attention": 3, "linear": 1}
 
 
 class Stacked:
@@ -385,7 +388,7 @@ class SampleInterpreter:
             out, status = self._lifted(plan, fn, leaves, spec, stacked)
 
         if plan.name is not None:
-            out = self._round_and_record(plan, out, fired, status)
+            out = self._round_and_record(plan, out, fired, status, leaves)
         return out
 
     # -- lifting --------------------------------------------------------------------------
@@ -406,29 +409,32 @@ class SampleInterpreter:
             except Exception as exc:  # not batch-transparent: fall back to per-sample
                 if plan.kind not in _PER_SAMPLE_KINDS:
                     info.unlifted[key] = f"vmap: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-        outs = []
+        status = ROUNDED if plan.kind in _PER_SAMPLE_KINDS else UNLIFTED
+        return self._per_sample(fn, leaves, spec), status
+
+    def _per_sample(self, fn: Callable, leaves: list, spec) -> Any:
+        """Run ``fn`` once per sample and stack the results as they come: each sample's output
+        is copied into its slot and freed, so the peak holds one stacked output, not two."""
+        merged: list = []
+        out_spec = None
         for k in range(self.n):
             sample = [v.t[k] if isinstance(v, Stacked) else v for v in leaves]
             a, kw = pytree.tree_unflatten(sample, spec)
-            outs.append(fn(*a, **kw))
-        status = ROUNDED if plan.kind in _PER_SAMPLE_KINDS else UNLIFTED
-        return self._stack_outputs(outs), status
+            flat, out_spec = pytree.tree_flatten(fn(*a, **kw))
+            if k == 0:
+                merged = [torch.empty((self.n, *v.shape), dtype=v.dtype, device=v.device)
+                          if isinstance(v, torch.Tensor) else v for v in flat]
+            for slot, v in zip(merged, flat):
+                if isinstance(v, torch.Tensor):
+                    slot[k].copy_(v)
+            del flat
+        merged = [Stacked(self._to_working(v)) if isinstance(v, torch.Tensor) else v
+                  for v in merged]
+        return pytree.tree_unflatten(merged, out_spec)
 
     def _wrap_out(self, out: Any) -> Any:
         return pytree.tree_map(
             lambda t: Stacked(self._to_working(t)) if isinstance(t, torch.Tensor) else t, out)
-
-    def _stack_outputs(self, outs: list) -> Any:
-        flat = [pytree.tree_flatten(o) for o in outs]
-        spec = flat[0][1]
-        columns = zip(*[f for f, _ in flat])
-        merged = []
-        for col in columns:
-            if isinstance(col[0], torch.Tensor):
-                merged.append(Stacked(self._to_working(torch.stack(col))))
-            else:
-                merged.append(col[0])
-        return pytree.tree_unflatten(merged, spec)
 
     def _batched(self, fn: Callable, leaves: list, spec, k: int) -> Any:
         a, kw = pytree.tree_unflatten(leaves, spec)
@@ -499,18 +505,24 @@ class SampleInterpreter:
                 new[i] = Stacked(out)
         return new, fired
 
-    def _round_and_record(self, plan: NodePlan, out: Any, fired: bool, status: str) -> Any:
+    def _round_and_record(self, plan: NodePlan, out: Any, fired: bool, status: str,
+                          inputs: list) -> Any:
         flat, spec = pytree.tree_flatten(out)
         stats = []
         new = []
         shape: tuple = ()
+        # An output that shares no memory with the operator's inputs is rounded in place (a
+        # view of an input is not: other consumers of that input would see its rounding).
+        taken = {_storage(v.t if isinstance(v, Stacked) else v) for v in inputs
+                 if isinstance(v, (Stacked, torch.Tensor))}
         for j, v in enumerate(flat):
             t = v.t if isinstance(v, Stacked) else v
             if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
                 new.append(v)
                 continue
             samples = self._stack(v) if isinstance(v, Stacked) else self._stack(t)
-            samples, vec = self._round_stats(samples, status == ROUNDED, self._seed(plan, j))
+            own = isinstance(v, Stacked) and _storage(t) not in taken
+            samples, vec = self._round_stats(samples, status == ROUNDED, self._seed(plan, j), own)
             if not shape:
                 shape = tuple(samples.shape[1:])
             stats.append(vec)
@@ -519,10 +531,13 @@ class SampleInterpreter:
             self.pending.append((plan, torch.stack(stats), fired, status, shape))
         return pytree.tree_unflatten(new, spec)
 
-    def _round_stats(self, samples: torch.Tensor, rounded: bool, seed: int):
+    def _round_stats(self, samples: torch.Tensor, rounded: bool, seed: int,
+                     in_place: bool = False):
         """Round (unless ``rounded`` is False) and measure one output's samples.
 
-        Returns the samples and [sum of digits, min, max, zeros, non-finite, numel]. The fused
+        Returns the samples and [sum of digits, min, max, zeros, non-finite, numel];
+        ``in_place`` lets the fused CPU kernels overwrite ``samples`` (an output nothing else
+        holds), which saves one copy of every output at the peak. The fused
         Triton kernel does both in one pass where ``kernels`` selects it (CUDA by default);
         the plain-torch path computes the same bits.
         """
@@ -536,7 +551,8 @@ class SampleInterpreter:
             out, vec, _ = native.round_stats(samples, self.fmt, cfg.rounding if rounded else None,
                                              seed, saturate=cfg.saturate,
                                              confidence=cfg.confidence,
-                                             zero_threshold=cfg.zero_threshold)
+                                             zero_threshold=cfg.zero_threshold,
+                                             in_place=in_place)
             return out, vec
         if rounded and self.a.owner.uses_triton(samples):
             from .kernels.dispatch import round_and_stats
@@ -575,6 +591,10 @@ class SampleInterpreter:
                 shape=shape, counters=empty_counters(), inputs=plan.inputs, call=self.call,
             )
             owner.reports.append(report)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 
 
 def _is_weight(node: torch.fx.Node, value: torch.Tensor) -> bool:

@@ -166,6 +166,7 @@ def round_stats(
     want_stats: bool = True,
     want_digits: bool = False,
     n_samples: Optional[int] = None,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Round samples into ``fmt`` and measure their digits, in one pass.
 
@@ -178,6 +179,8 @@ def round_stats(
         want_stats: Return ``[sum of digits, min, max, computational zeros, non-finite,
             numel]`` (float64, the layout of :func:`fxstab.digits.stats_vector`).
         want_digits: Return the per-element digits (shape ``[...]``, samples' dtype).
+        in_place: Write the rounded samples over ``samples`` (contiguous stacked samples
+            only; each element is read before it is written, so the bits are the same).
 
     Returns:
         ``(rounded [N, ...], stats or None, digits or None)``; without rounding the first item
@@ -204,7 +207,12 @@ def round_stats(
         t=student_t(n, confidence) if n >= 2 else 1.0,
         cap=digits_cap(fmt, x.dtype), zero_threshold=zero_threshold,
         nthreads=torch.get_num_threads())
-    out = x if mode is None else torch.empty((n, *shape), dtype=x.dtype)
+    if mode is None:
+        out = x
+    elif in_place and xs and x.data_ptr() == samples.data_ptr():  # contiguous() made no copy
+        out = x
+    else:
+        out = torch.empty((n, *shape), dtype=x.dtype)
     if mode is None and n_samples is not None:
         out = x.expand(n, *shape)
     stats = torch.empty(6, dtype=torch.float64) if want_stats else None

@@ -197,3 +197,17 @@ def test_backend_cpu_kernels_match_the_torch_path():
         assert abs(r.avg_digits - t.avg_digits) < 1e-5, name
         assert abs(r.min_digits - t.min_digits) < 1e-4, name
         assert r.zero_fraction == t.zero_fraction, name
+
+
+def test_in_place_rounding_gives_the_same_bits():
+    x = torch.randn(3, 1000)
+    fmt = get_format("bf16")
+    ref, st_ref, _ = native.round_stats(x, fmt, Rounding.RANDOM, 4)
+    y = x.clone()
+    out, st, _ = native.round_stats(y, fmt, Rounding.RANDOM, 4, in_place=True)
+    assert out.data_ptr() == y.data_ptr() and _same_bits(y, ref) and torch.equal(st, st_ref)
+    # a non-contiguous input is never written: the result is a new tensor
+    z = torch.randn(1000, 3).t()
+    before = z.clone()
+    out, _, _ = native.round_stats(z, fmt, Rounding.RANDOM, 4, in_place=True)
+    assert out.data_ptr() != z.data_ptr() and torch.equal(z, before)
