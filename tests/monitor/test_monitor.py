@@ -262,3 +262,34 @@ def test_stable_kernels_survive_what_the_normal_ones_do_not():
         y = impl((logits, -1), {})
         assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
         assert float(y.float().sum()) == pytest.approx(1.0, abs=1e-2)
+
+
+def test_watch_every_spaces_out_checks_of_watched_operators(tiny, batch):
+    inject.fp16_accumulation(tiny, "fc1", offset=4096.0)
+    mon = StabilityMonitor(tau_warn=0.05, tau_safe=1.0, promote=False, watch_every=2)
+    model = mon.wrap(tiny)
+    mon.sweep()
+    _run(model, batch, mon, 8)
+    # fc1 is operator 7 of 9: the sweep on step 0, then every other step (staggered by its
+    # index: (step + 7) % 2 == 0), and the rotation's own turn on step 7.
+    assert [e[0] for e in mon.history[FC1]] == [0, 1, 3, 5, 7]
+    # the others: the sweep, and their rotation turn within steps 0-7 (none for operator 8)
+    assert {n: [e[0] for e in h] for n, h in mon.history.items() if n != FC1} == {
+        n: sorted({0, i} & set(range(8))) for i, n in enumerate(mon.operators) if n != FC1}
+
+
+def test_stable_operators_are_only_rechecked(tiny, batch):
+    h = inject.overflow_activation(tiny, "ln2", scale=2.0 ** 100)
+    mon = StabilityMonitor(recheck=4)
+    model = mon.wrap(tiny)
+    for _ in range(9):
+        mon.sweep()  # asks for every operator on every step
+        model(batch)
+        mon.step()
+    assert mon.modes[h.op_name] == "STABLE_KERNEL"
+    # step 0 detects the overflow; a STABLE_KERNEL check could not change anything, so later
+    # steps only run the NORMAL kernel's recheck (every 4 steps; still overflowing).
+    assert [(e[0], e[3]) for e in mon.history[h.op_name]] == [
+        (0, "NORMAL"), (4, "NORMAL"), (8, "NORMAL")]
+    assert all(math.isinf(e[1]) for e in mon.history[h.op_name])
+    assert all(len(v) == 9 for n, v in mon.history.items() if n != h.op_name)
