@@ -113,6 +113,8 @@ class OpState:
     n: int = 0  # measurements since the last reset of the EMA
     checks: int = 0
     checked_step: int = -1
+    scored_step: int = -1  # step of the last measurement that updated the EMA
+    inherited_nonfinite: int = 0  # non-finite checks blamed on the inputs (not counted)
     last_recheck: int = 0
     pinned: bool = False
     skip_reason: str = ""
@@ -249,6 +251,12 @@ class StabilityMonitor:
         recheck = cfg.promote and self._recheck_due(op)
         probe = Mode.NORMAL if recheck else op.mode
         s = self.dispersion(op, probe, args, kwargs)
+        if s is not None and math.isinf(s) and self._inherited(op, args, kwargs):
+            # The safer kernel is non-finite too: the inputs already carry the overflow (an
+            # operator upstream), so promoting this one would not help. In the experiment a
+            # clean qkv linear downstream of an overflowing softmax was promoted this way.
+            op.inherited_nonfinite += 1
+            s = None
         if s is None:
             self.monitor_time += time.perf_counter() - t0
             return out
@@ -261,9 +269,16 @@ class StabilityMonitor:
             if s < limit:
                 self._set_mode(op, Mode.NORMAL, s, f"recheck: NORMAL dispersion {s:.3g} < "
                                f"hysteresis*tau_warn = {limit:.3g}")
-                op.score, op.n = s, 1
+                op.score, op.n, op.scored_step = s, 1, self._step
         else:
-            op.score = s if op.n == 0 else cfg.beta * op.score + (1 - cfg.beta) * s
+            # EMA over check steps: a score last updated d check steps ago keeps weight
+            # beta^d (beta per step, as when checked every step). A plain per-check EMA let a
+            # rotation measurement 56 steps old hold 80% of the score: a naive softmax at
+            # S = 0.0147 (tau_warn 0.007) scored 0.0049 and was not even watched.
+            d = max(1, (self._step - op.scored_step) // cfg.period)
+            w = cfg.beta ** d
+            op.score = s if op.n == 0 else w * op.score + (1 - w) * s
+            op.scored_step = self._step
             if not math.isfinite(s):
                 op.score = math.inf
             op.n += 1
@@ -294,6 +309,12 @@ class StabilityMonitor:
         if new > Mode.NORMAL:
             op.ever_promoted = True
         op.mode = new
+
+    def _inherited(self, op: OpState, args: tuple, kwargs: dict) -> bool:
+        """Whether STABLE_KERNEL on the unperturbed inputs is non-finite as well."""
+        with torch.no_grad():
+            ys = _floats_of(op.impls[Mode.STABLE_KERNEL](args, kwargs))
+        return not all(bool(torch.isfinite(y).all()) for y in ys)
 
     # -- the dispersion estimate ---------------------------------------------------------------
     def _generator(self, device: torch.device) -> torch.Generator:

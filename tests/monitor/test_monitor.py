@@ -293,3 +293,30 @@ def test_stable_operators_are_only_rechecked(tiny, batch):
         (0, "NORMAL"), (4, "NORMAL"), (8, "NORMAL")]
     assert all(math.isinf(e[1]) for e in mon.history[h.op_name])
     assert all(len(v) == 9 for n, v in mon.history.items() if n != h.op_name)
+
+
+def test_score_of_a_rarely_checked_operator_follows_the_new_measurement(tiny, batch):
+    h = inject.fp16_accumulation(tiny, "fc1", offset=0.0)
+    mon = StabilityMonitor(promote=False, beta=0.8)
+    model = mon.wrap(tiny)
+    _run(model, batch, mon, 9)  # fc1 (operator 7) measured once, by the rotation, on step 7
+    h.strength = 4096.0
+    _run(model, batch, mon, 9)  # and again on step 16, 9 steps later
+    (s0, _), (s1, score) = [(e[1], e[2]) for e in mon.history[FC1][:2]]
+    assert [e[0] for e in mon.history[FC1][:2]] == [7, 16]
+    assert s1 > 20 * s0
+    # the old value keeps weight beta^9 = 0.13 (a per-check EMA would have kept 0.8)
+    assert score == pytest.approx(0.8 ** 9 * s0 + (1 - 0.8 ** 9) * s1)
+
+
+def test_non_finite_inputs_are_not_blamed_on_the_operator(tiny, batch):
+    h = inject.overflow_activation(tiny, "ln2", scale=2.0 ** 100)
+    mon = StabilityMonitor(promote=False)  # ln2 stays broken: fc1 receives NaN
+    mon.sweep()
+    _run(mon.wrap(tiny), batch, mon, 1)
+    assert math.isinf(mon.scores[h.op_name])
+    ops = {n: mon._ops[n] for n in mon.operators}
+    # fc1 and everything after ln2 see NaN; their stable kernels cannot fix that
+    assert ops["fc1/linear#0"].inherited_nonfinite == 1 and mon.history["fc1/linear#0"] == []
+    assert ops[h.op_name].inherited_nonfinite == 0
+    assert all(math.isfinite(s) for n, s in mon.scores.items() if n != h.op_name)
