@@ -160,14 +160,16 @@ def _op(name: str) -> Callable:
     """The registered custom op ``name`` (registered on first use)."""
     if not _OPS:
         from .monitor.core import register_op
+        # Each injected op is judged by the thresholds of the family it stands in for.
         _OPS["inject_fp16acc_linear"] = register_op(
             "inject_fp16acc_linear", _fp16acc_linear, _fp16acc_linear_fp32,
-            _fp16acc_linear_stable)
+            _fp16acc_linear_stable, family="linear")
         _OPS["inject_naive_softmax"] = register_op(
-            "inject_naive_softmax", _naive_softmax, _naive_softmax_fp32, _naive_softmax_stable)
+            "inject_naive_softmax", _naive_softmax, _naive_softmax_fp32, _naive_softmax_stable,
+            family="softmax")
         _OPS["inject_lowprec_layer_norm"] = register_op(
             "inject_lowprec_layer_norm", _lowprec_layer_norm, _lowprec_layer_norm_fp32,
-            _lowprec_layer_norm_stable)
+            _lowprec_layer_norm_stable, family="norm")
     return _OPS[name]
 
 

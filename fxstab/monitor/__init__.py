@@ -5,9 +5,10 @@ Entry point: :class:`StabilityMonitor` (``monitor.backend()`` for ``torch.compil
 ``monitor.wrap(model)`` for eager models).
 """
 
-from .calibrate import Calibration, choose_thresholds
+from .calibrate import Calibration, FamilyCalibration, choose_thresholds
 from .config import DEFAULT_MONITOR_FAMILIES, Mode, MonitorConfig
-from .core import OpState, Promotion, StabilityMonitor, register_op
+from .core import OpState, Promotion, StabilityMonitor, op_family, register_op
 
 __all__ = ["StabilityMonitor", "MonitorConfig", "Mode", "Promotion", "OpState", "register_op",
-           "Calibration", "choose_thresholds", "DEFAULT_MONITOR_FAMILIES"]
+           "Calibration", "FamilyCalibration", "choose_thresholds", "op_family",
+           "DEFAULT_MONITOR_FAMILIES"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import Mapping
 
 from ..formats import Format, FormatLike, get_format
 from ..opsets import FAMILIES
@@ -78,11 +79,22 @@ class MonitorConfig:
             initialises the score (no bias towards 0).
         tau_warn: Score above which a NORMAL operator is promoted to FP32_ACCUMULATION.
         tau_safe: Score above which an operator is promoted to STABLE_KERNEL (> tau_warn).
+        thresholds: Per-family overrides ``{family: (tau_warn, tau_safe)}`` (what
+            ``monitor.calibrate`` sets): operators of different families disperse differently
+            when clean (a GEMM with cancelling dot products more than a softmax with small
+            logits), so one global pair is either too low for one or too high for another.
+            A family is an ``fxstab.opsets`` family or the family a custom op was registered
+            with; operators of families not listed use ``tau_warn`` / ``tau_safe``. Stored as
+            a sorted tuple of ``(family, tau_warn, tau_safe)``.
         recheck: A promoted operator's NORMAL kernel is re-measured every ``recheck`` steps.
         hysteresis: A recheck demotes to NORMAL only when the NORMAL kernel's dispersion is
             below ``hysteresis * tau_warn`` (in (0, 1]).
         watch: Operators whose score is at least ``watch * tau_warn`` are checked on every
             check step, beside the one the rotating schedule picks (in (0, 1]).
+        watch_every: Such watched operators are checked on one check step in
+            ``watch_every`` (1: every check step). An operator whose score is already above
+            its threshold is not watched but promoted; this only spaces out the checks of
+            operators approaching it.
         projection_dim: Outputs with more elements than this are reduced before the norms
             (``estimator``): a fixed random sign projection to this many coordinates, or a
             fixed sampled block of this many elements.
@@ -101,9 +113,11 @@ class MonitorConfig:
     beta: float = 0.8
     tau_warn: float = 0.05
     tau_safe: float = 0.5
+    thresholds: "Mapping[str, tuple[float, float]] | tuple" = ()
     recheck: int = 50
     hysteresis: float = 0.5
     watch: float = 0.5
+    watch_every: int = 1
     projection_dim: int = 4096
     estimator: str = "projection"
     seed: int = 0
@@ -128,6 +142,8 @@ class MonitorConfig:
         if self.tau_safe <= self.tau_warn:
             raise ValueError(f"tau_safe must be larger than tau_warn, got tau_warn="
                              f"{self.tau_warn!r} and tau_safe={self.tau_safe!r}")
+        _check_int("watch_every", self.watch_every, 1)
+        object.__setattr__(self, "thresholds", self._normalize_thresholds(self.thresholds))
         _check_float("hysteresis", self.hysteresis, 0.0, 1.0, lo_open=True, hi_open=False)
         _check_float("watch", self.watch, 0.0, 1.0, lo_open=True, hi_open=False)
         _check_float("eps", self.eps, 0.0, math.inf, lo_open=True, hi_open=True)
@@ -148,6 +164,38 @@ class MonitorConfig:
         object.__setattr__(self, "families", fams)
         if not isinstance(self.promote, bool):
             raise ValueError(f"promote must be True or False, got {self.promote!r}")
+
+    @staticmethod
+    def _normalize_thresholds(th) -> tuple:
+        if isinstance(th, Mapping):
+            items = [(f, *v) if isinstance(v, (tuple, list)) else (f, v) for f, v in th.items()]
+        elif isinstance(th, (tuple, list)):
+            items = [tuple(t) if isinstance(t, (tuple, list)) else (t,) for t in th]
+        else:
+            raise ValueError(f"thresholds must map family -> (tau_warn, tau_safe), got "
+                             f"{type(th).__name__}")
+        out = {}
+        for item in items:
+            if len(item) != 3 or not isinstance(item[0], str) or not item[0]:
+                raise ValueError(f"thresholds entries must be family -> (tau_warn, tau_safe), "
+                                 f"got {item!r}")
+            fam, warn, safe = item
+            _check_float(f"thresholds[{fam!r}] tau_warn", warn, 0.0, math.inf, True, True)
+            _check_float(f"thresholds[{fam!r}] tau_safe", safe, 0.0, math.inf, True, True)
+            if safe <= warn:
+                raise ValueError(f"thresholds[{fam!r}]: tau_safe must be larger than tau_warn, "
+                                 f"got ({warn!r}, {safe!r})")
+            if fam in out:
+                raise ValueError(f"thresholds: family {fam!r} given twice")
+            out[fam] = (float(warn), float(safe))
+        return tuple((f, *out[f]) for f in sorted(out))
+
+    def thresholds_for(self, family: str) -> tuple[float, float]:
+        """``(tau_warn, tau_safe)`` of operators of ``family``."""
+        for fam, warn, safe in self.thresholds:
+            if fam == family:
+                return warn, safe
+        return self.tau_warn, self.tau_safe
 
     @property
     def fmt(self) -> Format:

@@ -15,16 +15,20 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..opsets import family_of
 from ..randbits import derive_seed
 from .config import MonitorConfig, Mode
 from .modes import CustomOp, implementations
 
-__all__ = ["StabilityMonitor", "OpState", "Promotion", "register_op", "custom_op_of"]
+__all__ = ["StabilityMonitor", "OpState", "Promotion", "register_op", "custom_op_of",
+           "op_family"]
 
 # Registered custom ops, keyed by the public callable's id (the callable is kept alive here).
 _CUSTOM_OPS: dict[int, tuple[Callable, CustomOp]] = {}
+# Threshold family of each registered custom op kind.
+_CUSTOM_FAMILIES: dict[str, str] = {}
 # Eager monitors currently running a forward (innermost last); see wrap.py.
 _EAGER_STACK: list = []
 
@@ -35,8 +39,15 @@ def custom_op_of(fn: Any) -> Optional[CustomOp]:
     return entry[1] if entry is not None and entry[0] is fn else None
 
 
+def op_family(name_or_kind: str) -> str:
+    """Threshold family of an operator name (``path/kind#k``) or kind: the ``fxstab.opsets``
+    family of the kind, the family a custom op was registered with, else the kind itself."""
+    kind = name_or_kind.rsplit("/", 1)[-1].split("#", 1)[0]
+    return _CUSTOM_FAMILIES.get(kind) or family_of(kind) or kind
+
+
 def register_op(name: str, fn: Callable, fp32_fn: Optional[Callable] = None,
-                stable_fn: Optional[Callable] = None) -> Callable:
+                stable_fn: Optional[Callable] = None, family: Optional[str] = None) -> Callable:
     """Register a custom operator with the monitor's modes; returns the callable to use.
 
     The returned function runs ``fn`` (NORMAL) when no monitor is active; inside a monitored
@@ -50,13 +61,18 @@ def register_op(name: str, fn: Callable, fp32_fn: Optional[Callable] = None,
         fp32_fn: FP32_ACCUMULATION implementation (default: ``fn`` on fp32-upcast inputs).
         stable_fn: STABLE_KERNEL implementation (default: ``fp32_fn or fn`` upcast to the
             monitor's stable dtype).
+        family: Whose thresholds apply (``MonitorConfig.thresholds``, ``monitor.calibrate``):
+            e.g. ``"norm"`` for a fused normalization; default: the op's own name.
     """
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"a custom op name must be a Python identifier, got {name!r}")
     for label, f in (("fn", fn), ("fp32_fn", fp32_fn), ("stable_fn", stable_fn)):
         if f is not None and not callable(f) or (label == "fn" and f is None):
             raise ValueError(f"{label} must be callable, got {f!r}")
-    spec = CustomOp(name, fn, fp32_fn, stable_fn)
+    if family is not None and (not isinstance(family, str) or not family):
+        raise ValueError(f"family must be a non-empty string or None, got {family!r}")
+    spec = CustomOp(name, fn, fp32_fn, stable_fn, family)
+    _CUSTOM_FAMILIES[name] = family or name
 
     def op(*args, **kwargs):
         if _EAGER_STACK:
@@ -90,12 +106,15 @@ class OpState:
     name: str
     kind: str
     index: int
+    family: str = ""
     impls: tuple = field(repr=False, default=())
     mode: Mode = Mode.NORMAL
     score: float = 0.0
     n: int = 0  # measurements since the last reset of the EMA
     checks: int = 0
     checked_step: int = -1
+    scored_step: int = -1  # step of the last measurement that updated the EMA
+    inherited_nonfinite: int = 0  # non-finite checks blamed on the inputs (not counted)
     last_recheck: int = 0
     pinned: bool = False
     skip_reason: str = ""
@@ -163,9 +182,10 @@ class StabilityMonitor:
         return MonitoredModule(model, self)
 
     def register(self, name: str, fn: Callable, fp32_fn: Optional[Callable] = None,
-                 stable_fn: Optional[Callable] = None) -> Callable:
+                 stable_fn: Optional[Callable] = None, family: Optional[str] = None
+                 ) -> Callable:
         """Register a custom operator (see :func:`register_op`); returns the callable to use."""
-        return register_op(name, fn, fp32_fn, stable_fn)
+        return register_op(name, fn, fp32_fn, stable_fn, family)
 
     # -- operator table ------------------------------------------------------------------------
     def _discover(self, name: str, kind: str, fn: Callable,
@@ -173,7 +193,8 @@ class StabilityMonitor:
         op = self._ops.get(name)
         if op is None:
             stable = torch.float64 if self.config.stable_dtype == "fp64" else torch.float32
-            op = OpState(name=name, kind=kind, index=len(self._order),
+            family = (custom.family or custom.name) if custom is not None else op_family(kind)
+            op = OpState(name=name, kind=kind, index=len(self._order), family=family,
                          impls=implementations(kind, fn, stable, custom))
             if self._forced is not None:
                 op.mode, op.pinned = self._forced, True
@@ -203,12 +224,24 @@ class StabilityMonitor:
 
     def _due(self, op: OpState) -> bool:
         cfg = self.config
-        if self._sweep_all or op.name in self._sweep or self._recheck_due(op):
+        if self._recheck_due(op):
+            return True
+        if op.mode == Mode.STABLE_KERNEL:
+            # Nothing is safer than STABLE_KERNEL: measuring it could not change its mode (in
+            # the naive-softmax run such checks were 70 of 261 checks). Only the recheck of
+            # its NORMAL kernel, which can demote it, still runs.
+            return False
+        if self._sweep_all or op.name in self._sweep:
             return True
         if self._step % cfg.period:
             return False
-        rotating = (self._step // cfg.period) % len(self._order)
-        return op.index == rotating or op.score >= cfg.watch * cfg.tau_warn
+        check = self._step // cfg.period
+        if op.index == check % len(self._order):
+            return True
+        # Watched operators (score approaching their threshold) are checked on one check step
+        # in watch_every, staggered by index so that they do not all land on the same step.
+        return (op.score >= cfg.watch * cfg.thresholds_for(op.family)[0]
+                and (check + op.index) % cfg.watch_every == 0)
 
     def _check(self, op: OpState, args: tuple, kwargs: dict, out: Any) -> Any:
         t0 = time.perf_counter()
@@ -218,32 +251,46 @@ class StabilityMonitor:
         recheck = cfg.promote and self._recheck_due(op)
         probe = Mode.NORMAL if recheck else op.mode
         s = self.dispersion(op, probe, args, kwargs)
+        if s is not None and math.isinf(s) and self._inherited(op, args, kwargs):
+            # The safer kernel is non-finite too: the inputs already carry the overflow (an
+            # operator upstream), so promoting this one would not help. In the experiment a
+            # clean qkv linear downstream of an overflowing softmax was promoted this way.
+            op.inherited_nonfinite += 1
+            s = None
         if s is None:
             self.monitor_time += time.perf_counter() - t0
             return out
         op.checks += 1
         self.checks_run += 1
+        tau_warn, tau_safe = cfg.thresholds_for(op.family)
         if recheck:
             op.last_recheck = self._step
-            limit = cfg.hysteresis * cfg.tau_warn
+            limit = cfg.hysteresis * tau_warn
             if s < limit:
                 self._set_mode(op, Mode.NORMAL, s, f"recheck: NORMAL dispersion {s:.3g} < "
                                f"hysteresis*tau_warn = {limit:.3g}")
-                op.score, op.n = s, 1
+                op.score, op.n, op.scored_step = s, 1, self._step
         else:
-            op.score = s if op.n == 0 else cfg.beta * op.score + (1 - cfg.beta) * s
+            # EMA over check steps: a score last updated d check steps ago keeps weight
+            # beta^d (beta per step, as when checked every step). A plain per-check EMA let a
+            # rotation measurement 56 steps old hold 80% of the score: a naive softmax at
+            # S = 0.0147 (tau_warn 0.007) scored 0.0049 and was not even watched.
+            d = max(1, (self._step - op.scored_step) // cfg.period)
+            w = cfg.beta ** d
+            op.score = s if op.n == 0 else w * op.score + (1 - w) * s
+            op.scored_step = self._step
             if not math.isfinite(s):
                 op.score = math.inf
             op.n += 1
             if cfg.promote:
                 new = op.mode
-                if op.score > cfg.tau_safe:
+                if op.score > tau_safe:
                     new = Mode.STABLE_KERNEL
-                elif op.score > cfg.tau_warn:
+                elif op.score > tau_warn:
                     new = max(op.mode, Mode.FP32_ACCUMULATION)
                 if new > op.mode:
                     bound = "tau_safe" if new == Mode.STABLE_KERNEL else "tau_warn"
-                    value = cfg.tau_safe if new == Mode.STABLE_KERNEL else cfg.tau_warn
+                    value = tau_safe if new == Mode.STABLE_KERNEL else tau_warn
                     reason = (f"score {op.score:.3g} > {bound} = {value:.3g}"
                               + (" (non-finite replica)" if not math.isfinite(s) else ""))
                     self._set_mode(op, new, op.score, reason)
@@ -262,6 +309,12 @@ class StabilityMonitor:
         if new > Mode.NORMAL:
             op.ever_promoted = True
         op.mode = new
+
+    def _inherited(self, op: OpState, args: tuple, kwargs: dict) -> bool:
+        """Whether STABLE_KERNEL on the unperturbed inputs is non-finite as well."""
+        with torch.no_grad():
+            ys = _floats_of(op.impls[Mode.STABLE_KERNEL](args, kwargs))
+        return not all(bool(torch.isfinite(y).all()) for y in ys)
 
     # -- the dispersion estimate ---------------------------------------------------------------
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -310,9 +363,10 @@ class StabilityMonitor:
         floating input (nothing to perturb; the operator is then skipped for good).
         """
         cfg = self.config
-        leaves, _ = tree_flatten((args, kwargs))
-        floats = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
-        if not floats:
+        leaves, spec = tree_flatten((args, kwargs))
+        idx = [i for i, t in enumerate(leaves)
+               if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        if not idx:
             op.skip_reason = "no floating-point input"
             return None
         if op.kind == "scaled_dot_product_attention":
@@ -320,29 +374,38 @@ class StabilityMonitor:
             if p:
                 op.skip_reason = "dropout inside the operator: replicas would differ by masks"
                 return None
-        u = cfg.unit_roundoff
-        g = self._generator(floats[0].device)
+        u, k = cfg.unit_roundoff, cfg.k
+        g = self._generator(leaves[idx[0]].device)
         g.manual_seed(derive_seed(cfg.seed, op.index, self._step) & (2**63 - 1))
-
-        def perturb(t):
-            if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
-                return t
-            r = torch.rand(t.shape, generator=g, device=t.device, dtype=torch.float32)
-            return (t.to(torch.float32) * (1.0 + u * (2.0 * r - 1.0))).to(t.dtype)
 
         zs = []
         with torch.no_grad():
-            for _ in range(cfg.k):
-                a, kw = tree_map(perturb, (args, kwargs))
+            # The factors (1 + U(-u, u)) = (1 - u) + 2u U(0, 1) of all K replicas in one draw
+            # per input, and each input upcast once.
+            bases, factors = [], []
+            for i in idx:
+                t = leaves[i]
+                r = torch.rand((k, *t.shape), generator=g, device=t.device, dtype=torch.float32)
+                factors.append(r.mul_(2.0 * u).add_(1.0 - u))
+                bases.append(t.to(torch.float32))
+            for j in range(k):
+                rep = list(leaves)
+                for i, b, f in zip(idx, bases, factors):
+                    rep[i] = (b * f[j]).to(leaves[i].dtype)
+                a, kw = tree_unflatten(rep, spec)
                 ys = _floats_of(op.impls[mode](a, kw))
-                y = torch.cat([t.reshape(-1).to(torch.float32) for t in ys])
-                if not bool(torch.isfinite(y).all()):
+                y = (ys[0].reshape(-1).to(torch.float32) if len(ys) == 1 else
+                     torch.cat([t.reshape(-1).to(torch.float32) for t in ys]))
+                # A sampled block can miss a non-finite element; the projection and the full
+                # output carry it into S (inf or nan), tested once below instead of K times.
+                if cfg.estimator == "block" and not bool(torch.isfinite(y).all()):
                     return math.inf
                 zs.append(self.reduce(y, op.index))
             z = torch.stack(zs)
             zbar = z.mean(dim=0)
             spread = torch.sqrt(((z - zbar) ** 2).sum() / (cfg.k - 1))
-            return float(spread / (torch.linalg.vector_norm(zbar) + cfg.eps))
+            s = float(spread / (torch.linalg.vector_norm(zbar) + cfg.eps))
+            return s if math.isfinite(s) else math.inf
 
     # -- control -------------------------------------------------------------------------------
     def step(self) -> None:
@@ -391,14 +454,19 @@ class StabilityMonitor:
             self._forced = mode
 
     def calibrate(self, clean: Any, injected: Any, *, safe_ratio: float = 10.0,
-                  margin: float = 2.0):
-        """Set tau_warn / tau_safe from clean vs injected scores; returns the separation found.
+                  margin: float = 2.0, per_family: bool = True):
+        """Set thresholds from clean vs injected dispersions; returns the separation found.
 
-        See :func:`fxstab.monitor.calibrate.choose_thresholds`.
+        With ``per_family`` (and mappings operator name -> dispersions, as
+        :meth:`measurements` returns) every family seen clean gets its own pair in
+        ``config.thresholds``; ``tau_warn`` / ``tau_safe`` become the global pair for the
+        others. See :func:`fxstab.monitor.calibrate.choose_thresholds`.
         """
         from .calibrate import choose_thresholds
-        cal = choose_thresholds(clean, injected, safe_ratio=safe_ratio, margin=margin)
-        self.config = replace(self.config, tau_warn=cal.tau_warn, tau_safe=cal.tau_safe)
+        cal = choose_thresholds(clean, injected, safe_ratio=safe_ratio, margin=margin,
+                                family=op_family if per_family else None)
+        self.config = replace(self.config, tau_warn=cal.tau_warn, tau_safe=cal.tau_safe,
+                              thresholds=cal.thresholds)
         return cal
 
     # -- reporting -----------------------------------------------------------------------------

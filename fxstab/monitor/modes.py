@@ -161,13 +161,16 @@ class CustomOp:
     """A user-registered operator with its three implementations (same signature).
 
     ``fp32_fn`` defaults to ``fn`` with floating inputs upcast to fp32, ``stable_fn`` to
-    ``fp32_fn or fn`` upcast to the stable dtype.
+    ``fp32_fn or fn`` upcast to the stable dtype. ``family`` is the family whose calibrated
+    thresholds apply to it (an ``fxstab.opsets`` family such as ``"linear"``, or any name;
+    ``None``: its own name).
     """
 
     name: str
     fn: Callable
     fp32_fn: Optional[Callable] = None
     stable_fn: Optional[Callable] = None
+    family: Optional[str] = None
 
 
 def implementations(kind: str, fn: Callable, stable_dtype: torch.dtype,

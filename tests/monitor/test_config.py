@@ -41,3 +41,25 @@ def test_mode_parse():
     assert Mode.parse("STABLE_KERNEL") is Mode.STABLE_KERNEL
     with pytest.raises(ValueError, match="unknown monitor mode 'fast'"):
         Mode.parse("fast")
+
+
+@pytest.mark.parametrize("thresholds, match", [
+    ({"linear": (0.1, 0.05)}, r"thresholds\['linear'\]: tau_safe must be larger than tau_warn"),
+    ({"linear": (0.0, 0.05)}, r"thresholds\['linear'\] tau_warn must be in"),
+    ({"linear": 0.1}, "thresholds entries must be family -> \\(tau_warn, tau_safe\\)"),
+    ([("linear", 0.1, 1.0), ("linear", 0.2, 2.0)], "family 'linear' given twice"),
+    ("linear", "thresholds must map family"),
+])
+def test_bad_family_thresholds_are_rejected(thresholds, match):
+    with pytest.raises(ValueError, match=match):
+        MonitorConfig(thresholds=thresholds)
+
+
+def test_family_thresholds_override_the_global_pair():
+    cfg = MonitorConfig(tau_warn=0.05, tau_safe=0.5,
+                        thresholds={"softmax": (0.003, 0.03), "linear": [0.01, 0.1]})
+    assert cfg.thresholds == (("linear", 0.01, 0.1), ("softmax", 0.003, 0.03))
+    assert cfg.thresholds_for("softmax") == (0.003, 0.03)
+    assert cfg.thresholds_for("norm") == (0.05, 0.5)
+    with pytest.raises(ValueError, match="watch_every must be an integer >= 1"):
+        MonitorConfig(watch_every=0)

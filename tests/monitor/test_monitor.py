@@ -262,3 +262,61 @@ def test_stable_kernels_survive_what_the_normal_ones_do_not():
         y = impl((logits, -1), {})
         assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
         assert float(y.float().sum()) == pytest.approx(1.0, abs=1e-2)
+
+
+def test_watch_every_spaces_out_checks_of_watched_operators(tiny, batch):
+    inject.fp16_accumulation(tiny, "fc1", offset=4096.0)
+    mon = StabilityMonitor(tau_warn=0.05, tau_safe=1.0, promote=False, watch_every=2)
+    model = mon.wrap(tiny)
+    mon.sweep()
+    _run(model, batch, mon, 8)
+    # fc1 is operator 7 of 9: the sweep on step 0, then every other step (staggered by its
+    # index: (step + 7) % 2 == 0), and the rotation's own turn on step 7.
+    assert [e[0] for e in mon.history[FC1]] == [0, 1, 3, 5, 7]
+    # the others: the sweep, and their rotation turn within steps 0-7 (none for operator 8)
+    assert {n: [e[0] for e in h] for n, h in mon.history.items() if n != FC1} == {
+        n: sorted({0, i} & set(range(8))) for i, n in enumerate(mon.operators) if n != FC1}
+
+
+def test_stable_operators_are_only_rechecked(tiny, batch):
+    h = inject.overflow_activation(tiny, "ln2", scale=2.0 ** 100)
+    mon = StabilityMonitor(recheck=4)
+    model = mon.wrap(tiny)
+    for _ in range(9):
+        mon.sweep()  # asks for every operator on every step
+        model(batch)
+        mon.step()
+    assert mon.modes[h.op_name] == "STABLE_KERNEL"
+    # step 0 detects the overflow; a STABLE_KERNEL check could not change anything, so later
+    # steps only run the NORMAL kernel's recheck (every 4 steps; still overflowing).
+    assert [(e[0], e[3]) for e in mon.history[h.op_name]] == [
+        (0, "NORMAL"), (4, "NORMAL"), (8, "NORMAL")]
+    assert all(math.isinf(e[1]) for e in mon.history[h.op_name])
+    assert all(len(v) == 9 for n, v in mon.history.items() if n != h.op_name)
+
+
+def test_score_of_a_rarely_checked_operator_follows_the_new_measurement(tiny, batch):
+    h = inject.fp16_accumulation(tiny, "fc1", offset=0.0)
+    mon = StabilityMonitor(promote=False, beta=0.8)
+    model = mon.wrap(tiny)
+    _run(model, batch, mon, 9)  # fc1 (operator 7) measured once, by the rotation, on step 7
+    h.strength = 4096.0
+    _run(model, batch, mon, 9)  # and again on step 16, 9 steps later
+    (s0, _), (s1, score) = [(e[1], e[2]) for e in mon.history[FC1][:2]]
+    assert [e[0] for e in mon.history[FC1][:2]] == [7, 16]
+    assert s1 > 20 * s0
+    # the old value keeps weight beta^9 = 0.13 (a per-check EMA would have kept 0.8)
+    assert score == pytest.approx(0.8 ** 9 * s0 + (1 - 0.8 ** 9) * s1)
+
+
+def test_non_finite_inputs_are_not_blamed_on_the_operator(tiny, batch):
+    h = inject.overflow_activation(tiny, "ln2", scale=2.0 ** 100)
+    mon = StabilityMonitor(promote=False)  # ln2 stays broken: fc1 receives NaN
+    mon.sweep()
+    _run(mon.wrap(tiny), batch, mon, 1)
+    assert math.isinf(mon.scores[h.op_name])
+    ops = {n: mon._ops[n] for n in mon.operators}
+    # fc1 and everything after ln2 see NaN; their stable kernels cannot fix that
+    assert ops["fc1/linear#0"].inherited_nonfinite == 1 and mon.history["fc1/linear#0"] == []
+    assert ops[h.op_name].inherited_nonfinite == 0
+    assert all(math.isfinite(s) for n, s in mon.scores.items() if n != h.op_name)
