@@ -2,6 +2,7 @@
 
 Paths, all computing rounded samples and the five digit statistics of one operator output:
   fused     the Triton kernel (fxstab.kernels.round_digits; CUDA only)
+  cpu       the fused C/OpenMP kernel (fxstab.native.round_stats; CPU only)
   unfused   the plain-torch reference (round_samples + cestac_digits + reductions)
   compiled  the same reference compiled with torch.compile (inductor)
 
@@ -9,7 +10,8 @@ Bytes counted are the ones that must move: N samples read once and written once 
 per-element digits if --digits). GB/s is reported against the device's copy bandwidth,
 measured in this script with a large tensor copy (read + write). On a GPU times come from
 triton.testing.do_bench (median and 20/80% quantiles); on a CPU from a simple timer (median of
-repeats), and the fused path is skipped (the Triton interpreter is not a performance path).
+repeats), and the fused path is skipped (the Triton interpreter is not a performance path); the
+cpu path uses torch.get_num_threads() threads, like the torch paths.
 
     python benchmarks/bench_kernels.py                      # CPU: 1e5 and 1e6 elements
     python benchmarks/bench_kernels.py --sizes 1e5,1e7,1e8,1e9 --out results/gpu
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", default="random")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     ap.add_argument("--digits", action="store_true", help="also write per-element digits")
-    ap.add_argument("--paths", default="fused,unfused,compiled")
+    ap.add_argument("--paths", default="fused,cpu,unfused,compiled")
     ap.add_argument("--compiled-max-numel", type=float, default=1e8,
                     help="largest numel for the torch.compile path (each size recompiles)")
     ap.add_argument("--unfused-max-numel", type=float, default=3e8,
@@ -120,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     if not gpu and "fused" in paths:
         paths.remove("fused")
         print("# CPU: fused Triton path skipped (interpreter only); torch paths measured")
+    if "cpu" in paths and (gpu or not _native_available()):
+        paths.remove("cpu")
+        print("# cpu (fxstab.native) path skipped: " + ("not a CPU device" if gpu else
+                                                        "kernels could not be built"))
     fmt = get_format(args.format)
     dtype = getattr(torch, args.dtype)
     esize = torch.empty((), dtype=dtype).element_size()
@@ -170,7 +176,14 @@ def _measure(args, ns, sizes, paths, fmt, dtype, esize, seed, device, bw, rows, 
                     continue
                 if path == "compiled" and numel > args.compiled_max_numel:
                     continue
-                if path == "fused":
+                if path == "cpu":
+                    from fxstab import native
+                    from fxstab.rounding import Rounding
+
+                    mode = Rounding.parse(args.mode)
+                    fn = lambda: native.round_stats(x, fmt, mode, seed,  # noqa: E731
+                                                    want_digits=args.digits)
+                elif path == "fused":
                     fn = lambda: round_digits(x, fmt, args.mode, seed, out=out,  # noqa: E731
                                               want_digits=args.digits)
                 elif path == "unfused":
@@ -198,6 +211,12 @@ def _measure(args, ns, sizes, paths, fmt, dtype, esize, seed, device, bw, rows, 
             del x, out
             if gpu:
                 torch.cuda.empty_cache()
+
+
+def _native_available() -> bool:
+    from fxstab import native
+
+    return native.available()
 
 
 def _save(args, rows, fmt, device, bw, ns, paths) -> None:
