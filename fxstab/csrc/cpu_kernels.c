@@ -300,7 +300,8 @@ DEFINE_DIGITS_BLOCK(digits_block_f64, double, 2.2250738585072014e-308, log10_pos
  * of group g (e0 = 128 g): fxstab.randbits.random_bits / uniform_words. */
 ALWAYS_INLINE void sample_bits(const params_t *p, const int mode, int64_t g, int64_t cnt,
                                int64_t i, const int *draws, const int *flips,
-                               uint32_t (*dwords)[4], uint32_t *rb) {
+                               uint32_t (*dwords)[4], uint32_t (*swords)[PHILOX_LANES],
+                               uint32_t *rb) {
     if (mode == MODE_RANDOM) {
         const uint32_t *w = dwords[draws[i]];
         uint32_t f = (uint32_t)flips[i];
@@ -309,14 +310,16 @@ ALWAYS_INLINE void sample_bits(const params_t *p, const int mode, int64_t g, int
             for (int b = 0; b < 32; b++) rb[q * 32 + b] = ((wq >> b) & 1) ^ f;
         }
     } else if (mode == MODE_STOCHASTIC) {
-        uint32_t c[4][PHILOX_LANES];
-        for (int64_t el = 0; el < cnt; el++) {
-            uint64_t e = (uint64_t)(g * BLK + el);
-            c[0][el] = (uint32_t)e; c[1][el] = (uint32_t)(i >> 2);
-            c[2][el] = (uint32_t)(e >> 32); c[3][el] = 0;
+        /* one evaluation serves draws 4b..4b+3: computed when sample i opens block b */
+        if ((i & 3) == 0) {
+            for (int64_t el = 0; el < cnt; el++) {
+                uint64_t e = (uint64_t)(g * BLK + el);
+                swords[0][el] = (uint32_t)e; swords[1][el] = (uint32_t)(i >> 2);
+                swords[2][el] = (uint32_t)(e >> 32); swords[3][el] = 0;
+            }
+            philox_lanes(p->seed, swords, (int)cnt);
         }
-        philox_lanes(p->seed, c, (int)cnt);
-        for (int64_t el = 0; el < cnt; el++) rb[el] = c[i & 3][el];
+        for (int64_t el = 0; el < cnt; el++) rb[el] = swords[i & 3][el];
     } else {
         for (int64_t el = 0; el < cnt; el++) rb[el] = 0;
     }
@@ -346,7 +349,7 @@ ALWAYS_INLINE void sample_bits(const params_t *p, const int mode, int64_t g, int
         _Pragma("omp parallel for num_threads(nt) schedule(static) reduction(+:s_sum, s_zero, s_nf) reduction(min:s_min) reduction(max:s_max)") \
         for (int64_t g = 0; g < groups; g++) {                                                  \
             uint32_t dwords[MAX_SAMPLES][4];                                                    \
-            uint32_t rb[BLK];                                                                   \
+            uint32_t rb[BLK], swords[4][PHILOX_LANES];                                          \
             const FT *rows[MAX_SAMPLES];                                                        \
             int64_t e0 = g * BLK, cnt = e0 + BLK < numel ? BLK : numel - e0;                    \
             if (mode == MODE_RANDOM) {                                                          \
@@ -362,7 +365,7 @@ ALWAYS_INLINE void sample_bits(const params_t *p, const int mode, int64_t g, int
                 const FT *xi = x + i * xs + e0;                                                 \
                 if (mode != MODE_NONE) {                                                        \
                     FT *oi = out + i * numel + e0;                                              \
-                    sample_bits(p, mode, g, cnt, i, draws, flips, dwords, rb);                  \
+                    sample_bits(p, mode, g, cnt, i, draws, flips, dwords, swords, rb);          \
                     ROW(xi, oi, cnt, r, mode, rb);                                              \
                     rows[i] = oi;                                                               \
                 } else {                                                                        \
