@@ -762,6 +762,18 @@ def _run_batched(op, info: OpInfo, args: tuple, kwargs: dict, n: int):
     return _run_per_sample(op, args, kwargs, n), False
 
 
+def _all_identical(args: tuple) -> bool:
+    """Whether every stacked argument is an expanded view of one value (identical samples);
+    false when an argument is a list holding samples (cat, stack), which run batched."""
+    for a in args:
+        if isinstance(a, Stacked):
+            if a.samples.stride(0) != 0 or a.samples.dim() == 0:
+                return False
+        elif isinstance(a, (list, tuple)) and any(isinstance(b, Stacked) for b in a):
+            return False
+    return True
+
+
 def _has_stacked(args: tuple, kwargs: dict) -> bool:
     """Whether any argument (or list element: cat, stack) carries samples."""
     for a in args:
@@ -863,7 +875,8 @@ def _compute_counters(kind: str, args: tuple, kwargs: dict, out: Optional[Stacke
     elif kind == "where" and isinstance(args[0], Stacked):
         c = args[0].samples
         found.append(("branching", c.any(0) & ~c.all(0)))
-    if oa is not None and not oa.all_finite:
+    # NaN/inf produced from finite operands; an exact primitive only moves values around
+    if oa is not None and kind not in EXACT_PRIMITIVES and not oa.all_finite:
         bad = ~oa.finite
         for x in pytree.tree_leaves(args, is_leaf=lambda v: isinstance(v, Stacked)):
             o = _operand(x, ctx)
@@ -1031,6 +1044,13 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
         raw = pytree.tree_map(
             lambda v: _to_working(v, ctx).unsqueeze(0).expand(n, *v.shape)
             if isinstance(v, torch.Tensor) and v.is_floating_point() else v, out)
+        lifted = True
+    elif not info.gemm and _all_identical(args) and not _has_stacked((), kwargs):
+        # Every operand is N identical samples (data entering the analysis, or exact
+        # operations on it): one evaluation serves all samples; they part at the rounding.
+        one = op(*[a.samples[0] if isinstance(a, Stacked) else a for a in args], **kwargs)
+        raw = pytree.tree_map(lambda v: v.unsqueeze(0).expand(n, *v.shape)
+                              if isinstance(v, torch.Tensor) else v, one)
         lifted = True
     else:
         raw, lifted = _run_batched(op, info, args, kwargs, n)

@@ -12,7 +12,7 @@ import fxstab
 from fxstab import randbits
 from fxstab.aten_rules import AtenContext, Stacked, apply_primitive, round_stacked
 from fxstab.formats import get_format
-from fxstab.report import UNLIFTED
+from fxstab.report import ROUNDED, UNLIFTED
 from fxstab.rounding import Rounding, quantize, round_samples
 
 aten = torch.ops.aten
@@ -224,7 +224,8 @@ def test_nan_inputs_propagate_without_crashing():
 def test_unbatchable_primitive_falls_back_per_sample():
     records = []
     ctx = AtenContext("fp32", 3, 0, recorder=records.append)
-    st = ctx.stack(torch.tensor([1.0, 2.0], dtype=torch.float64))
+    st = Stacked(torch.tensor([[1.0, 2.0], [1.0, 2.0 + 2**-40], [1.0, 2.0 - 2**-40]],
+                              dtype=torch.float64))  # samples that differ
 
     def needs_a_python_number(t):
         return t * float(t.sum())  # .item() inside: vmap cannot batch it
@@ -232,6 +233,11 @@ def test_unbatchable_primitive_falls_back_per_sample():
     out = apply_primitive(needs_a_python_number, (st,), {}, ctx)
     assert isinstance(out, Stacked) and torch.allclose(out.samples[0], torch.tensor([3.0, 6.0], dtype=torch.float64))
     assert records[-1].status == UNLIFTED
+    # identical samples (data entering the analysis) need one evaluation, then the rounding
+    plain = torch.tensor([1.0, 0.1], dtype=torch.float64)  # 1.1 * (1, 0.1): not fp32 values
+    same = apply_primitive(needs_a_python_number, (ctx.stack(plain),), {}, ctx)
+    assert records[-1].status == ROUNDED and same.samples.shape == (3, 2)
+    assert not torch.equal(same.samples[1], same.samples[2])
     # data-dependent output shapes come back from sample 0 without crashing
     nz = torch.nonzero(fxstab.stochastic(torch.tensor([0.0, 1.0, 2.0])))
     assert nz.shape[-1] == 1
