@@ -124,6 +124,7 @@ class OpInfo:
     layout: bool  # digits follow the op: digits(op(x, ...)) == op(digits(x), ...)
     compare: bool  # CESTAC comparison: a plain boolean decision
     prim: Any = None  # aten replacement of a prims op that neither vmap nor pointwise covers
+    text: str = ""  # str(op), for records
 
 
 # Exact primitives whose per-element digits are the same rearrangement of their operand's
@@ -147,7 +148,7 @@ def _compute_op_info(op: Any) -> OpInfo:
         kind=kind, pointwise=torch.Tag.pointwise in getattr(op, "tags", ()),
         exact=kind in EXACT_PRIMITIVES, gemm=kind in GEMM_PRIMITIVES,
         factory=kind.startswith(_FACTORY_PREFIXES), layout=kind in _LAYOUT,
-        compare=kind in _COMPARE, prim=prim)
+        compare=kind in _COMPARE, prim=prim, text=str(op))
 
 
 _OP_INFO: dict = {}
@@ -1105,7 +1106,7 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
     if want_record:
         stats = _record_stats(first, first_stats, ctx)
         status = ROUNDED if do_round else (UNLIFTED if not lifted else OBSERVED)
-        ctx.recorder(PrimitiveRecord(rec_name, str(op), kind, stats, counts, surrogate, status,
+        ctx.recorder(PrimitiveRecord(rec_name, info.text, kind, stats, counts, surrogate, status,
                                      tuple(first.shape), list(ctx._last_events)))
     return result
 
