@@ -62,7 +62,7 @@ class AtenGraphAnalysis(GraphAnalysis):
     """One dynamo graph analysed at the arithmetic level."""
 
     def __init__(self, gm: torch.fx.GraphModule, owner: Any, index: int) -> None:
-        self._lowered: dict[tuple, tuple[torch.fx.GraphModule, list, dict]] = {}
+        self._lowered: dict[tuple, _Lowered] = {}
         super().__init__(gm, owner, index)
 
     def _plan(self) -> None:
@@ -91,7 +91,7 @@ class AtenGraphAnalysis(GraphAnalysis):
                 self.info.instrumented.append((name, kind, node.name))
 
     # -- lowering -------------------------------------------------------------------------
-    def _lower(self, args: tuple) -> tuple[torch.fx.GraphModule, list, dict]:
+    def _lower(self, args: tuple) -> "_Lowered":
         key = tuple((tuple(a.shape), a.dtype, a.device.type) if isinstance(a, torch.Tensor) else
                     (type(a).__name__, a) for a in args)
         found = self._lowered.get(key)
@@ -106,40 +106,64 @@ class AtenGraphAnalysis(GraphAnalysis):
                                                          else a for a in args])
         finally:
             _set_rng_states(states)
-        names = self._primitive_names(lowered)
-        self._lowered[key] = (lowered, names, self._last_uses(lowered.graph))
+        mutates = any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+                      and n.target._schema.is_mutable for n in lowered.graph.nodes)
+        self._lowered[key] = _Lowered(lowered, self._node_plans(lowered),
+                                      self._last_uses(lowered.graph), mutates)
         return self._lowered[key]
 
-    def _primitive_names(self, lowered: torch.fx.GraphModule) -> list:
-        """(name, module path, record?) for each node of the lowered graph, or None."""
-        from .aten_rules import primitive_kind
+    def _node_plans(self, lowered: torch.fx.GraphModule) -> list:
+        """What each node of the lowered graph does, decided once per lowering: a
+        :class:`_NodePlan` (primitive, stable name, record?, digits needed?) or None."""
+        from .aten_rules import OPERAND_DIGITS_KINDS, op_info
 
         counts: dict[tuple[str, str], int] = {}
-        out = []
-        for node in lowered.graph.nodes:
-            if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-                out.append(None)
+        plans: list = []
+        by_node: dict = {}
+        for i, node in enumerate(lowered.graph.nodes):
+            plan = None
+            if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+                info = op_info(node.target)
+                origin = _origin(node, self.op_names)
+                op_name, path, _ = self.op_names.get(origin, ("", module_path(node), ""))
+                k = counts.get((op_name, info.kind), 0)
+                counts[(op_name, info.kind)] = k + 1
+                prim = f"aten.{info.kind}#{k}"
+                name = f"{op_name}/{prim}" if op_name else (f"{path}/{prim}" if path else prim)
+                record = origin in self.recorded_ops if self.cfg.select is not None else True
+                action = ("plain" if info.kind in _SYMBOLIC else
+                          "random" if info.kind in _RANDOM_PRIMITIVES else "rule")
+                plan = _NodePlan(i, action, node.target, name, path, record, False)
+                by_node[node] = plan
+            plans.append(plan)
+        # Per-element digits of an output are worth writing in the rounding pass only when a
+        # consumer's counters read them (add/sub operands, divisors, math arguments...), also
+        # through layout primitives (views) whose digits follow their operand's.
+        for node in reversed(list(lowered.graph.nodes)):
+            plan = by_node.get(node)
+            if plan is None:
                 continue
-            origin = _origin(node, self.op_names)
-            op_name, path, _ = self.op_names.get(origin, ("", module_path(node), ""))
-            kind = primitive_kind(node.target)
-            k = counts.get((op_name, kind), 0)
-            counts[(op_name, kind)] = k + 1
-            prim = f"aten.{kind}#{k}"
-            name = f"{op_name}/{prim}" if op_name else (f"{path}/{prim}" if path else prim)
-            record = origin in self.recorded_ops if self.cfg.select is not None else True
-            out.append((name, path, record))
-        return out
+            for user in node.users:
+                up = by_node.get(user)
+                if up is None:
+                    continue
+                uinfo = op_info(user.target)
+                if uinfo.kind in OPERAND_DIGITS_KINDS or (uinfo.layout and up.need_digits):
+                    plan.need_digits = True
+                    break
+        return plans
 
     # -- the stochastic path ----------------------------------------------------------------
     def run_samples(self, args: tuple, call: int, rng_states: dict) -> Any:
-        from .aten_rules import AtenContext, Stacked, apply_primitive, primitive_kind, to_op_report
+        from .aten_rules import AtenContext, Stacked, apply_primitive, to_op_report
 
         cfg = self.cfg
         owner = self.owner
+        placeholders = self._placeholders()
         args = tuple(a.detach().clone() if (isinstance(a, torch.Tensor) and node in self.mutated)
-                     else a for a, node in zip(args, self._placeholders()))
-        lowered, names, free_after = self._lower(args)
+                     else a for a, node in zip(args, placeholders))
+        low = self._lower(args)
+        lowered, plans, free_after = low.gm, low.plans, low.free_after
         _set_rng_states(rng_states)  # the deterministic pass's random numbers, again
 
         records: list = []
@@ -147,23 +171,32 @@ class AtenGraphAnalysis(GraphAnalysis):
                           seed=randbits.derive_seed(cfg.seed, self.index, call),
                           rounding=cfg.rounding, confidence=cfg.confidence,
                           diagnostics=cfg.diagnostics, cancel_digits=cfg.cancel_digits,
-                          zero_threshold=cfg.zero_threshold, recorder=records.append)
+                          zero_threshold=cfg.zero_threshold, recorder=records.append,
+                          kernels=cfg.kernels, saturate=cfg.saturate)
         env: dict[torch.fx.Node, Any] = {}
         frontier: dict[torch.fx.Node, frozenset] = {}
         inputs = iter(args)
+        # Samples of inputs are expanded views of one value; a graph that updates values in
+        # place (BatchNorm's running statistics) gets N real copies instead.
+        copies = iter([low.mutates or node in self.mutated for node in placeholders])
         result = None
-        for i, node in enumerate(lowered.graph.nodes):
-            ins: frozenset = frozenset()
+        empty: frozenset = frozenset()
+        for node, plan in zip(lowered.graph.nodes, plans):
+            ins = empty
             for m in node.all_input_nodes:
-                ins |= frontier.get(m, frozenset())
+                f = frontier.get(m, empty)
+                if f:
+                    ins = ins | f if ins else f
             frontier[node] = ins
             if node.op == "placeholder":
                 v = next(inputs)
-                # Inputs and buffers enter as N identical samples; parameters stay plain (the
-                # rules broadcast plain operands) so weights are never copied N times.
+                copy = next(copies)
+                # Inputs and buffers enter as N identical samples (an expanded view: no copy
+                # unless the graph updates them in place); parameters stay plain (the rules
+                # broadcast plain operands) so weights are never copied N times.
                 if isinstance(v, torch.Tensor) and v.is_floating_point() and \
                         not isinstance(v, torch.nn.Parameter):
-                    v = ctx.stack(v)
+                    v = ctx.stack(v, materialize=copy)
                 env[node] = v
                 continue
             if node.op == "get_attr":
@@ -174,30 +207,48 @@ class AtenGraphAnalysis(GraphAnalysis):
                 continue
             a = torch.fx.node.map_arg(node.args, lambda m: env[m])
             kw = torch.fx.node.map_arg(node.kwargs, lambda m: env[m])
-            target = node.target
-            plan = names[i]
-            if plan is None or primitive_kind(target) in _SYMBOLIC:
+            if plan is None or plan.action == "plain":
                 # Python operators on sizes, getitem on tuples, symbolic sizes: plain values.
                 env[node] = _plain_call(_callable(lowered, node), a, kw, Stacked)
                 continue
-            if primitive_kind(target) in _RANDOM_PRIMITIVES:
-                env[node] = _random_call(target, a, kw, Stacked)
+            if plan.action == "random":
+                env[node] = _random_call(plan.target, a, kw, Stacked)
                 continue
-            name, path, record = plan
             before = len(records)
-            env[node] = apply_primitive(target, a, kw, ctx, name=name, salt=i)
-            for rec in records[before:]:
-                if not record:
-                    continue
-                rep = to_op_report(rec, ctx, phase=owner._phase, step=owner._step, call=call,
-                                   inputs=tuple(sorted(ins)))
-                rep.module_path = path
-                owner.reports.append(rep)
-                frontier[node] = frozenset({rec.name})
-            del records[before:]
+            env[node] = apply_primitive(plan.target, a, kw, ctx, name=plan.name, salt=plan.index,
+                                        need_digits=plan.need_digits)
+            if len(records) > before:
+                for rec in records[before:]:
+                    if not plan.record:
+                        continue
+                    rep = to_op_report(rec, ctx, phase=owner._phase, step=owner._step, call=call,
+                                       inputs=tuple(sorted(ins)))
+                    rep.module_path = plan.path
+                    owner.reports.append(rep)
+                    frontier[node] = frozenset({rec.name})
+                del records[before:]
             for dead in free_after.get(node, ()):
                 env.pop(dead, None)
         return result
+
+
+class _NodePlan:
+    """One lowered node's decisions, made once per lowering (see ``_node_plans``)."""
+
+    __slots__ = ("index", "action", "target", "name", "path", "record", "need_digits")
+
+    def __init__(self, index, action, target, name, path, record, need_digits):
+        self.index, self.action, self.target, self.name = index, action, target, name
+        self.path, self.record, self.need_digits = path, record, need_digits
+
+
+class _Lowered:
+    """A lowered graph with its node plans and the values each node frees."""
+
+    __slots__ = ("gm", "plans", "free_after", "mutates")
+
+    def __init__(self, gm, plans, free_after, mutates):
+        self.gm, self.plans, self.free_after, self.mutates = gm, plans, free_after, mutates
 
 
 def _origin(node: torch.fx.Node, known: dict) -> Any:

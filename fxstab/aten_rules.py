@@ -29,11 +29,12 @@ graph interpreter (``granularity="aten"`` in the backend) both call it, node by 
 * CADNA's counters (:mod:`fxstab.counters`) are computed from the per-element digits the rules
   already have.
 
-Randomness: ``randomness="fast"`` (default) draws the rounding directions and surrogate factors
-from a ``torch.Generator`` seeded per call (one uint8 per 8 elements; the CESTAC cross-sample
-scheme of :func:`fxstab.rounding.sample_draws` is kept); ``randomness="philox"`` uses
-:func:`fxstab.rounding.round_samples` and :func:`fxstab.surrogate.perturb_samples`, the plain-torch
-references of the Triton kernels, bit for bit (about 50x slower on a CPU).
+Randomness and speed: the rounding directions and the surrogate's factors are the Philox streams
+of :mod:`fxstab.randbits`, the same bits as :func:`fxstab.rounding.round_samples` and
+:func:`fxstab.surrogate.perturb_samples`. On CPU fp32/fp64 samples the fused kernels of
+:mod:`fxstab.native` round and measure each output in one pass (``kernels="torch"`` uses the
+references instead, for the same bits). Per-element digits are measured only where a counter
+reads them; the other masks (computational zeros, finiteness...) are derived on first use.
 """
 
 from __future__ import annotations
@@ -46,18 +47,19 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils import _pytree as pytree
 
-from . import randbits
+from . import native, randbits
 from .counters import CounterEvent, Counters, active_collectors, check_diagnostics
 from .digits import ZERO_THRESHOLD, DigitStats, student_t
 from .formats import Format, FormatLike, get_format, working_dtype_for
 from .report import OBSERVED, ROUNDED, UNLIFTED, OpReport, empty_counters
-from .rounding import Rounding, _WORKING, round_samples, sample_draws
+from .rounding import Rounding, round_samples, sample_draws
 from .surrogate import perturb_samples
 
 aten = torch.ops.aten
 
 __all__ = ["Stacked", "AtenContext", "PrimitiveRecord", "apply_primitive", "round_stacked",
-           "primitive_kind", "GEMM_PRIMITIVES", "EXACT_PRIMITIVES", "to_op_report"]
+           "primitive_kind", "op_info", "OpInfo", "GEMM_PRIMITIVES", "EXACT_PRIMITIVES",
+           "OPERAND_DIGITS_KINDS", "OUTPUT_DIGITS_KINDS", "to_op_report"]
 
 
 # --------------------------------------------------------------------------- op classes
@@ -109,12 +111,75 @@ _FACTORY_PREFIXES = ("empty", "zeros", "ones", "full", "arange", "scalar_tensor"
 _REDUCE_SUM = frozenset({"sum", "mean", "nansum"})
 
 
+# --------------------------------------------------------------------------- per-op decisions
+@dataclass(frozen=True)
+class OpInfo:
+    """What the rules need to know about one primitive, decided once per overload."""
+
+    kind: str
+    pointwise: bool  # torch.Tag.pointwise: runs directly on ranks-aligned samples
+    exact: bool  # not rounded, not recorded (EXACT_PRIMITIVES)
+    gemm: bool  # trusted, with the data-perturbation surrogate
+    factory: bool  # tensor factories: constants stay plain
+    layout: bool  # digits follow the op: digits(op(x, ...)) == op(digits(x), ...)
+    compare: bool  # CESTAC comparison: a plain boolean decision
+    prim: Any = None  # aten replacement of a prims op that neither vmap nor pointwise covers
+    text: str = ""  # str(op), for records
+
+
+# Exact primitives whose per-element digits are the same rearrangement of their operand's
+# digits: the digits of a view (or of -x) need no new measurement.
+_LAYOUT = frozenset({
+    "view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "unsqueeze",
+    "squeeze", "select", "slice", "clone", "alias", "detach", "lift_fresh_copy", "contiguous",
+    "narrow", "flatten", "unflatten", "diagonal", "movedim", "squeeze_copy", "unsqueeze_copy",
+    "view_copy", "permute_copy", "t_copy", "transpose_copy", "expand_copy", "detach_copy",
+    "broadcast_in_dim", "collapse_view", "split_dim", "neg",
+})
+_PRIMS_AS_ATEN = {"div": aten.div.Tensor, "sum": None, "var": None}
+
+
+def _compute_op_info(op: Any) -> OpInfo:
+    kind = primitive_kind(op)
+    prim = None
+    if getattr(op, "namespace", None) == "prims" and kind in _PRIMS_AS_ATEN:
+        prim = _PRIMS_AS_ATEN[kind] or kind
+    return OpInfo(
+        kind=kind, pointwise=torch.Tag.pointwise in getattr(op, "tags", ()),
+        exact=kind in EXACT_PRIMITIVES, gemm=kind in GEMM_PRIMITIVES,
+        factory=kind.startswith(_FACTORY_PREFIXES), layout=kind in _LAYOUT,
+        compare=kind in _COMPARE, prim=prim, text=str(op))
+
+
+_OP_INFO: dict = {}
+
+
+def op_info(op: Any) -> OpInfo:
+    """The :class:`OpInfo` of ``op`` (cached per overload)."""
+    try:
+        return _OP_INFO[op]
+    except KeyError:
+        info = _OP_INFO[op] = _compute_op_info(op)
+        return info
+    except TypeError:  # an unhashable callable
+        return _compute_op_info(op)
+
+
+# Kinds whose counters read their operands' analysis (digits or computational-zero masks);
+# a graph driver uses this to measure per-element digits only where a consumer needs them.
+OPERAND_DIGITS_KINDS = frozenset(_ADD | _REDUCE_SUM | _DIV | _POW | _MATH | {"mul", "relu"})
+# Kinds whose counters read their own output's per-element digits.
+OUTPUT_DIGITS_KINDS = frozenset(_ADD | _REDUCE_SUM)
+
+
 # --------------------------------------------------------------------------- stacked values
 class Stacked:
-    """Samples ``[N, ...]`` of one value, with its per-element digits cached once computed.
+    """Samples ``[N, ...]`` of one value, with its analysis (digits, masks) cached once made.
 
-    The graph interpreter keeps these in its environment so each primitive's output is analysed
-    once and its digits serve as operand digits of the consumers (cancellation counters).
+    The graph interpreter keeps these in its environment so each primitive's output is measured
+    once and its digits serve as operand digits of the consumers (cancellation counters). The
+    samples may be an ``expand``ed view of one plain value (identical samples, never copied);
+    the rules never write into samples in place.
     """
 
     __slots__ = ("samples", "_an")
@@ -134,38 +199,113 @@ class Stacked:
 
     def analysis(self, ctx: "AtenContext") -> "_Analysis":
         if self._an is None:
-            self._an = _analyze(self.samples, ctx)
+            self._an = _Analysis(self.samples, ctx)
         return self._an
 
     def __repr__(self) -> str:
         return f"Stacked(shape={tuple(self.shape)}, n={self.samples.shape[0]}, dtype={self.samples.dtype})"
 
 
-@dataclass
 class _Analysis:
-    digits: torch.Tensor  # [...] float
-    zero: torch.Tensor  # computational zeros
-    exact_zero: torch.Tensor
-    finite: torch.Tensor
-    identical: torch.Tensor
+    """Per-element CESTAC digits (DESIGN.md §2) of stacked samples and the masks the counters
+    need, each computed on first use (most primitives need only some of them, often none).
+
+    ``digits`` comes from the fused kernel when the primitive was rounded with
+    ``want_digits`` (else one measuring pass over the samples); ``non_finite`` (elements with a
+    NaN/inf sample) comes with the digit statistics, so the anomaly check of a finite output
+    costs nothing. A computational zero has digits below the threshold and finite samples; an
+    exact zero (all samples 0) has the cap's digits, so it is never one.
+    """
+
+    __slots__ = ("_s", "_ctx", "_digits", "_nf", "_finite", "_exact_zero", "_identical", "_zero")
+
+    def __init__(self, samples: torch.Tensor, ctx: "AtenContext", digits=None,
+                 non_finite: Optional[int] = None):
+        self._s, self._ctx, self._digits, self._nf = samples, ctx, digits, non_finite
+        self._finite = self._exact_zero = self._identical = self._zero = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._s.shape[1:]
+
+    @property
+    def digits(self) -> torch.Tensor:
+        if self._digits is None:
+            s, ctx = self._s, self._ctx
+            if not s.is_floating_point():
+                self._digits = torch.where(self.identical, ctx.cap, 0.0).to(ctx.working_dtype)
+            elif s.stride(0) == 0:  # identical samples: the cap, 0 where not finite
+                self._digits = torch.where(self.finite, ctx.cap, 0.0).to(s.dtype)
+            elif s[0].numel() == 0:
+                self._digits = torch.zeros(s.shape[1:], dtype=ctx.working_dtype, device=s.device)
+            elif ctx.native_for(s):
+                _, st, d = native.round_stats(s, ctx.fmt, None, confidence=ctx.confidence,
+                                              zero_threshold=ctx.zero_threshold, want_digits=True)
+                self._digits, self._nf = d, int(st[4])
+            else:
+                self._digits = _torch_digits(s, ctx, self.identical, self.finite)
+        return self._digits
+
+    @property
+    def all_finite(self) -> bool:
+        """Whether every sample of every element is finite (one reduction, cached)."""
+        if self._nf is None:
+            self._nf = int((~self.finite).sum()) if self._s.is_floating_point() else 0
+        return self._nf == 0
+
+    @property
+    def finite(self) -> torch.Tensor:
+        if self._finite is None:
+            s = self._s
+            if self._nf == 0 or not s.is_floating_point():
+                self._finite = torch.ones((), dtype=torch.bool, device=s.device).expand(s.shape[1:])
+            elif s.stride(0) == 0:
+                self._finite = torch.isfinite(s[0])
+            elif s[0].numel() == 0:
+                self._finite = torch.ones(s.shape[1:], dtype=torch.bool, device=s.device)
+            else:
+                mn, mx = torch.aminmax(s, dim=0)
+                # x*0 == 0 exactly when x is finite (torch.isfinite is slower); NaN or inf in
+                # any sample makes the spread NaN or inf
+                self._finite = ((mx - mn) * 0) == 0
+        return self._finite
+
+    @property
+    def identical(self) -> torch.Tensor:
+        if self._identical is None:
+            s = self._s
+            if s.stride(0) == 0 or s.shape[0] < 2:
+                self._identical = torch.ones((), dtype=torch.bool, device=s.device).expand(s.shape[1:])
+            else:
+                self._identical = (s == s[:1]).all(0)
+        return self._identical
+
+    @property
+    def exact_zero(self) -> torch.Tensor:
+        if self._exact_zero is None:
+            self._exact_zero = (self._s == 0).all(0)
+        return self._exact_zero
+
+    @property
+    def zero(self) -> torch.Tensor:
+        """Computational zeros: finite, not all samples 0, digits below the threshold."""
+        if self._zero is None:
+            s, ctx = self._s, self._ctx
+            if not s.is_floating_point() or s.stride(0) == 0:  # exact data
+                self._zero = torch.zeros((), dtype=torch.bool, device=s.device).expand(s.shape[1:])
+            else:
+                z = self.digits < ctx.zero_threshold
+                if not self.all_finite:
+                    z = z & self.finite
+                if ctx.zero_threshold > ctx.cap:  # exact zeros (cap digits) would qualify
+                    z = z & ~self.exact_zero
+                self._zero = z
+        return self._zero
 
 
-def _analyze(s: torch.Tensor, ctx: "AtenContext") -> _Analysis:
-    """Per-element CESTAC digits (DESIGN.md §2) and the masks the counters need, in one go."""
-    if not s.is_floating_point():
-        shape = s.shape[1:]
-        ident = (s == s[:1]).all(0)
-        z = torch.zeros(shape, dtype=torch.bool, device=s.device)
-        d = torch.where(ident, ctx.cap, 0.0).to(ctx.working_dtype)
-        return _Analysis(d, z, (s == 0).all(0), ~z, ident)
-    if s[0].numel() == 0:  # an empty output (e.g. a zero-size batch): nothing to measure
-        e = torch.zeros(s.shape[1:], dtype=torch.bool, device=s.device)
-        return _Analysis(torch.zeros(s.shape[1:], dtype=ctx.working_dtype, device=s.device),
-                         e, e, ~e, ~e)
-    mn, mx = torch.aminmax(s, dim=0)
-    spread = mx - mn
-    identical = spread == 0
-    finite = (spread * 0) == 0  # x*0 == 0 exactly when x is finite (torch.isfinite is slower)
+def _torch_digits(s: torch.Tensor, ctx: "AtenContext", identical: torch.Tensor,
+                  finite: torch.Tensor) -> torch.Tensor:
+    """Per-element CESTAC digits with torch operations (the fused kernel's reference path)."""
     mean = s.mean(0)
     rel = (s - mean) * (1.0 / mean.abs())
     var = (rel * rel).sum(0)
@@ -173,9 +313,14 @@ def _analyze(s: torch.Tensor, ctx: "AtenContext") -> _Analysis:
     d = torch.log10(var).mul_(-0.5).add_(ctx._dconst)
     d = torch.nan_to_num_(d, nan=0.0, posinf=ctx.cap, neginf=0.0).clamp_(0.0, ctx.cap)
     d = torch.where(identical & finite, ctx.cap, d)
-    exact_zero = identical & (mx == 0)
-    zero = finite & ~exact_zero & (d < ctx.zero_threshold)
-    return _Analysis(d, zero, exact_zero, finite, identical)
+    return torch.where(finite, d, 0.0)
+
+
+def _stats_from_list(v: list, cap: float) -> DigitStats:
+    total, mn, mx, zeros, nf, numel = v
+    if numel == 0:
+        return DigitStats(cap, cap, cap, 0, 0.0, 0)
+    return DigitStats(total / numel, mn, mx, int(numel), zeros / numel, int(nf))
 
 
 # --------------------------------------------------------------------------- context
@@ -194,6 +339,9 @@ class PrimitiveRecord:
     events: list = field(default_factory=list)
 
 
+_KERNELS = ("auto", "cpu", "torch")
+
+
 @dataclass
 class AtenContext:
     """Configuration and running state shared by the primitives of one analysed call.
@@ -209,7 +357,11 @@ class AtenContext:
         cancel_digits: Digits an add/sub must lose to count as a cancellation (CADNA: 4).
         zero_threshold: Digits below which a value is a computational zero (0.5).
         recorder: Called with a :class:`PrimitiveRecord` for every recorded primitive.
-        randomness: ``fast`` (torch generator) or ``philox`` (bit-exact kernel references).
+        kernels: ``auto``/``cpu``: the fused CPU kernels (:mod:`fxstab.native`) where they run
+            (CPU fp32/fp64 samples), the plain-torch references elsewhere; ``torch``: always
+            the references. Both draw the same Philox streams: the rounded samples are the same
+            bits either way.
+        saturate: Clamp overflow to the format's largest finite value instead of inf/NaN.
         record_exact: Also record digit statistics of exact primitives (views, selections).
     """
 
@@ -222,7 +374,8 @@ class AtenContext:
     cancel_digits: float = 4.0
     zero_threshold: float = ZERO_THRESHOLD
     recorder: Optional[Callable[[PrimitiveRecord], None]] = None
-    randomness: str = "fast"
+    kernels: str = "auto"
+    saturate: bool = False
     record_exact: bool = False
     counters: Counters = field(init=False)
     calls: int = field(default=0, init=False)
@@ -235,20 +388,29 @@ class AtenContext:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         check_diagnostics(self.diagnostics)
-        if self.randomness not in ("fast", "philox"):
-            raise ValueError(f"randomness must be 'fast' or 'philox', got {self.randomness!r}")
+        if self.kernels == "triton":  # the backend's option: no Triton path at this level yet
+            self.kernels = "auto"
+        if self.kernels not in _KERNELS:
+            raise ValueError(f"kernels must be one of {_KERNELS} (the fused CPU kernels or the "
+                             f"plain-torch references), got {self.kernels!r}")
         if not self.cancel_digits > 0:
             raise ValueError(f"cancel_digits must be > 0, got {self.cancel_digits!r}")
         self.working_dtype = working_dtype_for(self.fmt)
         # fp64 format in fp64: rounding needs the exact result's side (error-free transforms)
         self.eft = (self.working_dtype == torch.float64 and self.fmt.man_bits == 52
-                    and self.rounding is Rounding.RANDOM and self.randomness == "fast")
+                    and self.rounding is Rounding.RANDOM)
         self.cap = self.fmt.digit_cap
         t = student_t(self.n_samples, self.confidence)
         n = self.n_samples
         self._dconst = math.log10(math.sqrt(n * (n - 1)) / t)
         self.counters = Counters("detailed" if self.diagnostics == "detailed" else "summary")
         self._occurrence: dict[str, int] = {}
+        self._native = self.kernels != "torch" and native.available()
+
+    def native_for(self, samples: torch.Tensor) -> bool:
+        """Whether ``samples`` ([N, ...]) go through the fused CPU kernels."""
+        return (self._native and samples.device.type == "cpu"
+                and samples.dtype in (torch.float32, torch.float64))
 
     def next_seed(self, salt: Optional[int] = None) -> int:
         self.calls += 1
@@ -260,71 +422,87 @@ class AtenContext:
         self._occurrence[kind] = k + 1
         return f"aten.{kind}#{k}"
 
-    def stack(self, x: torch.Tensor) -> Stacked:
-        """N identical samples of ``x`` (exact data), in the working dtype when floating."""
+    def stack(self, x: torch.Tensor, *, materialize: bool = False) -> Stacked:
+        """N identical samples of ``x`` (exact data), in the working dtype when floating.
+
+        The samples are an ``expand``ed view (no copy) unless ``materialize`` asks for N copies
+        (a value that will be updated in place).
+        """
         if x.is_floating_point():
             x = x.to(self.working_dtype)
-        return Stacked(x.unsqueeze(0).expand(self.n_samples, *x.shape).contiguous())
+        s = x.unsqueeze(0).expand(self.n_samples, *x.shape)
+        return Stacked(s.contiguous() if materialize else s)
 
 
 # --------------------------------------------------------------------------- rounding
-def round_stacked(samples: torch.Tensor, fmt: Format, mode: Rounding, seed: int,
-                  randomness: str = "fast") -> torch.Tensor:
+def round_stacked(samples: torch.Tensor, fmt: Format, mode: Rounding, seed: int, *,
+                  saturate: bool = False, kernels: str = "auto") -> torch.Tensor:
     """Round stacked samples into ``fmt`` with the cross-sample scheme of DESIGN.md §1.
 
-    The fast path (random mode) truncates the low bits of the working dtype to get the lower
-    neighbour in magnitude and adds one quantum for the upper one; it is exact for values in the
-    format's normal range (and for zeros), and hands any tensor holding subnormals, values near
-    overflow, inf or NaN to :func:`fxstab.rounding.round_samples`, which models the whole range.
+    The same bits as :func:`fxstab.rounding.round_samples` (Philox streams), through the fused
+    CPU kernel where it runs (``kernels`` ``auto``/``cpu``) and the reference elsewhere.
     """
-    if randomness == "philox" or mode is not Rounding.RANDOM or samples.dtype not in _WORKING \
-            or samples.numel() == 0:
-        return round_samples(samples, fmt, mode, seed)
-    int_dtype, wm, wbias, wones = _WORKING[samples.dtype][:4]
-    n = samples.shape[0]
-    x = samples.contiguous()
-    bits = x.view(int_dtype)
-    e = (bits >> wm) & wones
-    lo_e, hi_e = fmt.emin + wbias, fmt.emax + wbias
-    # zeros (e == 0 and no mantissa) are exact; count them as in range
-    emin_seen, emax_seen = torch.aminmax(e)
-    if int(emax_seen) >= hi_e:  # inf/NaN or the format's top binade (overflow): full model
-        return round_samples(samples, fmt, mode, seed)
-    shift = wm - fmt.man_bits
-    mask = (1 << shift) - 1
-    rem = bits & mask
-    lo = bits - rem
-    up = _random_up(n, x[0].numel(), seed, x.device).reshape(x.shape)
-    out = torch.where(up & (rem != 0), lo + (1 << shift), lo).view(samples.dtype)
-    if int(emin_seen) < lo_e and fmt.emin > 1 - wbias:
-        # below the format's normal range the quantum is the fixed min_subnormal q: scale by
-        # 1/q (exact, a power of two), truncate, step away from zero when rounding up. (A format
-        # whose emin is the working dtype's, like bf16 in fp32, shares its subnormal grid: the
-        # constant mask above is already right there.)
-        q = fmt.min_subnormal
-        y = x * (1.0 / q)
-        t = torch.trunc(y)
-        sub = torch.where(up & (t != y), t + torch.sign(y), t) * q
-        out = torch.where(e < lo_e, sub, out)
-    return out
+    if kernels != "torch" and samples.device.type == "cpu" and \
+            samples.dtype in (torch.float32, torch.float64) and native.available():
+        return native.round_stats(samples, fmt, mode, seed, saturate=saturate,
+                                  want_stats=False)[0]
+    return round_samples(samples, fmt, mode, seed, saturate=saturate)
 
 
-def _random_up(n: int, numel: int, seed: int, device, extra_draws: int = 0) -> torch.Tensor:
-    """Rounding directions [N (+extra), numel] (bool) with CADNA's cross-sample scheme.
+def _round_measure(v: torch.Tensor, ctx: AtenContext, seed: Optional[int], want_stats: bool,
+                   want_digits: bool):
+    """Round ``v`` ([N, ...], unless ``seed`` is None: measure only) and measure it.
 
-    ``extra_draws`` appends that many independent rows (used by the fp64 path for a shared
-    direction)."""
+    Returns (samples, stats list [sum, min, max, zeros, non-finite, numel] or None, analysis):
+    one pass of the fused kernel, or the references (``round_samples`` + torch digits).
+    """
+    numel = v[0].numel() if v.dim() else 1
+    if seed is None and not (want_stats or want_digits):
+        return v, None, _Analysis(v, ctx)
+    if ctx.native_for(v) and numel:
+        out, st, d = native.round_stats(
+            v, ctx.fmt, None if seed is None else ctx.rounding, 0 if seed is None else seed,
+            saturate=ctx.saturate, confidence=ctx.confidence, zero_threshold=ctx.zero_threshold,
+            want_stats=want_stats or want_digits, want_digits=want_digits)
+        st = st.tolist() if st is not None else None
+        an = _Analysis(out, ctx, digits=d, non_finite=None if st is None else int(st[4]))
+        return out, st, an
+    if seed is not None:
+        v = round_samples(v, ctx.fmt, ctx.rounding, seed, saturate=ctx.saturate)
+    an = _Analysis(v, ctx)
+    st = None
+    if want_stats and numel:
+        d = an.digits
+        dmin, dmax = torch.aminmax(d)
+        st = torch.stack([d.sum(dtype=torch.float64), dmin.double(), dmax.double(),
+                          an.zero.sum().double(), (~an.finite).sum().double()]).tolist()
+        st.append(float(numel))
+        an._nf = int(st[4])
+    elif want_stats:
+        st = [0.0, ctx.cap, ctx.cap, 0.0, 0.0, 0.0]
+    return v, st, an
+
+
+def _random_up(n: int, numel: int, seed: int, ctx: AtenContext, device) -> torch.Tensor:
+    """Rounding directions [N, numel] (True: away from zero) of ``random`` rounding: the
+    Philox bits of :func:`fxstab.rounding.round_samples` with CADNA's cross-sample scheme.
+
+    Through the fused kernel: rounding a value halfway inside a bf16 interval reads the bit
+    (it goes up exactly when the bit says so), the same bits as the reference below.
+    """
+    if ctx._native and device.type == "cpu" and numel:
+        probe = torch.full((numel,), _PROBE, dtype=torch.float32)
+        out = native.round_stats(probe, _PROBE_FORMAT, Rounding.RANDOM, seed, n_samples=n,
+                                 want_stats=False)[0]
+        return out > _PROBE
     draws, flips = sample_draws(n)
-    ndraw = max(draws) + 1 + extra_draws
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed & ((1 << 63) - 1))
-    nbytes = (numel + 7) // 8
-    words = torch.randint(0, 256, (ndraw, nbytes), generator=gen, dtype=torch.uint8, device=device)
-    shifts = torch.arange(8, dtype=torch.uint8, device=device)
-    rb = ((words.unsqueeze(-1) >> shifts) & 1).reshape(ndraw, nbytes * 8)[:, :numel]
-    flip = torch.tensor(flips + [False] * extra_draws, dtype=torch.uint8, device=device).reshape(-1, 1)
-    idx = torch.tensor(draws + list(range(max(draws) + 1, ndraw)), device=device)
-    return (rb[idx] ^ flip).bool()
+    bits = randbits.random_bits(seed, numel, sorted(set(draws)), device=device)
+    flip = torch.tensor(flips, dtype=torch.int64, device=device).reshape(n, 1)
+    return (bits[torch.tensor(draws, device=device)] ^ flip).bool()
+
+
+_PROBE = 1.0 + 2.0 ** -9  # between bf16's neighbours 1 and 1 + 2**-7
+_PROBE_FORMAT = get_format("bf16")
 
 
 # Error-free transformations for the fp64 format (DESIGN.md §1): the working dtype is the
@@ -380,22 +558,25 @@ def _fp64_side(kind: str, op, args: tuple, kwargs: dict, y: torch.Tensor) -> Opt
     return None
 
 
-def _round_fp64(kind: str, op, args: tuple, kwargs: dict, y: torch.Tensor, seed: int) -> torch.Tensor:
+def _round_fp64(kind: str, op, args: tuple, kwargs: dict, y: torch.Tensor, seed: int,
+                ctx: AtenContext) -> torch.Tensor:
     """Random rounding in the fp64 format on fp64 results (already rounded to nearest).
 
     With the exact side known (TwoSum/TwoProd), a sample keeps y or moves to the neighbour on the
     exact result's side, each with probability 1/2 (exactly CESTAC's random rounding). For other
     primitives the side is unknown: one shared random side per element stands in for it, so a
-    result moves by at most one unit in the last place, as a rounding error would.
+    result moves by at most one unit in the last place, as a rounding error would. The coins are
+    the Philox bits of ``random`` rounding (:func:`_random_up`).
     """
     n = y.shape[0]
     numel = y[0].numel()
+    if numel == 0:
+        return y
     side = _fp64_side(kind, op, args, kwargs, y)
-    rnd = _random_up(n, numel, seed, y.device, extra_draws=1 if side is None else 0)
-    up = rnd[:n].reshape(y.shape)
+    up = _random_up(n, numel, seed, ctx, y.device).reshape(y.shape)
     if side is None:
-        shared = rnd[n:].reshape((1,) + y.shape[1:])
-        side = torch.where(shared, 1.0, -1.0).to(y.dtype)
+        shared = _random_up(1, numel, randbits.derive_seed(seed, 1), ctx, y.device)
+        side = torch.where(shared.reshape((1,) + y.shape[1:]), 1.0, -1.0).to(y.dtype)
         moved = torch.nextafter(y, side * math.inf)
         return torch.where(up & torch.isfinite(y), moved, y)
     side = side.expand(y.shape) if side.shape != y.shape else side
@@ -403,21 +584,12 @@ def _round_fp64(kind: str, op, args: tuple, kwargs: dict, y: torch.Tensor, seed:
     return torch.where(up & (side != 0) & torch.isfinite(y), moved, y)
 
 
-def _perturb(samples: torch.Tensor, eta: float, seed: int, randomness: str) -> tuple[torch.Tensor, int]:
-    if randomness == "philox":
-        return perturb_samples(samples, eta, seed)
-    mean = samples.mean(0)
-    spread = (samples - mean).abs().amax(0)
-    close = spread <= eta * mean.abs()
-    count = int(close.sum())
-    if count == 0:
-        return samples, 0
-    gen = torch.Generator(device=samples.device)
-    gen.manual_seed(seed & ((1 << 63) - 1))
-    # r uniform in [-1, 1) on a 2**-23 grid, as the reference draws it, so eta*r is exact
-    r = torch.randint(0, 1 << 24, samples.shape, generator=gen, device=samples.device,
-                      dtype=torch.int64).to(samples.dtype) * (2.0 ** -23) - 1.0
-    return torch.where(close, samples * (1.0 + eta * r), samples), count
+def _perturb(samples: torch.Tensor, eta: float, seed: int, ctx: AtenContext) -> tuple[torch.Tensor, int]:
+    """The GEMM surrogate (DESIGN.md §4): :func:`fxstab.surrogate.perturb_samples`, through the
+    fused kernel where it runs (same bits)."""
+    if ctx.native_for(samples):
+        return native.perturb(samples, eta, seed)
+    return perturb_samples(samples, eta, seed)
 
 
 # --------------------------------------------------------------------------- batching
@@ -468,7 +640,8 @@ def _logical_ndim(args) -> int:
 
 def _special(op, kind: str, args: tuple, kwargs: dict):
     """Batched evaluation of hot non-pointwise primitives without vmap, or ``NotImplemented``."""
-    if kwargs and kind not in ("sum", "mean", "amax", "amin", "var", "_softmax", "_log_softmax"):
+    if kwargs and kind not in ("sum", "mean", "amax", "amin", "var", "_softmax", "_log_softmax",
+                               "addmm"):
         return NotImplemented
     if any(isinstance(v, Stacked) for v in kwargs.values()):
         return NotImplemented
@@ -482,6 +655,12 @@ def _special(op, kind: str, args: tuple, kwargs: dict):
         bias, m1, m2 = args[:3]
         beta = kwargs.get("beta", args[3] if len(args) > 3 else 1)
         alpha = kwargs.get("alpha", args[4] if len(args) > 4 else 1)
+        if isinstance(m1, Stacked) and not isinstance(m2, Stacked) and \
+                not isinstance(bias, Stacked) and m2.dim() == 2:
+            # one GEMM over the samples' rows with the bias fused, as the plain addmm runs
+            s = m1.samples
+            out = torch.addmm(bias, s.reshape(-1, s.shape[-1]), m2, beta=beta, alpha=alpha)
+            return out.view(s.shape[0], s.shape[1], m2.shape[1])
         prod = torch.matmul(_samples_or(m1, 0), _samples_or(m2, 0))
         if alpha != 1:
             prod = prod * alpha
@@ -515,7 +694,8 @@ def _special(op, kind: str, args: tuple, kwargs: dict):
         end = rest[2] if len(rest) > 2 else None
         step = rest[3] if len(rest) > 3 else 1
         return op(s, dim, start, end, step)
-    if kind in ("sum", "mean", "amax", "amin") and not any(isinstance(r, Stacked) for r in rest):
+    if kind in ("sum", "mean", "amax", "amin") and not any(isinstance(r, Stacked) for r in rest) \
+            and not kwargs.get("output_dtype"):
         dim = rest[0] if rest else kwargs.get("dim", None)
         keepdim = rest[1] if len(rest) > 1 else kwargs.get("keepdim", False)
         extra = {k: v for k, v in kwargs.items() if k == "dtype"}
@@ -527,6 +707,12 @@ def _special(op, kind: str, args: tuple, kwargs: dict):
         if not dims:
             return s.clone()
         return getattr(torch, kind)(s, dims, keepdim, **extra)
+    if kind == "broadcast_in_dim" and len(rest) == 2:  # prims: shape, broadcast_dimensions
+        return op(s, [s.shape[0]] + list(rest[0]), [0] + [d + 1 for d in rest[1]])
+    if kind == "var" and getattr(op, "namespace", None) == "prims" and not kwargs.get("output_dtype"):
+        dims = _dims(rest[0] if rest else None, nd)
+        correction = rest[1] if len(rest) > 1 else kwargs.get("correction", 1)
+        return torch.var(s, dims, correction=correction)
     if kind in ("_softmax", "_log_softmax", "cumsum") and len(rest) >= 1:
         return op(s, _norm_dim(rest[0], nd), *rest[1:], **kwargs)
     return NotImplemented
@@ -550,14 +736,19 @@ def _run_per_sample(op, args, kwargs, n):
     return pytree.tree_unflatten(out, spec)
 
 
-def _run_batched(op, kind: str, args: tuple, kwargs: dict, n: int):
+def _run_batched(op, info: OpInfo, args: tuple, kwargs: dict, n: int):
     """Run ``op`` on all samples; returns (outputs with sample dim, lifted)."""
-    stacked_kw = any(isinstance(v, Stacked) for v in pytree.tree_leaves(
-        kwargs, is_leaf=lambda x: isinstance(x, Stacked)))
-    if torch.Tag.pointwise in getattr(op, "tags", ()) and not stacked_kw:
+    stacked_kw = _has_stacked((), kwargs)
+    if (info.pointwise or info.prim is not None and not isinstance(info.prim, str)) \
+            and not stacked_kw:
         nd = _logical_ndim(args)
-        return op(*_aligned(args, nd), **kwargs), True
-    res = _special(op, kind, args, kwargs)
+        aligned = _aligned(args, nd)
+        if info.prim is aten.div.Tensor and not any(
+                isinstance(a, torch.Tensor) and a.is_floating_point() or isinstance(a, float)
+                for a in aligned[:2]):
+            return torch.div(*aligned[:2], rounding_mode="trunc"), True  # prims.div of ints
+        return (info.prim or op)(*aligned, **kwargs), True
+    res = _special(op, info.kind, args, kwargs)
     if res is not NotImplemented:
         return res, True
     if not stacked_kw:
@@ -570,6 +761,33 @@ def _run_batched(op, kind: str, args: tuple, kwargs: dict, n: int):
         except Exception:  # noqa: BLE001 - any failure falls back to per-sample execution
             pass
     return _run_per_sample(op, args, kwargs, n), False
+
+
+def _all_identical(args: tuple) -> bool:
+    """Whether every stacked argument is an expanded view of one value (identical samples);
+    false when an argument is a list holding samples (cat, stack), which run batched."""
+    for a in args:
+        if isinstance(a, Stacked):
+            if a.samples.stride(0) != 0 or a.samples.dim() == 0:
+                return False
+        elif isinstance(a, (list, tuple)) and any(isinstance(b, Stacked) for b in a):
+            return False
+    return True
+
+
+def _has_stacked(args: tuple, kwargs: dict) -> bool:
+    """Whether any argument (or list element: cat, stack) carries samples."""
+    for a in args:
+        if isinstance(a, Stacked):
+            return True
+        if isinstance(a, (list, tuple)) and any(isinstance(b, Stacked) for b in a):
+            return True
+    for a in kwargs.values():
+        if isinstance(a, Stacked):
+            return True
+        if isinstance(a, (list, tuple)) and any(isinstance(b, Stacked) for b in a):
+            return True
+    return False
 
 
 # --------------------------------------------------------------------------- counters
@@ -592,7 +810,7 @@ def _diff_analysis(a, b, ctx, nd) -> Optional[_Analysis]:
     if isinstance(x, torch.Tensor) and not x.is_floating_point() and \
             (not isinstance(y, torch.Tensor) or not y.is_floating_point()):
         return None
-    return _analyze(torch.sub(x, y) if isinstance(x, torch.Tensor) else torch.rsub(y, x), ctx)
+    return _Analysis(torch.sub(x, y) if isinstance(x, torch.Tensor) else torch.rsub(y, x), ctx)
 
 
 def _compute_counters(kind: str, args: tuple, kwargs: dict, out: Optional[Stacked],
@@ -658,7 +876,8 @@ def _compute_counters(kind: str, args: tuple, kwargs: dict, out: Optional[Stacke
     elif kind == "where" and isinstance(args[0], Stacked):
         c = args[0].samples
         found.append(("branching", c.any(0) & ~c.all(0)))
-    if oa is not None and not bool(oa.finite.all()):
+    # NaN/inf produced from finite operands; an exact primitive only moves values around
+    if oa is not None and kind not in EXACT_PRIMITIVES and not oa.all_finite:
         bad = ~oa.finite
         for x in pytree.tree_leaves(args, is_leaf=lambda v: isinstance(v, Stacked)):
             o = _operand(x, ctx)
@@ -715,8 +934,47 @@ def _to_working(x, ctx):
     return x
 
 
+def _working_args(args: tuple, ctx: AtenContext) -> tuple:
+    """Plain floating tensors (and float dtype arguments) in the working dtype; the tuple itself
+    when nothing changes (the common case: no copy, no pytree walk)."""
+    wd = ctx.working_dtype
+    new = None
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            if a.dtype != wd and a.is_floating_point():
+                new = list(args) if new is None else new
+                new[i] = a.to(wd)
+        elif isinstance(a, torch.dtype):
+            if a.is_floating_point and a != wd:
+                new = list(args) if new is None else new
+                new[i] = wd
+        elif isinstance(a, (list, tuple)) and any(isinstance(b, (torch.Tensor, torch.dtype)) for b in a):
+            conv = pytree.tree_map(lambda x: _to_working(x, ctx), a)
+            new = list(args) if new is None else new
+            new[i] = conv
+    return args if new is None else tuple(new)
+
+
+def _digits_through(info: OpInfo, op, args: tuple, kwargs: dict, out: torch.Tensor,
+                    ctx: AtenContext) -> Optional[_Analysis]:
+    """The analysis of a layout primitive's output from its operand's, if already measured."""
+    src = args[0]._an
+    if src is None or src._digits is None or len(args) and _has_stacked(args[1:], kwargs):
+        return None
+    d = src._digits
+    if info.kind not in ("clone", "alias", "detach", "lift_fresh_copy", "contiguous", "neg"):
+        try:
+            d = op(d, *args[1:], **kwargs)
+        except Exception:  # noqa: BLE001 - e.g. a view the digits' strides do not allow
+            return None
+    if not isinstance(d, torch.Tensor) or d.shape != out.shape[1:]:
+        return None
+    return _Analysis(out, ctx, digits=d, non_finite=0 if src._nf == 0 else None)
+
+
 def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenContext, *,
-                    name: Optional[str] = None, salt: Optional[int] = None) -> Any:
+                    name: Optional[str] = None, salt: Optional[int] = None,
+                    need_digits: Optional[bool] = None) -> Any:
     """Run one aten primitive on stacked samples and apply the arithmetic-level rules.
 
     Args:
@@ -726,6 +984,9 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
         ctx: The :class:`AtenContext` of the analysed call.
         name: Stable name for the record (default ``aten.<kind>#k`` within ``ctx``).
         salt: Seed salt (default: the context's call counter).
+        need_digits: Whether a consumer's counters will read this output's per-element digits
+            (a graph driver knows; ``None``: assume so whenever counters run). Only decides
+            whether the fused kernel writes them now or a consumer measures them later.
 
     Returns:
         The primitive's outputs with the same structure as ``op``'s, each tensor computed from
@@ -734,35 +995,33 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
         runs once and returns plain results.
     """
     kwargs = kwargs or {}
-    is_stacked = lambda x: isinstance(x, Stacked)  # noqa: E731
-    leaves = pytree.tree_leaves((args, kwargs), is_leaf=is_stacked)
+    info = op_info(op)
+    kind = info.kind
     n = ctx.n_samples
-    kind = primitive_kind(op)
-    from_plain = not any(is_stacked(x) for x in leaves)
+    from_plain = not _has_stacked(args, kwargs)
     if from_plain:
         # Only plain operands (parameters, constants): run once. An arithmetic result is still
         # a result of the simulated arithmetic, so it enters the samples here (N identical
         # copies, then rounded below); a model whose data all come from parameters (token
         # embeddings) would otherwise never be analysed.
         out = op(*args, **kwargs)
-        flat_out = pytree.tree_leaves(out)
-        if kind in EXACT_PRIMITIVES or kind.startswith(_FACTORY_PREFIXES) or not any(
-                isinstance(v, torch.Tensor) and v.is_floating_point() for v in flat_out):
+        if info.exact or info.factory or not any(
+                isinstance(v, torch.Tensor) and v.is_floating_point()
+                for v in ((out,) if isinstance(out, torch.Tensor) else pytree.tree_leaves(out))):
             return out
-    args = tuple(pytree.tree_map(lambda x: _to_working(x, ctx), a) if not is_stacked(a) else a
-                 for a in args)
+    args = _working_args(args, ctx)
     kwargs = _fix_dtype_kwargs(kind, kwargs, ctx)
-    counting = ctx.diagnostics != "off" or bool(active_collectors())
-    detailed = ctx.diagnostics == "detailed" or any(c.diagnostics == "detailed" for c in active_collectors())
+    collectors = active_collectors()
+    counting = ctx.diagnostics != "off" or bool(collectors)
+    detailed = counting and (ctx.diagnostics == "detailed"
+                             or any(c.diagnostics == "detailed" for c in collectors))
 
     # Comparisons: one plain boolean decision per element (CESTAC), branching on noise.
-    if kind in _COMPARE and len(args) >= 2:
+    if info.compare and len(args) >= 2:
         nd = _logical_ndim(args[:2])
         diff = _diff_analysis(args[0], args[1], ctx, nd)
         if diff is not None:
-            x, y = _aligned(args[:2], nd)
-            md = (torch.sub(x, y) if isinstance(x, torch.Tensor) else torch.rsub(y, x)).mean(0)
-            result = _cestac_compare(kind, diff, md)
+            result = _cestac_compare(kind, diff, diff._s.mean(0))
             rec_name = name or ctx.name_for(op)
             if counting:
                 _count(kind, [("branching", diff.zero)], result.numel(), None, ctx, rec_name, op,
@@ -771,80 +1030,112 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
 
     seed = ctx.next_seed(salt)
     surrogate = False
-    if kind in GEMM_PRIMITIVES:
+    if info.gemm:
         eta = ctx.fmt.unit_roundoff
-        new_args = []
+        new_args = list(args)
         for i, a in enumerate(args):
-            if is_stacked(a) and a.samples.is_floating_point():
-                p, cnt = _perturb(a.samples, eta, randbits.derive_seed(seed, 1 + i), ctx.randomness)
+            if isinstance(a, Stacked) and a.samples.is_floating_point():
+                p, cnt = _perturb(a.samples, eta, randbits.derive_seed(seed, 1 + i), ctx)
                 surrogate |= cnt > 0
-                a = Stacked(p) if cnt else a
-            new_args.append(a)
+                if cnt:
+                    new_args[i] = Stacked(p)
         args = tuple(new_args)
 
     if from_plain:
         raw = pytree.tree_map(
-            lambda v: _to_working(v, ctx).unsqueeze(0).expand(n, *v.shape).contiguous()
+            lambda v: _to_working(v, ctx).unsqueeze(0).expand(n, *v.shape)
             if isinstance(v, torch.Tensor) and v.is_floating_point() else v, out)
         lifted = True
+    elif not info.gemm and _all_identical(args) and not _has_stacked((), kwargs):
+        # Every operand is N identical samples (data entering the analysis, or exact
+        # operations on it): one evaluation serves all samples; they part at the rounding.
+        one = op(*[a.samples[0] if isinstance(a, Stacked) else a for a in args], **kwargs)
+        raw = pytree.tree_map(lambda v: v.unsqueeze(0).expand(n, *v.shape)
+                              if isinstance(v, torch.Tensor) else v, one)
+        lifted = True
     else:
-        raw, lifted = _run_batched(op, kind, args, kwargs, n)
-    exact = kind in EXACT_PRIMITIVES
-    do_round = lifted and not exact and ctx.rounding is not None
-    flat, spec = pytree.tree_flatten(raw)
+        raw, lifted = _run_batched(op, info, args, kwargs, n)
+    exact = info.exact
+    do_round = lifted and not exact
+    want_record = ctx.recorder is not None and (not exact or ctx.record_exact)
+    want_digits = counting and (need_digits is not False or kind in OUTPUT_DIGITS_KINDS)
+    single = isinstance(raw, torch.Tensor)
+    flat, spec = ([raw], None) if single else pytree.tree_flatten(raw)
     outs = []
+    first = None
+    first_stats = None
     j = 0
     for v in flat:
         if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == n:
-            if v.is_floating_point() and do_round and ctx.eft:
-                v = _round_fp64(kind, op, args, kwargs, v, randbits.derive_seed(seed, 100 + j))
+            is_first = first is None
+            if v.is_floating_point() and do_round:
+                seed_j = randbits.derive_seed(seed, 100 + j)
                 j += 1
-            elif v.is_floating_point() and do_round:
-                v = round_stacked(v, ctx.fmt, ctx.rounding, randbits.derive_seed(seed, 100 + j),
-                                  ctx.randomness)
-                j += 1
-            outs.append(Stacked(v))
+                if ctx.eft:
+                    v = _round_fp64(kind, op, args, kwargs, v, seed_j, ctx)
+                    seed_j = None  # rounded: measure only
+                v, st, an = _round_measure(v, ctx, seed_j, is_first and want_record,
+                                           is_first and want_digits)
+                st_v = Stacked(v, an)
+                if is_first:
+                    first_stats = st
+            else:
+                an = None
+                if info.layout and lifted and v.is_floating_point() and isinstance(args[0], Stacked):
+                    an = _digits_through(info, op, args, kwargs, v, ctx)
+                st_v = Stacked(v, an)
+            if is_first:
+                first = st_v
+            outs.append(st_v)
         else:
             outs.append(v)
-    result = pytree.tree_unflatten(outs, spec)
+    result = outs[0] if single else pytree.tree_unflatten(outs, spec)
 
-    first = next((o for o in outs if isinstance(o, Stacked)), None)
-    rec_name = None
-    want_record = ctx.recorder is not None and first is not None and \
-        first.samples.is_floating_point() and (not exact or ctx.record_exact)
-    if want_record or counting:
-        rec_name = name or ctx.name_for(op)
-    found = []
+    want_record = want_record and first is not None and first.samples.is_floating_point()
+    rec_name = name or ctx.name_for(op) if (want_record or counting) else None
     if counting:
         diff = None
         if kind in _SELECT2 or kind in ("clamp", "clamp_min", "clamp_max"):
-            if kind in _SELECT2:
-                diff = _diff_analysis(args[0], args[1], ctx, _logical_ndim(args[:2]))
-            else:
-                lo = args[1] if len(args) > 1 else kwargs.get("min")
-                hi = args[2] if len(args) > 2 else kwargs.get("max")
-                if kind == "clamp_max":
-                    lo, hi = None, lo
-                zs = []
-                for lim in (lo, hi):
-                    if lim is not None:
-                        d = _diff_analysis(args[0], lim, ctx, args[0].ndim)
-                        if d is not None:
-                            zs.append(d.zero)
-                if zs:
-                    z = zs[0] if len(zs) == 1 else zs[0] | zs[1]
-                    diff = _Analysis(z, z, z, z, z)
+            diff = _limit_diff(kind, args, kwargs, ctx)
         out_numel = first.samples[0].numel() if first is not None else 0
         found = _compute_counters(kind, args, kwargs, first, out_numel, ctx, diff)
         counts = _count(kind, found, out_numel, first, ctx, rec_name, op, detailed, None)
     else:
         counts = empty_counters()
+        ctx._last_events = []
     if want_record:
-        stats = _stats(first, ctx)
+        stats = _record_stats(first, first_stats, ctx)
         status = ROUNDED if do_round else (UNLIFTED if not lifted else OBSERVED)
-        ctx.recorder(PrimitiveRecord(rec_name, str(op), kind, stats, counts, surrogate, status,
-                                     tuple(first.shape), list(getattr(ctx, "_last_events", []))))
+        ctx.recorder(PrimitiveRecord(rec_name, info.text, kind, stats, counts, surrogate, status,
+                                     tuple(first.shape), list(ctx._last_events)))
     return result
+
+
+def _limit_diff(kind: str, args: tuple, kwargs: dict, ctx: AtenContext) -> Optional[_Analysis]:
+    """Analysis of the compared difference of max/min/clamp (computational zero: branching)."""
+    if kind in _SELECT2:
+        return _diff_analysis(args[0], args[1], ctx, _logical_ndim(args[:2]))
+    lo = args[1] if len(args) > 1 else kwargs.get("min")
+    hi = args[2] if len(args) > 2 else kwargs.get("max")
+    if kind == "clamp_max":
+        lo, hi = None, lo
+    diffs = [d for d in (_diff_analysis(args[0], lim, ctx, args[0].ndim)
+                         for lim in (lo, hi) if lim is not None) if d is not None]
+    if len(diffs) < 2:
+        return diffs[0] if diffs else None
+    a, b = diffs
+    z = a.zero | b.zero
+    both = _Analysis(a._s, ctx, digits=torch.minimum(a.digits, b.digits))
+    both._zero = z
+    return both
+
+
+def _record_stats(first: Stacked, st: Optional[list], ctx: AtenContext) -> DigitStats:
+    if st is None:  # not rounded here (exact, observed, unlifted): measure only
+        _, st, an = _round_measure(first.samples, ctx, None, True, first._an is None)
+        if first._an is None:
+            first._an = an
+    return _stats_from_list(st, ctx.cap)
 
 
 def _count(kind, found, out_numel, out, ctx, rec_name, op, detailed, diff) -> dict:
@@ -885,19 +1176,6 @@ def _event(key, mask, count, out, ctx, rec_name, op, diff) -> CounterEvent:
         if idx < flat.shape[1]:
             value = float(flat[:, idx].mean())
     return CounterEvent(key, str(op), rec_name or "", count, idx, value, digits)
-
-
-def _stats(out: Stacked, ctx: AtenContext) -> DigitStats:
-    numel = out.samples[0].numel()
-    if numel == 0:
-        return DigitStats(ctx.cap, ctx.cap, ctx.cap, 0, 0.0, 0)
-    an = out.analysis(ctx)
-    d = an.digits
-    dmin, dmax = torch.aminmax(d)
-    vals = torch.stack([d.sum(dtype=torch.float64), dmin.double(), dmax.double(),
-                        an.zero.sum().double(), an.finite.sum().double()]).tolist()
-    return DigitStats(vals[0] / numel, vals[1], vals[2], numel, vals[3] / numel,
-                      numel - int(vals[4]))
 
 
 def to_op_report(record: PrimitiveRecord, ctx: AtenContext, *, module_path: str = "",

@@ -64,12 +64,12 @@ def _decompositions() -> dict:
 _CONTEXTS: dict = {}
 
 
-def _context(format, n_samples, seed, rounding, confidence, diagnostics, randomness) -> AtenContext:
-    key = (get_format(format), n_samples, seed, str(rounding), confidence, diagnostics, randomness)
+def _context(format, n_samples, seed, rounding, confidence, diagnostics, kernels) -> AtenContext:
+    key = (get_format(format), n_samples, seed, str(rounding), confidence, diagnostics, kernels)
     ctx = _CONTEXTS.get(key)
     if ctx is None:
         ctx = _CONTEXTS[key] = AtenContext(format, n_samples, seed, rounding, confidence,
-                                           diagnostics, randomness=randomness)
+                                           diagnostics, kernels=kernels)
     return ctx
 
 
@@ -245,7 +245,7 @@ def stochastic(
     *,
     confidence: float = 0.95,
     diagnostics: str = "summary",
-    randomness: str = "fast",
+    kernels: str = "auto",
     context: Optional[AtenContext] = None,
 ) -> StochasticTensor:
     """A stochastic value (CADNA's ``float_st``) for a tensor, NumPy array or Python number.
@@ -262,10 +262,11 @@ def stochastic(
         rounding: Rounding mode of every result (``random``: CESTAC).
         confidence: Student-t confidence of the digits.
         diagnostics: Counters: ``off`` | ``summary`` | ``detailed``.
-        randomness: ``fast`` or ``philox`` (bit-exact with the kernels' references).
+        kernels: ``auto`` (the fused CPU kernels of :mod:`fxstab.native` where they run) or
+            ``torch`` (the plain-torch references; the same rounded bits, slower).
         context: An explicit :class:`~fxstab.aten_rules.AtenContext` (overrides the settings).
     """
-    ctx = context or _context(format, n_samples, seed, rounding, confidence, diagnostics, randomness)
+    ctx = context or _context(format, n_samples, seed, rounding, confidence, diagnostics, kernels)
     if isinstance(x, StochasticTensor):
         return x
     if isinstance(x, torch.Tensor):
@@ -339,7 +340,7 @@ class AnalysisResult:
 
 def analyze(fn: Callable, *, format: FormatLike = "fp32", n_samples: int = 3, seed: int = 0,
             rounding: str = "random", confidence: float = 0.95, diagnostics: str = "summary",
-            randomness: str = "fast", cancel_digits: float = 4.0) -> Callable[..., AnalysisResult]:
+            kernels: str = "auto", cancel_digits: float = 4.0) -> Callable[..., AnalysisResult]:
     """Analyse a plain function of tensors, NumPy arrays or Python floats at the arithmetic level.
 
     ``fxstab.analyze(f, format="fp32")(x, y)`` turns every floating argument into a stochastic
@@ -350,7 +351,7 @@ def analyze(fn: Callable, *, format: FormatLike = "fp32", n_samples: int = 3, se
         records: list[PrimitiveRecord] = []
         ctx = AtenContext(format, n_samples, seed, rounding, confidence, diagnostics,
                           cancel_digits=cancel_digits, recorder=records.append,
-                          randomness=randomness)
+                          kernels=kernels)
 
         def lift(a):
             if isinstance(a, torch.Tensor) and a.is_floating_point() or \

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+import fxstab
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -26,10 +28,29 @@ classical = _load("bench_classical")
 optable = _load("bench_operator_table")
 
 
+# -1e4 + sqrt(1e8 - 4) in fp32: 1e8 - 4 rounds up to 1e8 (then sqrt is exactly 1e4) with
+# probability 1/2, else sqrt(99999992) rounds up to 1e4 with probability 1/2, so each sample's
+# difference is exactly 0 with probability 3/4 and all three are (samples 2 and 3 antithetic)
+# with probability 3/8. CESTAC cannot tell that from an exact zero (docs/arithmetic-level.md,
+# "Exact zeros by chance"): such seeds are skipped, every other one must show the loss.
+_EXACT_ZERO_BY_CHANCE = {"quadratic smaller root"}
+
+
 @pytest.mark.parametrize("case", classical.CASES, ids=lambda c: c.name)
 def test_classical_case(case):
-    avg32, min32, c32 = classical.digits_of(case.unstable, case.args(), "fp32", 0)
-    assert avg32 <= 0.5, f"{case.name} unstable fp32 kept {avg32:.2f} digits"
+    if case.name in _EXACT_ZERO_BY_CHANCE:
+        lost = 0
+        for seed in range(8):
+            r = fxstab.analyze(case.unstable, format="fp32", seed=seed)(*case.args())
+            if bool((r.samples == 0).all()):
+                continue
+            assert float(r.digits.min()) <= 0.5, f"seed {seed}: kept {r.digits} digits"
+            lost += 1
+        assert lost >= 2, f"only {lost} of 8 seeds avoided an all-zero result (expected ~5/8)"
+        c32 = {}
+    else:
+        avg32, min32, c32 = classical.digits_of(case.unstable, case.args(), "fp32", 0)
+        assert avg32 <= 0.5, f"{case.name} unstable fp32 kept {avg32:.2f} digits"
     if case.name == "Rump's polynomial":
         avg64, _, c64 = classical.digits_of(case.unstable, case.args(), "fp64", 0)
         assert avg64 <= 0.5 and c64["cancellation"] >= 1

@@ -154,5 +154,5 @@ def test_bad_settings():
             pass
     with pytest.raises(ValueError, match="n_samples"):
         AtenContext("fp32", 1)
-    with pytest.raises(ValueError, match="randomness"):
-        AtenContext("fp32", 3, randomness="os")
+    with pytest.raises(ValueError, match="kernels"):
+        AtenContext("fp32", 3, kernels="os")

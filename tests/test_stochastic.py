@@ -12,7 +12,7 @@ import fxstab
 from fxstab import randbits
 from fxstab.aten_rules import AtenContext, Stacked, apply_primitive, round_stacked
 from fxstab.formats import get_format
-from fxstab.report import UNLIFTED
+from fxstab.report import ROUNDED, UNLIFTED
 from fxstab.rounding import Rounding, quantize, round_samples
 
 aten = torch.ops.aten
@@ -50,27 +50,53 @@ def test_one_rounding_matches_the_rule():
     assert len(set((x * 2).samples.tolist())) == 1
 
 
-def test_philox_randomness_is_round_samples_bit_for_bit():
-    ctx = AtenContext("bf16", 3, seed=7, randomness="philox")
-    x = torch.linspace(0.1, 3.0, 50, dtype=torch.float32)
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp32", (5, 2)])
+def test_rounding_is_round_samples_bit_for_bit(kernels, fmt):
+    """One mechanism: the fused kernel and the reference draw the same Philox bits."""
+    ctx = AtenContext(fmt, 3, seed=7, kernels=kernels)
+    x = torch.linspace(0.1, 3.0, 311, dtype=ctx.working_dtype)
     st = ctx.stack(x)
     out = apply_primitive(aten.exp.default, (st,), {}, ctx, salt=5)
     call_seed = randbits.derive_seed(7, 5)
-    ref = round_samples(torch.exp(st.samples), "bf16", "random", randbits.derive_seed(call_seed, 100))
+    ref = round_samples(torch.exp(st.samples), fmt, "random", randbits.derive_seed(call_seed, 100))
     assert torch.equal(out.samples, ref)
+    assert not torch.equal(out.samples[1], out.samples[2])  # rounded, antithetically
 
 
+def test_kernels_and_references_agree_on_surrogate_and_fp64():
+    x = torch.randn(4, 64, dtype=torch.float64)
+    w = torch.randn(64, 8, dtype=torch.float64)
+    outs = {}
+    for kernels in ("auto", "torch"):
+        ctx = AtenContext("fp64", 3, seed=3, kernels=kernels)
+        st = ctx.stack(x)
+        mm = apply_primitive(aten.mm.default, (st, w), {}, ctx, salt=1)  # surrogate + rounding
+        e = apply_primitive(aten.exp.default, (st,), {}, ctx, salt=2)  # fp64: shared side
+        d = apply_primitive(aten.div.Tensor, (st, 7.0), {}, ctx, salt=3)  # fp64: exact side
+        outs[kernels] = (mm.samples, e.samples, d.samples)
+    for a, b in zip(outs["auto"], outs["torch"]):
+        assert torch.equal(a, b)
+    assert not torch.equal(outs["auto"][2][1], outs["auto"][2][2])
+
+
+def test_kernels_setting_is_validated():
+    with pytest.raises(ValueError, match="kernels"):
+        AtenContext("fp32", 3, kernels="fast")
+
+
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp16", (5, 2)])
-def test_fast_rounding_picks_neighbours_antithetically(fmt):
+def test_rounding_picks_neighbours_antithetically(fmt, kernels):
     f = get_format(fmt)
     wd = fxstab.formats.working_dtype_for(f)
     g = torch.Generator().manual_seed(1)
     base = torch.randn(311, generator=g, dtype=torch.float64).to(wd) * 3
     if f.max_normal < 1e5:
         base = base.clamp(-f.max_normal / 4, f.max_normal / 4)
-    # include zeros, subnormals/overflow (fallback path) in a second tensor
+    # include zeros, subnormals/overflow in a second tensor
     samples = base.expand(3, -1).contiguous()
-    out = round_stacked(samples, f, Rounding.RANDOM, 123)
+    out = round_stacked(samples, f, Rounding.RANDOM, 123, kernels=kernels)
     lo = quantize(base, f, "down")
     hi = quantize(base, f, "up")
     assert bool(((out == lo) | (out == hi)).all())
@@ -80,7 +106,7 @@ def test_fast_rounding_picks_neighbours_antithetically(fmt):
     assert 0.3 < float(frac_up) < 0.7
     edge = torch.tensor([0.0, -0.0, f.min_subnormal / 3, f.max_normal * 1.5, math.nan, math.inf],
                         dtype=wd).expand(3, -1).contiguous()
-    e = round_stacked(edge, f, Rounding.RANDOM, 5)
+    e = round_stacked(edge, f, Rounding.RANDOM, 5, kernels=kernels)
     assert torch.isnan(e[:, 4]).all() and (e[:, 0] == 0).all()
     assert bool(((e[:, 2] == 0) | (e[:, 2] == f.min_subnormal)).all())
 
@@ -198,7 +224,8 @@ def test_nan_inputs_propagate_without_crashing():
 def test_unbatchable_primitive_falls_back_per_sample():
     records = []
     ctx = AtenContext("fp32", 3, 0, recorder=records.append)
-    st = ctx.stack(torch.tensor([1.0, 2.0], dtype=torch.float64))
+    st = Stacked(torch.tensor([[1.0, 2.0], [1.0, 2.0 + 2**-40], [1.0, 2.0 - 2**-40]],
+                              dtype=torch.float64))  # samples that differ
 
     def needs_a_python_number(t):
         return t * float(t.sum())  # .item() inside: vmap cannot batch it
@@ -206,6 +233,11 @@ def test_unbatchable_primitive_falls_back_per_sample():
     out = apply_primitive(needs_a_python_number, (st,), {}, ctx)
     assert isinstance(out, Stacked) and torch.allclose(out.samples[0], torch.tensor([3.0, 6.0], dtype=torch.float64))
     assert records[-1].status == UNLIFTED
+    # identical samples (data entering the analysis) need one evaluation, then the rounding
+    plain = torch.tensor([1.0, 0.1], dtype=torch.float64)  # 1.1 * (1, 0.1): not fp32 values
+    same = apply_primitive(needs_a_python_number, (ctx.stack(plain),), {}, ctx)
+    assert records[-1].status == ROUNDED and same.samples.shape == (3, 2)
+    assert not torch.equal(same.samples[1], same.samples[2])
     # data-dependent output shapes come back from sample 0 without crashing
     nz = torch.nonzero(fxstab.stochastic(torch.tensor([0.0, 1.0, 2.0])))
     assert nz.shape[-1] == 1
@@ -240,14 +272,15 @@ def test_analyze_detailed_events():
     assert res.events and res.events[0].kind == "cancellation" and res.events[0].count == 4
 
 
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
 @pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp32", "fp8_e4m3"])
-def test_fast_rounding_with_zeros_and_subnormals(fmt):
+def test_rounding_with_zeros_and_subnormals(fmt, kernels):
     f = get_format(fmt)
     wd = fxstab.formats.working_dtype_for(f)
     vals = torch.tensor([0.0, -0.0, 1.0, f.min_normal * 0.3, -f.min_normal * 0.77,
                          f.min_subnormal * 2.5, f.min_normal * 1.01], dtype=wd)
     samples = vals.expand(3, -1).contiguous()
-    out = round_stacked(samples, f, Rounding.RANDOM, 9)
+    out = round_stacked(samples, f, Rounding.RANDOM, 9, kernels=kernels)
     lo, hi = quantize(vals, f, "down"), quantize(vals, f, "up")
     assert bool(((out == lo) | (out == hi)).all()), (out, lo, hi)
     assert torch.equal(torch.signbit(out[:, 1]), torch.ones(3, dtype=torch.bool))
