@@ -154,6 +154,22 @@ def _layout(x: torch.Tensor, n_samples: Optional[int]) -> tuple[torch.Tensor, in
     return x, n_samples, 0, tuple(x.shape)
 
 
+@functools.lru_cache(maxsize=256)
+def _base_params(fmt: Format, mode: Optional[Rounding], dtype: torch.dtype, saturate: bool,
+                 n: int, confidence: float, zero_threshold: float) -> _Params:
+    """The per-call constants of round_stats (seed and threads are set per call): the
+    analysis of a model calls it hundreds of times with the same few settings."""
+    if not fmt.fits_in(dtype):
+        raise ValueError(f"format {fmt.name} does not fit in {dtype}")
+    _, _, wbias, _, _ = _WORKING[dtype]
+    return _Params(
+        man_bits=fmt.man_bits, k=fmt.emin + wbias, max_bits=_float_bits(fmt.max_normal, dtype),
+        min_sub_bits=_float_bits(fmt.min_subnormal, dtype), finite_only=int(fmt.finite_only),
+        mode=-1 if mode is None else _MODES[mode], saturate=int(saturate),
+        t=student_t(n, confidence) if n >= 2 else 1.0, cap=digits_cap(fmt, dtype),
+        zero_threshold=zero_threshold)
+
+
 def round_stats(
     samples: torch.Tensor,
     fmt: Format,
@@ -195,18 +211,11 @@ def round_stats(
                          f"1..{MAX_SAMPLES} samples, got {x.dtype} on {x.device}, N={n}")
     if (want_stats or want_digits) and n < 2:
         raise ValueError(f"digits need N >= 2 samples, got N={n}")
-    if not fmt.fits_in(x.dtype):
-        raise ValueError(f"format {fmt.name} does not fit in {x.dtype}")
     numel = math.prod(shape)
-    _, wm, wbias, _, _ = _WORKING[x.dtype]
-    p = _Params(
-        man_bits=fmt.man_bits, k=fmt.emin + wbias, max_bits=_float_bits(fmt.max_normal, x.dtype),
-        min_sub_bits=_float_bits(fmt.min_subnormal, x.dtype), finite_only=int(fmt.finite_only),
-        mode=-1 if mode is None else _MODES[mode], saturate=int(saturate),
-        seed=seed & ((1 << 64) - 1),
-        t=student_t(n, confidence) if n >= 2 else 1.0,
-        cap=digits_cap(fmt, x.dtype), zero_threshold=zero_threshold,
-        nthreads=torch.get_num_threads())
+    p = _Params.from_buffer_copy(_base_params(fmt, mode, x.dtype, bool(saturate), n,
+                                              float(confidence), float(zero_threshold)))
+    p.seed = seed & ((1 << 64) - 1)
+    p.nthreads = torch.get_num_threads()
     if mode is None:
         out = x
     elif in_place and xs and x.data_ptr() == samples.data_ptr():  # contiguous() made no copy
