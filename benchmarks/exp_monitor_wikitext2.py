@@ -8,8 +8,9 @@ Arms, each clean and with each injected instability (``fxstab.inject``):
 
 The injections switch on at a quarter of the run and ramp geometrically to their overflow
 regime by three quarters. Measured: validation loss, NaN/Inf frequency (steps whose first
-forward/backward was non-finite; the loop then asks the monitor to sweep every operator and
-retries the batch once, and skips the update if it is still non-finite), detection precision
+forward/backward was non-finite; the loop then asks the monitor for a targeted sweep, which
+checks the operators whose output turns non-finite by themselves, retries the batch once, and
+skips the update if it is still non-finite), detection precision
 and recall (injected operator promoted vs any other operator promoted), overhead (train-step
 wall clock relative to the bf16 arm of the same run), monitor time (time inside the monitor's
 checks over the train-step time of the same steps of the same run, warm-up steps and
@@ -231,7 +232,8 @@ def run_arm(arm: str, scenario: str, args, data, vocab: int, cal) -> dict:
             for p in params:
                 p.grad = None
             if monitor is not None and arm == "monitor":
-                monitor.sweep()  # check every operator on the retry
+                # on the retry, check the operators that make a non-finite value themselves
+                monitor.sweep(targeted=True)
                 loss, gnorm = forward_backward(x, y)
         if torch.isfinite(loss) and torch.isfinite(gnorm):
             scale = min(1.0, args.clip / (float(gnorm) + 1e-6))

@@ -159,6 +159,9 @@ class StabilityMonitor:
         self._step = 0
         self._sweep: set[str] = set()
         self._sweep_all = False
+        self._hunt = False  # a targeted sweep is on for the current step
+        self._hunt_found = False  # ...and has found a culprit
+        self._hunt_failed = False  # the last targeted sweep found none: sweep all next time
         self._paused = 0
         self._forced: Optional[Mode] = None
         self._promotions: list[Promotion] = []
@@ -213,11 +216,31 @@ class StabilityMonitor:
         if self._t_start is None:
             self._t_start = time.perf_counter()
         out = op.impls[op.mode](args, kwargs)
-        if self._paused or op.pinned or op.skip_reason or op.checked_step == self._step:
+        if self._paused or op.pinned or op.skip_reason:
             return out
-        if self._due(op):
+        if self._hunt and op.mode != Mode.STABLE_KERNEL and self._suspect(out, args, kwargs):
+            self._hunt_found = True
+            return self._check(op, args, kwargs, out, culprit=True)
+        if op.checked_step != self._step and self._due(op):
             out = self._check(op, args, kwargs, out)
         return out
+
+    def _suspect(self, out: Any, args: tuple, kwargs: dict) -> bool:
+        """Targeted sweep: whether this call may have made the non-finite value itself.
+
+        Its output is non-finite and no floating input holds a NaN (an infinite input may be
+        legitimate: the -inf of an attention mask before a softmax). One finiteness test per
+        output, which is all a finite operator costs; a NaN input is inherited from upstream.
+        """
+        t0 = time.perf_counter()
+        try:
+            if all(bool(torch.isfinite(y).all()) for y in _floats_of(out)):
+                return False
+            leaves, _ = tree_flatten((args, kwargs))
+            return not any(bool(torch.isnan(t).any()) for t in leaves
+                           if isinstance(t, torch.Tensor) and t.is_floating_point())
+        finally:
+            self.monitor_time += time.perf_counter() - t0
 
     def _recheck_due(self, op: OpState) -> bool:
         return op.mode != Mode.NORMAL and self._step - op.last_recheck >= self.config.recheck
@@ -243,12 +266,15 @@ class StabilityMonitor:
         return (op.score >= cfg.watch * cfg.thresholds_for(op.family)[0]
                 and (check + op.index) % cfg.watch_every == 0)
 
-    def _check(self, op: OpState, args: tuple, kwargs: dict, out: Any) -> Any:
+    def _check(self, op: OpState, args: tuple, kwargs: dict, out: Any,
+               culprit: bool = False) -> Any:
         t0 = time.perf_counter()
         cfg = self.config
         op.checked_step = self._step
         self._sweep.discard(op.name)
-        recheck = cfg.promote and self._recheck_due(op)
+        # A culprit of a targeted sweep is measured in its current mode (the one that just
+        # made the non-finite value), never by a recheck of its NORMAL kernel.
+        recheck = cfg.promote and not culprit and self._recheck_due(op)
         probe = Mode.NORMAL if recheck else op.mode
         s = self.dispersion(op, probe, args, kwargs)
         if s is not None and math.isinf(s) and self._inherited(op, args, kwargs):
@@ -417,13 +443,31 @@ class StabilityMonitor:
         self._t_last_step = now
         self._step += 1
         self._sweep_all = False
+        if self._hunt:
+            self._hunt_failed = not self._hunt_found
+        self._hunt = self._hunt_found = False
 
     @property
     def current_step(self) -> int:
         return self._step
 
-    def sweep(self) -> None:
-        """Check every operator on its next call (e.g. after a non-finite loss)."""
+    def sweep(self, targeted: bool = False) -> None:
+        """Check operators on their next call, for the rest of this step.
+
+        Args:
+            targeted: ``False`` checks every operator (what calibration measures). ``True``,
+                for a retry after a non-finite loss, checks only the culprits: operators whose
+                output is non-finite although no input holds a NaN (an operator at
+                STABLE_KERNEL excepted: nothing safer exists). Every other operator costs one
+                finiteness test of its output, and once a culprit is repaired (in the same
+                call) the operators downstream see finite inputs again. A targeted sweep that
+                finds no culprit (the non-finite value came from an unmonitored operator or
+                from the backward pass) makes the next targeted sweep a full one.
+        """
+        if targeted and not self._hunt_failed:
+            self._hunt = True
+            return
+        self._hunt_failed = False
         self._sweep = set(self._order)
         self._sweep_all = True
         for op in self._ops.values():

@@ -320,3 +320,40 @@ def test_non_finite_inputs_are_not_blamed_on_the_operator(tiny, batch):
     assert ops["fc1/linear#0"].inherited_nonfinite == 1 and mon.history["fc1/linear#0"] == []
     assert ops[h.op_name].inherited_nonfinite == 0
     assert all(math.isfinite(s) for n, s in mon.scores.items() if n != h.op_name)
+
+
+def test_targeted_sweep_checks_only_the_culprit(tiny, batch):
+    h = inject.overflow_activation(tiny, "ln2", scale=2.0 ** 100)
+    mon = StabilityMonitor(tau_warn=1.0, tau_safe=2.0)
+    model = mon.wrap(tiny)
+    assert torch.isnan(model(batch)).any()  # step 0: the rotation checked ln1 only
+    assert mon.checks_run == 1
+    mon.sweep(targeted=True)  # the retry of the same step
+    out = model(batch)
+    assert torch.isfinite(out).all()
+    assert mon.modes[h.op_name] == "STABLE_KERNEL" and mon.promoted == [h.op_name]
+    # replicas ran for ln2 alone: the operators before it were finite, the ones after it saw
+    # the repaired output (a full sweep checks all 9, and 8 of them for nothing)
+    assert mon.checks_run == 2
+    assert {n for n, hist in mon.history.items() if hist} == {"ln1/layer_norm#0", h.op_name}
+    assert all(op.inherited_nonfinite == 0 for op in mon._ops.values())
+
+
+def test_targeted_sweep_skips_operators_fed_a_nan_and_escalates_when_it_finds_none(tiny, batch):
+    h = inject.overflow_activation(tiny, "ln2", scale=2.0 ** 100)
+    mon = StabilityMonitor(tau_warn=1.0, tau_safe=2.0)
+    model = mon.wrap(tiny)
+    with mon.paused():
+        model(batch)  # discovers the operators
+    # ln2 pinned (never checked): the NaN now starts at an operator nobody may repair
+    mon.force("NORMAL", [h.op_name])
+    mon.step()
+    mon.sweep(targeted=True)
+    assert torch.isnan(model(batch)).any()
+    # fc1, fc2 get NaN inputs: inherited, no replicas; only the rotation's operator 1 ran
+    assert mon.checks_run == 1 and mon.history["attn.qkv/linear#0"]
+    mon.step()
+    mon.sweep(targeted=True)  # the last targeted sweep found nothing: this one is full
+    model(batch)
+    assert all(hist for n, hist in mon.history.items() if n in (
+        "ln1/layer_norm#0", "attn/matmul#0", "attn.softmax/softmax#0"))
