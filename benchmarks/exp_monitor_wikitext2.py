@@ -196,7 +196,8 @@ def run_arm(arm: str, scenario: str, args, data, vocab: int, cal) -> dict:
             monitor = StabilityMonitor(format="bf16", stable_dtype="fp32")
             monitor.force("STABLE_KERNEL")
         else:
-            monitor = StabilityMonitor(format="bf16", k=args.k, period=args.period,
+            monitor = StabilityMonitor(format="bf16", k=args.k, screen_k=args.screen_k,
+                                       period=args.period,
                                        tau_warn=cal.tau_warn, tau_safe=cal.tau_safe,
                                        thresholds=cal.thresholds if args.per_family else (),
                                        recheck=args.recheck, watch=args.watch,
@@ -393,6 +394,9 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-every", type=int, default=40)
     ap.add_argument("--val-batches", type=int, default=10)
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--screen-k", type=int, default=2,
+                    help="replicas of a screening pass; all --k run only when its S reaches "
+                         "watch * tau_warn (the calibration pilot always runs --k)")
     ap.add_argument("--period", type=int, default=1)
     ap.add_argument("--watch", type=float, default=0.8,
                     help="operators scoring >= watch * tau_warn are checked every period "

@@ -357,3 +357,49 @@ def test_targeted_sweep_skips_operators_fed_a_nan_and_escalates_when_it_finds_no
     model(batch)
     assert all(hist for n, hist in mon.history.items() if n in (
         "ln1/layer_norm#0", "attn/matmul#0", "attn.softmax/softmax#0"))
+
+
+def _counted_op(name):
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        return (x.float() * 3.0).to(x.dtype)
+
+    return StabilityMonitor().register(name, fn), calls
+
+
+@pytest.mark.parametrize("tau_warn, promote, replicas", [
+    (1.0, True, 2),      # S ~ u far below watch * tau_warn: the 2 screening replicas suffice
+    (1e-6, True, 4),     # S above watch * tau_warn: all K run (and it is promoted)
+    (1.0, False, 4),     # observe-only (calibration input): always K
+])
+def test_screening_runs_all_replicas_only_when_the_measurement_matters(
+        tau_warn, promote, replicas):
+    op, calls = _counted_op(f"triple_{replicas}_{int(promote)}_{tau_warn:g}".replace("-", "m")
+                            .replace(".", "_"))
+    mon = StabilityMonitor(k=4, screen_k=2, tau_warn=tau_warn, tau_safe=10.0, promote=promote)
+
+    class M(nn.Module):
+        def forward(self, x):
+            return op(x)
+
+    mon.wrap(M())(torch.randn(64).to(torch.bfloat16))
+    assert mon.replicas_run == replicas
+    assert len(calls) == 1 + replicas + len(mon.promotions)  # a promotion recomputes the call
+    assert len(mon.promotions) == (tau_warn < 1)
+    assert len(mon.history[mon.operators[0]]) == 1
+
+
+def test_screened_and_full_measurements_share_replicas(tiny, batch):
+    inject.fp16_accumulation(tiny, "fc1", offset=4096.0)
+    full = StabilityMonitor(screen_k=4, tau_warn=1e3, tau_safe=2e3)
+    screened = StabilityMonitor(screen_k=2, tau_warn=1e3, tau_safe=2e3)
+    for mon in (full, screened):
+        mon.sweep()
+        mon.wrap(tiny)(batch)
+    assert full.replicas_run == 4 * 9 and screened.replicas_run == 2 * 9
+    # the injected operator disperses ~100x more than u either way; clean ones stay near u
+    s_full, s_scr = full.history[FC1][0][1], screened.history[FC1][0][1]
+    assert 0.5 < s_scr / s_full < 2.0
+    assert max(h[0][1] for n, h in screened.history.items() if n != FC1) < 4 * 2.0 ** -8
