@@ -274,7 +274,7 @@ def run_arm(arm: str, scenario: str, args, data, vocab: int, cal) -> dict:
         s = monitor.summary()
         out.update(operators=s["operators"], promoted=s["ever_promoted"],
                    fraction_promoted=len(s["ever_promoted"]) / max(1, s["operators"]),
-                   promotions=s["promotions"], checks=s["checks"],
+                   promotions=s["promotions"], checks=s["checks"], replicas=s["replicas"],
                    monitor_time_s=sum(mon_times[warm:]),
                    monitor_time_fraction=sum(mon_times[warm:]) / sum(times[warm:]))
         if arm == "monitor":

@@ -141,10 +141,12 @@ class StabilityMonitor:
 
     Each step one operator of a rotating schedule (plus every operator whose score is at least
     ``watch * tau_warn``, plus promoted operators due for a recheck) is checked: K replicas run
-    under ``no_grad`` on inputs scaled by (1 + U(-u, u)); the relative dispersion S of their
-    outputs updates the operator's EMA score, which drives promotions. Replicas draw from their
-    own generator, so the training computation (outputs, gradients, global RNG) is unchanged
-    while no operator is promoted.
+    under ``no_grad`` on inputs scaled by (1 + U(-u, u)) (``screen_k`` of them first, the
+    rest only when their S could matter); the relative dispersion S of their outputs updates
+    the operator's EMA score, which drives promotions. After a non-finite loss,
+    ``sweep(targeted=True)`` checks only the operators that made the non-finite value.
+    Replicas draw from their own generator, so the training computation (outputs, gradients,
+    global RNG) is unchanged while no operator is promoted.
 
     Args:
         config: A :class:`MonitorConfig`; or pass its fields as keyword arguments.
