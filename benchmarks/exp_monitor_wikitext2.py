@@ -8,8 +8,9 @@ Arms, each clean and with each injected instability (``fxstab.inject``):
 
 The injections switch on at a quarter of the run and ramp geometrically to their overflow
 regime by three quarters. Measured: validation loss, NaN/Inf frequency (steps whose first
-forward/backward was non-finite; the loop then asks the monitor to sweep every operator and
-retries the batch once, and skips the update if it is still non-finite), detection precision
+forward/backward was non-finite; the loop then asks the monitor for a targeted sweep, which
+checks the operators whose output turns non-finite by themselves, retries the batch once, and
+skips the update if it is still non-finite), detection precision
 and recall (injected operator promoted vs any other operator promoted), overhead (train-step
 wall clock relative to the bf16 arm of the same run), monitor time (time inside the monitor's
 checks over the train-step time of the same steps of the same run, warm-up steps and
@@ -195,7 +196,8 @@ def run_arm(arm: str, scenario: str, args, data, vocab: int, cal) -> dict:
             monitor = StabilityMonitor(format="bf16", stable_dtype="fp32")
             monitor.force("STABLE_KERNEL")
         else:
-            monitor = StabilityMonitor(format="bf16", k=args.k, period=args.period,
+            monitor = StabilityMonitor(format="bf16", k=args.k, screen_k=args.screen_k,
+                                       period=args.period,
                                        tau_warn=cal.tau_warn, tau_safe=cal.tau_safe,
                                        thresholds=cal.thresholds if args.per_family else (),
                                        recheck=args.recheck, watch=args.watch,
@@ -231,7 +233,8 @@ def run_arm(arm: str, scenario: str, args, data, vocab: int, cal) -> dict:
             for p in params:
                 p.grad = None
             if monitor is not None and arm == "monitor":
-                monitor.sweep()  # check every operator on the retry
+                # on the retry, check the operators that make a non-finite value themselves
+                monitor.sweep(targeted=True)
                 loss, gnorm = forward_backward(x, y)
         if torch.isfinite(loss) and torch.isfinite(gnorm):
             scale = min(1.0, args.clip / (float(gnorm) + 1e-6))
@@ -271,7 +274,7 @@ def run_arm(arm: str, scenario: str, args, data, vocab: int, cal) -> dict:
         s = monitor.summary()
         out.update(operators=s["operators"], promoted=s["ever_promoted"],
                    fraction_promoted=len(s["ever_promoted"]) / max(1, s["operators"]),
-                   promotions=s["promotions"], checks=s["checks"],
+                   promotions=s["promotions"], checks=s["checks"], replicas=s["replicas"],
                    monitor_time_s=sum(mon_times[warm:]),
                    monitor_time_fraction=sum(mon_times[warm:]) / sum(times[warm:]))
         if arm == "monitor":
@@ -391,6 +394,9 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-every", type=int, default=40)
     ap.add_argument("--val-batches", type=int, default=10)
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--screen-k", type=int, default=2,
+                    help="replicas of a screening pass; all --k run only when its S reaches "
+                         "watch * tau_warn (the calibration pilot always runs --k)")
     ap.add_argument("--period", type=int, default=1)
     ap.add_argument("--watch", type=float, default=0.8,
                     help="operators scoring >= watch * tau_warn are checked every period "

@@ -74,6 +74,14 @@ class MonitorConfig:
         format: Hardware format the model computes in (``"bf16"``); its unit roundoff u is the
             half-width of the relative input perturbation (1 + U(-u, u)) of the replicas.
         k: Replicas per check (>= 2; the dispersion uses a K-1 denominator).
+        screen_k: A check first runs this many of its K replicas (2 <= screen_k <= k); the
+            other ``k - screen_k`` run only when the screening S reaches ``watch`` times the
+            family's tau_warn, i.e. when the measurement could matter. Below that S only
+            feeds the EMA of an operator far from its threshold, and no promotion can follow
+            from it (the score stays below ``watch * tau_warn`` < tau_warn), so promotions
+            always rest on K replicas. Rechecks (which may demote) and observe-only monitors
+            (``promote=False``: calibration input) always run K. ``screen_k = k`` turns
+            screening off.
         period: Run checks on one step in ``period``.
         beta: EMA weight of the old score, in [0, 1). The first measurement after a reset
             initialises the score (no bias towards 0).
@@ -109,6 +117,7 @@ class MonitorConfig:
 
     format: FormatLike = "bf16"
     k: int = 4
+    screen_k: int = 2
     period: int = 1
     beta: float = 0.8
     tau_warn: float = 0.05
@@ -133,6 +142,10 @@ class MonitorConfig:
             raise ValueError(f"format: {e}") from None
         object.__setattr__(self, "format", fmt)
         _check_int("k (replicas per check)", self.k, 2)
+        _check_int("screen_k", self.screen_k, 2)
+        if self.screen_k > self.k:
+            raise ValueError(f"screen_k must be at most k (the replicas of a full check), got "
+                             f"screen_k={self.screen_k!r} and k={self.k!r}")
         _check_int("period", self.period, 1)
         _check_int("recheck", self.recheck, 1)
         _check_int("projection_dim", self.projection_dim, 1)

@@ -141,10 +141,12 @@ class StabilityMonitor:
 
     Each step one operator of a rotating schedule (plus every operator whose score is at least
     ``watch * tau_warn``, plus promoted operators due for a recheck) is checked: K replicas run
-    under ``no_grad`` on inputs scaled by (1 + U(-u, u)); the relative dispersion S of their
-    outputs updates the operator's EMA score, which drives promotions. Replicas draw from their
-    own generator, so the training computation (outputs, gradients, global RNG) is unchanged
-    while no operator is promoted.
+    under ``no_grad`` on inputs scaled by (1 + U(-u, u)) (``screen_k`` of them first, the
+    rest only when their S could matter); the relative dispersion S of their outputs updates
+    the operator's EMA score, which drives promotions. After a non-finite loss,
+    ``sweep(targeted=True)`` checks only the operators that made the non-finite value.
+    Replicas draw from their own generator, so the training computation (outputs, gradients,
+    global RNG) is unchanged while no operator is promoted.
 
     Args:
         config: A :class:`MonitorConfig`; or pass its fields as keyword arguments.
@@ -159,6 +161,9 @@ class StabilityMonitor:
         self._step = 0
         self._sweep: set[str] = set()
         self._sweep_all = False
+        self._hunt = False  # a targeted sweep is on for the current step
+        self._hunt_found = False  # ...and has found a culprit
+        self._hunt_failed = False  # the last targeted sweep found none: sweep all next time
         self._paused = 0
         self._forced: Optional[Mode] = None
         self._promotions: list[Promotion] = []
@@ -169,6 +174,7 @@ class StabilityMonitor:
         self._t_last_step: Optional[float] = None
         self.step_time = 0.0
         self.checks_run = 0
+        self.replicas_run = 0
 
     # -- front ends ----------------------------------------------------------------------------
     def backend(self):
@@ -213,11 +219,31 @@ class StabilityMonitor:
         if self._t_start is None:
             self._t_start = time.perf_counter()
         out = op.impls[op.mode](args, kwargs)
-        if self._paused or op.pinned or op.skip_reason or op.checked_step == self._step:
+        if self._paused or op.pinned or op.skip_reason:
             return out
-        if self._due(op):
+        if self._hunt and op.mode != Mode.STABLE_KERNEL and self._suspect(out, args, kwargs):
+            self._hunt_found = True
+            return self._check(op, args, kwargs, out, culprit=True)
+        if op.checked_step != self._step and self._due(op):
             out = self._check(op, args, kwargs, out)
         return out
+
+    def _suspect(self, out: Any, args: tuple, kwargs: dict) -> bool:
+        """Targeted sweep: whether this call may have made the non-finite value itself.
+
+        Its output is non-finite and no floating input holds a NaN (an infinite input may be
+        legitimate: the -inf of an attention mask before a softmax). One finiteness test per
+        output, which is all a finite operator costs; a NaN input is inherited from upstream.
+        """
+        t0 = time.perf_counter()
+        try:
+            if all(bool(torch.isfinite(y).all()) for y in _floats_of(out)):
+                return False
+            leaves, _ = tree_flatten((args, kwargs))
+            return not any(bool(torch.isnan(t).any()) for t in leaves
+                           if isinstance(t, torch.Tensor) and t.is_floating_point())
+        finally:
+            self.monitor_time += time.perf_counter() - t0
 
     def _recheck_due(self, op: OpState) -> bool:
         return op.mode != Mode.NORMAL and self._step - op.last_recheck >= self.config.recheck
@@ -243,14 +269,20 @@ class StabilityMonitor:
         return (op.score >= cfg.watch * cfg.thresholds_for(op.family)[0]
                 and (check + op.index) % cfg.watch_every == 0)
 
-    def _check(self, op: OpState, args: tuple, kwargs: dict, out: Any) -> Any:
+    def _check(self, op: OpState, args: tuple, kwargs: dict, out: Any,
+               culprit: bool = False) -> Any:
         t0 = time.perf_counter()
         cfg = self.config
         op.checked_step = self._step
         self._sweep.discard(op.name)
-        recheck = cfg.promote and self._recheck_due(op)
+        # A culprit of a targeted sweep is measured in its current mode (the one that just
+        # made the non-finite value), never by a recheck of its NORMAL kernel.
+        recheck = cfg.promote and not culprit and self._recheck_due(op)
         probe = Mode.NORMAL if recheck else op.mode
-        s = self.dispersion(op, probe, args, kwargs)
+        tau_warn, tau_safe = cfg.thresholds_for(op.family)
+        # Screening (config.screen_k): K replicas only when the measurement could matter.
+        screen = cfg.watch * tau_warn if cfg.promote and not recheck else None
+        s = self.dispersion(op, probe, args, kwargs, screen=screen)
         if s is not None and math.isinf(s) and self._inherited(op, args, kwargs):
             # The safer kernel is non-finite too: the inputs already carry the overflow (an
             # operator upstream), so promoting this one would not help. In the experiment a
@@ -262,7 +294,6 @@ class StabilityMonitor:
             return out
         op.checks += 1
         self.checks_run += 1
-        tau_warn, tau_safe = cfg.thresholds_for(op.family)
         if recheck:
             op.last_recheck = self._step
             limit = cfg.hysteresis * tau_warn
@@ -355,12 +386,15 @@ class StabilityMonitor:
             z[:tail] += a[rows] * y[rows * d:]
         return z
 
-    def dispersion(self, op: OpState, mode: Mode, args: tuple, kwargs: dict) -> Optional[float]:
+    def dispersion(self, op: OpState, mode: Mode, args: tuple, kwargs: dict,
+                   screen: Optional[float] = None) -> Optional[float]:
         """S of ``op`` run in ``mode`` on K perturbed replicas of ``(args, kwargs)``.
 
         S = sqrt(sum_k ||y_k - ybar||^2 / (K-1)) / (||ybar|| + eps), norms after
         :meth:`reduce`; ``inf`` when a replica is non-finite; ``None`` when the call has no
-        floating input (nothing to perturb; the operator is then skipped for good).
+        floating input (nothing to perturb; the operator is then skipped for good). With
+        ``screen``, the first ``screen_k`` replicas give S first, and the other replicas run
+        only when that S is at least ``screen``; S is then taken over all K.
         """
         cfg = self.config
         leaves, spec = tree_flatten((args, kwargs))
@@ -378,34 +412,50 @@ class StabilityMonitor:
         g = self._generator(leaves[idx[0]].device)
         g.manual_seed(derive_seed(cfg.seed, op.index, self._step) & (2**63 - 1))
 
-        zs = []
+        zs: list[torch.Tensor] = []
         with torch.no_grad():
-            # The factors (1 + U(-u, u)) = (1 - u) + 2u U(0, 1) of all K replicas in one draw
-            # per input, and each input upcast once.
-            bases, factors = [], []
-            for i in idx:
-                t = leaves[i]
-                r = torch.rand((k, *t.shape), generator=g, device=t.device, dtype=torch.float32)
-                factors.append(r.mul_(2.0 * u).add_(1.0 - u))
-                bases.append(t.to(torch.float32))
-            for j in range(k):
-                rep = list(leaves)
-                for i, b, f in zip(idx, bases, factors):
-                    rep[i] = (b * f[j]).to(leaves[i].dtype)
-                a, kw = tree_unflatten(rep, spec)
-                ys = _floats_of(op.impls[mode](a, kw))
-                y = (ys[0].reshape(-1).to(torch.float32) if len(ys) == 1 else
-                     torch.cat([t.reshape(-1).to(torch.float32) for t in ys]))
-                # A sampled block can miss a non-finite element; the projection and the full
-                # output carry it into S (inf or nan), tested once below instead of K times.
-                if cfg.estimator == "block" and not bool(torch.isfinite(y).all()):
-                    return math.inf
-                zs.append(self.reduce(y, op.index))
-            z = torch.stack(zs)
-            zbar = z.mean(dim=0)
-            spread = torch.sqrt(((z - zbar) ** 2).sum() / (cfg.k - 1))
-            s = float(spread / (torch.linalg.vector_norm(zbar) + cfg.eps))
-            return s if math.isfinite(s) else math.inf
+            # Each input is upcast once; the factors (1 + U(-u, u)) = (1 - u) + 2u U(0, 1) of
+            # a run of replicas come from one draw per input (only the screening replicas'
+            # when a screen is given: a draw of all K cost 0.15 ms per input on CPU).
+            bases = [leaves[i].to(torch.float32) for i in idx]
+
+            def replicas(lo: int, hi: int) -> bool:
+                factors = [torch.rand((hi - lo, *b.shape), generator=g, device=b.device,
+                                      dtype=torch.float32).mul_(2.0 * u).add_(1.0 - u)
+                           for b in bases]
+                for j in range(hi - lo):
+                    rep = list(leaves)
+                    for i, b, f in zip(idx, bases, factors):
+                        rep[i] = (b * f[j]).to(leaves[i].dtype)
+                    a, kw = tree_unflatten(rep, spec)
+                    ys = _floats_of(op.impls[mode](a, kw))
+                    y = (ys[0].reshape(-1).to(torch.float32) if len(ys) == 1 else
+                         torch.cat([t.reshape(-1).to(torch.float32) for t in ys]))
+                    # A sampled block can miss a non-finite element; the projection and the
+                    # full output carry it into S (inf or nan), tested once per S instead.
+                    if cfg.estimator == "block" and not bool(torch.isfinite(y).all()):
+                        return False
+                    zs.append(self.reduce(y, op.index))
+                    self.replicas_run += 1
+                return True
+
+            def spread() -> float:
+                z = torch.stack(zs)
+                zbar = z.mean(dim=0)
+                d = torch.sqrt(((z - zbar) ** 2).sum() / (len(zs) - 1))
+                s = float(d / (torch.linalg.vector_norm(zbar) + cfg.eps))
+                return s if math.isfinite(s) else math.inf
+
+            first = min(cfg.screen_k, k) if screen is not None else k
+            if not replicas(0, first):
+                return math.inf
+            if first < k:
+                s = spread()
+                if s < screen or math.isinf(s):
+                    return s
+            if not replicas(first, k):
+                return math.inf
+            return spread()
 
     # -- control -------------------------------------------------------------------------------
     def step(self) -> None:
@@ -417,13 +467,31 @@ class StabilityMonitor:
         self._t_last_step = now
         self._step += 1
         self._sweep_all = False
+        if self._hunt:
+            self._hunt_failed = not self._hunt_found
+        self._hunt = self._hunt_found = False
 
     @property
     def current_step(self) -> int:
         return self._step
 
-    def sweep(self) -> None:
-        """Check every operator on its next call (e.g. after a non-finite loss)."""
+    def sweep(self, targeted: bool = False) -> None:
+        """Check operators on their next call, for the rest of this step.
+
+        Args:
+            targeted: ``False`` checks every operator (what calibration measures). ``True``,
+                for a retry after a non-finite loss, checks only the culprits: operators whose
+                output is non-finite although no input holds a NaN (an operator at
+                STABLE_KERNEL excepted: nothing safer exists). Every other operator costs one
+                finiteness test of its output, and once a culprit is repaired (in the same
+                call) the operators downstream see finite inputs again. A targeted sweep that
+                finds no culprit (the non-finite value came from an unmonitored operator or
+                from the backward pass) makes the next targeted sweep a full one.
+        """
+        if targeted and not self._hunt_failed:
+            self._hunt = True
+            return
+        self._hunt_failed = False
         self._sweep = set(self._order)
         self._sweep_all = True
         for op in self._ops.values():
@@ -519,6 +587,7 @@ class StabilityMonitor:
             "promotions": [asdict(p) for p in self._promotions],
             "promoted": self.promoted, "ever_promoted": self.ever_promoted,
             "fraction_promoted": self.fraction_promoted, "checks": self.checks_run,
+            "replicas": self.replicas_run,
             "monitor_time_s": self.monitor_time, "step_time_s": self.step_time,
             "time_fraction": self.time_fraction,
         }

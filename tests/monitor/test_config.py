@@ -6,6 +6,8 @@ from fxstab.monitor import Mode, MonitorConfig, StabilityMonitor
 @pytest.mark.parametrize("kwargs, match", [
     ({"k": 1}, r"k \(replicas per check\) must be an integer >= 2, got 1"),
     ({"k": 2.5}, r"k .* got 2.5"),
+    ({"screen_k": 1}, "screen_k must be an integer >= 2, got 1"),
+    ({"k": 3, "screen_k": 4}, "screen_k must be at most k .* got screen_k=4 and k=3"),
     ({"period": 0}, "period must be an integer >= 1, got 0"),
     ({"beta": 1.0}, r"beta must be in \[0.0, 1.0\), got 1.0"),
     ({"beta": -0.1}, "beta must be in"),

@@ -320,3 +320,86 @@ def test_non_finite_inputs_are_not_blamed_on_the_operator(tiny, batch):
     assert ops["fc1/linear#0"].inherited_nonfinite == 1 and mon.history["fc1/linear#0"] == []
     assert ops[h.op_name].inherited_nonfinite == 0
     assert all(math.isfinite(s) for n, s in mon.scores.items() if n != h.op_name)
+
+
+def test_targeted_sweep_checks_only_the_culprit(tiny, batch):
+    h = inject.overflow_activation(tiny, "ln2", scale=2.0 ** 100)
+    mon = StabilityMonitor(tau_warn=1.0, tau_safe=2.0)
+    model = mon.wrap(tiny)
+    assert torch.isnan(model(batch)).any()  # step 0: the rotation checked ln1 only
+    assert mon.checks_run == 1
+    mon.sweep(targeted=True)  # the retry of the same step
+    out = model(batch)
+    assert torch.isfinite(out).all()
+    assert mon.modes[h.op_name] == "STABLE_KERNEL" and mon.promoted == [h.op_name]
+    # replicas ran for ln2 alone: the operators before it were finite, the ones after it saw
+    # the repaired output (a full sweep checks all 9, and 8 of them for nothing)
+    assert mon.checks_run == 2
+    assert {n for n, hist in mon.history.items() if hist} == {"ln1/layer_norm#0", h.op_name}
+    assert all(op.inherited_nonfinite == 0 for op in mon._ops.values())
+
+
+def test_targeted_sweep_skips_operators_fed_a_nan_and_escalates_when_it_finds_none(tiny, batch):
+    h = inject.overflow_activation(tiny, "ln2", scale=2.0 ** 100)
+    mon = StabilityMonitor(tau_warn=1.0, tau_safe=2.0)
+    model = mon.wrap(tiny)
+    with mon.paused():
+        model(batch)  # discovers the operators
+    # ln2 pinned (never checked): the NaN now starts at an operator nobody may repair
+    mon.force("NORMAL", [h.op_name])
+    mon.step()
+    mon.sweep(targeted=True)
+    assert torch.isnan(model(batch)).any()
+    # fc1, fc2 get NaN inputs: inherited, no replicas; only the rotation's operator 1 ran
+    assert mon.checks_run == 1 and mon.history["attn.qkv/linear#0"]
+    mon.step()
+    mon.sweep(targeted=True)  # the last targeted sweep found nothing: this one is full
+    model(batch)
+    assert all(hist for n, hist in mon.history.items() if n in (
+        "ln1/layer_norm#0", "attn/matmul#0", "attn.softmax/softmax#0"))
+
+
+def _counted_op(name):
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        return (x.float() * 3.0).to(x.dtype)
+
+    return StabilityMonitor().register(name, fn), calls
+
+
+@pytest.mark.parametrize("tau_warn, promote, replicas", [
+    (1.0, True, 2),      # S ~ u far below watch * tau_warn: the 2 screening replicas suffice
+    (1e-6, True, 4),     # S above watch * tau_warn: all K run (and it is promoted)
+    (1.0, False, 4),     # observe-only (calibration input): always K
+])
+def test_screening_runs_all_replicas_only_when_the_measurement_matters(
+        tau_warn, promote, replicas):
+    op, calls = _counted_op(f"triple_{replicas}_{int(promote)}_{tau_warn:g}".replace("-", "m")
+                            .replace(".", "_"))
+    mon = StabilityMonitor(k=4, screen_k=2, tau_warn=tau_warn, tau_safe=10.0, promote=promote)
+
+    class M(nn.Module):
+        def forward(self, x):
+            return op(x)
+
+    mon.wrap(M())(torch.randn(64).to(torch.bfloat16))
+    assert mon.replicas_run == replicas
+    assert len(calls) == 1 + replicas + len(mon.promotions)  # a promotion recomputes the call
+    assert len(mon.promotions) == (tau_warn < 1)
+    assert len(mon.history[mon.operators[0]]) == 1
+
+
+def test_screened_and_full_measurements_share_replicas(tiny, batch):
+    inject.fp16_accumulation(tiny, "fc1", offset=4096.0)
+    full = StabilityMonitor(screen_k=4, tau_warn=1e3, tau_safe=2e3)
+    screened = StabilityMonitor(screen_k=2, tau_warn=1e3, tau_safe=2e3)
+    for mon in (full, screened):
+        mon.sweep()
+        mon.wrap(tiny)(batch)
+    assert full.replicas_run == 4 * 9 and screened.replicas_run == 2 * 9
+    # the injected operator disperses ~100x more than u either way; clean ones stay near u
+    s_full, s_scr = full.history[FC1][0][1], screened.history[FC1][0][1]
+    assert 0.5 < s_scr / s_full < 2.0
+    assert max(h[0][1] for n, h in screened.history.items() if n != FC1) < 4 * 2.0 ** -8
