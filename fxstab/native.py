@@ -125,7 +125,7 @@ def _lib() -> Optional[ctypes.CDLL]:
         fn.restype = None
     for name in ("fxstab_perturb_f32", "fxstab_perturb_f64"):
         fn = getattr(lib, name)
-        fn.argtypes = [p, i64, p, i64, i64, dbl, u64, i64]
+        fn.argtypes = [p, i64, p, i64, i64, dbl, u64, i64, ctypes.POINTER(i64)]
         fn.restype = i64
     return lib
 
@@ -242,7 +242,8 @@ def perturb(samples: torch.Tensor, eta: float, seed: int, *,
 
     ``samples`` is ``[N, ...]``, or one plain value with ``n_samples`` (every sample identical:
     all elements are perturbed, the result is ``[N, ...]``). Returns the perturbed samples and
-    the number of perturbed elements.
+    the number of perturbed elements. Stacked samples that the perturbation would not change
+    (every element separated or exactly zero) are returned as they are, not copied.
     """
     lib = _lib()
     if lib is None:
@@ -256,6 +257,9 @@ def perturb(samples: torch.Tensor, eta: float, seed: int, *,
     if numel == 0:
         return out, 0
     fn = lib.fxstab_perturb_f32 if x.dtype == torch.float32 else lib.fxstab_perturb_f64
+    moved = ctypes.c_int64(1)
     count = fn(x.data_ptr(), xs, out.data_ptr(), n, numel, float(eta), seed & ((1 << 64) - 1),
-               torch.get_num_threads())
+               torch.get_num_threads(), ctypes.byref(moved))
+    if not moved.value:  # nothing changes: keep the samples, write nothing
+        return samples, int(count)
     return out, int(count)

@@ -211,3 +211,14 @@ def test_in_place_rounding_gives_the_same_bits():
     before = z.clone()
     out, _, _ = native.round_stats(z, fmt, Rounding.RANDOM, 4, in_place=True)
     assert out.data_ptr() != z.data_ptr() and torch.equal(z, before)
+
+
+def test_perturbation_that_changes_nothing_returns_the_samples():
+    """Separated samples and exact zeros: counted, but nothing is copied or written."""
+    g = torch.Generator().manual_seed(8)
+    v = torch.randn(1000, generator=g)
+    x = torch.stack([v, v * (1 + 2.0 ** -5), v * (1 - 2.0 ** -5)])
+    x[:, :100] = 0.0  # relu zeros: "close", but 0 * (1 + eta r) == 0
+    out, count = native.perturb(x, 2.0 ** -8, 3)
+    ref, ref_count = perturb_samples(x, 2.0 ** -8, 3)
+    assert out is x and count == ref_count == 100 and _same_bits(out, ref)

@@ -427,43 +427,79 @@ DEFINE_ROUND_STATS(fxstab_round_stats_f64, double, f64)
  * (2 b + 1) 2^-8 - 1 with b byte e % 4 of word (e / 4) % 4 of philox(seed, e / 16, k, ...).
  * Returns the number of perturbed elements.
  */
-#define DEFINE_PERTURB(NAME, FT)                                                                \
+/* Which of the cnt elements at e0 are insufficiently separated (close), their means, and how
+ * many of them are close and not all zero (moving: the only ones the perturbation changes). */
+#define DEFINE_CLOSE_BLOCK(NAME, FT)                                                            \
+    ALWAYS_INLINE void NAME(const FT *x, int64_t xs, int64_t n, int64_t e0, int64_t cnt,      \
+                            FT eta, FT *restrict mean, int *restrict close, int64_t *count,   \
+                            int64_t *moving) {                                                  \
+        FT spread[BLK];                                                                         \
+        const FT fn = (FT)n;                                                                    \
+        for (int64_t el = 0; el < cnt; el++) { mean[el] = 0; spread[el] = 0; }                  \
+        for (int64_t i = 0; i < n; i++) {                                                       \
+            const FT *restrict xi = x + i * xs + e0;                                            \
+            for (int64_t el = 0; el < cnt; el++) mean[el] += xi[el];                            \
+        }                                                                                       \
+        for (int64_t el = 0; el < cnt; el++) mean[el] = mean[el] / fn; /* torch's mean */       \
+        for (int64_t i = 0; i < n; i++) {                                                       \
+            const FT *restrict xi = x + i * xs + e0;                                            \
+            for (int64_t el = 0; el < cnt; el++) {                                              \
+                FT d = xi[el] - mean[el];                                                       \
+                d = d < 0 ? -d : d;                                                             \
+                /* amax propagates NaN */                                                       \
+                spread[el] = (d > spread[el] || d != d) && spread[el] == spread[el]             \
+                             ? d : spread[el];                                                  \
+            }                                                                                   \
+        }                                                                                       \
+        int64_t c = 0, mv = 0;                                                                  \
+        for (int64_t el = 0; el < cnt; el++) {                                                  \
+            FT am = mean[el] < 0 ? -mean[el] : mean[el];                                        \
+            close[el] = spread[el] <= eta * am;                                                 \
+            c += close[el];                                                                     \
+            mv += close[el] & (mean[el] != 0); /* close and 0: all samples are 0 */             \
+        }                                                                                       \
+        *count = c;                                                                             \
+        *moving = mv;                                                                           \
+    }
+
+DEFINE_CLOSE_BLOCK(close_block_f32, float)
+DEFINE_CLOSE_BLOCK(close_block_f64, double)
+
+/* Stacked samples whose elements are all separated (or exact zeros) are common: the rounded
+ * output of the previous operator. A read-only scan finds them first, and then nothing is
+ * written (*moved = 0: the caller keeps the input). */
+#define DEFINE_PERTURB(NAME, FT, CLOSE)                                                         \
     int64_t NAME(const FT *x, int64_t xs, FT *out, int64_t n, int64_t numel, double eta_d,     \
-                 uint64_t seed, int64_t nthreads) {                                             \
+                 uint64_t seed, int64_t nthreads, int64_t *moved) {                             \
         if (n < 1 || n > MAX_SAMPLES) return -1;                                                \
-        int64_t groups = (numel + BLK - 1) / BLK, count = 0;                                    \
+        int64_t groups = (numel + BLK - 1) / BLK, count = 0, moving = 0;                        \
         int nt = (int)nthreads;                                                                 \
-        const FT eta = (FT)eta_d, fn = (FT)n;                                                   \
+        const FT eta = (FT)eta_d;                                                               \
         if (numel * n < 32768) nt = 1;                                                          \
+        if (xs != 0) {                                                                          \
+            _Pragma("omp parallel for num_threads(nt) schedule(static) reduction(+:count, moving)") \
+            for (int64_t g = 0; g < groups; g++) {                                              \
+                FT mean[BLK];                                                                   \
+                int close[BLK];                                                                 \
+                int64_t e0 = g * BLK, cnt = e0 + BLK < numel ? BLK : numel - e0, c, mv;         \
+                CLOSE(x, xs, n, e0, cnt, eta, mean, close, &c, &mv);                            \
+                count += c;                                                                     \
+                moving += mv;                                                                   \
+            }                                                                                   \
+            if (moving == 0) {                                                                  \
+                *moved = 0;                                                                     \
+                return count;                                                                   \
+            }                                                                                   \
+            count = 0;                                                                          \
+        }                                                                                       \
+        *moved = 1;                                                                             \
         _Pragma("omp parallel for num_threads(nt) schedule(static) reduction(+:count)")         \
         for (int64_t g = 0; g < groups; g++) {                                                  \
-            FT mean[BLK], spread[BLK], fac[BLK];                                                \
+            FT mean[BLK], fac[BLK];                                                             \
             int close[BLK];                                                                     \
             uint32_t rb[BLK];                                                                   \
-            int64_t e0 = g * BLK, cnt = e0 + BLK < numel ? BLK : numel - e0;                    \
-            for (int64_t el = 0; el < cnt; el++) { mean[el] = 0; spread[el] = 0; }              \
-            for (int64_t i = 0; i < n; i++) {                                                   \
-                const FT *restrict xi = x + i * xs + e0;                                        \
-                for (int64_t el = 0; el < cnt; el++) mean[el] += xi[el];                        \
-            }                                                                                   \
-            for (int64_t el = 0; el < cnt; el++) mean[el] = mean[el] / fn; /* torch's mean */   \
-            for (int64_t i = 0; i < n; i++) {                                                   \
-                const FT *restrict xi = x + i * xs + e0;                                        \
-                for (int64_t el = 0; el < cnt; el++) {                                          \
-                    FT d = xi[el] - mean[el];                                                   \
-                    d = d < 0 ? -d : d;                                                         \
-                    /* amax propagates NaN */                                                   \
-                    spread[el] = (d > spread[el] || d != d) && spread[el] == spread[el]         \
-                                 ? d : spread[el];                                              \
-                }                                                                               \
-            }                                                                                   \
-            int64_t c = 0, moving = 0;                                                          \
-            for (int64_t el = 0; el < cnt; el++) {                                              \
-                FT am = mean[el] < 0 ? -mean[el] : mean[el];                                    \
-                close[el] = spread[el] <= eta * am;                                             \
-                c += close[el];                                                                 \
-                moving += close[el] & (mean[el] != 0); /* close and 0: all samples are 0 */     \
-            }                                                                                   \
+            int64_t e0 = g * BLK, cnt = e0 + BLK < numel ? BLK : numel - e0, c, moving;         \
+            CLOSE(x, xs, n, e0, cnt, eta, mean, close, &c, &moving);                            \
             count += c;                                                                         \
             for (int64_t i = 0; i < n; i++) {                                                   \
                 const FT *restrict xi = x + i * xs + e0;                                        \
@@ -493,5 +529,5 @@ DEFINE_ROUND_STATS(fxstab_round_stats_f64, double, f64)
         return count;                                                                           \
     }
 
-DEFINE_PERTURB(fxstab_perturb_f32, float)
-DEFINE_PERTURB(fxstab_perturb_f64, double)
+DEFINE_PERTURB(fxstab_perturb_f32, float, close_block_f32)
+DEFINE_PERTURB(fxstab_perturb_f64, double, close_block_f64)
