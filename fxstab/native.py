@@ -142,6 +142,18 @@ def supports(t: torch.Tensor, n_samples: Optional[int] = None) -> bool:
             and 1 <= n <= MAX_SAMPLES and available())
 
 
+def _checked(samples: torch.Tensor, n_samples: Optional[int], what: str):
+    """The library and the layout of ``samples``, or a clear error."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("fxstab.native: the fused CPU kernels are unavailable")
+    x, n, xs, shape = _layout(samples, n_samples)
+    if not (x.device.type == "cpu" and x.dtype in _WORKING and 1 <= n <= MAX_SAMPLES):
+        raise ValueError(f"fxstab.native.{what}: CPU float32/float64 samples with "
+                         f"1..{MAX_SAMPLES} samples, got {x.dtype} on {x.device}, N={n}")
+    return lib, (x, n, xs, shape)
+
+
 def _layout(x: torch.Tensor, n_samples: Optional[int]) -> tuple[torch.Tensor, int, int, tuple]:
     """(contiguous data, n, sample stride, sample shape) for stacked or broadcast samples."""
     if n_samples is None:
@@ -202,13 +214,7 @@ def round_stats(
         ``(rounded [N, ...], stats or None, digits or None)``; without rounding the first item
         is the samples themselves (stacked as given).
     """
-    lib = _lib()
-    if lib is None:
-        raise RuntimeError("fxstab.native: the fused CPU kernels are unavailable")
-    x, n, xs, shape = _layout(samples, n_samples)
-    if not (x.device.type == "cpu" and x.dtype in _WORKING and 1 <= n <= MAX_SAMPLES):
-        raise ValueError(f"fxstab.native.round_stats: CPU float32/float64 samples with "
-                         f"1..{MAX_SAMPLES} samples, got {x.dtype} on {x.device}, N={n}")
+    lib, (x, n, xs, shape) = _checked(samples, n_samples, "round_stats")
     if (want_stats or want_digits) and n < 2:
         raise ValueError(f"digits need N >= 2 samples, got N={n}")
     numel = math.prod(shape)
@@ -245,13 +251,7 @@ def perturb(samples: torch.Tensor, eta: float, seed: int, *,
     the number of perturbed elements. Stacked samples that the perturbation would not change
     (every element separated or exactly zero) are returned as they are, not copied.
     """
-    lib = _lib()
-    if lib is None:
-        raise RuntimeError("fxstab.native: the fused CPU kernels are unavailable")
-    x, n, xs, shape = _layout(samples, n_samples)
-    if not (x.device.type == "cpu" and x.dtype in _WORKING and 1 <= n <= MAX_SAMPLES):
-        raise ValueError(f"fxstab.native.perturb: CPU float32/float64 samples with "
-                         f"1..{MAX_SAMPLES} samples, got {x.dtype} on {x.device}, N={n}")
+    lib, (x, n, xs, shape) = _checked(samples, n_samples, "perturb")
     numel = math.prod(shape)
     out = torch.empty((n, *shape), dtype=x.dtype)
     if numel == 0:
