@@ -4,7 +4,8 @@
  * thirty tensor passes (fxstab/rounding.py: round_with_bits and round_samples; fxstab/digits.py:
  * stats_vector; fxstab/surrogate.py: perturb_samples). The random bits are the same Philox4x32-10
  * streams (fxstab/randbits.py), so rounded and perturbed samples are bit-identical to the
- * references; the digit statistics agree to a few ulps (log10 of a different libm).
+ * references; the digit statistics agree to a few ulps (products by reciprocals, a vectorised
+ * log10 series, reassociated block sums).
  *
  * Built at first use by fxstab/native.py (plain C, OpenMP, no Python or torch headers) and
  * called through ctypes with raw pointers. Samples are [n, numel] with sample k of element e at
