@@ -347,7 +347,9 @@ class SampleInterpreter:
             else:
                 env[node] = self._run_node(plan, env)
             for dead in self.a.free_after.get(node, ()):
-                env.pop(dead, None)
+                v = env.pop(dead, None)
+                if isinstance(v, torch.Tensor):  # a freed id may be reused by a data tensor
+                    self.weights.discard(id(v))
         self._finish()
         return result
 
