@@ -29,7 +29,9 @@ class FamilyCalibration:
             no injected operator or only non-finite measurements).
         separation: ``min_injected / max_clean`` (``inf`` without finite injected data).
         rule: ``"midpoint"`` (geometric midpoint of the two: equal log-margins), ``"margin"``
-            (``margin * max_clean``: no finite injected data, or the two overlap).
+            (``margin * max_clean``: no finite injected data, or the two overlap) or
+            ``"floor"`` (no finite injected data of its own, and the smallest finite injected
+            dispersion of any family is above ``margin * max_clean``).
         tau_warn, tau_safe: The chosen pair.
         n_clean, n_injected: Measurements on each side.
     """
@@ -124,9 +126,12 @@ def _by_family(scores: Any, family: Callable[[str], str], what: str) -> dict[str
     return out
 
 
-def _pair(max_clean: float, min_inj: float, margin: float) -> tuple[float, str]:
+def _pair(max_clean: float, min_inj: float, margin: float,
+          floor: float = 0.0) -> tuple[float, str]:
     if math.isfinite(min_inj) and min_inj > max_clean:
         return math.sqrt(max_clean * min_inj), "midpoint"
+    if floor > margin * max_clean:
+        return floor, "floor"
     return margin * max_clean, "margin"
 
 
@@ -136,10 +141,15 @@ def choose_thresholds(clean: Any, injected: Any, *, safe_ratio: float = 10.0,
     """Choose tau_warn / tau_safe (global and per family) from clean and injected dispersions.
 
     Per family (when ``family`` is given): the geometric midpoint of the family's clean
-    maximum and its smallest finite injected dispersion when the injected one is larger;
-    ``margin`` x the clean maximum when the family had no injected operator, only non-finite
-    injected measurements (any finite threshold catches those) or the two overlap. Families
-    with injected but no clean data get no entry (the global pair applies).
+    maximum and its smallest finite injected dispersion when the injected one is larger.
+    When the family had no injected operator or only non-finite injected measurements (any
+    finite threshold catches those): ``margin`` x the clean maximum, but never below the
+    smallest finite injected dispersion of any family (rule ``floor``): with nothing of its
+    own to separate from, an operator is flagged only when it disperses at least as much as
+    the mildest instability calibration saw. (In the WikiText-2 experiment a clean attention
+    matmul reached 2.3x the pilot run's maximum on another training seed.) When the family's
+    clean and injected data overlap: ``margin`` x the clean maximum. Families with injected
+    but no clean data get no entry (the global pair applies).
 
     Args:
         clean: Dispersions S measured on clean operators (numbers, a sequence, or a mapping
@@ -181,7 +191,7 @@ def choose_thresholds(clean: Any, injected: Any, *, safe_ratio: float = 10.0,
                 continue
             fi = [x for x in inf_.get(fam, []) if math.isfinite(x)]
             fmin = min(fi) if fi else math.inf
-            t, rule = _pair(fc, fmin, margin)
+            t, rule = _pair(fc, fmin, margin, floor=0.0 if fi else min_inj if finite else 0.0)
             if fi and fmin <= fc:
                 separated = False
             fams.append(FamilyCalibration(fam, fc, fmin, fmin / fc, rule, t, safe_ratio * t,

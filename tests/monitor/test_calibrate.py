@@ -43,6 +43,11 @@ def test_per_family_rule():
     assert fam["norm"].n_injected == 1 and math.isinf(fam["norm"].min_injected)
     assert cal.thresholds["softmax"] == (fam["softmax"].tau_warn, 10 * fam["softmax"].tau_warn)
     assert "softmax" in str(cal)
+    # a quiet family with nothing injected of its own is never flagged below the mildest
+    # instability seen anywhere (here the injected softmax at 0.0068)
+    quiet = choose_thresholds({**clean, "a/matmul#0": [0.003]}, injected, family=op_family)
+    qm = {f.family: f for f in quiet.families}["matmul"]
+    assert (qm.rule, qm.tau_warn) == ("floor", pytest.approx(0.0068))
     # overlap inside a family is reported, and falls back to the margin rule
     bad = choose_thresholds(clean, {"b/softmax#0": [0.001]}, family=op_family)
     assert not bad.separated
