@@ -63,6 +63,17 @@ INJECTIONS = {
 
 
 # -- data ------------------------------------------------------------------------------------
+
+def _master_step(opt, masters: list, params: list, clip: float, gnorm: float) -> None:
+    """Clipped step on the fp32 master weights, then copy them back into the bf16 params."""
+    scale = min(1.0, clip / (gnorm + 1e-6))
+    for m, p in zip(masters, params):
+        m.grad = p.grad.float() * scale
+    opt.step()
+    with torch.no_grad():
+        for m, p in zip(masters, params):
+            p.copy_(m)
+
 def tokenize(path: Path) -> list[str]:
     words = []
     with open(path, encoding="utf8") as f:
@@ -237,13 +248,7 @@ def run_arm(arm: str, scenario: str, args, data, vocab: int, cal) -> dict:
                 monitor.sweep(targeted=True)
                 loss, gnorm = forward_backward(x, y)
         if torch.isfinite(loss) and torch.isfinite(gnorm):
-            scale = min(1.0, args.clip / (float(gnorm) + 1e-6))
-            for m, p in zip(masters, params):
-                m.grad = p.grad.float() * scale
-            opt.step()
-            with torch.no_grad():
-                for m, p in zip(masters, params):
-                    p.copy_(m)
+            _master_step(opt, masters, params, args.clip, float(gnorm))
         else:
             skipped += 1
         for p in params:
@@ -334,13 +339,7 @@ def calibrate(args, vocab: int, train: torch.Tensor):
         gnorm = float(torch.linalg.vector_norm(torch.stack(
             [torch.linalg.vector_norm(p.grad.float()) for p in params])))
         if math.isfinite(float(loss)) and math.isfinite(gnorm):
-            scale = min(1.0, args.clip / (gnorm + 1e-6))
-            for m, p in zip(masters, params):
-                m.grad = p.grad.float() * scale
-            opt.step()
-            with torch.no_grad():
-                for m, p in zip(masters, params):
-                    p.copy_(m)
+            _master_step(opt, masters, params, args.clip, gnorm)
         for p in params:
             p.grad = None
         mon.step()
