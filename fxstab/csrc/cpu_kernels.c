@@ -369,7 +369,9 @@ ALWAYS_INLINE vf8 vsplat8(float x) { return (vf8){x, x, x, x, x, x, x, x}; }
 /* m ? a : b per lane, m all-ones or zero */
 ALWAYS_INLINE vf8 vsel8(vi8 m, vf8 a, vf8 b) { return (vf8)(((vi8)a & m) | ((vi8)b & ~m)); }
 
-/* log10 of positive normal lanes: log10_posf's polynomial, Estrin-evaluated */
+/* log10 of positive normal lanes: log10(1 + x) = x P(x) on m = 1 + x in [sqrt(1/2), sqrt(2)),
+ * P of degree 5 fitted (least squares at Chebyshev nodes) for an error below 7.5e-7 in the
+ * log, 3.7e-7 in the digits; Estrin's form keeps the dependency chain short. */
 ALWAYS_INLINE vf8 vlog10_8(vf8 v) {
     vi8 b = (vi8)v;
     vi8 e = (b >> 23) - 127;
@@ -377,15 +379,12 @@ ALWAYS_INLINE vf8 vlog10_8(vf8 v) {
     vi8 big = m > vsplat8(1.41421356f);
     m = vsel8(big, m * 0.5f, m);
     e -= big; /* big is -1 where true */
-    vf8 x = m - 1.0f, z = x * x, z2 = z * z, z4 = z2 * z2;
-    vf8 p01 = x * -2.4999993993e-1f + 3.3333331174e-1f;
-    vf8 p23 = x * -1.6668057665e-1f + 2.0000714765e-1f;
-    vf8 p45 = x * -1.2420140846e-1f + 1.4249322787e-1f;
-    vf8 p67 = x * -1.1514610310e-1f + 1.1676998740e-1f;
-    vf8 p8 = vsplat8(7.0376836292e-2f);
-    vf8 q = (p01 + z * p23) + z2 * (p45 + z * p67) + z4 * p8;
-    vf8 ln = x - 0.5f * z + q * x * z;
-    return ln * 0.434294482f + __builtin_convertvector(e, vf8) * 0.301029996f;
+    vf8 x = m - 1.0f, z = x * x, z2 = z * z;
+    vf8 p01 = x * -0.2170795202255249f + 0.4343007206916809f;
+    vf8 p23 = x * -0.1106899306178093f + 0.1442910134792328f;
+    vf8 p45 = x * -0.06180094555020332f + 0.09695739299058914f;
+    vf8 q = (p01 + z * p23) + z2 * p45;
+    return q * x + __builtin_convertvector(e, vf8) * 0.301029996f;
 }
 
 ALWAYS_INLINE void digits_block_f32(const float *const *rows, int64_t n, int64_t cnt,
