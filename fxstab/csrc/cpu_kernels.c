@@ -17,6 +17,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the surrogate reads Philox words as little-endian bytes" /* fxstab falls back to torch */
+#endif
+
 #define MODE_NONE (-1)
 #define MODE_RANDOM 0
 #define MODE_STOCHASTIC 1
@@ -654,7 +658,7 @@ DEFINE_CLOSE_BLOCK(close_block_f64, double)
         for (int64_t g = 0; g < groups; g++) {                                                  \
             FT mean[BLK], fac[BLK];                                                             \
             int close[BLK];                                                                     \
-            uint32_t rb[BLK];                                                                   \
+            uint32_t rec[BLK / 4];                                                              \
             int64_t e0 = g * BLK, cnt = e0 + BLK < numel ? BLK : numel - e0, c, moving;         \
             CLOSE(x, xs, n, e0, cnt, eta, mean, close, &c, &moving);                            \
             count += c;                                                                         \
@@ -673,11 +677,13 @@ DEFINE_CLOSE_BLOCK(close_block_f64, double)
                     w[2][q] = (uint32_t)(gg >> 32); w[3][q] = 0;                                \
                 }                                                                               \
                 philox_lanes(seed, w, nq);                                                      \
+                /* element 16 q + b takes byte b of the 16-byte record (w0..w3 of counter q,   \
+                 * little-endian): stored record after record, the bytes are in element order */\
                 for (int q = 0; q < nq; q++)                                                    \
-                    for (int b = 0; b < 16; b++)                                                \
-                        rb[q * 16 + b] = (w[b >> 2][q] >> (8 * (b & 3))) & 0xFF;                \
+                    for (int wd = 0; wd < 4; wd++) rec[q * 4 + wd] = w[wd][q];                  \
+                const uint8_t *restrict rb = (const uint8_t *)rec;                              \
                 for (int64_t el = 0; el < cnt; el++) {                                          \
-                    FT r = (FT)(2 * rb[el] + 1) * (FT)(1.0 / 256.0) - (FT)1;                    \
+                    FT r = (FT)(2 * (int)rb[el] + 1) * (FT)(1.0 / 256.0) - (FT)1;               \
                     fac[el] = (FT)1 + eta * r;                                                  \
                     oi[el] = close[el] ? xi[el] * fac[el] : xi[el];                             \
                 }                                                                               \
