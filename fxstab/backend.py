@@ -60,12 +60,15 @@ _VIEW_KINDS = frozenset({"view", "reshape", "transpose", "permute", "getitem", "
 # and their in-place running-stat updates cannot be batched.
 _PER_SAMPLE_KINDS = frozenset({"batch_norm", "instance_norm"})
 
-# Operators that accept extra leading batch dimensions natively: called once on the stacked
-# samples (their first k positional tensors stacked), faster than vmap's fallback loop.
 # Operators that take stacked samples directly in their leading arguments (count): SDPA batches
 # over leading dims, and linear with a plain weight runs as one addmm over N * batch rows
 # (vmap would split it into mm + add).
 _BATCHED_KINDS = {"scaled_dot_product_attention": 3, "linear": 1}
+# Elementwise operators (no dim argument): the stacked samples broadcast against the other
+# operands as the plain values do, so the operator runs once on them, without vmap's dispatch,
+# whenever the sample dim cannot meet another operand's dims (see _broadcasts_directly).
+_ELEMENTWISE_KINDS = ((FAMILIES["activation"] - {"glu", "prelu"}) | FAMILIES["elementwise"]
+                      | FAMILIES["addsub"] | {"mul", "neg", "abs"})
 
 
 class Stacked:
@@ -384,6 +387,10 @@ class SampleInterpreter:
             out, status = leaves[0], ROUNDED
         elif kind == "getitem" and isinstance(args[0], (tuple, list)):
             out, status = args[0][args[1]], ROUNDED
+        elif kind in _ELEMENTWISE_KINDS and _broadcasts_directly(leaves):
+            a, k = pytree.tree_unflatten([v.t if isinstance(v, Stacked) else v for v in leaves],
+                                         spec)
+            out, status = self._wrap_out(fn(*a, **k)), ROUNDED
         elif kind in _BATCHED_KINDS and all(i < _BATCHED_KINDS[kind] for i in stacked):
             out, status = self._batched(fn, leaves, spec, _BATCHED_KINDS[kind]), ROUNDED
         else:
@@ -593,6 +600,23 @@ class SampleInterpreter:
                 shape=shape, counters=empty_counters(), inputs=plan.inputs, call=self.call,
             )
             owner.reports.append(report)
+
+
+def _broadcasts_directly(leaves: list) -> bool:
+    """Whether an elementwise operator can run on the stacked samples as they are: every stacked
+    operand has the same number of dims (sample dim included) and no plain tensor has as many
+    (right-aligned broadcasting then matches logical dims only), nothing asks for an in-place
+    update (a ``True`` flag: ``inplace``) or an ``out`` tensor."""
+    nd = -1
+    for v in leaves:
+        if isinstance(v, Stacked):
+            if nd not in (-1, v.t.dim()):
+                return False
+            nd = v.t.dim()
+    for v in leaves:
+        if v is True or (isinstance(v, torch.Tensor) and v.dim() >= nd):
+            return False
+    return nd > 0
 
 
 def _storage(t: torch.Tensor) -> int:

@@ -424,3 +424,38 @@ def test_surrogate_perturbs_data_operands_not_weights(monkeypatch):
         torch.compile(Net(), backend=be)(torch.randn(4, 16), torch.randn(3, 5), torch.randn(5, 2))
     assert sorted(seen) == [(3, 5), (4, 16), (5, 2)]  # x, a and b; not fc.weight (8, 16)
     assert all(r.surrogate for r in be.reports if r.kind in ("linear", "matmul"))
+
+
+def test_elementwise_operators_run_on_the_stacked_samples_where_broadcasting_allows(monkeypatch):
+    """Elementwise operators skip vmap when the sample dim cannot meet another operand's dims;
+    a plain operand with more dims, or stacked operands of different ranks, still go through
+    vmap. Either way the samples' mean stays the model's output."""
+    class Broadcasts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(5, 5)
+            self.wide = nn.Parameter(torch.randn(2, 4, 5))
+
+        def forward(self, x):
+            h = torch.relu(self.fc(x))            # [4, 5] stacked: direct
+            a = h + self.wide                     # plain operand of higher rank: vmap
+            b = h.sum(0) * h                      # stacked [5] times stacked [4, 5]: vmap
+            return torch.exp(a) + b               # stacked [2, 4, 5] + stacked [4, 5]: vmap
+
+    calls = []
+    real_vmap = torch.vmap
+
+    def counting_vmap(fn, *a, **k):
+        calls.append(fn)
+        return real_vmap(fn, *a, **k)
+
+    monkeypatch.setattr(torch, "vmap", counting_vmap)
+    torch.manual_seed(0)
+    m, x = Broadcasts(), torch.randn(4, 5)
+    be, y = analyse(m, x, format="fp32", output="mean", select=["relu", "add", "mul", "exp"])
+    assert y.shape == (2, 4, 5)
+    torch.testing.assert_close(y, m(x), rtol=1e-5, atol=1e-5)
+    r = by_name(be)
+    assert {"relu#0", "add#0", "mul#0", "exp#0", "add#1"} <= set(r)
+    assert all(rep.status == "rounded" for rep in be.reports)
+    assert len(calls) == 4  # sum (a reduction), add#0, mul#0, add#1; relu and exp ran directly
