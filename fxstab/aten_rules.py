@@ -125,6 +125,7 @@ class OpInfo:
     compare: bool  # CESTAC comparison: a plain boolean decision
     prim: Any = None  # aten replacement of a prims op that neither vmap nor pointwise covers
     text: str = ""  # str(op), for records
+    plain: Any = None  # faster equivalent of a prims op on plain (unstacked) values
 
 
 # Exact primitives whose per-element digits are the same rearrangement of their operand's
@@ -139,16 +140,44 @@ _LAYOUT = frozenset({
 _PRIMS_AS_ATEN = {"div": aten.div.Tensor, "sum": None, "var": None}
 
 
+def _prims_var(x: torch.Tensor, dims=None, correction: float = 1.0, *, output_dtype=None):
+    """prims.var in two passes (mean, then squared deviations): the same value to a few ulps,
+    several times faster on CPU than torch.var's Welford loop."""
+    dims = list(range(x.dim())) if dims is None or len(dims) == 0 else list(dims)
+    count = math.prod(x.shape[d] for d in dims)
+    d = x - x.mean(dims, keepdim=True)
+    return (d * d).sum(dims).div_(count - correction)
+
+
+def _prims_sum(x: torch.Tensor, dims=None, *, output_dtype=None):
+    return torch.sum(x, dims, dtype=output_dtype) if dims else torch.sum(x, dtype=output_dtype)
+
+
+def _broadcast_in_dim(x: torch.Tensor, shape, broadcast_dimensions) -> torch.Tensor:
+    """prims.broadcast_in_dim as unsqueeze + expand (a view; the prim's Python wrapper costs
+    more than the op)."""
+    keep = set(broadcast_dimensions)
+    for i in range(len(shape)):
+        if i not in keep:
+            x = x.unsqueeze(i)
+    return x.expand(list(shape))
+
+
+_PRIMS_PLAIN = {"var": _prims_var, "sum": _prims_sum, "broadcast_in_dim": _broadcast_in_dim}
+
+
 def _compute_op_info(op: Any) -> OpInfo:
     kind = primitive_kind(op)
     prim = None
-    if getattr(op, "namespace", None) == "prims" and kind in _PRIMS_AS_ATEN:
+    is_prim = getattr(op, "namespace", None) == "prims"
+    if is_prim and kind in _PRIMS_AS_ATEN:
         prim = _PRIMS_AS_ATEN[kind] or kind
     return OpInfo(
         kind=kind, pointwise=torch.Tag.pointwise in getattr(op, "tags", ()),
         exact=kind in EXACT_PRIMITIVES, gemm=kind in GEMM_PRIMITIVES,
         factory=kind.startswith(_FACTORY_PREFIXES), layout=kind in _LAYOUT,
-        compare=kind in _COMPARE, prim=prim, text=str(op))
+        compare=kind in _COMPARE, prim=prim, text=str(op),
+        plain=_PRIMS_PLAIN.get(kind) if is_prim else None)
 
 
 _OP_INFO: dict = {}
@@ -235,7 +264,11 @@ class _Analysis:
             if not s.is_floating_point():
                 self._digits = torch.where(self.identical, ctx.cap, 0.0).to(ctx.working_dtype)
             elif s.stride(0) == 0:  # identical samples: the cap, 0 where not finite
-                self._digits = torch.where(self.finite, ctx.cap, 0.0).to(s.dtype)
+                fin = self.finite
+                if self.all_finite:  # one value for all: a view, nothing to write
+                    self._digits = torch.full((), ctx.cap, dtype=s.dtype).expand(s.shape[1:])
+                else:
+                    self._digits = torch.where(fin, ctx.cap, 0.0).to(s.dtype)
             elif s[0].numel() == 0:
                 self._digits = torch.zeros(s.shape[1:], dtype=ctx.working_dtype, device=s.device)
             elif ctx.native_for(s):
@@ -250,7 +283,8 @@ class _Analysis:
     def all_finite(self) -> bool:
         """Whether every sample of every element is finite (one reduction, cached)."""
         if self._nf is None:
-            self._nf = int((~self.finite).sum()) if self._s.is_floating_point() else 0
+            fin = self.finite
+            self._nf = fin.numel() - int(torch.count_nonzero(fin)) if self._s.is_floating_point() else 0
         return self._nf == 0
 
     @property
@@ -260,7 +294,7 @@ class _Analysis:
             if self._nf == 0 or not s.is_floating_point():
                 self._finite = torch.ones((), dtype=torch.bool, device=s.device).expand(s.shape[1:])
             elif s.stride(0) == 0:
-                self._finite = torch.isfinite(s[0])
+                self._finite = (s[0] * 0) == 0  # torch.isfinite is several times slower
             elif s[0].numel() == 0:
                 self._finite = torch.ones(s.shape[1:], dtype=torch.bool, device=s.device)
             else:
@@ -708,11 +742,11 @@ def _special(op, kind: str, args: tuple, kwargs: dict):
             return s.clone()
         return getattr(torch, kind)(s, dims, keepdim, **extra)
     if kind == "broadcast_in_dim" and len(rest) == 2:  # prims: shape, broadcast_dimensions
-        return op(s, [s.shape[0]] + list(rest[0]), [0] + [d + 1 for d in rest[1]])
+        return _broadcast_in_dim(s, [s.shape[0]] + list(rest[0]), [0] + [d + 1 for d in rest[1]])
     if kind == "var" and getattr(op, "namespace", None) == "prims" and not kwargs.get("output_dtype"):
         dims = _dims(rest[0] if rest else None, nd)
         correction = rest[1] if len(rest) > 1 else kwargs.get("correction", 1)
-        return torch.var(s, dims, correction=correction)
+        return _prims_var(s, [dims] if isinstance(dims, int) else dims, correction)
     if kind in ("_softmax", "_log_softmax", "cumsum") and len(rest) >= 1:
         return op(s, _norm_dim(rest[0], nd), *rest[1:], **kwargs)
     return NotImplemented
@@ -802,6 +836,11 @@ def _operand(x, ctx) -> Optional[_Analysis]:
     return x.analysis(ctx) if isinstance(x, Stacked) and x.samples.is_floating_point() else None
 
 
+def _exact_data(a: _Analysis) -> bool:
+    """Identical, finite samples (data entering the analysis): digits at the cap everywhere."""
+    return a._s.stride(0) == 0 and a.all_finite
+
+
 def _diff_analysis(a, b, ctx, nd) -> Optional[_Analysis]:
     """Analysis of a - b (unrounded, on the samples) for comparison-like primitives."""
     if not isinstance(a, Stacked) and not isinstance(b, Stacked):
@@ -820,16 +859,21 @@ def _compute_counters(kind: str, args: tuple, kwargs: dict, out: Optional[Stacke
     oa = out.analysis(ctx) if out is not None and out.samples.is_floating_point() else None
     if kind in _ADD and oa is not None:
         ops = [_operand(x, ctx) for x in args[:2]]
-        ds = [o.digits for o in ops if o is not None]
-        if ds:
-            ref = ds[0] if len(ds) == 1 else torch.minimum(ds[0], ds[1])
+        # exact data (identical samples, finite) has the cap's digits: it never lowers the min
+        ds = [o.digits for o in ops if o is not None and not _exact_data(o)]
+        if ds or any(o is not None for o in ops):
+            ref = (ctx.cap if not ds else ds[0] if len(ds) == 1
+                   else torch.minimum(ds[0], ds[1]))
             found.append(("cancellation", oa.digits <= ref - ctx.cancel_digits))
     elif kind in _REDUCE_SUM and oa is not None and isinstance(args[0], Stacked):
         a = args[0].analysis(ctx)
         nd = args[0].ndim
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
-        if dim is None or (isinstance(dim, (list, tuple)) and not dim):
+        dg = a.digits
+        if dg.dim() and not any(dg.stride()):  # one value for all (identical samples): no pass
+            ref = dg.reshape(-1)[0]
+        elif dim is None or (isinstance(dim, (list, tuple)) and not dim):
             ref = a.digits.amin() if nd else a.digits
         else:
             dims = [d % nd for d in (dim if isinstance(dim, (list, tuple)) else [dim])] if nd else []
@@ -964,7 +1008,7 @@ def _digits_through(info: OpInfo, op, args: tuple, kwargs: dict, out: torch.Tens
     d = src._digits
     if info.kind not in ("clone", "alias", "detach", "lift_fresh_copy", "contiguous", "neg"):
         try:
-            d = op(d, *args[1:], **kwargs)
+            d = (info.plain or op)(d, *args[1:], **kwargs)
         except Exception:  # noqa: BLE001 - e.g. a view the digits' strides do not allow
             return None
     if not isinstance(d, torch.Tensor) or d.shape != out.shape[1:]:
@@ -1004,7 +1048,7 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
         # a result of the simulated arithmetic, so it enters the samples here (N identical
         # copies, then rounded below); a model whose data all come from parameters (token
         # embeddings) would otherwise never be analysed.
-        out = op(*args, **kwargs)
+        out = (info.plain or op)(*args, **kwargs)
         if info.exact or info.factory or not any(
                 isinstance(v, torch.Tensor) and v.is_floating_point()
                 for v in ((out,) if isinstance(out, torch.Tensor) else pytree.tree_leaves(out))):
@@ -1049,7 +1093,8 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
     elif not info.gemm and _all_identical(args) and not _has_stacked((), kwargs):
         # Every operand is N identical samples (data entering the analysis, or exact
         # operations on it): one evaluation serves all samples; they part at the rounding.
-        one = op(*[a.samples[0] if isinstance(a, Stacked) else a for a in args], **kwargs)
+        one = (info.plain or op)(*[a.samples[0] if isinstance(a, Stacked) else a for a in args],
+                                 **kwargs)
         raw = pytree.tree_map(lambda v: v.unsqueeze(0).expand(n, *v.shape)
                               if isinstance(v, torch.Tensor) else v, one)
         lifted = True
