@@ -829,7 +829,7 @@ def _bcount(mask: torch.Tensor, out_numel: int) -> torch.Tensor:
     """Number of output elements a broadcast mask covers (each mask element repeats equally)."""
     m = mask.numel()
     f = out_numel // m if m else 0
-    return mask.sum() * f
+    return torch.count_nonzero(mask) * f  # several times faster than a bool sum
 
 
 def _operand(x, ctx) -> Optional[_Analysis]:
@@ -1188,7 +1188,10 @@ def _count(kind, found, out_numel, out, ctx, rec_name, op, detailed, diff) -> di
     ctx._last_events = []
     if not found:
         return counts
-    vals = torch.stack([_bcount(m, out_numel) for _, m in found]).tolist()
+    if len(found) == 1:
+        vals = [int(_bcount(found[0][1], out_numel))]
+    else:
+        vals = torch.stack([_bcount(m, out_numel) for _, m in found]).tolist()
     for (key, mask), v in zip(found, vals):
         v = int(v)
         if v <= 0:

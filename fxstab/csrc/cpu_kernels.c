@@ -391,10 +391,10 @@ ALWAYS_INLINE vf8 vlog10_8(vf8 v) {
     return q * x + __builtin_convertvector(e, vf8) * 0.301029996f;
 }
 
-ALWAYS_INLINE void digits_block_f32(const float *const *rows, int64_t n, int64_t cnt,
-                                    const params_t *p, double K, float *restrict dig,
-                                    double *s_sum, double *s_min, double *s_max,
-                                    double *s_zero, double *s_nf) {
+ALWAYS_INLINE void digits_block_f32_n(const float *const *rows, int64_t n, int64_t cnt,
+                                      const params_t *p, double K, float *restrict dig,
+                                      double *s_sum, double *s_min, double *s_max,
+                                      double *s_zero, double *s_nf) {
     const float inv_n = 1.0f / (float)n, cap = (float)p->cap;
     /* -0.5 log10(v / (n - 1)) + K: the division folds into the constant */
     const vf8 Kv = vsplat8((float)(K + 0.5 * log10((double)(n - 1))));
@@ -455,6 +455,20 @@ ALWAYS_INLINE void digits_block_f32(const float *const *rows, int64_t n, int64_t
         digits_block_f32_scalar(tail, n, cnt - full, p, K, dig ? dig + full : NULL, s_sum,
                                 s_min, s_max, s_zero, s_nf);
     }
+}
+
+/* The usual sample counts as compile-time constants: the sample loops unroll and each
+ * element's samples stay in registers between the two passes. */
+ALWAYS_INLINE void digits_block_f32(const float *const *rows, int64_t n, int64_t cnt,
+                                    const params_t *p, double K, float *restrict dig,
+                                    double *s_sum, double *s_min, double *s_max,
+                                    double *s_zero, double *s_nf) {
+    if (n == 3)
+        digits_block_f32_n(rows, 3, cnt, p, K, dig, s_sum, s_min, s_max, s_zero, s_nf);
+    else if (n == 2)
+        digits_block_f32_n(rows, 2, cnt, p, K, dig, s_sum, s_min, s_max, s_zero, s_nf);
+    else
+        digits_block_f32_n(rows, n, cnt, p, K, dig, s_sum, s_min, s_max, s_zero, s_nf);
 }
 
 /* Random bits (random mode) or words (stochastic mode) of sample i for elements e0..e0+cnt-1
