@@ -93,6 +93,9 @@ class NodePlan:
     gemm: bool = False
     inputs: tuple = ()
     index: int = 0
+    # (consumer GEMM's plan, operand's leaf index): this output's only consumer is that GEMM,
+    # whose surrogate then runs in this output's rounding pass (native.round_perturb)
+    fuse: Optional[tuple["NodePlan", int]] = None
 
 
 @dataclass
@@ -235,6 +238,24 @@ class GraphAnalysis:
             else:
                 frontier[node] = frozenset(ins)
             self.plans.append(plan)
+        self._plan_fusion()
+
+    def _plan_fusion(self) -> None:
+        """Mark the rounded outputs whose only consumer is an instrumented GEMM that reads them
+        once: the GEMM surrogate's perturbation of that operand then runs in the same pass as
+        the rounding (the samples in cache), with the seed the GEMM would have used."""
+        by_node = {plan.node: plan for plan in self.plans}
+        for plan in self.plans:
+            users = list(plan.node.users)
+            if plan.name is None or plan.gemm or len(users) != 1:
+                continue
+            user = by_node.get(users[0])
+            if user is None or user.name is None or not user.gemm:
+                continue
+            leaves = pytree.tree_flatten((user.node.args, user.node.kwargs))[0]
+            where = [i for i, v in enumerate(leaves) if v is plan.node]
+            if len(where) == 1:
+                plan.fuse = (user, where[0])
 
     # -- run time -----------------------------------------------------------------------
     def __call__(self, *args: Any) -> Any:
@@ -306,6 +327,8 @@ class SampleInterpreter:
         self.fmt = self.cfg.format
         self.wdtype = working_dtype_for(self.fmt)
         self.pending: list[tuple[NodePlan, torch.Tensor, bool, str, tuple]] = []
+        # consumer GEMM's plan index -> (its operand, already perturbed; perturbed count)
+        self.preperturbed: dict[int, tuple["Stacked", int]] = {}
         # ids of the working copies of the module's parameters and buffers (GEMM surrogate)
         self.weights: set[int] = set()
 
@@ -490,8 +513,12 @@ class SampleInterpreter:
             data = [i for i in floats if id(leaves[i]) not in self.weights]
             floats = data or floats
         owner = self.a.owner
+        pre = self.preperturbed.pop(plan.index, None)
         for i in floats:
             v = leaves[i]
+            if pre is not None and v is pre[0]:  # perturbed in its producer's rounding pass
+                fired |= pre[1] > 0
+                continue
             if owner.uses_native(v.t if isinstance(v, Stacked) else self._to_working(v)):
                 # a plain operand is read N times, never copied into N samples first
                 out, count = native.perturb(*((v.t,) if isinstance(v, Stacked) else
@@ -524,6 +551,7 @@ class SampleInterpreter:
         # view of an input is not: other consumers of that input would see its rounding).
         taken = {_storage(v.t if isinstance(v, Stacked) else v) for v in inputs
                  if isinstance(v, (Stacked, torch.Tensor))}
+        fuse = plan.fuse if status == ROUNDED and len(flat) == 1 else None
         for j, v in enumerate(flat):
             t = v.t if isinstance(v, Stacked) else v
             if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
@@ -531,11 +559,24 @@ class SampleInterpreter:
                 continue
             samples = self._stack(v) if isinstance(v, Stacked) else self._stack(t)
             own = isinstance(v, Stacked) and _storage(t) not in taken
-            samples, vec = self._round_stats(samples, status == ROUNDED, self._seed(plan, j), own)
+            if fuse is not None and self.a.owner.uses_native(samples):
+                user, leaf = fuse
+                cfg = self.cfg
+                samples, vec, count = native.round_perturb(
+                    samples, self.fmt, cfg.rounding, self._seed(plan, j),
+                    cfg.data_perturbation_threshold, self._seed(user, 1000 + leaf),
+                    saturate=cfg.saturate, confidence=cfg.confidence,
+                    zero_threshold=cfg.zero_threshold, in_place=own)
+                out = Stacked(samples)
+                self.preperturbed[user.index] = (out, count)
+            else:
+                samples, vec = self._round_stats(samples, status == ROUNDED, self._seed(plan, j),
+                                                 own)
+                out = Stacked(samples)
             if not shape:
                 shape = tuple(samples.shape[1:])
             stats.append(vec)
-            new.append(Stacked(samples))
+            new.append(out)
         if stats:
             self.pending.append((plan, torch.stack(stats), fired, status, shape))
         return pytree.tree_unflatten(new, spec)

@@ -34,7 +34,7 @@ from .digits import digits_cap, student_t
 from .formats import Format
 from .rounding import Rounding, _WORKING, _float_bits
 
-__all__ = ["available", "supports", "round_stats", "perturb", "library_path"]
+__all__ = ["available", "supports", "round_stats", "round_perturb", "perturb", "library_path"]
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.c"
 # -march=native: the element loops vectorise (variable shifts need AVX2 on x86); the cache key
@@ -121,7 +121,7 @@ def _lib() -> Optional[ctypes.CDLL]:
     p, i64, u64, dbl = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_double
     for name in ("fxstab_round_stats_f32", "fxstab_round_stats_f64"):
         fn = getattr(lib, name)
-        fn.argtypes = [p, i64, p, i64, i64, ctypes.POINTER(_Params), p, p]
+        fn.argtypes = [p, i64, p, i64, i64, ctypes.POINTER(_Params), p, p, ctypes.POINTER(_Fused)]
         fn.restype = None
     for name in ("fxstab_perturb_f32", "fxstab_perturb_f64"):
         fn = getattr(lib, name)
@@ -152,6 +152,12 @@ def _checked(samples: torch.Tensor, n_samples: Optional[int], what: str):
         raise ValueError(f"fxstab.native.{what}: CPU float32/float64 samples with "
                          f"1..{MAX_SAMPLES} samples, got {x.dtype} on {x.device}, N={n}")
     return lib, (x, n, xs, shape)
+
+
+class _Fused(ctypes.Structure):
+    """cpu_kernels.c fused_t: the consumer GEMM's surrogate, fused into round_stats."""
+
+    _fields_ = [("eta", ctypes.c_double), ("seed", ctypes.c_uint64), ("count", ctypes.c_int64)]
 
 
 def _layout(x: torch.Tensor, n_samples: Optional[int]) -> tuple[torch.Tensor, int, int, tuple]:
@@ -214,6 +220,27 @@ def round_stats(
         ``(rounded [N, ...], stats or None, digits or None)``; without rounding the first item
         is the samples themselves (stacked as given).
     """
+    return _round_stats(samples, fmt, mode, seed, saturate, confidence, zero_threshold,
+                        want_stats, want_digits, n_samples, in_place, None)[:3]
+
+
+def round_perturb(samples: torch.Tensor, fmt: Format, mode: Rounding, seed: int, eta: float,
+                  perturb_seed: int, *, saturate: bool = False, confidence: float = 0.95,
+                  zero_threshold: float = 0.5, n_samples: Optional[int] = None,
+                  in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """:func:`round_stats` (statistics of the rounded samples) followed by the GEMM surrogate of
+    :func:`perturb` on the rounded samples, in the same pass: each group of elements is
+    perturbed while it is still in cache. The samples come back rounded *and* perturbed (bit
+    for bit ``perturb(round_stats(...)[0], eta, perturb_seed)``), for an output whose only
+    consumer is that GEMM. Returns (samples, stats, number of perturbed elements)."""
+    out, stats, _, count = _round_stats(samples, fmt, mode, seed, saturate, confidence,
+                                        zero_threshold, True, False, n_samples, in_place,
+                                        (eta, perturb_seed))
+    return out, stats, count
+
+
+def _round_stats(samples, fmt, mode, seed, saturate, confidence, zero_threshold, want_stats,
+                 want_digits, n_samples, in_place, perturb_args):
     lib, (x, n, xs, shape) = _checked(samples, n_samples, "round_stats")
     if (want_stats or want_digits) and n < 2:
         raise ValueError(f"digits need N >= 2 samples, got N={n}")
@@ -232,14 +259,20 @@ def round_stats(
         out = x.expand(n, *shape)
     stats = torch.empty(6, dtype=torch.float64) if want_stats else None
     digits = torch.empty(shape, dtype=x.dtype) if want_digits else None
+    fused = None
+    if perturb_args is not None:
+        if mode is None:
+            raise ValueError("round_perturb needs a rounding mode")
+        fused = _Fused(eta=float(perturb_args[0]), seed=perturb_args[1] & ((1 << 64) - 1))
     if numel:
         fn = lib.fxstab_round_stats_f32 if x.dtype == torch.float32 else lib.fxstab_round_stats_f64
         fn(x.data_ptr(), xs, None if mode is None else out.data_ptr(), n, numel, ctypes.byref(p),
            None if stats is None else stats.data_ptr(),
-           None if digits is None else digits.data_ptr())
+           None if digits is None else digits.data_ptr(),
+           None if fused is None else ctypes.byref(fused))
     elif stats is not None:
         stats.copy_(torch.tensor([0.0, p.cap, p.cap, 0.0, 0.0, 0.0], dtype=torch.float64))
-    return out, stats, digits
+    return out, stats, digits, 0 if fused is None else int(fused.count)
 
 
 def perturb(samples: torch.Tensor, eta: float, seed: int, *,

@@ -459,3 +459,34 @@ def test_elementwise_operators_run_on_the_stacked_samples_where_broadcasting_all
     assert {"relu#0", "add#0", "mul#0", "exp#0", "add#1"} <= set(r)
     assert all(rep.status == "rounded" for rep in be.reports)
     assert len(calls) == 4  # sum (a reduction), add#0, mul#0, add#1; relu and exp ran directly
+
+
+def test_an_output_read_only_by_a_gemm_is_perturbed_in_its_rounding_pass(monkeypatch):
+    """MLP: gelu feeds only fc2 and relu only head, so their rounding pass also applies the
+    GEMM's surrogate (one pass, the GEMM's seed); fc1's output feeds gelu (not a GEMM) and the
+    input meets fc1 unrounded: those keep separate passes. The reports match the torch path."""
+    from fxstab import native
+
+    if not native.available():
+        pytest.skip("no C compiler for fxstab.native")
+    torch.manual_seed(0)
+    m, x = MLP(), torch.randn(64, 16)
+    fused_calls, perturb_calls = [], []
+    real_rp, real_p = native.round_perturb, native.perturb
+    monkeypatch.setattr(native, "round_perturb",
+                        lambda *a, **k: fused_calls.append(a[0].shape) or real_rp(*a, **k))
+    monkeypatch.setattr(native, "perturb",
+                        lambda *a, **k: perturb_calls.append(a[0].shape) or real_p(*a, **k))
+    be, _ = analyse(m, x, seed=3)
+    plans = {p.name: p for g in be.graphs for p in g.plans if p.name}
+    assert plans["gelu#0"].fuse[0].name == "fc2/linear#0"
+    assert plans["relu#0"].fuse[0].name == "head/linear#0"
+    assert plans["fc1/linear#0"].fuse is None and plans["fc2/linear#0"].fuse is None
+    assert len(fused_calls) == 2 and len(perturb_calls) == 1  # fc1's plain input only
+    torch._dynamo.reset()
+    ref, _ = analyse(m, x, seed=3, kernels="torch")
+    got, want = by_name(be), by_name(ref)
+    assert got.keys() == want.keys()
+    for name, r in got.items():
+        assert r.surrogate == want[name].surrogate, name
+        assert abs(r.avg_digits - want[name].avg_digits) < 1e-5, name

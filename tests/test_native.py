@@ -222,3 +222,33 @@ def test_perturbation_that_changes_nothing_returns_the_samples():
     out, count = native.perturb(x, 2.0 ** -8, 3)
     ref, ref_count = perturb_samples(x, 2.0 ** -8, 3)
     assert out is x and count == ref_count == 100 and _same_bits(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp8_e4m3"])
+@pytest.mark.parametrize("mode", [Rounding.RANDOM, Rounding.NEAREST, Rounding.STOCHASTIC])
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_fused_round_and_surrogate_equals_the_two_passes(dtype, fmt, mode, n):
+    """round_perturb == perturb_samples(round_samples(...)) bit for bit, with the statistics of
+    the rounded (not the perturbed) samples; stacked, plain and in-place inputs, odd sizes."""
+    f = get_format(fmt)
+    if not f.fits_in(dtype):
+        pytest.skip("format does not fit the dtype")
+    v = _hard_values(dtype, fmt)
+    v = torch.cat([v, torch.zeros(40, dtype=dtype), torch.ones(300, dtype=dtype)])  # odd size
+    eta = f.unit_roundoff
+    stacked = torch.stack([v * (1 + 2.0 ** -12 * k) for k in range(n)])
+    for x, n_samples in ((stacked, None), (v, n)):
+        ref = round_samples(x if n_samples is None else x.expand(n, *x.shape), f, mode, seed=7)
+        want, want_count = perturb_samples(ref, eta, 99)
+        for in_place in (False, True):
+            src = x.clone() if in_place else x
+            out, stats, count = native.round_perturb(src, f, mode, 7, eta, 99,
+                                                     n_samples=n_samples, in_place=in_place)
+            assert _same_bits(out, want)
+            assert count == want_count
+            assert torch.equal(stats, native.round_stats(x, f, mode, 7, n_samples=n_samples)[1])
+            if in_place and n_samples is None:
+                assert out.data_ptr() == src.data_ptr()
+    with pytest.raises(ValueError, match="rounding mode"):
+        native.round_perturb(stacked, f, None, 7, eta, 99)

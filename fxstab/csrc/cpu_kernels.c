@@ -46,6 +46,14 @@ typedef struct {
     int64_t nthreads;
 } params_t;
 
+/* The surrogate of the GEMM that consumes a rounded output (fused into round_stats): eta and
+ * seed in, the number of insufficiently separated elements out. */
+typedef struct {
+    double eta;
+    uint64_t seed;
+    int64_t count;
+} fused_t;
+
 /* Philox4x32-10 exactly as tl.philox / fxstab.randbits.philox. */
 static inline void philox(uint64_t seed, uint32_t c[4]) {
     uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
@@ -501,102 +509,6 @@ ALWAYS_INLINE void sample_bits(const params_t *p, const int mode, int64_t g, int
 }
 
 /* ---------------------------------------------------------------------------------------
- * round_stats: round (mode != MODE_NONE) the n samples of each element into `out` and
- * accumulate stats[6] = [sum of digits, min, max, computational zeros, non-finite, numel]
- * (stats may be NULL: rounding only); per-element digits into `dig` when not NULL.
- * Work is split into groups of 128 elements: one Philox evaluation per group and draw gives
- * the random bits of the whole group.
- */
-#define DEFINE_ROUND_STATS_MODE(NAME, FT, ROW, DIGITS, MODE)                                    \
-    static void NAME(const FT *x, int64_t xs, FT *out, int64_t n, int64_t numel,                \
-                     const params_t *p, double *stats, FT *dig) {                               \
-        const int mode = MODE;                                                                  \
-        int draws[MAX_SAMPLES], flips[MAX_SAMPLES];                                             \
-        int n_free = sample_draws(n, draws, flips);                                             \
-        int64_t groups = (numel + BLK - 1) / BLK;                                               \
-        const rp_t r = {p->man_bits, p->k, p->max_bits, p->min_sub_bits, p->finite_only,       \
-                        p->saturate};                                                           \
-        const double K = log10(sqrt((double)n) / p->t);                                         \
-        double s_sum = 0, s_min = INFINITY, s_max = -INFINITY, s_zero = 0, s_nf = 0;            \
-        int want_stats = stats != NULL || dig != NULL;                                          \
-        int nt = (int)p->nthreads;                                                              \
-        if (numel * n < 32768) nt = 1;                                                          \
-        _Pragma("omp parallel for num_threads(nt) schedule(static) reduction(+:s_sum, s_zero, s_nf) reduction(min:s_min) reduction(max:s_max)") \
-        for (int64_t g = 0; g < groups; g++) {                                                  \
-            uint32_t dwords[MAX_SAMPLES][4];                                                    \
-            uint32_t rb[BLK], swords[4][PHILOX_LANES];                                          \
-            const FT *rows[MAX_SAMPLES];                                                        \
-            int64_t e0 = g * BLK, cnt = e0 + BLK < numel ? BLK : numel - e0;                    \
-            if (mode == MODE_RANDOM) {                                                          \
-                for (int d = 0; d < n_free; d++) {                                              \
-                    dwords[d][0] = (uint32_t)g;                                                 \
-                    dwords[d][1] = (uint32_t)d;                                                 \
-                    dwords[d][2] = (uint32_t)((uint64_t)g >> 32);                               \
-                    dwords[d][3] = 0;                                                           \
-                    philox(p->seed, dwords[d]);                                                 \
-                }                                                                               \
-            }                                                                                   \
-            for (int64_t i = 0; i < n; i++) {                                                   \
-                const FT *xi = x + i * xs + e0;                                                 \
-                if (mode != MODE_NONE) {                                                        \
-                    FT *oi = out + i * numel + e0;                                              \
-                    sample_bits(p, mode, g, cnt, i, draws, flips, dwords, swords, rb);          \
-                    ROW(xi, oi, cnt, r, mode, rb);                                              \
-                    rows[i] = oi;                                                               \
-                } else {                                                                        \
-                    rows[i] = xi;                                                               \
-                }                                                                               \
-            }                                                                                   \
-            if (want_stats)                                                                     \
-                DIGITS(rows, n, cnt, p, K, dig ? dig + e0 : NULL, &s_sum, &s_min, &s_max,      \
-                       &s_zero, &s_nf);                                                         \
-        }                                                                                       \
-        if (stats) {                                                                            \
-            stats[0] = s_sum;                                                                   \
-            stats[1] = s_min;                                                                   \
-            stats[2] = s_max;                                                                   \
-            stats[3] = s_zero;                                                                  \
-            stats[4] = s_nf;                                                                    \
-            stats[5] = (double)numel;                                                           \
-        }                                                                                       \
-    }
-
-DEFINE_ROUND_STATS_MODE(rs_f32_random, float, round_row_f32, digits_block_f32, MODE_RANDOM)
-DEFINE_ROUND_STATS_MODE(rs_f32_stochastic, float, round_row_f32, digits_block_f32, MODE_STOCHASTIC)
-DEFINE_ROUND_STATS_MODE(rs_f32_nearest, float, round_row_f32, digits_block_f32, MODE_NEAREST)
-DEFINE_ROUND_STATS_MODE(rs_f32_up, float, round_row_f32, digits_block_f32, MODE_UP)
-DEFINE_ROUND_STATS_MODE(rs_f32_down, float, round_row_f32, digits_block_f32, MODE_DOWN)
-DEFINE_ROUND_STATS_MODE(rs_f32_zero, float, round_row_f32, digits_block_f32, MODE_ZERO)
-DEFINE_ROUND_STATS_MODE(rs_f32_none, float, round_row_f32, digits_block_f32, MODE_NONE)
-
-DEFINE_ROUND_STATS_MODE(rs_f64_random, double, round_row_f64, digits_block_f64, MODE_RANDOM)
-DEFINE_ROUND_STATS_MODE(rs_f64_stochastic, double, round_row_f64, digits_block_f64, MODE_STOCHASTIC)
-DEFINE_ROUND_STATS_MODE(rs_f64_nearest, double, round_row_f64, digits_block_f64, MODE_NEAREST)
-DEFINE_ROUND_STATS_MODE(rs_f64_up, double, round_row_f64, digits_block_f64, MODE_UP)
-DEFINE_ROUND_STATS_MODE(rs_f64_down, double, round_row_f64, digits_block_f64, MODE_DOWN)
-DEFINE_ROUND_STATS_MODE(rs_f64_zero, double, round_row_f64, digits_block_f64, MODE_ZERO)
-DEFINE_ROUND_STATS_MODE(rs_f64_none, double, round_row_f64, digits_block_f64, MODE_NONE)
-
-/* Exported entry points: one specialised body per mode (the mode is a constant in each). */
-#define DEFINE_ROUND_STATS(NAME, FT, DT)                                                        \
-    void NAME(const FT *x, int64_t xs, FT *out, int64_t n, int64_t numel, const params_t *p,   \
-              double *stats, FT *dig) {                                                         \
-        if (n < 1 || n > MAX_SAMPLES) return;                                                   \
-        switch (p->mode) {                                                                      \
-        case MODE_RANDOM: rs_##DT##_random(x, xs, out, n, numel, p, stats, dig); break;         \
-        case MODE_STOCHASTIC: rs_##DT##_stochastic(x, xs, out, n, numel, p, stats, dig); break; \
-        case MODE_NEAREST: rs_##DT##_nearest(x, xs, out, n, numel, p, stats, dig); break;       \
-        case MODE_UP: rs_##DT##_up(x, xs, out, n, numel, p, stats, dig); break;                 \
-        case MODE_DOWN: rs_##DT##_down(x, xs, out, n, numel, p, stats, dig); break;             \
-        case MODE_ZERO: rs_##DT##_zero(x, xs, out, n, numel, p, stats, dig); break;             \
-        default: rs_##DT##_none(x, xs, out, n, numel, p, stats, dig); break;                    \
-        }                                                                                       \
-    }
-
-DEFINE_ROUND_STATS(fxstab_round_stats_f32, float, f32)
-DEFINE_ROUND_STATS(fxstab_round_stats_f64, double, f64)
-
-/* ---------------------------------------------------------------------------------------
  * GEMM surrogate (fxstab.surrogate.perturb_samples): element e is perturbed when
  * max_k |x_k - mean| <= eta * |mean|; sample k then becomes x_k * (1 + eta * r), r =
  * (2 b + 1) 2^-8 - 1 with b byte e % 4 of word (e / 4) % 4 of philox(seed, e / 16, k, ...).
@@ -640,10 +552,176 @@ DEFINE_ROUND_STATS(fxstab_round_stats_f64, double, f64)
 DEFINE_CLOSE_BLOCK(close_block_f32, float)
 DEFINE_CLOSE_BLOCK(close_block_f64, double)
 
+/* Sample by sample, the perturbed values of group g (cnt elements at e0) into out: x_k * (1 +
+ * eta r) where close, x_k elsewhere; x and out may be the same rows (each value is read before
+ * it is written). */
+#define DEFINE_PERTURB_GROUP(NAME, FT)                                                          \
+    ALWAYS_INLINE void NAME(const FT *x, int64_t xs, FT *out, int64_t n, int64_t numel,        \
+                            int64_t g, int64_t e0, int64_t cnt, FT eta, uint64_t seed,          \
+                            const int *close, int64_t moving) {                                 \
+        FT fac[BLK];                                                                            \
+        uint32_t rec[BLK / 4];                                                                  \
+        for (int64_t i = 0; i < n; i++) {                                                       \
+            const FT *xi = x + i * xs + e0;                                                     \
+            FT *oi = out + i * numel + e0;                                                      \
+            if (moving == 0) { /* nothing to perturb, or only exact zeros: 0 * f == 0 */        \
+                if (oi != xi) memcpy(oi, xi, (size_t)cnt * sizeof(FT));                         \
+                continue;                                                                       \
+            }                                                                                   \
+            uint32_t w[4][PHILOX_LANES];                                                        \
+            int nq = (int)((cnt + 15) / 16);                                                    \
+            for (int q = 0; q < nq; q++) {                                                      \
+                uint64_t gg = (uint64_t)(g * (BLK / 16) + q);                                   \
+                w[0][q] = (uint32_t)gg; w[1][q] = (uint32_t)i;                                  \
+                w[2][q] = (uint32_t)(gg >> 32); w[3][q] = 0;                                    \
+            }                                                                                   \
+            philox_lanes(seed, w, nq);                                                          \
+            /* element 16 q + b takes byte b of the 16-byte record (w0..w3 of counter q,       \
+             * little-endian): stored record after record, the bytes are in element order */   \
+            for (int q = 0; q < nq; q++)                                                        \
+                for (int wd = 0; wd < 4; wd++) rec[q * 4 + wd] = w[wd][q];                      \
+            const uint8_t *rb = (const uint8_t *)rec;                                           \
+            for (int64_t el = 0; el < cnt; el++) {                                              \
+                FT r = (FT)(2 * (int)rb[el] + 1) * (FT)(1.0 / 256.0) - (FT)1;                   \
+                fac[el] = (FT)1 + eta * r;                                                      \
+                FT v = xi[el];                                                                  \
+                oi[el] = close[el] ? v * fac[el] : v;                                           \
+            }                                                                                   \
+        }                                                                                       \
+    }
+
+DEFINE_PERTURB_GROUP(perturb_group_f32, float)
+DEFINE_PERTURB_GROUP(perturb_group_f64, double)
+
+/* ---------------------------------------------------------------------------------------
+ * round_stats: round (mode != MODE_NONE) the n samples of each element into `out` and
+ * accumulate stats[6] = [sum of digits, min, max, computational zeros, non-finite, numel]
+ * (stats may be NULL: rounding only); per-element digits into `dig` when not NULL.
+ * Work is split into groups of 128 elements: one Philox evaluation per group and draw gives
+ * the random bits of the whole group.
+ */
+#define DEFINE_ROUND_STATS_MODE(NAME, FT, ROW, DIGITS, CLOSE, PERTURB_GROUP, MODE)              \
+    static void NAME(const FT *x, int64_t xs, FT *out, int64_t n, int64_t numel,                \
+                     const params_t *p, double *stats, FT *dig, fused_t *fused) {               \
+        const int mode = MODE;                                                                  \
+        int draws[MAX_SAMPLES], flips[MAX_SAMPLES];                                             \
+        int n_free = sample_draws(n, draws, flips);                                             \
+        int64_t groups = (numel + BLK - 1) / BLK;                                               \
+        const rp_t r = {p->man_bits, p->k, p->max_bits, p->min_sub_bits, p->finite_only,       \
+                        p->saturate};                                                           \
+        const double K = log10(sqrt((double)n) / p->t);                                         \
+        double s_sum = 0, s_min = INFINITY, s_max = -INFINITY, s_zero = 0, s_nf = 0;            \
+        int want_stats = stats != NULL || dig != NULL;                                          \
+        const int fuse = fused != NULL && mode != MODE_NONE;                                   \
+        const FT eta = fuse ? (FT)fused->eta : (FT)0;                                           \
+        int64_t n_close = 0;                                                                    \
+        int nt = (int)p->nthreads;                                                              \
+        if (numel * n < 32768) nt = 1;                                                          \
+        _Pragma("omp parallel for num_threads(nt) schedule(static) reduction(+:s_sum, s_zero, s_nf) reduction(min:s_min) reduction(max:s_max) reduction(+:n_close)") \
+        for (int64_t g = 0; g < groups; g++) {                                                  \
+            uint32_t dwords[MAX_SAMPLES][4];                                                    \
+            uint32_t rb[BLK], swords[4][PHILOX_LANES];                                          \
+            const FT *rows[MAX_SAMPLES];                                                        \
+            int64_t e0 = g * BLK, cnt = e0 + BLK < numel ? BLK : numel - e0;                    \
+            if (mode == MODE_RANDOM) {                                                          \
+                for (int d = 0; d < n_free; d++) {                                              \
+                    dwords[d][0] = (uint32_t)g;                                                 \
+                    dwords[d][1] = (uint32_t)d;                                                 \
+                    dwords[d][2] = (uint32_t)((uint64_t)g >> 32);                               \
+                    dwords[d][3] = 0;                                                           \
+                    philox(p->seed, dwords[d]);                                                 \
+                }                                                                               \
+            }                                                                                   \
+            for (int64_t i = 0; i < n; i++) {                                                   \
+                const FT *xi = x + i * xs + e0;                                                 \
+                if (mode != MODE_NONE) {                                                        \
+                    FT *oi = out + i * numel + e0;                                              \
+                    sample_bits(p, mode, g, cnt, i, draws, flips, dwords, swords, rb);          \
+                    ROW(xi, oi, cnt, r, mode, rb);                                              \
+                    rows[i] = oi;                                                               \
+                } else {                                                                        \
+                    rows[i] = xi;                                                               \
+                }                                                                               \
+            }                                                                                   \
+            if (want_stats)                                                                     \
+                DIGITS(rows, n, cnt, p, K, dig ? dig + e0 : NULL, &s_sum, &s_min, &s_max,      \
+                       &s_zero, &s_nf);                                                         \
+            if (fuse) { /* the consumer GEMM's surrogate, on the rows just rounded */           \
+                FT mean[BLK];                                                                   \
+                int close[BLK];                                                                 \
+                int64_t c, moving;                                                              \
+                CLOSE(out, numel, n, e0, cnt, eta, mean, close, &c, &moving);                   \
+                n_close += c;                                                                   \
+                if (moving)                                                                     \
+                    PERTURB_GROUP(out, numel, out, n, numel, g, e0, cnt, eta, fused->seed,      \
+                                  close, moving);                                               \
+            }                                                                                   \
+        }                                                                                       \
+        if (fuse) fused->count = n_close;                                                       \
+        if (stats) {                                                                            \
+            stats[0] = s_sum;                                                                   \
+            stats[1] = s_min;                                                                   \
+            stats[2] = s_max;                                                                   \
+            stats[3] = s_zero;                                                                  \
+            stats[4] = s_nf;                                                                    \
+            stats[5] = (double)numel;                                                           \
+        }                                                                                       \
+    }
+
+DEFINE_ROUND_STATS_MODE(rs_f32_random, float, round_row_f32, digits_block_f32, close_block_f32,
+                        perturb_group_f32, MODE_RANDOM)
+DEFINE_ROUND_STATS_MODE(rs_f32_stochastic, float, round_row_f32, digits_block_f32, close_block_f32,
+                        perturb_group_f32, MODE_STOCHASTIC)
+DEFINE_ROUND_STATS_MODE(rs_f32_nearest, float, round_row_f32, digits_block_f32, close_block_f32,
+                        perturb_group_f32, MODE_NEAREST)
+DEFINE_ROUND_STATS_MODE(rs_f32_up, float, round_row_f32, digits_block_f32, close_block_f32,
+                        perturb_group_f32, MODE_UP)
+DEFINE_ROUND_STATS_MODE(rs_f32_down, float, round_row_f32, digits_block_f32, close_block_f32,
+                        perturb_group_f32, MODE_DOWN)
+DEFINE_ROUND_STATS_MODE(rs_f32_zero, float, round_row_f32, digits_block_f32, close_block_f32,
+                        perturb_group_f32, MODE_ZERO)
+DEFINE_ROUND_STATS_MODE(rs_f32_none, float, round_row_f32, digits_block_f32, close_block_f32,
+                        perturb_group_f32, MODE_NONE)
+
+DEFINE_ROUND_STATS_MODE(rs_f64_random, double, round_row_f64, digits_block_f64, close_block_f64,
+                        perturb_group_f64, MODE_RANDOM)
+DEFINE_ROUND_STATS_MODE(rs_f64_stochastic, double, round_row_f64, digits_block_f64, close_block_f64,
+                        perturb_group_f64, MODE_STOCHASTIC)
+DEFINE_ROUND_STATS_MODE(rs_f64_nearest, double, round_row_f64, digits_block_f64, close_block_f64,
+                        perturb_group_f64, MODE_NEAREST)
+DEFINE_ROUND_STATS_MODE(rs_f64_up, double, round_row_f64, digits_block_f64, close_block_f64,
+                        perturb_group_f64, MODE_UP)
+DEFINE_ROUND_STATS_MODE(rs_f64_down, double, round_row_f64, digits_block_f64, close_block_f64,
+                        perturb_group_f64, MODE_DOWN)
+DEFINE_ROUND_STATS_MODE(rs_f64_zero, double, round_row_f64, digits_block_f64, close_block_f64,
+                        perturb_group_f64, MODE_ZERO)
+DEFINE_ROUND_STATS_MODE(rs_f64_none, double, round_row_f64, digits_block_f64, close_block_f64,
+                        perturb_group_f64, MODE_NONE)
+
+/* Exported entry points: one specialised body per mode (the mode is a constant in each). */
+#define DEFINE_ROUND_STATS(NAME, FT, DT)                                                        \
+    void NAME(const FT *x, int64_t xs, FT *out, int64_t n, int64_t numel, const params_t *p,   \
+              double *stats, FT *dig, fused_t *fused) {                                                         \
+        if (n < 1 || n > MAX_SAMPLES) return;                                                   \
+        switch (p->mode) {                                                                      \
+        case MODE_RANDOM: rs_##DT##_random(x, xs, out, n, numel, p, stats, dig, fused); break;         \
+        case MODE_STOCHASTIC: rs_##DT##_stochastic(x, xs, out, n, numel, p, stats, dig, fused); break; \
+        case MODE_NEAREST: rs_##DT##_nearest(x, xs, out, n, numel, p, stats, dig, fused); break;       \
+        case MODE_UP: rs_##DT##_up(x, xs, out, n, numel, p, stats, dig, fused); break;                 \
+        case MODE_DOWN: rs_##DT##_down(x, xs, out, n, numel, p, stats, dig, fused); break;             \
+        case MODE_ZERO: rs_##DT##_zero(x, xs, out, n, numel, p, stats, dig, fused); break;             \
+        default: rs_##DT##_none(x, xs, out, n, numel, p, stats, dig, fused); break;                    \
+        }                                                                                       \
+    }
+
+DEFINE_ROUND_STATS(fxstab_round_stats_f32, float, f32)
+DEFINE_ROUND_STATS(fxstab_round_stats_f64, double, f64)
+
+
 /* Stacked samples whose elements are all separated (or exact zeros) are common: the rounded
  * output of the previous operator. A read-only scan finds them first, and then nothing is
  * written (*moved = 0: the caller keeps the input). */
-#define DEFINE_PERTURB(NAME, FT, CLOSE)                                                         \
+#define DEFINE_PERTURB(NAME, FT, CLOSE, PERTURB_GROUP)                                          \
     int64_t NAME(const FT *x, int64_t xs, FT *out, int64_t n, int64_t numel, double eta_d,     \
                  uint64_t seed, int64_t nthreads, int64_t *moved) {                             \
         if (n < 1 || n > MAX_SAMPLES) return -1;                                                \
@@ -670,41 +748,15 @@ DEFINE_CLOSE_BLOCK(close_block_f64, double)
         *moved = 1;                                                                             \
         _Pragma("omp parallel for num_threads(nt) schedule(static) reduction(+:count)")         \
         for (int64_t g = 0; g < groups; g++) {                                                  \
-            FT mean[BLK], fac[BLK];                                                             \
+            FT mean[BLK];                                                                       \
             int close[BLK];                                                                     \
-            uint32_t rec[BLK / 4];                                                              \
-            int64_t e0 = g * BLK, cnt = e0 + BLK < numel ? BLK : numel - e0, c, moving;         \
-            CLOSE(x, xs, n, e0, cnt, eta, mean, close, &c, &moving);                            \
+            int64_t e0 = g * BLK, cnt = e0 + BLK < numel ? BLK : numel - e0, c, mv;             \
+            CLOSE(x, xs, n, e0, cnt, eta, mean, close, &c, &mv);                                \
             count += c;                                                                         \
-            for (int64_t i = 0; i < n; i++) {                                                   \
-                const FT *restrict xi = x + i * xs + e0;                                        \
-                FT *restrict oi = out + i * numel + e0;                                         \
-                if (moving == 0) { /* nothing to perturb, or only exact zeros: 0 * f == 0 */    \
-                    memcpy(oi, xi, (size_t)cnt * sizeof(FT));                                   \
-                    continue;                                                                   \
-                }                                                                               \
-                uint32_t w[4][PHILOX_LANES];                                                    \
-                int nq = (int)((cnt + 15) / 16);                                                \
-                for (int q = 0; q < nq; q++) {                                                  \
-                    uint64_t gg = (uint64_t)(g * (BLK / 16) + q);                               \
-                    w[0][q] = (uint32_t)gg; w[1][q] = (uint32_t)i;                              \
-                    w[2][q] = (uint32_t)(gg >> 32); w[3][q] = 0;                                \
-                }                                                                               \
-                philox_lanes(seed, w, nq);                                                      \
-                /* element 16 q + b takes byte b of the 16-byte record (w0..w3 of counter q,   \
-                 * little-endian): stored record after record, the bytes are in element order */\
-                for (int q = 0; q < nq; q++)                                                    \
-                    for (int wd = 0; wd < 4; wd++) rec[q * 4 + wd] = w[wd][q];                  \
-                const uint8_t *restrict rb = (const uint8_t *)rec;                              \
-                for (int64_t el = 0; el < cnt; el++) {                                          \
-                    FT r = (FT)(2 * (int)rb[el] + 1) * (FT)(1.0 / 256.0) - (FT)1;               \
-                    fac[el] = (FT)1 + eta * r;                                                  \
-                    oi[el] = close[el] ? xi[el] * fac[el] : xi[el];                             \
-                }                                                                               \
-            }                                                                                   \
+            PERTURB_GROUP(x, xs, out, n, numel, g, e0, cnt, eta, seed, close, mv);              \
         }                                                                                       \
         return count;                                                                           \
     }
 
-DEFINE_PERTURB(fxstab_perturb_f32, float, close_block_f32)
-DEFINE_PERTURB(fxstab_perturb_f64, double, close_block_f64)
+DEFINE_PERTURB(fxstab_perturb_f32, float, close_block_f32, perturb_group_f32)
+DEFINE_PERTURB(fxstab_perturb_f64, double, close_block_f64, perturb_group_f64)
