@@ -326,7 +326,7 @@ class SampleInterpreter:
         self.n = self.cfg.n_samples
         self.fmt = self.cfg.format
         self.wdtype = working_dtype_for(self.fmt)
-        self.pending: list[tuple[NodePlan, torch.Tensor, bool, str, tuple]] = []
+        self.pending: list[tuple[NodePlan, list, bool, str, tuple]] = []
         # consumer GEMM's plan index -> (its operand, already perturbed; perturbed count)
         self.preperturbed: dict[int, tuple["Stacked", int]] = {}
         # ids of the working copies of the module's parameters and buffers (GEMM surrogate)
@@ -384,7 +384,7 @@ class SampleInterpreter:
         args = torch.fx.node.map_arg(node.args, lambda m: env[m])
         kwargs = torch.fx.node.map_arg(node.kwargs, lambda m: env[m])
         fn = _callable(self.a.gm, node)
-        leaves, spec = pytree.tree_flatten((args, kwargs))
+        leaves, spec = _flatten(args, kwargs)
         stacked = [i for i, v in enumerate(leaves) if isinstance(v, Stacked)]
         kind = plan.kind
 
@@ -395,15 +395,16 @@ class SampleInterpreter:
             fired = False
 
         if not stacked:
-            a, k = pytree.tree_unflatten(leaves, spec)
+            a, k = _unflatten(leaves, spec)
             out = fn(*a, **k)
-            out = pytree.tree_map(lambda t: self._to_working(t) if isinstance(t, torch.Tensor) else t, out)
+            out = self._to_working(out) if isinstance(out, torch.Tensor) else pytree.tree_map(
+                lambda t: self._to_working(t) if isinstance(t, torch.Tensor) else t, out)
             status = ROUNDED
         elif kind in DROPOUT_KINDS:
             out, status = self._dropout(fn, leaves, spec), ROUNDED
         elif kind in RANDOM_KINDS or kind in _METADATA_KINDS:
             first = [v.t[0] if isinstance(v, Stacked) else v for v in leaves]
-            a, k = pytree.tree_unflatten(first, spec)
+            a, k = _unflatten(first, spec)
             out = fn(*a, **k)
             status = ROUNDED
         elif node.op == "call_method" and kind in _CAST_METHODS and _is_float_cast(node, leaves):
@@ -411,8 +412,7 @@ class SampleInterpreter:
         elif kind == "getitem" and isinstance(args[0], (tuple, list)):
             out, status = args[0][args[1]], ROUNDED
         elif kind in _ELEMENTWISE_KINDS and _broadcasts_directly(leaves):
-            a, k = pytree.tree_unflatten([v.t if isinstance(v, Stacked) else v for v in leaves],
-                                         spec)
+            a, k = _unflatten([v.t if isinstance(v, Stacked) else v for v in leaves], spec)
             out, status = self._wrap_out(fn(*a, **k)), ROUNDED
         elif kind in _BATCHED_KINDS and all(i < _BATCHED_KINDS[kind] for i in stacked):
             out, status = self._batched(fn, leaves, spec, _BATCHED_KINDS[kind]), ROUNDED
@@ -432,7 +432,7 @@ class SampleInterpreter:
                 new = list(leaves)
                 for i, t in zip(stacked, ts):
                     new[i] = t
-                a, k = pytree.tree_unflatten(new, spec)
+                a, k = _unflatten(new, spec)
                 return fn(*a, **k)
 
             try:
@@ -451,7 +451,7 @@ class SampleInterpreter:
         out_spec = None
         for k in range(self.n):
             sample = [v.t[k] if isinstance(v, Stacked) else v for v in leaves]
-            a, kw = pytree.tree_unflatten(sample, spec)
+            a, kw = _unflatten(sample, spec)
             flat, out_spec = pytree.tree_flatten(fn(*a, **kw))
             if k == 0:
                 merged = [torch.empty((self.n, *v.shape), dtype=v.dtype, device=v.device)
@@ -465,11 +465,13 @@ class SampleInterpreter:
         return pytree.tree_unflatten(merged, out_spec)
 
     def _wrap_out(self, out: Any) -> Any:
+        if isinstance(out, torch.Tensor):
+            return Stacked(self._to_working(out))
         return pytree.tree_map(
             lambda t: Stacked(self._to_working(t)) if isinstance(t, torch.Tensor) else t, out)
 
     def _batched(self, fn: Callable, leaves: list, spec, k: int) -> Any:
-        a, kw = pytree.tree_unflatten(leaves, spec)
+        a, kw = _unflatten(leaves, spec)
         a = [Stacked(self._stack(v)) if i < k and isinstance(v, (Stacked, torch.Tensor)) else v
              for i, v in enumerate(a)]
         a = [v.t if isinstance(v, Stacked) else v for v in a]
@@ -478,7 +480,7 @@ class SampleInterpreter:
     def _dropout(self, fn: Callable, leaves: list, spec) -> Any:
         # The mask of the deterministic pass: same RNG state, same shape, ones as input.
         first = [torch.ones_like(v.t[0]) if isinstance(v, Stacked) else v for v in leaves]
-        a, k = pytree.tree_unflatten(first, spec)
+        a, k = _unflatten(first, spec)
         k = dict(k)
         if "inplace" in k:
             k["inplace"] = False
@@ -543,7 +545,8 @@ class SampleInterpreter:
 
     def _round_and_record(self, plan: NodePlan, out: Any, fired: bool, status: str,
                           inputs: list) -> Any:
-        flat, spec = pytree.tree_flatten(out)
+        single = isinstance(out, (Stacked, torch.Tensor))
+        flat, spec = ([out], None) if single else pytree.tree_flatten(out)
         stats = []
         new = []
         shape: tuple = ()
@@ -578,8 +581,8 @@ class SampleInterpreter:
             stats.append(vec)
             new.append(out)
         if stats:
-            self.pending.append((plan, torch.stack(stats), fired, status, shape))
-        return pytree.tree_unflatten(new, spec)
+            self.pending.append((plan, stats, fired, status, shape))
+        return new[0] if single else pytree.tree_unflatten(new, spec)
 
     def _round_stats(self, samples: torch.Tensor, rounded: bool, seed: int,
                      in_place: bool = False):
@@ -622,10 +625,14 @@ class SampleInterpreter:
         if not self.pending:
             return
         owner = self.a.owner
-        rows = torch.cat([s.cpu() for _, s, _, _, _ in self.pending]).tolist()
+        vecs = [v for _, stats, _, _, _ in self.pending for v in stats]
+        try:  # one stack and one transfer for the whole call
+            rows = torch.stack(vecs).tolist()
+        except RuntimeError:  # outputs on several devices
+            rows = torch.stack([v.cpu() for v in vecs]).tolist()
         i = 0
-        for plan, s, fired, status, shape in self.pending:
-            k = s.shape[0]
+        for plan, stats, fired, status, shape in self.pending:
+            k = len(stats)
             part = rows[i:i + k]
             i += k
             numel = sum(r[5] for r in part)
@@ -641,6 +648,33 @@ class SampleInterpreter:
                 shape=shape, counters=empty_counters(), inputs=plan.inputs, call=self.call,
             )
             owner.reports.append(report)
+
+
+class _FlatSpec:
+    """The structure of (args, kwargs) without containers: the leaves are the positional
+    arguments, then the keyword values (pytree's order). Most nodes look like this, and
+    rebuilding them costs a slice instead of a pytree walk."""
+
+    __slots__ = ("n", "keys")
+
+    def __init__(self, n: int, keys: tuple) -> None:
+        self.n, self.keys = n, keys
+
+
+def _flatten(args: tuple, kwargs: dict) -> tuple[list, Any]:
+    for v in args:
+        if isinstance(v, (list, tuple, dict)):
+            return pytree.tree_flatten((args, kwargs))
+    for v in kwargs.values():
+        if isinstance(v, (list, tuple, dict)):
+            return pytree.tree_flatten((args, kwargs))
+    return [*args, *kwargs.values()], _FlatSpec(len(args), tuple(kwargs))
+
+
+def _unflatten(leaves: list, spec: Any) -> tuple[tuple, dict]:
+    if isinstance(spec, _FlatSpec):
+        return tuple(leaves[:spec.n]), dict(zip(spec.keys, leaves[spec.n:]))
+    return pytree.tree_unflatten(leaves, spec)
 
 
 def _broadcasts_directly(leaves: list) -> bool:
