@@ -32,7 +32,7 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from . import native, randbits
+from . import alloc, native, randbits
 from .config import AnalysisConfig
 from .digits import digits_cap, stats_vector, student_t
 from .formats import working_dtype_for
@@ -265,6 +265,7 @@ class GraphAnalysis:
         if call % self.cfg.every != 0 or not self.owner.enabled:
             return self.gm(*args)
         info.analysed_calls += 1
+        alloc.tune()  # once per process: see fxstab/alloc.py
         states = _rng_states(args)
         out = self.gm(*args)
         after = _rng_states(args)
