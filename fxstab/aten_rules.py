@@ -246,12 +246,23 @@ class _Analysis:
     exact zero (all samples 0) has the cap's digits, so it is never one.
     """
 
-    __slots__ = ("_s", "_ctx", "_digits", "_nf", "_finite", "_exact_zero", "_identical", "_zero")
+    __slots__ = ("_s", "_ctx", "_digits", "_nf", "_finite", "_exact_zero", "_identical", "_zero",
+                 "zeros", "min_digits")
 
     def __init__(self, samples: torch.Tensor, ctx: "AtenContext", digits=None,
-                 non_finite: Optional[int] = None):
+                 non_finite: Optional[int] = None, stats: Optional[list] = None):
         self._s, self._ctx, self._digits, self._nf = samples, ctx, digits, non_finite
         self._finite = self._exact_zero = self._identical = self._zero = None
+        # from the digit statistics when measured: computational zeros, smallest digits (the
+        # counters skip the masks these rule out)
+        self.zeros = self.min_digits = None
+        if stats is not None:
+            self.zeros, self.min_digits, self._nf = stats[3], stats[1], int(stats[4])
+
+    @property
+    def no_zeros(self) -> bool:
+        """Known to hold no computational zero (its zero mask is all False)."""
+        return self.zeros == 0 or self._s.stride(0) == 0 or not self._s.is_floating_point()
 
     @property
     def shape(self) -> torch.Size:
@@ -499,8 +510,7 @@ def _round_measure(v: torch.Tensor, ctx: AtenContext, seed: Optional[int], want_
             saturate=ctx.saturate, confidence=ctx.confidence, zero_threshold=ctx.zero_threshold,
             want_stats=want_stats or want_digits, want_digits=want_digits)
         st = st.tolist() if st is not None else None
-        an = _Analysis(out, ctx, digits=d, non_finite=None if st is None else int(st[4]))
-        return out, st, an
+        return out, st, _Analysis(out, ctx, digits=d, stats=st)
     if seed is not None:
         v = round_samples(v, ctx.fmt, ctx.rounding, seed, saturate=ctx.saturate)
     an = _Analysis(v, ctx)
@@ -511,7 +521,7 @@ def _round_measure(v: torch.Tensor, ctx: AtenContext, seed: Optional[int], want_
         st = torch.stack([d.sum(dtype=torch.float64), dmin.double(), dmax.double(),
                           an.zero.sum().double(), (~an.finite).sum().double()]).tolist()
         st.append(float(numel))
-        an._nf = int(st[4])
+        an.zeros, an.min_digits, an._nf = st[3], st[1], int(st[4])
     elif want_stats:
         st = [0.0, ctx.cap, ctx.cap, 0.0, 0.0, 0.0]
     return v, st, an
@@ -857,7 +867,11 @@ def _compute_counters(kind: str, args: tuple, kwargs: dict, out: Optional[Stacke
     """Masks (or counts) of the counters this primitive triggers: list of (key, mask)."""
     found = []
     oa = out.analysis(ctx) if out is not None and out.samples.is_floating_point() else None
-    if kind in _ADD and oa is not None:
+    # no output digit is below cap - cancel_digits (>= every reference): no cancellation
+    # (always so when the format has fewer digits than cancel_digits: bf16, fp16, fp8)
+    can_cancel = oa is not None and not (oa.min_digits is not None and
+                                         oa.min_digits > ctx.cap - ctx.cancel_digits)
+    if kind in _ADD and can_cancel:
         ops = [_operand(x, ctx) for x in args[:2]]
         # exact data (identical samples, finite) has the cap's digits: it never lowers the min
         ds = [o.digits for o in ops if o is not None and not _exact_data(o)]
@@ -865,6 +879,8 @@ def _compute_counters(kind: str, args: tuple, kwargs: dict, out: Optional[Stacke
             ref = (ctx.cap if not ds else ds[0] if len(ds) == 1
                    else torch.minimum(ds[0], ds[1]))
             found.append(("cancellation", oa.digits <= ref - ctx.cancel_digits))
+    elif kind in _ADD or kind in _REDUCE_SUM and not can_cancel:
+        pass
     elif kind in _REDUCE_SUM and oa is not None and isinstance(args[0], Stacked):
         a = args[0].analysis(ctx)
         nd = args[0].ndim
@@ -884,20 +900,18 @@ def _compute_counters(kind: str, args: tuple, kwargs: dict, out: Optional[Stacke
             o = _operand(args[0], ctx)
         else:
             o = _operand(args[1], ctx) if len(args) > 1 else None
-        if o is not None:
+        if o is not None and not o.no_zeros:
             found.append(("division", o.zero))
     elif kind == "mul":
         oa_, ob_ = (_operand(x, ctx) for x in args[:2])
-        if oa_ is not None and ob_ is not None:
+        if oa_ is not None and ob_ is not None and not (oa_.no_zeros or ob_.no_zeros):
             found.append(("multiplication", oa_.zero & ob_.zero))
-    elif kind in _POW:
-        zs = [o.zero for o in (_operand(x, ctx) for x in args[:2]) if o is not None]
+    elif kind in _POW or kind in _MATH:
+        zs = [o.zero for o in (_operand(x, ctx) for x in args[:2])
+              if o is not None and not o.no_zeros]
         if zs:
-            found.append(("power", zs[0] if len(zs) == 1 else zs[0] | zs[1]))
-    elif kind in _MATH:
-        zs = [o.zero for o in (_operand(x, ctx) for x in args[:2]) if o is not None]
-        if zs:
-            found.append(("math_function", zs[0] if len(zs) == 1 else zs[0] | zs[1]))
+            found.append(("power" if kind in _POW else "math_function",
+                          zs[0] if len(zs) == 1 else zs[0] | zs[1]))
     elif kind == "abs" and isinstance(args[0], Stacked) and args[0].samples.is_floating_point():
         s = args[0].samples
         found.append(("intrinsic", (s > 0).any(0) & (s < 0).any(0)))
@@ -911,7 +925,9 @@ def _compute_counters(kind: str, args: tuple, kwargs: dict, out: Optional[Stacke
             found.append(("branching", diff.zero))
     elif kind in ("relu", "threshold", "hardtanh") and isinstance(args[0], Stacked):
         if kind == "relu":
-            found.append(("branching", args[0].analysis(ctx).zero))
+            a = args[0].analysis(ctx)
+            if not a.no_zeros:
+                found.append(("branching", a.zero))
         else:
             lim = args[1] if len(args) > 1 else (-1.0 if kind == "hardtanh" else 0.0)
             d = _diff_analysis(args[0], lim, ctx, args[0].ndim)
@@ -1103,7 +1119,11 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
     exact = info.exact
     do_round = lifted and not exact
     want_record = ctx.recorder is not None and (not exact or ctx.record_exact)
-    want_digits = counting and (need_digits is not False or kind in OUTPUT_DIGITS_KINDS)
+    # Per-element digits now, in the rounding pass, when a counter will read them: a
+    # cancellation needs a format with more digits than cancel_digits; the zero masks of the
+    # other counters are measured later, only for values whose statistics count zeros.
+    want_digits = counting and ctx.cap > ctx.cancel_digits and (
+        need_digits is not False or kind in OUTPUT_DIGITS_KINDS)
     single = isinstance(raw, torch.Tensor)
     flat, spec = ([raw], None) if single else pytree.tree_flatten(raw)
     outs = []
@@ -1119,7 +1139,7 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
                 if ctx.eft:
                     v = _round_fp64(kind, op, args, kwargs, v, seed_j, ctx)
                     seed_j = None  # rounded: measure only
-                v, st, an = _round_measure(v, ctx, seed_j, is_first and want_record,
+                v, st, an = _round_measure(v, ctx, seed_j, is_first and (want_record or counting),
                                            is_first and want_digits)
                 st_v = Stacked(v, an)
                 if is_first:
