@@ -55,6 +55,9 @@ class _Params(ctypes.Structure):
         ("mode", ctypes.c_int64), ("saturate", ctypes.c_int64), ("seed", ctypes.c_uint64),
         ("t", ctypes.c_double), ("cap", ctypes.c_double), ("zero_threshold", ctypes.c_double),
         ("nthreads", ctypes.c_int64),
+        # derived by the kernel at entry
+        ("kd", ctypes.c_double), ("vcap", ctypes.c_double), ("vzero", ctypes.c_double),
+        ("vthr", ctypes.c_double),
     ]
 
 

@@ -252,3 +252,21 @@ def test_fused_round_and_surrogate_equals_the_two_passes(dtype, fmt, mode, n):
                 assert out.data_ptr() == src.data_ptr()
     with pytest.raises(ValueError, match="rounding mode"):
         native.round_perturb(stacked, f, None, 7, eta, 99)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp8_e4m3", "tf32"])
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_statistics_without_digits_match_the_statistics_with_digits(fmt, n):
+    """The statistics-only path (no per-element logarithm) agrees with the per-element digits:
+    hard values, a spread of relative noise from none to overwhelming, odd sizes."""
+    f = get_format(fmt)
+    v = _hard_values(torch.float32, fmt)
+    g = torch.Generator().manual_seed(n)
+    noise = torch.rand(v.shape, generator=g) * 2.0 ** -torch.randint(0, 30, v.shape, generator=g)
+    x = torch.stack([v * (1 + k * noise) for k in range(n)])[:, : v.numel() - 3]
+    for mode in (None, Rounding.RANDOM):
+        _, with_digits, d = native.round_stats(x, f, mode, 5, want_digits=True)
+        _, stats, _ = native.round_stats(x, f, mode, 5)
+        torch.testing.assert_close(stats, with_digits, rtol=1e-6, atol=1e-5)
+        assert stats[3] == with_digits[3] and stats[4] == with_digits[4]  # zeros, non-finite
+        assert abs(float(stats[0]) - float(d.double().sum())) < 1e-6 * float(stats[5]) + 1e-3

@@ -44,6 +44,9 @@ typedef struct {
     double cap;            /* digit cap p*log10(2) */
     double zero_threshold;
     int64_t nthreads;
+    /* derived at entry (see derive_params), not set by the caller */
+    double kd;             /* K + log10(n - 1) / 2: digits are kd - log10(var) / 2 */
+    double vcap, vzero, vthr;  /* variances at which the digits reach the cap, 0, the threshold */
 } params_t;
 
 /* The surrogate of the GEMM that consumes a rounded output (fused into round_stats): eta and
@@ -399,6 +402,37 @@ ALWAYS_INLINE vf8 vlog10_8(vf8 v) {
     return q * x + __builtin_convertvector(e, vf8) * 0.301029996f;
 }
 
+/* The moments of 8 elements: their mean, corrected variance of the relative deviations (times
+ * n - 1), finite, identical and exact-zero masks. */
+ALWAYS_INLINE void moments8(const float *const *rows, int64_t n, int64_t el, float inv_n,
+                            vf8 *mean_, vf8 *var_, vi8 *finite_, vi8 *identical_,
+                            vi8 *exact_zero_) {
+    const vf8 zero = vsplat8(0.0f);
+    const vi8 absmask = (vi8){0, 0, 0, 0, 0, 0, 0, 0} + 0x7FFFFFFF;
+    vf8 v = vload8(rows[0] + el);
+    vf8 mn = v, mx = v, mean = v * inv_n;
+    for (int64_t i = 1; i < n; i++) {
+        v = vload8(rows[i] + el);
+        mn = vsel8(v < mn, v, mn);
+        mx = vsel8(v > mx, v, mx);
+        mean += v * inv_n;
+    }
+    vf8 inv = 1.0f / (vf8)((vi8)mean & absmask), s1 = zero, s2 = zero;
+    for (int64_t i = 0; i < n; i++) {
+        vf8 r = (vload8(rows[i] + el) - mean) * inv;
+        s1 += r;
+        s2 += r * r;
+    }
+    vf8 var = s2 - s1 * s1 * inv_n;
+    *var_ = vsel8(var < zero, zero, var);
+    *mean_ = mean;
+    /* a NaN sample makes the mean NaN (min/max skip it); inf makes min or max inf */
+    *finite_ = ((mn - mn) == zero) & ((mx - mx) == zero) & (mean == mean);
+    *identical_ = mn == mx;
+    *exact_zero_ = *identical_ & (mx == zero);
+}
+
+/* Per-element digits (written to dig) and their statistics. */
 ALWAYS_INLINE void digits_block_f32_n(const float *const *rows, int64_t n, int64_t cnt,
                                       const params_t *p, double K, float *restrict dig,
                                       double *s_sum, double *s_min, double *s_max,
@@ -408,30 +442,13 @@ ALWAYS_INLINE void digits_block_f32_n(const float *const *rows, int64_t n, int64
     const vf8 Kv = vsplat8((float)(K + 0.5 * log10((double)(n - 1))));
     const vf8 tiny = vsplat8(1.1754943508222875e-38f * (float)(n - 1));
     const vf8 zero = vsplat8(0.0f), capv = vsplat8(cap), thr = vsplat8((float)p->zero_threshold);
-    const vi8 absmask = (vi8){0, 0, 0, 0, 0, 0, 0, 0} + 0x7FFFFFFF;
     vf8 sum = zero, lo = capv, hi = zero;
     vi8 zeros = (vi8){0}, nf = (vi8){0};
     int64_t full = cnt & ~(int64_t)7;
     for (int64_t el = 0; el < full; el += 8) {
-        vf8 v = vload8(rows[0] + el);
-        vf8 mn = v, mx = v, mean = v * inv_n;
-        for (int64_t i = 1; i < n; i++) {
-            v = vload8(rows[i] + el);
-            mn = vsel8(v < mn, v, mn);
-            mx = vsel8(v > mx, v, mx);
-            mean += v * inv_n;
-        }
-        vf8 inv = 1.0f / (vf8)((vi8)mean & absmask), s1 = zero, s2 = zero;
-        for (int64_t i = 0; i < n; i++) {
-            vf8 r = (vload8(rows[i] + el) - mean) * inv;
-            s1 += r;
-            s2 += r * r;
-        }
-        /* a NaN sample makes the mean NaN (min/max skip it); inf makes min or max inf */
-        vi8 finite = ((mn - mn) == zero) & ((mx - mx) == zero) & (mean == mean);
-        vi8 identical = mn == mx;
-        vf8 var = s2 - s1 * s1 * inv_n;
-        var = vsel8(var < zero, zero, var);
+        vf8 mean, var;
+        vi8 finite, identical, exact_zero;
+        moments8(rows, n, el, inv_n, &mean, &var, &finite, &identical, &exact_zero);
         /* var = 0 -> log = -inf -> cap; NaN or inf -> 0; tiny -> above the cap */
         vi8 normal = (var >= tiny) & ((var - var) == zero);
         vf8 c = vlog10_8(vsel8(normal, var, vsplat8(1.0f))) * -0.5f + Kv;
@@ -440,13 +457,12 @@ ALWAYS_INLINE void digits_block_f32_n(const float *const *rows, int64_t n, int64
         c = vsel8(mean == zero, zero, c);
         c = vsel8(identical, capv, c);
         c = vsel8(finite, c, zero);
-        vi8 exact_zero = identical & (mx == zero);
         zeros -= finite & ~exact_zero & (c < thr); /* masks are -1 */
         nf -= ~finite;
         sum += c;
         lo = vsel8(c < lo, c, lo);
         hi = vsel8(c > hi, c, hi);
-        if (dig) vstore8(dig + el, c);
+        vstore8(dig + el, c);
     }
     if (full) {
         double ssum = 0, szero = 0, snf = 0, mnv = *s_min, mxv = *s_max;
@@ -460,8 +476,83 @@ ALWAYS_INLINE void digits_block_f32_n(const float *const *rows, int64_t n, int64
     if (full < cnt) {
         const float *tail[MAX_SAMPLES];
         for (int64_t i = 0; i < n; i++) tail[i] = rows[i] + full;
-        digits_block_f32_scalar(tail, n, cnt - full, p, K, dig ? dig + full : NULL, s_sum,
-                                s_min, s_max, s_zero, s_nf);
+        digits_block_f32_scalar(tail, n, cnt - full, p, K, dig + full, s_sum, s_min, s_max,
+                                s_zero, s_nf);
+    }
+}
+
+/* The same statistics without per-element digits, and without a logarithm per element: an
+ * element's digits K' - log10(var) / 2 lie strictly between 0 and the cap exactly when its
+ * variance lies between two bounds, so the clamps become comparisons, and the sum of the
+ * logarithms of those elements is the logarithm of their product, kept as a product of
+ * significands (< 2^16 over the 16 vectors of a group) and a sum of exponents. One log10 per
+ * lane and group remains. */
+ALWAYS_INLINE void stats_block_f32_n(const float *const *rows, int64_t n, int64_t cnt,
+                                     const params_t *p, double K, double *s_sum, double *s_min,
+                                     double *s_max, double *s_zero, double *s_nf) {
+    (void)K;
+    const float inv_n = 1.0f / (float)n;
+    const double cap = p->cap, thr_d = p->zero_threshold, Kd = p->kd;
+    const float tiny_f = 1.1754943508222875e-38f * (float)(n - 1);
+    /* variances at or below vcap: the cap; at or above vzero: 0; above vthr: below thr */
+    const vf8 vcap = vsplat8((float)p->vcap > tiny_f ? (float)p->vcap : tiny_f);
+    const vf8 vzero = vsplat8((float)p->vzero);
+    const vf8 vthr = vsplat8((float)p->vthr);
+    const vi8 capz = (vi8){0} - (cap < thr_d), zz = (vi8){0} - (0.0 < thr_d);
+    const vf8 zero = vsplat8(0.0f), one = vsplat8(1.0f);
+    vf8 prod = one, maxv = zero, minv = vsplat8(INFINITY);
+    vi8 esum = (vi8){0}, nlin = (vi8){0}, ncap = (vi8){0}, anyz = (vi8){0}, anyc = (vi8){0};
+    vi8 zeros = (vi8){0}, nf = (vi8){0};
+    int64_t full = cnt & ~(int64_t)7;
+    for (int64_t el = 0; el < full; el += 8) {
+        vf8 mean, var;
+        vi8 finite, identical, exact_zero;
+        moments8(rows, n, el, inv_n, &mean, &var, &finite, &identical, &exact_zero);
+        vi8 nz = mean != zero;
+        vi8 is_cap = finite & (identical | (nz & (var >= zero) & (var <= vcap)));
+        vi8 lin = finite & ~identical & nz & (var > vcap) & (var < vzero);
+        vi8 is_zero = ~is_cap & ~lin;
+        vi8 b = (vi8)var;
+        prod *= vsel8(lin, (vf8)((b & 0x007FFFFF) | 0x3F800000), one);
+        esum += ((b >> 23) - 127) & lin;
+        nlin -= lin;
+        ncap -= is_cap;
+        maxv = vsel8(lin & (var > maxv), var, maxv);
+        minv = vsel8(lin & (var < minv), var, minv);
+        anyz |= is_zero;
+        anyc |= is_cap;
+        zeros -= finite & ~exact_zero & ((lin & (var > vthr)) | (is_cap & capz) | (is_zero & zz));
+        nf -= ~finite;
+    }
+    if (full) {
+        double ssum = 0, szero = 0, snf = 0, mnv = *s_min, mxv = *s_max;
+        vi8 has = nlin != (vi8){0};
+        vf8 lprod = vlog10_8(prod), lmax = vlog10_8(vsel8(has, maxv, one)),
+            lmin = vlog10_8(vsel8(has, minv, one));
+        for (int l = 0; l < 8; l++) {
+            double logs = (double)lprod[l] + 0.30102999566398120 * (double)esum[l];
+            ssum += (double)nlin[l] * Kd - 0.5 * logs + cap * (double)ncap[l];
+            szero += zeros[l];
+            snf += nf[l];
+            double lo = INFINITY, hi = -INFINITY;
+            if (anyz[l]) { lo = 0; hi = 0; }
+            if (anyc[l]) { lo = lo < cap ? lo : cap; hi = cap; }
+            if (nlin[l]) {
+                double dlo = Kd - 0.5 * (double)lmax[l];
+                double dhi = Kd - 0.5 * (double)lmin[l];
+                lo = dlo < lo ? dlo : lo;
+                hi = dhi > hi ? dhi : hi;
+            }
+            mnv = lo < mnv ? lo : mnv;
+            mxv = hi > mxv ? hi : mxv;
+        }
+        *s_sum += ssum; *s_zero += szero; *s_nf += snf; *s_min = mnv; *s_max = mxv;
+    }
+    if (full < cnt) {
+        const float *tail[MAX_SAMPLES];
+        for (int64_t i = 0; i < n; i++) tail[i] = rows[i] + full;
+        digits_block_f32_scalar(tail, n, cnt - full, p, K, NULL, s_sum, s_min, s_max, s_zero,
+                                s_nf);
     }
 }
 
@@ -471,7 +562,14 @@ ALWAYS_INLINE void digits_block_f32(const float *const *rows, int64_t n, int64_t
                                     const params_t *p, double K, float *restrict dig,
                                     double *s_sum, double *s_min, double *s_max,
                                     double *s_zero, double *s_nf) {
-    if (n == 3)
+    if (dig == NULL) {
+        if (n == 3)
+            stats_block_f32_n(rows, 3, cnt, p, K, s_sum, s_min, s_max, s_zero, s_nf);
+        else if (n == 2)
+            stats_block_f32_n(rows, 2, cnt, p, K, s_sum, s_min, s_max, s_zero, s_nf);
+        else
+            stats_block_f32_n(rows, n, cnt, p, K, s_sum, s_min, s_max, s_zero, s_nf);
+    } else if (n == 3)
         digits_block_f32_n(rows, 3, cnt, p, K, dig, s_sum, s_min, s_max, s_zero, s_nf);
     else if (n == 2)
         digits_block_f32_n(rows, 2, cnt, p, K, dig, s_sum, s_min, s_max, s_zero, s_nf);
@@ -698,11 +796,23 @@ DEFINE_ROUND_STATS_MODE(rs_f64_zero, double, round_row_f64, digits_block_f64, cl
 DEFINE_ROUND_STATS_MODE(rs_f64_none, double, round_row_f64, digits_block_f64, close_block_f64,
                         perturb_group_f64, MODE_NONE)
 
+/* The per-call constants of the statistics, once per call instead of once per group. */
+static params_t derive_params(const params_t *p, int64_t n) {
+    params_t q = *p;
+    q.kd = log10(sqrt((double)n) / p->t) + 0.5 * log10((double)(n > 1 ? n - 1 : 1));
+    q.vcap = pow(10.0, 2.0 * (q.kd - p->cap));
+    q.vzero = pow(10.0, 2.0 * q.kd);
+    q.vthr = pow(10.0, 2.0 * (q.kd - p->zero_threshold));
+    return q;
+}
+
 /* Exported entry points: one specialised body per mode (the mode is a constant in each). */
 #define DEFINE_ROUND_STATS(NAME, FT, DT)                                                        \
     void NAME(const FT *x, int64_t xs, FT *out, int64_t n, int64_t numel, const params_t *p,   \
-              double *stats, FT *dig, fused_t *fused) {                                                         \
+              double *stats, FT *dig, fused_t *fused) {                                         \
         if (n < 1 || n > MAX_SAMPLES) return;                                                   \
+        params_t q = derive_params(p, n);                                                       \
+        p = &q;                                                                                 \
         switch (p->mode) {                                                                      \
         case MODE_RANDOM: rs_##DT##_random(x, xs, out, n, numel, p, stats, dig, fused); break;         \
         case MODE_STOCHASTIC: rs_##DT##_stochastic(x, xs, out, n, numel, p, stats, dig, fused); break; \
