@@ -284,8 +284,10 @@ class _Analysis:
                 self._digits = torch.zeros(s.shape[1:], dtype=ctx.working_dtype, device=s.device)
             elif ctx.native_for(s):
                 _, st, d = native.round_stats(s, ctx.fmt, None, confidence=ctx.confidence,
-                                              zero_threshold=ctx.zero_threshold, want_digits=True)
+                                              zero_threshold=ctx.zero_threshold, want_digits=True,
+                                              as_list=True)
                 self._digits, self._nf = d, int(st[4])
+                self.zeros, self.min_digits = st[3], st[1]
             else:
                 self._digits = _torch_digits(s, ctx, self.identical, self.finite)
         return self._digits
@@ -501,15 +503,14 @@ def _round_measure(v: torch.Tensor, ctx: AtenContext, seed: Optional[int], want_
     Returns (samples, stats list [sum, min, max, zeros, non-finite, numel] or None, analysis):
     one pass of the fused kernel, or the references (``round_samples`` + torch digits).
     """
-    numel = v[0].numel() if v.dim() else 1
+    numel = math.prod(v.shape[1:]) if v.dim() else 1
     if seed is None and not (want_stats or want_digits):
         return v, None, _Analysis(v, ctx)
     if ctx.native_for(v) and numel:
         out, st, d = native.round_stats(
             v, ctx.fmt, None if seed is None else ctx.rounding, 0 if seed is None else seed,
             saturate=ctx.saturate, confidence=ctx.confidence, zero_threshold=ctx.zero_threshold,
-            want_stats=want_stats or want_digits, want_digits=want_digits)
-        st = st.tolist() if st is not None else None
+            want_stats=want_stats or want_digits, want_digits=want_digits, as_list=True)
         return out, st, _Analysis(out, ctx, digits=d, stats=st)
     if seed is not None:
         v = round_samples(v, ctx.fmt, ctx.rounding, seed, saturate=ctx.saturate)

@@ -124,7 +124,8 @@ def _lib() -> Optional[ctypes.CDLL]:
     p, i64, u64, dbl = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_double
     for name in ("fxstab_round_stats_f32", "fxstab_round_stats_f64"):
         fn = getattr(lib, name)
-        fn.argtypes = [p, i64, p, i64, i64, ctypes.POINTER(_Params), p, p, ctypes.POINTER(_Fused)]
+        fn.argtypes = [p, i64, p, i64, i64, ctypes.POINTER(_Params), ctypes.POINTER(dbl), p,
+                       ctypes.POINTER(_Fused)]
         fn.restype = None
     for name in ("fxstab_perturb_f32", "fxstab_perturb_f64"):
         fn = getattr(lib, name)
@@ -204,6 +205,7 @@ def round_stats(
     want_digits: bool = False,
     n_samples: Optional[int] = None,
     in_place: bool = False,
+    as_list: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Round samples into ``fmt`` and measure their digits, in one pass.
 
@@ -218,13 +220,19 @@ def round_stats(
         want_digits: Return the per-element digits (shape ``[...]``, samples' dtype).
         in_place: Write the rounded samples over ``samples`` (contiguous stacked samples
             only; each element is read before it is written, so the bits are the same).
+        as_list: Return the statistics as a Python list (no tensor to build and read back:
+            the arithmetic level calls this for every primitive).
 
     Returns:
         ``(rounded [N, ...], stats or None, digits or None)``; without rounding the first item
         is the samples themselves (stacked as given).
     """
-    return _round_stats(samples, fmt, mode, seed, saturate, confidence, zero_threshold,
-                        want_stats, want_digits, n_samples, in_place, None)[:3]
+    out, stats, digits, _ = _round_stats(samples, fmt, mode, seed, saturate, confidence,
+                                         zero_threshold, want_stats, want_digits, n_samples,
+                                         in_place, None)
+    if stats is not None and not as_list:
+        stats = torch.tensor(stats, dtype=torch.float64)
+    return out, stats, digits
 
 
 def round_perturb(samples: torch.Tensor, fmt: Format, mode: Rounding, seed: int, eta: float,
@@ -239,7 +247,7 @@ def round_perturb(samples: torch.Tensor, fmt: Format, mode: Rounding, seed: int,
     out, stats, _, count = _round_stats(samples, fmt, mode, seed, saturate, confidence,
                                         zero_threshold, True, False, n_samples, in_place,
                                         (eta, perturb_seed))
-    return out, stats, count
+    return out, torch.tensor(stats, dtype=torch.float64), count
 
 
 def _round_stats(samples, fmt, mode, seed, saturate, confidence, zero_threshold, want_stats,
@@ -260,7 +268,7 @@ def _round_stats(samples, fmt, mode, seed, saturate, confidence, zero_threshold,
         out = torch.empty((n, *shape), dtype=x.dtype)
     if mode is None and n_samples is not None:
         out = x.expand(n, *shape)
-    stats = torch.empty(6, dtype=torch.float64) if want_stats else None
+    stats = (ctypes.c_double * 6)() if want_stats else None
     digits = torch.empty(shape, dtype=x.dtype) if want_digits else None
     fused = None
     if perturb_args is not None:
@@ -270,11 +278,11 @@ def _round_stats(samples, fmt, mode, seed, saturate, confidence, zero_threshold,
     if numel:
         fn = lib.fxstab_round_stats_f32 if x.dtype == torch.float32 else lib.fxstab_round_stats_f64
         fn(x.data_ptr(), xs, None if mode is None else out.data_ptr(), n, numel, ctypes.byref(p),
-           None if stats is None else stats.data_ptr(),
-           None if digits is None else digits.data_ptr(),
+           stats, None if digits is None else digits.data_ptr(),
            None if fused is None else ctypes.byref(fused))
+        stats = None if stats is None else list(stats)
     elif stats is not None:
-        stats.copy_(torch.tensor([0.0, p.cap, p.cap, 0.0, 0.0, 0.0], dtype=torch.float64))
+        stats = [0.0, p.cap, p.cap, 0.0, 0.0, 0.0]
     return out, stats, digits, 0 if fused is None else int(fused.count)
 
 
