@@ -250,9 +250,10 @@ class _Analysis:
                  "zeros", "min_digits")
 
     def __init__(self, samples: torch.Tensor, ctx: "AtenContext", digits=None,
-                 non_finite: Optional[int] = None, stats: Optional[list] = None):
+                 non_finite: Optional[int] = None, stats: Optional[list] = None, zero=None):
         self._s, self._ctx, self._digits, self._nf = samples, ctx, digits, non_finite
-        self._finite = self._exact_zero = self._identical = self._zero = None
+        self._finite = self._exact_zero = self._identical = None
+        self._zero = zero
         # from the digit statistics when measured: computational zeros, smallest digits (the
         # counters skip the masks these rule out)
         self.zeros = self.min_digits = None
@@ -497,21 +498,24 @@ def round_stacked(samples: torch.Tensor, fmt: Format, mode: Rounding, seed: int,
 
 
 def _round_measure(v: torch.Tensor, ctx: AtenContext, seed: Optional[int], want_stats: bool,
-                   want_digits: bool):
+                   want_digits: bool, want_zeros: bool = False):
     """Round ``v`` ([N, ...], unless ``seed`` is None: measure only) and measure it.
 
     Returns (samples, stats list [sum, min, max, zeros, non-finite, numel] or None, analysis):
-    one pass of the fused kernel, or the references (``round_samples`` + torch digits).
+    one pass of the fused kernel, or the references (``round_samples`` + torch digits). The
+    kernel also writes the computational-zero mask with ``want_zeros`` (a consumer's counters
+    read it; a byte per element instead of the digits).
     """
     numel = math.prod(v.shape[1:]) if v.dim() else 1
     if seed is None and not (want_stats or want_digits):
         return v, None, _Analysis(v, ctx)
     if ctx.native_for(v) and numel:
-        out, st, d = native.round_stats(
+        out, st, d, *z = native.round_stats(
             v, ctx.fmt, None if seed is None else ctx.rounding, 0 if seed is None else seed,
             saturate=ctx.saturate, confidence=ctx.confidence, zero_threshold=ctx.zero_threshold,
-            want_stats=want_stats or want_digits, want_digits=want_digits, as_list=True)
-        return out, st, _Analysis(out, ctx, digits=d, stats=st)
+            want_stats=want_stats or want_digits or want_zeros, want_digits=want_digits,
+            as_list=True, want_zero_mask=want_zeros)
+        return out, st, _Analysis(out, ctx, digits=d, stats=st, zero=z[0] if z else None)
     if seed is not None:
         v = round_samples(v, ctx.fmt, ctx.rounding, seed, saturate=ctx.saturate)
     an = _Analysis(v, ctx)
@@ -1018,19 +1022,28 @@ def _working_args(args: tuple, ctx: AtenContext) -> tuple:
 
 def _digits_through(info: OpInfo, op, args: tuple, kwargs: dict, out: torch.Tensor,
                     ctx: AtenContext) -> Optional[_Analysis]:
-    """The analysis of a layout primitive's output from its operand's, if already measured."""
+    """The analysis of a layout primitive's output from its operand's, if already measured:
+    its per-element digits and zero mask follow the same rearrangement, its statistics hold."""
     src = args[0]._an
-    if src is None or src._digits is None or len(args) and _has_stacked(args[1:], kwargs):
+    if src is None or (src._digits is None and src._zero is None) or \
+            len(args) and _has_stacked(args[1:], kwargs):
         return None
-    d = src._digits
-    if info.kind not in ("clone", "alias", "detach", "lift_fresh_copy", "contiguous", "neg"):
-        try:
-            d = (info.plain or op)(d, *args[1:], **kwargs)
-        except Exception:  # noqa: BLE001 - e.g. a view the digits' strides do not allow
-            return None
-    if not isinstance(d, torch.Tensor) or d.shape != out.shape[1:]:
-        return None
-    return _Analysis(out, ctx, digits=d, non_finite=0 if src._nf == 0 else None)
+    same = info.kind in ("clone", "alias", "detach", "lift_fresh_copy", "contiguous", "neg")
+    moved = []
+    for t in (src._digits, src._zero):
+        if t is not None and not same:
+            try:
+                t = (info.plain or op)(t, *args[1:], **kwargs)
+            except Exception:  # noqa: BLE001 - e.g. a view the digits' strides do not allow
+                return None
+            if not isinstance(t, torch.Tensor) or t.shape != out.shape[1:]:
+                return None
+        moved.append(t)
+    an = _Analysis(out, ctx, digits=moved[0], non_finite=0 if src._nf == 0 else None,
+                   zero=moved[1])
+    if src.zeros == 0:  # a rearrangement keeps no-zeros (views and copies, never reductions)
+        an.zeros = 0
+    return an
 
 
 def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenContext, *,
@@ -1125,6 +1138,7 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
     # other counters are measured later, only for values whose statistics count zeros.
     want_digits = counting and ctx.cap > ctx.cancel_digits and (
         need_digits is not False or kind in OUTPUT_DIGITS_KINDS)
+    want_zeros = counting and need_digits is not False
     single = isinstance(raw, torch.Tensor)
     flat, spec = ([raw], None) if single else pytree.tree_flatten(raw)
     outs = []
@@ -1141,7 +1155,8 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
                     v = _round_fp64(kind, op, args, kwargs, v, seed_j, ctx)
                     seed_j = None  # rounded: measure only
                 v, st, an = _round_measure(v, ctx, seed_j, is_first and (want_record or counting),
-                                           is_first and want_digits)
+                                           is_first and want_digits,
+                                           is_first and want_zeros and not want_digits)
                 st_v = Stacked(v, an)
                 if is_first:
                     first_stats = st

@@ -54,7 +54,7 @@ class _Params(ctypes.Structure):
         ("min_sub_bits", ctypes.c_int64), ("finite_only", ctypes.c_int64),
         ("mode", ctypes.c_int64), ("saturate", ctypes.c_int64), ("seed", ctypes.c_uint64),
         ("t", ctypes.c_double), ("cap", ctypes.c_double), ("zero_threshold", ctypes.c_double),
-        ("nthreads", ctypes.c_int64),
+        ("nthreads", ctypes.c_int64), ("zmask", ctypes.c_uint64),
         # derived by the kernel at entry
         ("kd", ctypes.c_double), ("vcap", ctypes.c_double), ("vzero", ctypes.c_double),
         ("vthr", ctypes.c_double),
@@ -206,7 +206,8 @@ def round_stats(
     n_samples: Optional[int] = None,
     in_place: bool = False,
     as_list: bool = False,
-) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    want_zero_mask: bool = False,
+) -> tuple:
     """Round samples into ``fmt`` and measure their digits, in one pass.
 
     Args:
@@ -222,17 +223,21 @@ def round_stats(
             only; each element is read before it is written, so the bits are the same).
         as_list: Return the statistics as a Python list (no tensor to build and read back:
             the arithmetic level calls this for every primitive).
+        want_zero_mask: Also return the computational-zero mask (bool ``[...]``: finite, not
+            all samples 0, fewer digits than ``zero_threshold``), a byte per element: what the
+            counters read of an operand, without its digits.
 
     Returns:
-        ``(rounded [N, ...], stats or None, digits or None)``; without rounding the first item
-        is the samples themselves (stacked as given).
+        ``(rounded [N, ...], stats or None, digits or None)``, and the zero mask last with
+        ``want_zero_mask``; without rounding the first item is the samples themselves (stacked
+        as given).
     """
-    out, stats, digits, _ = _round_stats(samples, fmt, mode, seed, saturate, confidence,
-                                         zero_threshold, want_stats, want_digits, n_samples,
-                                         in_place, None)
+    out, stats, digits, _, zeros = _round_stats(samples, fmt, mode, seed, saturate, confidence,
+                                                zero_threshold, want_stats, want_digits,
+                                                n_samples, in_place, None, want_zero_mask)
     if stats is not None and not as_list:
         stats = torch.tensor(stats, dtype=torch.float64)
-    return out, stats, digits
+    return (out, stats, digits, zeros) if want_zero_mask else (out, stats, digits)
 
 
 def round_perturb(samples: torch.Tensor, fmt: Format, mode: Rounding, seed: int, eta: float,
@@ -244,16 +249,16 @@ def round_perturb(samples: torch.Tensor, fmt: Format, mode: Rounding, seed: int,
     perturbed while it is still in cache. The samples come back rounded *and* perturbed (bit
     for bit ``perturb(round_stats(...)[0], eta, perturb_seed)``), for an output whose only
     consumer is that GEMM. Returns (samples, stats, number of perturbed elements)."""
-    out, stats, _, count = _round_stats(samples, fmt, mode, seed, saturate, confidence,
-                                        zero_threshold, True, False, n_samples, in_place,
-                                        (eta, perturb_seed))
+    out, stats, _, count, _ = _round_stats(samples, fmt, mode, seed, saturate, confidence,
+                                           zero_threshold, True, False, n_samples, in_place,
+                                           (eta, perturb_seed), False)
     return out, torch.tensor(stats, dtype=torch.float64), count
 
 
 def _round_stats(samples, fmt, mode, seed, saturate, confidence, zero_threshold, want_stats,
-                 want_digits, n_samples, in_place, perturb_args):
+                 want_digits, n_samples, in_place, perturb_args, want_zero_mask):
     lib, (x, n, xs, shape) = _checked(samples, n_samples, "round_stats")
-    if (want_stats or want_digits) and n < 2:
+    if (want_stats or want_digits or want_zero_mask) and n < 2:
         raise ValueError(f"digits need N >= 2 samples, got N={n}")
     numel = math.prod(shape)
     p = _Params.from_buffer_copy(_base_params(fmt, mode, x.dtype, bool(saturate), n,
@@ -270,6 +275,10 @@ def _round_stats(samples, fmt, mode, seed, saturate, confidence, zero_threshold,
         out = x.expand(n, *shape)
     stats = (ctypes.c_double * 6)() if want_stats else None
     digits = torch.empty(shape, dtype=x.dtype) if want_digits else None
+    zeros = None
+    if want_zero_mask:
+        zeros = torch.zeros(shape, dtype=torch.uint8)
+        p.zmask = zeros.data_ptr()
     fused = None
     if perturb_args is not None:
         if mode is None:
@@ -283,7 +292,8 @@ def _round_stats(samples, fmt, mode, seed, saturate, confidence, zero_threshold,
         stats = None if stats is None else list(stats)
     elif stats is not None:
         stats = [0.0, p.cap, p.cap, 0.0, 0.0, 0.0]
-    return out, stats, digits, 0 if fused is None else int(fused.count)
+    return (out, stats, digits, 0 if fused is None else int(fused.count),
+            None if zeros is None else zeros.view(torch.bool))
 
 
 def perturb(samples: torch.Tensor, eta: float, seed: int, *,

@@ -270,3 +270,26 @@ def test_statistics_without_digits_match_the_statistics_with_digits(fmt, n):
         torch.testing.assert_close(stats, with_digits, rtol=1e-6, atol=1e-5)
         assert stats[3] == with_digits[3] and stats[4] == with_digits[4]  # zeros, non-finite
         assert abs(float(stats[0]) - float(d.double().sum())) < 1e-6 * float(stats[5]) + 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", (8, 23)])
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_zero_mask_matches_computational_zero(dtype, fmt, n):
+    """The kernel's zero mask is fxstab.digits.computational_zero of the samples it measured
+    (rounded or not), with or without per-element digits; odd sizes and special values."""
+    f = get_format(fmt)
+    if not f.fits_in(dtype):
+        pytest.skip("format does not fit the dtype")
+    v = _hard_values(dtype, fmt)
+    g = torch.Generator().manual_seed(n)
+    noise = (torch.rand(v.shape, generator=g) * 2.0 ** -torch.randint(0, 30, v.shape, generator=g)).to(dtype)
+    x = torch.stack([v * (1 + k * noise) for k in range(n)])[:, : v.numel() - 5]
+    x[:, :40] = x[:1, :40] + torch.randn(n, 40, generator=g).to(dtype) * 1e-3  # noise near 0
+    for mode in (None, Rounding.RANDOM):
+        for want_digits in (False, True):
+            out, st, _, z = native.round_stats(x, f, mode, 5, want_digits=want_digits,
+                                               want_zero_mask=True)
+            want = computational_zero(out, format=f)
+            assert z.dtype == torch.bool and torch.equal(z, want)
+            assert int(z.sum()) == int(st[3])

@@ -44,6 +44,7 @@ typedef struct {
     double cap;            /* digit cap p*log10(2) */
     double zero_threshold;
     int64_t nthreads;
+    uint64_t zmask;        /* address of a uint8 [numel] output: 1 at computational zeros (or 0) */
     /* derived at entry (see derive_params), not set by the caller */
     double kd;             /* K + log10(n - 1) / 2: digits are kd - log10(var) / 2 */
     double vcap, vzero, vthr;  /* variances at which the digits reach the cap, 0, the threshold */
@@ -298,10 +299,10 @@ ALWAYS_INLINE float log10_posf(float v) {
  * CESTAC digits (fxstab.digits._digits, in the working dtype) of `cnt` elements whose n
  * samples are rows[i][el]; accumulates the statistics and writes digits to `dig` if given.
  */
-#define DEFINE_DIGITS_BLOCK(NAME, FT, DBL_MIN_, LOG10, IT)                                                 \
+#define DEFINE_DIGITS_BLOCK(NAME, FT, DBL_MIN_, LOG10, IT, TINY_, SCALE_)                                   \
     ALWAYS_INLINE void NAME(const FT *const *rows, int64_t n, int64_t cnt, const params_t *p,  \
-                            double K, FT *restrict dig, double *s_sum, double *s_min,           \
-                            double *s_max, double *s_zero, double *s_nf) {                      \
+                            double K, FT *restrict dig, uint8_t *restrict zm, double *s_sum,    \
+                            double *s_min, double *s_max, double *s_zero, double *s_nf) {       \
         FT mn[BLK], mx[BLK], mean[BLK], s1[BLK], s2[BLK];                                       \
         int bad[BLK];                                                                           \
         /* statistics, not samples: products by reciprocals and reassociated sums are fine */   \
@@ -320,15 +321,18 @@ ALWAYS_INLINE float log10_posf(float v) {
                 mean[el] += v * inv_n;                                                          \
             }                                                                                   \
         }                                                                                       \
-        FT s1inv[BLK];                                                                          \
+        FT s1inv[BLK], sc[BLK];                                                                 \
         for (int64_t el = 0; el < cnt; el++) {                                                  \
             s1[el] = 0; s2[el] = 0;                                                             \
-            s1inv[el] = (FT)1 / (mean[el] < 0 ? -mean[el] : mean[el]);                          \
+            FT am = mean[el] < 0 ? -mean[el] : mean[el];                                        \
+            /* 1 / |mean| overflows for a subnormal mean: scale by a power of 2 (exact) */      \
+            sc[el] = am < (FT)(TINY_) ? (FT)(SCALE_) : (FT)1;                                   \
+            s1inv[el] = (FT)1 / (am * sc[el]);                                                  \
         }                                                                                       \
         for (int64_t i = 0; i < n; i++) {                                                       \
             const FT *restrict row = rows[i];                                                   \
             for (int64_t el = 0; el < cnt; el++) {                                              \
-                FT r = (row[el] - mean[el]) * s1inv[el];                                        \
+                FT r = (row[el] * sc[el] - mean[el] * sc[el]) * s1inv[el];                      \
                 s1[el] += r;                                                                    \
                 s2[el] += r * r;                                                                \
             }                                                                                   \
@@ -353,7 +357,9 @@ ALWAYS_INLINE float log10_posf(float v) {
             c = identical ? cap : c;                                                            \
             c = finite ? c : (FT)0;                                                             \
             int exact_zero = identical & (mx[el] == 0);                                         \
-            zeros += finite & !exact_zero & (c < thr);                                          \
+            int is_zero = finite & !exact_zero & (c < thr);                                     \
+            zeros += is_zero;                                                                   \
+            if (zm) zm[el] = (uint8_t)is_zero;                                                  \
             nf += !finite;                                                                      \
             sum += c;                                                                           \
             lo = c < lo ? c : lo;                                                               \
@@ -365,8 +371,10 @@ ALWAYS_INLINE float log10_posf(float v) {
         *s_max = (double)hi > *s_max ? (double)hi : *s_max;                                     \
     }
 
-DEFINE_DIGITS_BLOCK(digits_block_f32_scalar, float, 1.1754943508222875e-38, log10_posf, int32_t)
-DEFINE_DIGITS_BLOCK(digits_block_f64, double, 2.2250738585072014e-308, log10_pos, int64_t)
+DEFINE_DIGITS_BLOCK(digits_block_f32_scalar, float, 1.1754943508222875e-38, log10_posf, int32_t,
+                    0x1p-100, 0x1p64)
+DEFINE_DIGITS_BLOCK(digits_block_f64, double, 2.2250738585072014e-308, log10_pos, int64_t,
+                    0x1p-1000, 0x1p128)
 
 /* ---------------------------------------------------------------------------------------
  * The fp32 digits in explicit 8-lane vectors (GCC/Clang vector extensions: AVX2 on x86,
@@ -417,9 +425,12 @@ ALWAYS_INLINE void moments8(const float *const *rows, int64_t n, int64_t el, flo
         mx = vsel8(v > mx, v, mx);
         mean += v * inv_n;
     }
-    vf8 inv = 1.0f / (vf8)((vi8)mean & absmask), s1 = zero, s2 = zero;
+    /* 1 / |mean| overflows for a subnormal mean: scale by a power of 2 (exact) */
+    vf8 am = (vf8)((vi8)mean & absmask);
+    vf8 sc = vsel8(am < vsplat8(0x1p-100f), vsplat8(0x1p64f), vsplat8(1.0f)), ms = mean * sc;
+    vf8 inv = 1.0f / (am * sc), s1 = zero, s2 = zero;
     for (int64_t i = 0; i < n; i++) {
-        vf8 r = (vload8(rows[i] + el) - mean) * inv;
+        vf8 r = (vload8(rows[i] + el) * sc - ms) * inv;
         s1 += r;
         s2 += r * r;
     }
@@ -433,10 +444,15 @@ ALWAYS_INLINE void moments8(const float *const *rows, int64_t n, int64_t el, flo
 }
 
 /* Per-element digits (written to dig) and their statistics. */
+/* 8 lanes of a mask (-1 or 0) as 0/1 bytes */
+ALWAYS_INLINE void store_mask8(uint8_t *zm, vi8 m) {
+    for (int l = 0; l < 8; l++) zm[l] = (uint8_t)(m[l] & 1);
+}
+
 ALWAYS_INLINE void digits_block_f32_n(const float *const *rows, int64_t n, int64_t cnt,
                                       const params_t *p, double K, float *restrict dig,
-                                      double *s_sum, double *s_min, double *s_max,
-                                      double *s_zero, double *s_nf) {
+                                      uint8_t *restrict zm, double *s_sum, double *s_min,
+                                      double *s_max, double *s_zero, double *s_nf) {
     const float inv_n = 1.0f / (float)n, cap = (float)p->cap;
     /* -0.5 log10(v / (n - 1)) + K: the division folds into the constant */
     const vf8 Kv = vsplat8((float)(K + 0.5 * log10((double)(n - 1))));
@@ -457,12 +473,14 @@ ALWAYS_INLINE void digits_block_f32_n(const float *const *rows, int64_t n, int64
         c = vsel8(mean == zero, zero, c);
         c = vsel8(identical, capv, c);
         c = vsel8(finite, c, zero);
-        zeros -= finite & ~exact_zero & (c < thr); /* masks are -1 */
+        vi8 is_zero = finite & ~exact_zero & (c < thr);
+        zeros -= is_zero; /* masks are -1 */
         nf -= ~finite;
         sum += c;
         lo = vsel8(c < lo, c, lo);
         hi = vsel8(c > hi, c, hi);
-        vstore8(dig + el, c);
+        if (dig) vstore8(dig + el, c);
+        if (zm) store_mask8(zm + el, is_zero);
     }
     if (full) {
         double ssum = 0, szero = 0, snf = 0, mnv = *s_min, mxv = *s_max;
@@ -476,8 +494,8 @@ ALWAYS_INLINE void digits_block_f32_n(const float *const *rows, int64_t n, int64
     if (full < cnt) {
         const float *tail[MAX_SAMPLES];
         for (int64_t i = 0; i < n; i++) tail[i] = rows[i] + full;
-        digits_block_f32_scalar(tail, n, cnt - full, p, K, dig + full, s_sum, s_min, s_max,
-                                s_zero, s_nf);
+        digits_block_f32_scalar(tail, n, cnt - full, p, K, dig ? dig + full : NULL,
+                                zm ? zm + full : NULL, s_sum, s_min, s_max, s_zero, s_nf);
     }
 }
 
@@ -488,8 +506,9 @@ ALWAYS_INLINE void digits_block_f32_n(const float *const *rows, int64_t n, int64
  * significands (< 2^16 over the 16 vectors of a group) and a sum of exponents. One log10 per
  * lane and group remains. */
 ALWAYS_INLINE void stats_block_f32_n(const float *const *rows, int64_t n, int64_t cnt,
-                                     const params_t *p, double K, double *s_sum, double *s_min,
-                                     double *s_max, double *s_zero, double *s_nf) {
+                                     const params_t *p, double K, uint8_t *restrict zm,
+                                     double *s_sum, double *s_min, double *s_max,
+                                     double *s_zero, double *s_nf) {
     (void)K;
     const float inv_n = 1.0f / (float)n;
     const double cap = p->cap, thr_d = p->zero_threshold, Kd = p->kd;
@@ -521,8 +540,10 @@ ALWAYS_INLINE void stats_block_f32_n(const float *const *rows, int64_t n, int64_
         minv = vsel8(lin & (var < minv), var, minv);
         anyz |= is_zero;
         anyc |= is_cap;
-        zeros -= finite & ~exact_zero & ((lin & (var > vthr)) | (is_cap & capz) | (is_zero & zz));
+        vi8 zmask = finite & ~exact_zero & ((lin & (var > vthr)) | (is_cap & capz) | (is_zero & zz));
+        zeros -= zmask;
         nf -= ~finite;
+        if (zm) store_mask8(zm + el, zmask);
     }
     if (full) {
         double ssum = 0, szero = 0, snf = 0, mnv = *s_min, mxv = *s_max;
@@ -551,8 +572,8 @@ ALWAYS_INLINE void stats_block_f32_n(const float *const *rows, int64_t n, int64_
     if (full < cnt) {
         const float *tail[MAX_SAMPLES];
         for (int64_t i = 0; i < n; i++) tail[i] = rows[i] + full;
-        digits_block_f32_scalar(tail, n, cnt - full, p, K, NULL, s_sum, s_min, s_max, s_zero,
-                                s_nf);
+        digits_block_f32_scalar(tail, n, cnt - full, p, K, NULL, zm ? zm + full : NULL, s_sum,
+                                s_min, s_max, s_zero, s_nf);
     }
 }
 
@@ -560,21 +581,21 @@ ALWAYS_INLINE void stats_block_f32_n(const float *const *rows, int64_t n, int64_
  * element's samples stay in registers between the two passes. */
 ALWAYS_INLINE void digits_block_f32(const float *const *rows, int64_t n, int64_t cnt,
                                     const params_t *p, double K, float *restrict dig,
-                                    double *s_sum, double *s_min, double *s_max,
-                                    double *s_zero, double *s_nf) {
+                                    uint8_t *restrict zm, double *s_sum, double *s_min,
+                                    double *s_max, double *s_zero, double *s_nf) {
     if (dig == NULL) {
         if (n == 3)
-            stats_block_f32_n(rows, 3, cnt, p, K, s_sum, s_min, s_max, s_zero, s_nf);
+            stats_block_f32_n(rows, 3, cnt, p, K, zm, s_sum, s_min, s_max, s_zero, s_nf);
         else if (n == 2)
-            stats_block_f32_n(rows, 2, cnt, p, K, s_sum, s_min, s_max, s_zero, s_nf);
+            stats_block_f32_n(rows, 2, cnt, p, K, zm, s_sum, s_min, s_max, s_zero, s_nf);
         else
-            stats_block_f32_n(rows, n, cnt, p, K, s_sum, s_min, s_max, s_zero, s_nf);
+            stats_block_f32_n(rows, n, cnt, p, K, zm, s_sum, s_min, s_max, s_zero, s_nf);
     } else if (n == 3)
-        digits_block_f32_n(rows, 3, cnt, p, K, dig, s_sum, s_min, s_max, s_zero, s_nf);
+        digits_block_f32_n(rows, 3, cnt, p, K, dig, zm, s_sum, s_min, s_max, s_zero, s_nf);
     else if (n == 2)
-        digits_block_f32_n(rows, 2, cnt, p, K, dig, s_sum, s_min, s_max, s_zero, s_nf);
+        digits_block_f32_n(rows, 2, cnt, p, K, dig, zm, s_sum, s_min, s_max, s_zero, s_nf);
     else
-        digits_block_f32_n(rows, n, cnt, p, K, dig, s_sum, s_min, s_max, s_zero, s_nf);
+        digits_block_f32_n(rows, n, cnt, p, K, dig, zm, s_sum, s_min, s_max, s_zero, s_nf);
 }
 
 /* Random bits (random mode) or words (stochastic mode) of sample i for elements e0..e0+cnt-1
@@ -709,7 +730,8 @@ DEFINE_PERTURB_GROUP(perturb_group_f64, double)
                         p->saturate};                                                           \
         const double K = log10(sqrt((double)n) / p->t);                                         \
         double s_sum = 0, s_min = INFINITY, s_max = -INFINITY, s_zero = 0, s_nf = 0;            \
-        int want_stats = stats != NULL || dig != NULL;                                          \
+        uint8_t *zm = (uint8_t *)(uintptr_t)p->zmask;                                          \
+        int want_stats = stats != NULL || dig != NULL || zm != NULL;                            \
         const int fuse = fused != NULL && mode != MODE_NONE;                                   \
         const FT eta = fuse ? (FT)fused->eta : (FT)0;                                           \
         int64_t n_close = 0;                                                                    \
@@ -742,8 +764,8 @@ DEFINE_PERTURB_GROUP(perturb_group_f64, double)
                 }                                                                               \
             }                                                                                   \
             if (want_stats)                                                                     \
-                DIGITS(rows, n, cnt, p, K, dig ? dig + e0 : NULL, &s_sum, &s_min, &s_max,      \
-                       &s_zero, &s_nf);                                                         \
+                DIGITS(rows, n, cnt, p, K, dig ? dig + e0 : NULL, zm ? zm + e0 : NULL, &s_sum,  \
+                       &s_min, &s_max, &s_zero, &s_nf);                                         \
             if (fuse) { /* the consumer GEMM's surrogate, on the rows just rounded */           \
                 FT mean[BLK];                                                                   \
                 int close[BLK];                                                                 \
