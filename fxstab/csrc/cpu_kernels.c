@@ -444,9 +444,11 @@ ALWAYS_INLINE void moments8(const float *const *rows, int64_t n, int64_t el, flo
 }
 
 /* Per-element digits (written to dig) and their statistics. */
-/* 8 lanes of a mask (-1 or 0) as 0/1 bytes */
+/* 8 lanes of a mask (-1 or 0) as 0/1 bytes (narrowed in registers, one 8-byte store) */
+typedef int8_t vb8 __attribute__((vector_size(8)));
 ALWAYS_INLINE void store_mask8(uint8_t *zm, vi8 m) {
-    for (int l = 0; l < 8; l++) zm[l] = (uint8_t)(m[l] & 1);
+    vb8 b = __builtin_convertvector(m & 1, vb8);
+    memcpy(zm, &b, sizeof b);
 }
 
 ALWAYS_INLINE void digits_block_f32_n(const float *const *rows, int64_t n, int64_t cnt,
