@@ -293,3 +293,59 @@ def test_zero_mask_matches_computational_zero(dtype, fmt, n):
             want = computational_zero(out, format=f)
             assert z.dtype == torch.bool and torch.equal(z, want)
             assert int(z.sum()) == int(st[3])
+
+
+def _aligned_ref(v, stacked: bool, nd: int, n: int):
+    if not isinstance(v, torch.Tensor) or not stacked:
+        return v
+    return v.reshape(v.shape[:1] + (1,) * (nd - (v.dim() - 1)) + v.shape[1:])
+
+
+@pytest.mark.parametrize("dtype, fmt", [(torch.float32, "bf16"), (torch.float32, "fp8_e4m3"),
+                                        (torch.float64, (8, 23))])
+@pytest.mark.parametrize("op", ["add", "sub", "mul", "div"])
+def test_binary_primitive_in_the_rounding_pass_equals_op_then_round(dtype, fmt, op):
+    """binary_round == round_stats(torch.<op>(a, b)) bit for bit, with the same statistics,
+    digits and zero mask: stacked, plain, stride-0, transposed and scalar operands, broadcasts
+    of every dim, rows that do not fill a 128-element group, special values, 0-dim and empty."""
+    f = get_format(fmt)
+    n = 3
+    g = torch.Generator().manual_seed(1)
+    hard = _hard_values(dtype, fmt)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+    big = hard[: 3 * 333].reshape(3, 333)
+    cases = [
+        ((rnd(n, 7, 130), True), (rnd(n, 7, 1), True)),
+        ((rnd(n, 7, 130), True), (rnd(130), False)),
+        ((rnd(7, 130), False), (rnd(n, 1, 130), True)),
+        ((rnd(n, 5, 1, 9), True), (rnd(n, 4, 1), True)),
+        ((rnd(n, 9, 5).transpose(1, 2), True), (rnd(5, 9), False)),
+        ((rnd(40).expand(n, 40), True), (2.5, False)),
+        ((-0.75, False), (rnd(n, 3, 300), True)),
+        ((big, True), (big.flip(-1), True)),
+        ((rnd(n), True), (rnd(n), True)),
+        ((rnd(n, 0, 4), True), (rnd(4), False)),
+    ]
+    for (a, sa), (b, sb) in cases:
+        shapes = [tuple(v.shape[1:]) if s else tuple(v.shape)
+                  for v, s in ((a, sa), (b, sb)) if isinstance(v, torch.Tensor)]
+        nd = len(torch.broadcast_shapes(*shapes))
+        raw = getattr(torch, op)(_aligned_ref(a, sa, nd, n), _aligned_ref(b, sb, nd, n))
+        if raw.dim() == nd:  # no operand carried samples along dim 0
+            raw = raw.unsqueeze(0)
+        raw = raw.expand(n, *raw.shape[1:]).contiguous()
+        want = native.round_stats(raw, f, Rounding.RANDOM, 9, want_digits=True,
+                                  want_zero_mask=True, as_list=True)
+        got = native.binary_round(op, a, b, n, f, Rounding.RANDOM, 9, stacked=(sa, sb),
+                                  want_digits=True, want_zero_mask=True)
+        assert _same_bits(got[0], want[0]), (op, shapes)
+        assert got[1] == want[1], (op, shapes)
+        assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3]), (op, shapes)
+    with pytest.raises(ValueError, match="rounding mode"):
+        native.binary_round(op, rnd(n, 4), rnd(4), n, f, None, 9, stacked=(True, False))
+    with pytest.raises(ValueError, match="operands"):
+        native.binary_round(op, rnd(n, 4), torch.ones(4, dtype=torch.int64), n, f,
+                            Rounding.RANDOM, 9, stacked=(True, False))
