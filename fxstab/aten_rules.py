@@ -1115,27 +1115,62 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
                     new_args[i] = Stacked(p)
         args = tuple(new_args)
 
+    if from_plain:
+        raw = pytree.tree_map(
+            lambda v: _to_working(v, ctx).unsqueeze(0).expand(n, *v.shape)
+            if isinstance(v, torch.Tensor) and v.is_floating_point() else v, out)
+        lifted = True
+    elif not info.gemm and _all_identical(args) and not _has_stacked((), kwargs):
+        # Every operand is N identical samples (data entering the analysis, or exact
+        # operations on it): one evaluation serves all samples; they part at the rounding.
+        one = (info.plain or op)(*[a.samples[0] if isinstance(a, Stacked) else a for a in args],
+                                 **kwargs)
+        raw = pytree.tree_map(lambda v: v.unsqueeze(0).expand(n, *v.shape)
+                              if isinstance(v, torch.Tensor) else v, one)
+        lifted = True
+    else:
+        raw, lifted = _run_batched(op, info, args, kwargs, n)
     exact = info.exact
+    do_round = lifted and not exact
     want_record = ctx.recorder is not None and (not exact or ctx.record_exact)
     # Per-element digits now, in the rounding pass, when a counter will read them: a
     # cancellation needs a format with more digits than cancel_digits; the zero masks of the
     # other counters are measured later, only for values whose statistics count zeros.
     want_digits = counting and ctx.cap > ctx.cancel_digits and (
         need_digits is not False or kind in OUTPUT_DIGITS_KINDS)
-    want_zeros = counting and need_digits is not False and not want_digits
-    fused = None
-    if not from_plain and kind in native.BINARY_OPS and not ctx.eft:
-        fused = _fused_binary(kind, args, kwargs, ctx, randbits.derive_seed(seed, 100),
-                              want_record or counting, want_digits, want_zeros)
-    if fused is not None:
-        # add/sub/mul/div: computed, rounded and measured in one pass of the fused kernel
-        v, first_stats, an = fused
-        first = result = Stacked(v, an)
-        lifted = do_round = True
-    else:
-        result, first, first_stats, lifted, do_round = _run_and_round(
-            op, info, args, kwargs, ctx, seed, out if from_plain else None,
-            want_record or counting, want_digits, want_zeros)
+    want_zeros = counting and need_digits is not False
+    single = isinstance(raw, torch.Tensor)
+    flat, spec = ([raw], None) if single else pytree.tree_flatten(raw)
+    outs = []
+    first = None
+    first_stats = None
+    j = 0
+    for v in flat:
+        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == n:
+            is_first = first is None
+            if v.is_floating_point() and do_round:
+                seed_j = randbits.derive_seed(seed, 100 + j)
+                j += 1
+                if ctx.eft:
+                    v = _round_fp64(kind, op, args, kwargs, v, seed_j, ctx)
+                    seed_j = None  # rounded: measure only
+                v, st, an = _round_measure(v, ctx, seed_j, is_first and (want_record or counting),
+                                           is_first and want_digits,
+                                           is_first and want_zeros and not want_digits)
+                st_v = Stacked(v, an)
+                if is_first:
+                    first_stats = st
+            else:
+                an = None
+                if info.layout and lifted and v.is_floating_point() and isinstance(args[0], Stacked):
+                    an = _digits_through(info, op, args, kwargs, v, ctx)
+                st_v = Stacked(v, an)
+            if is_first:
+                first = st_v
+            outs.append(st_v)
+        else:
+            outs.append(v)
+    result = outs[0] if single else pytree.tree_unflatten(outs, spec)
 
     want_record = want_record and first is not None and first.samples.is_floating_point()
     rec_name = name or ctx.name_for(op) if (want_record or counting) else None
@@ -1155,96 +1190,6 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
         ctx.recorder(PrimitiveRecord(rec_name, info.text, kind, stats, counts, surrogate, status,
                                      tuple(first.shape), list(ctx._last_events)))
     return result
-
-
-def _run_and_round(op, info: OpInfo, args: tuple, kwargs: dict, ctx: AtenContext, seed: int,
-                   plain_out, want_stats: bool, want_digits: bool, want_zeros: bool):
-    """Run the primitive on the samples (once when they are all identical; ``plain_out`` is
-    its result when no operand carries samples) and round and measure each floating output.
-    Returns (result, first output, its statistics, lifted, rounded)."""
-    n = ctx.n_samples
-    kind = info.kind
-    if plain_out is not None:
-        raw = pytree.tree_map(
-            lambda v: _to_working(v, ctx).unsqueeze(0).expand(n, *v.shape)
-            if isinstance(v, torch.Tensor) and v.is_floating_point() else v, plain_out)
-        lifted = True
-    elif not info.gemm and _all_identical(args) and not _has_stacked((), kwargs):
-        # Every operand is N identical samples (data entering the analysis, or exact
-        # operations on it): one evaluation serves all samples; they part at the rounding.
-        one = (info.plain or op)(*[a.samples[0] if isinstance(a, Stacked) else a for a in args],
-                                 **kwargs)
-        raw = pytree.tree_map(lambda v: v.unsqueeze(0).expand(n, *v.shape)
-                              if isinstance(v, torch.Tensor) else v, one)
-        lifted = True
-    else:
-        raw, lifted = _run_batched(op, info, args, kwargs, n)
-    do_round = lifted and not info.exact
-    single = isinstance(raw, torch.Tensor)
-    flat, spec = ([raw], None) if single else pytree.tree_flatten(raw)
-    outs = []
-    first = None
-    first_stats = None
-    j = 0
-    for v in flat:
-        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == n:
-            is_first = first is None
-            if v.is_floating_point() and do_round:
-                seed_j = randbits.derive_seed(seed, 100 + j)
-                j += 1
-                if ctx.eft:
-                    v = _round_fp64(kind, op, args, kwargs, v, seed_j, ctx)
-                    seed_j = None  # rounded: measure only
-                v, st, an = _round_measure(v, ctx, seed_j, is_first and want_stats,
-                                           is_first and want_digits, is_first and want_zeros)
-                st_v = Stacked(v, an)
-                if is_first:
-                    first_stats = st
-            else:
-                an = None
-                if info.layout and lifted and v.is_floating_point() and isinstance(args[0], Stacked):
-                    an = _digits_through(info, op, args, kwargs, v, ctx)
-                st_v = Stacked(v, an)
-            if is_first:
-                first = st_v
-            outs.append(st_v)
-        else:
-            outs.append(v)
-    result = outs[0] if single else pytree.tree_unflatten(outs, spec)
-    return result, first, first_stats, lifted, do_round
-
-
-def _fused_binary(kind: str, args: tuple, kwargs: dict, ctx: AtenContext, seed: int,
-                  want_stats: bool, want_digits: bool, want_zeros: bool):
-    """add/sub/mul/div of working-dtype CPU operands through :func:`fxstab.native.binary_round`
-    (the result is computed in the rounding pass, never stored unrounded): (samples, stats,
-    analysis), or None where it does not apply (other dtypes, devices or kwargs, no samples)."""
-    if len(args) != 2 or any(k != "alpha" or v != 1 for k, v in kwargs.items()):
-        return None
-    wd = ctx.working_dtype
-    stacked = []
-    for a in args:
-        if isinstance(a, Stacked):
-            if a.samples.dtype != wd or not ctx.native_for(a.samples):
-                return None
-            stacked.append(True)
-        elif isinstance(a, torch.Tensor):
-            if a.dtype != wd or a.device.type != "cpu":
-                return None
-            stacked.append(False)
-        elif isinstance(a, (float, int)) and not isinstance(a, bool):
-            stacked.append(False)
-        else:
-            return None
-    if not any(stacked):
-        return None
-    vals = [a.samples if isinstance(a, Stacked) else a for a in args]
-    out, st, d, z = native.binary_round(
-        kind, vals[0], vals[1], ctx.n_samples, ctx.fmt, ctx.rounding, seed,
-        stacked=tuple(stacked), saturate=ctx.saturate, confidence=ctx.confidence,
-        zero_threshold=ctx.zero_threshold, want_stats=want_stats or want_digits,
-        want_digits=want_digits, want_zero_mask=want_zeros)
-    return out, st, _Analysis(out, ctx, digits=d, stats=st, zero=z)
 
 
 def _limit_diff(kind: str, args: tuple, kwargs: dict, ctx: AtenContext) -> Optional[_Analysis]:

@@ -34,8 +34,7 @@ from .digits import digits_cap, student_t
 from .formats import Format
 from .rounding import Rounding, _WORKING, _float_bits
 
-__all__ = ["available", "supports", "round_stats", "round_perturb", "binary_round", "perturb",
-           "library_path"]
+__all__ = ["available", "supports", "round_stats", "round_perturb", "perturb", "library_path"]
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.c"
 # -march=native: the element loops vectorise (variable shifts need AVX2 on x86); the cache key
@@ -126,7 +125,7 @@ def _lib() -> Optional[ctypes.CDLL]:
     for name in ("fxstab_round_stats_f32", "fxstab_round_stats_f64"):
         fn = getattr(lib, name)
         fn.argtypes = [p, i64, p, i64, i64, ctypes.POINTER(_Params), ctypes.POINTER(dbl), p,
-                       ctypes.POINTER(_Fused), ctypes.POINTER(_Binop)]
+                       ctypes.POINTER(_Fused)]
         fn.restype = None
     for name in ("fxstab_perturb_f32", "fxstab_perturb_f64"):
         fn = getattr(lib, name)
@@ -163,15 +162,6 @@ class _Fused(ctypes.Structure):
     """cpu_kernels.c fused_t: the consumer GEMM's surrogate, fused into round_stats."""
 
     _fields_ = [("eta", ctypes.c_double), ("seed", ctypes.c_uint64), ("count", ctypes.c_int64)]
-
-
-class _Binop(ctypes.Structure):
-    """cpu_kernels.c binop_t: an elementwise binary primitive computed in the rounding pass."""
-
-    _fields_ = [("op", ctypes.c_int64), ("a", ctypes.c_void_p), ("b", ctypes.c_void_p),
-                ("sa", ctypes.c_int64), ("sb", ctypes.c_int64), ("ra", ctypes.c_void_p),
-                ("rb", ctypes.c_void_p), ("ca", ctypes.c_int64), ("cb", ctypes.c_int64),
-                ("rows", ctypes.c_int64), ("cols", ctypes.c_int64)]
 
 
 def _layout(x: torch.Tensor, n_samples: Optional[int]) -> tuple[torch.Tensor, int, int, tuple]:
@@ -271,7 +261,10 @@ def _round_stats(samples, fmt, mode, seed, saturate, confidence, zero_threshold,
     if (want_stats or want_digits or want_zero_mask) and n < 2:
         raise ValueError(f"digits need N >= 2 samples, got N={n}")
     numel = math.prod(shape)
-    p = _params(fmt, mode, x.dtype, saturate, n, confidence, zero_threshold, seed)
+    p = _Params.from_buffer_copy(_base_params(fmt, mode, x.dtype, bool(saturate), n,
+                                              float(confidence), float(zero_threshold)))
+    p.seed = seed & ((1 << 64) - 1)
+    p.nthreads = torch.get_num_threads()
     if mode is None:
         out = x
     elif in_place and xs and x.data_ptr() == samples.data_ptr():  # contiguous() made no copy
@@ -295,108 +288,12 @@ def _round_stats(samples, fmt, mode, seed, saturate, confidence, zero_threshold,
         fn = lib.fxstab_round_stats_f32 if x.dtype == torch.float32 else lib.fxstab_round_stats_f64
         fn(x.data_ptr(), xs, None if mode is None else out.data_ptr(), n, numel, ctypes.byref(p),
            stats, None if digits is None else digits.data_ptr(),
-           None if fused is None else ctypes.byref(fused), None)
+           None if fused is None else ctypes.byref(fused))
         stats = None if stats is None else list(stats)
     elif stats is not None:
         stats = [0.0, p.cap, p.cap, 0.0, 0.0, 0.0]
     return (out, stats, digits, 0 if fused is None else int(fused.count),
             None if zeros is None else zeros.view(torch.bool))
-
-
-def _params(fmt, mode, dtype, saturate, n, confidence, zero_threshold, seed) -> _Params:
-    p = _Params.from_buffer_copy(_base_params(fmt, mode, dtype, bool(saturate), n,
-                                              float(confidence), float(zero_threshold)))
-    p.seed = seed & ((1 << 64) - 1)
-    p.nthreads = torch.get_num_threads()
-    return p
-
-
-BINARY_OPS = {"add": 0, "sub": 1, "mul": 2, "div": 3}
-
-
-@functools.lru_cache(maxsize=1024)
-def _row_offsets(sizes: tuple, strides: tuple) -> torch.Tensor:
-    """Offset of each row (every index of the leading dims, row-major) for these strides."""
-    off = torch.zeros(1, dtype=torch.int64)
-    for size, st in zip(sizes, strides):
-        off = (off.unsqueeze(1) + torch.arange(size, dtype=torch.int64) * st).reshape(-1)
-    return off
-
-
-def _binary_operand(v, stacked: bool, n: int, shape: tuple, dtype: torch.dtype):
-    """(tensor kept alive, sample stride, row offsets, column stride) of one operand read as
-    broadcast to [n, *shape]."""
-    nd = len(shape)
-    if not isinstance(v, torch.Tensor):
-        keep = torch.tensor([float(v)], dtype=dtype)
-        return keep, 0, _row_offsets(tuple(shape[:-1]), (0,) * (nd - 1)), 0
-    if v.device.type != "cpu" or v.dtype != dtype:
-        raise ValueError(f"fxstab.native.binary_round: CPU {dtype} operands, got {v.dtype} "
-                         f"on {v.device}")
-    if stacked:
-        logical = tuple(v.shape[1:])
-        e = v.reshape((v.shape[0],) + (1,) * (nd - len(logical)) + logical).expand(n, *shape)
-        ss, st = e.stride(0), e.stride()[1:]
-    else:
-        e = v.reshape((1,) * (nd - v.dim()) + tuple(v.shape)).expand(*shape)
-        ss, st = 0, e.stride()
-    return e, ss, _row_offsets(tuple(shape[:-1]), tuple(st[:-1])), st[-1]
-
-
-def binary_round(op: str, a, b, n: int, fmt: Format, mode: Rounding, seed: int, *,
-                 stacked: tuple = (True, True), saturate: bool = False,
-                 confidence: float = 0.95, zero_threshold: float = 0.5,
-                 want_stats: bool = True, want_digits: bool = False,
-                 want_zero_mask: bool = False) -> tuple:
-    """``op(a, b)`` (``add``, ``sub``, ``mul``, ``div``: IEEE, the bits torch computes) for N
-    samples, rounded and measured in the same pass, without storing the unrounded result:
-    the same samples, statistics, digits and zero mask as :func:`round_stats` of
-    ``torch.<op>(a, b)``.
-
-    ``a`` and ``b`` are stacked samples ``[N, ...]`` (``stacked[i]`` True), plain tensors every
-    sample shares, or Python numbers; tensors in the samples' dtype (fp32/fp64, CPU), any
-    strides, broadcast like torch. Returns ``(samples [N, *shape], stats list or None, digits
-    or None, zero mask or None)``.
-    """
-    lib = _lib()
-    if lib is None:
-        raise RuntimeError("fxstab.native: the fused CPU kernels are unavailable")
-    if mode is None:
-        raise ValueError("binary_round needs a rounding mode")
-    if not 2 <= n <= MAX_SAMPLES:
-        raise ValueError(f"binary_round needs 2..{MAX_SAMPLES} samples, got N={n}")
-    tensors = [v for v in (a, b) if isinstance(v, torch.Tensor)]
-    dtype = tensors[0].dtype if tensors else torch.float32
-    if dtype not in _WORKING:
-        raise ValueError(f"fxstab.native.binary_round: float32/float64 operands, got {dtype}")
-    logical = [tuple(v.shape[1:]) if st else tuple(v.shape)
-               for v, st in zip((a, b), stacked) if isinstance(v, torch.Tensor)]
-    shape = tuple(torch.broadcast_shapes(*logical)) if logical else ()
-    run_shape = shape if shape else (1,)  # a 0-dim result: one row of one element
-    numel = math.prod(run_shape)
-    out = torch.empty((n, *run_shape), dtype=dtype)
-    digits = torch.empty(run_shape, dtype=dtype) if want_digits else None
-    zeros = torch.zeros(run_shape, dtype=torch.uint8) if want_zero_mask else None
-    stats = (ctypes.c_double * 6)() if want_stats or want_digits or want_zero_mask else None
-    p = _params(fmt, mode, dtype, saturate, n, confidence, zero_threshold, seed)
-    if numel:
-        ea, sa, ra, ca = _binary_operand(a, stacked[0], n, run_shape, dtype)
-        eb, sb, rb, cb = _binary_operand(b, stacked[1], n, run_shape, dtype)
-        bop = _Binop(op=BINARY_OPS[op], a=ea.data_ptr(), b=eb.data_ptr(), sa=sa, sb=sb,
-                     ra=ra.data_ptr(), rb=rb.data_ptr(), ca=ca, cb=cb, rows=numel // run_shape[-1],
-                     cols=run_shape[-1])
-        if zeros is not None:
-            p.zmask = zeros.data_ptr()
-        fn = lib.fxstab_round_stats_f32 if dtype == torch.float32 else lib.fxstab_round_stats_f64
-        fn(None, 0, out.data_ptr(), n, numel, ctypes.byref(p), stats,
-           None if digits is None else digits.data_ptr(), None, ctypes.byref(bop))
-        stats = None if stats is None else list(stats)
-    elif stats is not None:
-        stats = [0.0, p.cap, p.cap, 0.0, 0.0, 0.0]
-    if not shape:
-        out, digits, zeros = (out.reshape(n), None if digits is None else digits.reshape(()),
-                              None if zeros is None else zeros.reshape(()))
-    return out, stats, digits, None if zeros is None else zeros.view(torch.bool)
 
 
 def perturb(samples: torch.Tensor, eta: float, seed: int, *,

@@ -58,24 +58,6 @@ typedef struct {
     int64_t count;
 } fused_t;
 
-/* An elementwise binary primitive computed in the rounding pass (round_stats of its result,
- * which is never stored unrounded): out[i, r, c] = a[i, r, c] op b[i, r, c] for the n samples of
- * an output of `rows` x `cols` elements (its last dim is cols). Each operand is read at
- * base + i * s + roff[r] + c * cs: a sample stride (0: the same for every sample), per-row
- * offsets (any broadcast of the leading dims) and a column stride (0: broadcast). */
-#define BINOP_ADD 0
-#define BINOP_SUB 1
-#define BINOP_MUL 2
-#define BINOP_DIV 3
-typedef struct {
-    int64_t op;
-    const void *a, *b;
-    int64_t sa, sb;
-    const int64_t *ra, *rb;
-    int64_t ca, cb;
-    int64_t rows, cols;
-} binop_t;
-
 /* Philox4x32-10 exactly as tl.philox / fxstab.randbits.philox. */
 static inline void philox(uint64_t seed, uint32_t c[4]) {
     uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
@@ -732,46 +714,6 @@ DEFINE_CLOSE_BLOCK(close_block_f64, double)
 DEFINE_PERTURB_GROUP(perturb_group_f32, float)
 DEFINE_PERTURB_GROUP(perturb_group_f64, double)
 
-/* The op's values of sample i for the cnt elements at e0 into t (IEEE +, -, *, /: the same
- * bits as torch's CPU kernels). The group is cut where it crosses a row. */
-#define SEG_LOOP(FT, EXPR)                                                                      \
-    if (ca == 1 && cb == 1) {                                                                   \
-        for (int64_t j = 0; j < seg; j++) { FT x = pa[j], y = pb[j]; o[j] = EXPR; }            \
-    } else if (ca == 1 && cb == 0) {                                                            \
-        const FT y = pb[0];                                                                     \
-        for (int64_t j = 0; j < seg; j++) { FT x = pa[j]; o[j] = EXPR; }                       \
-    } else if (ca == 0 && cb == 1) {                                                            \
-        const FT x = pa[0];                                                                     \
-        for (int64_t j = 0; j < seg; j++) { FT y = pb[j]; o[j] = EXPR; }                       \
-    } else {                                                                                    \
-        for (int64_t j = 0; j < seg; j++) { FT x = pa[j * ca], y = pb[j * cb]; o[j] = EXPR; }  \
-    }
-
-#define DEFINE_BINOP_ROW(NAME, FT)                                                              \
-    ALWAYS_INLINE void NAME(const binop_t *bo, int64_t i, int64_t e0, int64_t cnt,             \
-                            FT *restrict t) {                                                   \
-        const FT *A = (const FT *)bo->a + i * bo->sa, *B = (const FT *)bo->b + i * bo->sb;     \
-        const int64_t C = bo->cols, ca = bo->ca, cb = bo->cb;                                   \
-        int64_t e = e0, end = e0 + cnt, r = e0 / C, c = e0 - r * C;                             \
-        while (e < end) {                                                                       \
-            int64_t seg = C - c < end - e ? C - c : end - e;                                    \
-            const FT *pa = A + bo->ra[r] + c * ca, *pb = B + bo->rb[r] + c * cb;                \
-            FT *restrict o = t + (e - e0);                                                      \
-            switch (bo->op) {                                                                   \
-            case BINOP_ADD: SEG_LOOP(FT, x + y) break;                                          \
-            case BINOP_SUB: SEG_LOOP(FT, x - y) break;                                          \
-            case BINOP_MUL: SEG_LOOP(FT, x * y) break;                                          \
-            default: SEG_LOOP(FT, x / y) break;                                                 \
-            }                                                                                   \
-            e += seg;                                                                           \
-            r += 1;                                                                             \
-            c = 0;                                                                              \
-        }                                                                                       \
-    }
-
-DEFINE_BINOP_ROW(binop_row_f32, float)
-DEFINE_BINOP_ROW(binop_row_f64, double)
-
 /* ---------------------------------------------------------------------------------------
  * round_stats: round (mode != MODE_NONE) the n samples of each element into `out` and
  * accumulate stats[6] = [sum of digits, min, max, computational zeros, non-finite, numel]
@@ -779,10 +721,9 @@ DEFINE_BINOP_ROW(binop_row_f64, double)
  * Work is split into groups of 128 elements: one Philox evaluation per group and draw gives
  * the random bits of the whole group.
  */
-#define DEFINE_ROUND_STATS_MODE(NAME, FT, ROW, DIGITS, CLOSE, PERTURB_GROUP, BINOP_ROW, MODE)   \
+#define DEFINE_ROUND_STATS_MODE(NAME, FT, ROW, DIGITS, CLOSE, PERTURB_GROUP, MODE)              \
     static void NAME(const FT *x, int64_t xs, FT *out, int64_t n, int64_t numel,                \
-                     const params_t *p, double *stats, FT *dig, fused_t *fused,                 \
-                     const binop_t *bop) {                                                      \
+                     const params_t *p, double *stats, FT *dig, fused_t *fused) {               \
         const int mode = MODE;                                                                  \
         int draws[MAX_SAMPLES], flips[MAX_SAMPLES];                                             \
         int n_free = sample_draws(n, draws, flips);                                             \
@@ -802,7 +743,6 @@ DEFINE_BINOP_ROW(binop_row_f64, double)
         for (int64_t g = 0; g < groups; g++) {                                                  \
             uint32_t dwords[MAX_SAMPLES][4];                                                    \
             uint32_t rb[BLK], swords[4][PHILOX_LANES];                                          \
-            FT tmp[BLK];                                                                        \
             const FT *rows[MAX_SAMPLES];                                                        \
             int64_t e0 = g * BLK, cnt = e0 + BLK < numel ? BLK : numel - e0;                    \
             if (mode == MODE_RANDOM) {                                                          \
@@ -816,10 +756,6 @@ DEFINE_BINOP_ROW(binop_row_f64, double)
             }                                                                                   \
             for (int64_t i = 0; i < n; i++) {                                                   \
                 const FT *xi = x + i * xs + e0;                                                 \
-                if (bop) { /* the primitive's values, computed here, never stored */            \
-                    BINOP_ROW(bop, i, e0, cnt, tmp);                                            \
-                    xi = tmp;                                                                   \
-                }                                                                               \
                 if (mode != MODE_NONE) {                                                        \
                     FT *oi = out + i * numel + e0;                                              \
                     sample_bits(p, mode, g, cnt, i, draws, flips, dwords, swords, rb);          \
@@ -855,34 +791,34 @@ DEFINE_BINOP_ROW(binop_row_f64, double)
     }
 
 DEFINE_ROUND_STATS_MODE(rs_f32_random, float, round_row_f32, digits_block_f32, close_block_f32,
-                        perturb_group_f32, binop_row_f32, MODE_RANDOM)
+                        perturb_group_f32, MODE_RANDOM)
 DEFINE_ROUND_STATS_MODE(rs_f32_stochastic, float, round_row_f32, digits_block_f32, close_block_f32,
-                        perturb_group_f32, binop_row_f32, MODE_STOCHASTIC)
+                        perturb_group_f32, MODE_STOCHASTIC)
 DEFINE_ROUND_STATS_MODE(rs_f32_nearest, float, round_row_f32, digits_block_f32, close_block_f32,
-                        perturb_group_f32, binop_row_f32, MODE_NEAREST)
+                        perturb_group_f32, MODE_NEAREST)
 DEFINE_ROUND_STATS_MODE(rs_f32_up, float, round_row_f32, digits_block_f32, close_block_f32,
-                        perturb_group_f32, binop_row_f32, MODE_UP)
+                        perturb_group_f32, MODE_UP)
 DEFINE_ROUND_STATS_MODE(rs_f32_down, float, round_row_f32, digits_block_f32, close_block_f32,
-                        perturb_group_f32, binop_row_f32, MODE_DOWN)
+                        perturb_group_f32, MODE_DOWN)
 DEFINE_ROUND_STATS_MODE(rs_f32_zero, float, round_row_f32, digits_block_f32, close_block_f32,
-                        perturb_group_f32, binop_row_f32, MODE_ZERO)
+                        perturb_group_f32, MODE_ZERO)
 DEFINE_ROUND_STATS_MODE(rs_f32_none, float, round_row_f32, digits_block_f32, close_block_f32,
-                        perturb_group_f32, binop_row_f32, MODE_NONE)
+                        perturb_group_f32, MODE_NONE)
 
 DEFINE_ROUND_STATS_MODE(rs_f64_random, double, round_row_f64, digits_block_f64, close_block_f64,
-                        perturb_group_f64, binop_row_f64, MODE_RANDOM)
+                        perturb_group_f64, MODE_RANDOM)
 DEFINE_ROUND_STATS_MODE(rs_f64_stochastic, double, round_row_f64, digits_block_f64, close_block_f64,
-                        perturb_group_f64, binop_row_f64, MODE_STOCHASTIC)
+                        perturb_group_f64, MODE_STOCHASTIC)
 DEFINE_ROUND_STATS_MODE(rs_f64_nearest, double, round_row_f64, digits_block_f64, close_block_f64,
-                        perturb_group_f64, binop_row_f64, MODE_NEAREST)
+                        perturb_group_f64, MODE_NEAREST)
 DEFINE_ROUND_STATS_MODE(rs_f64_up, double, round_row_f64, digits_block_f64, close_block_f64,
-                        perturb_group_f64, binop_row_f64, MODE_UP)
+                        perturb_group_f64, MODE_UP)
 DEFINE_ROUND_STATS_MODE(rs_f64_down, double, round_row_f64, digits_block_f64, close_block_f64,
-                        perturb_group_f64, binop_row_f64, MODE_DOWN)
+                        perturb_group_f64, MODE_DOWN)
 DEFINE_ROUND_STATS_MODE(rs_f64_zero, double, round_row_f64, digits_block_f64, close_block_f64,
-                        perturb_group_f64, binop_row_f64, MODE_ZERO)
+                        perturb_group_f64, MODE_ZERO)
 DEFINE_ROUND_STATS_MODE(rs_f64_none, double, round_row_f64, digits_block_f64, close_block_f64,
-                        perturb_group_f64, binop_row_f64, MODE_NONE)
+                        perturb_group_f64, MODE_NONE)
 
 /* The per-call constants of the statistics, once per call instead of once per group. */
 static params_t derive_params(const params_t *p, int64_t n) {
@@ -897,18 +833,18 @@ static params_t derive_params(const params_t *p, int64_t n) {
 /* Exported entry points: one specialised body per mode (the mode is a constant in each). */
 #define DEFINE_ROUND_STATS(NAME, FT, DT)                                                        \
     void NAME(const FT *x, int64_t xs, FT *out, int64_t n, int64_t numel, const params_t *p,   \
-              double *stats, FT *dig, fused_t *fused, const binop_t *bop) {                                         \
-        if (n < 1 || n > MAX_SAMPLES || (bop && p->mode == MODE_NONE)) return;                                                   \
+              double *stats, FT *dig, fused_t *fused) {                                         \
+        if (n < 1 || n > MAX_SAMPLES) return;                                                   \
         params_t q = derive_params(p, n);                                                       \
         p = &q;                                                                                 \
         switch (p->mode) {                                                                      \
-        case MODE_RANDOM: rs_##DT##_random(x, xs, out, n, numel, p, stats, dig, fused, bop); break;         \
-        case MODE_STOCHASTIC: rs_##DT##_stochastic(x, xs, out, n, numel, p, stats, dig, fused, bop); break; \
-        case MODE_NEAREST: rs_##DT##_nearest(x, xs, out, n, numel, p, stats, dig, fused, bop); break;       \
-        case MODE_UP: rs_##DT##_up(x, xs, out, n, numel, p, stats, dig, fused, bop); break;                 \
-        case MODE_DOWN: rs_##DT##_down(x, xs, out, n, numel, p, stats, dig, fused, bop); break;             \
-        case MODE_ZERO: rs_##DT##_zero(x, xs, out, n, numel, p, stats, dig, fused, bop); break;             \
-        default: rs_##DT##_none(x, xs, out, n, numel, p, stats, dig, fused, bop); break;                    \
+        case MODE_RANDOM: rs_##DT##_random(x, xs, out, n, numel, p, stats, dig, fused); break;         \
+        case MODE_STOCHASTIC: rs_##DT##_stochastic(x, xs, out, n, numel, p, stats, dig, fused); break; \
+        case MODE_NEAREST: rs_##DT##_nearest(x, xs, out, n, numel, p, stats, dig, fused); break;       \
+        case MODE_UP: rs_##DT##_up(x, xs, out, n, numel, p, stats, dig, fused); break;                 \
+        case MODE_DOWN: rs_##DT##_down(x, xs, out, n, numel, p, stats, dig, fused); break;             \
+        case MODE_ZERO: rs_##DT##_zero(x, xs, out, n, numel, p, stats, dig, fused); break;             \
+        default: rs_##DT##_none(x, xs, out, n, numel, p, stats, dig, fused); break;                    \
         }                                                                                       \
     }
 
