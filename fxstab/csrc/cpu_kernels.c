@@ -463,16 +463,30 @@ ALWAYS_INLINE void digits_block_f32_n(const float *const *rows, int64_t n, int64
     vf8 sum = zero, lo = capv, hi = zero;
     vi8 zeros = (vi8){0}, nf = (vi8){0};
     int64_t full = cnt & ~(int64_t)7;
+    /* two loops over the group, as in stats_block_f32_n */
+    float vbuf[BLK];
+    int32_t fbuf[BLK];
     for (int64_t el = 0; el < full; el += 8) {
         vf8 mean, var;
         vi8 finite, identical, exact_zero;
         moments8(rows, n, el, inv_n, &mean, &var, &finite, &identical, &exact_zero);
+        vi8 flags = (finite & 1) | (identical & 2) | (exact_zero & 4) | ((mean == zero) & 8);
+        vstore8(vbuf + el, var);
+        memcpy(fbuf + el, &flags, sizeof flags);
+    }
+    for (int64_t el = 0; el < full; el += 8) {
+        vf8 var = vload8(vbuf + el);
+        vi8 flags;
+        memcpy(&flags, fbuf + el, sizeof flags);
+        vi8 z0 = (vi8){0};
+        vi8 finite = (flags & 1) != z0, identical = (flags & 2) != z0,
+            exact_zero = (flags & 4) != z0, mean_zero = (flags & 8) != z0;
         /* var = 0 -> log = -inf -> cap; NaN or inf -> 0; tiny -> above the cap */
         vi8 normal = (var >= tiny) & ((var - var) == zero);
         vf8 c = vlog10_8(vsel8(normal, var, vsplat8(1.0f))) * -0.5f + Kv;
         c = vsel8(normal, c, vsel8((var >= zero) & (var < tiny), capv, zero));
         c = vsel8(c > capv, capv, vsel8(c < zero, zero, c));
-        c = vsel8(mean == zero, zero, c);
+        c = vsel8(mean_zero, zero, c);
         c = vsel8(identical, capv, c);
         c = vsel8(finite, c, zero);
         vi8 is_zero = finite & ~exact_zero & (c < thr);
@@ -522,14 +536,29 @@ ALWAYS_INLINE void stats_block_f32_n(const float *const *rows, int64_t n, int64_
     const vi8 capz = (vi8){0} - (cap < thr_d), zz = (vi8){0} - (0.0 < thr_d);
     const vf8 zero = vsplat8(0.0f), one = vsplat8(1.0f);
     vf8 prod = one, maxv = zero, minv = vsplat8(INFINITY);
-    vi8 esum = (vi8){0}, nlin = (vi8){0}, ncap = (vi8){0}, anyz = (vi8){0}, anyc = (vi8){0};
+    vi8 esum = (vi8){0}, nlin = (vi8){0}, ncap = (vi8){0};
     vi8 zeros = (vi8){0}, nf = (vi8){0};
     int64_t full = cnt & ~(int64_t)7;
+    /* two loops over the group, each with few live vectors (no spilled accumulators): the
+     * moments, kept in L1, then the classification and the sums */
+    float vbuf[BLK];
+    int32_t fbuf[BLK];
     for (int64_t el = 0; el < full; el += 8) {
         vf8 mean, var;
         vi8 finite, identical, exact_zero;
         moments8(rows, n, el, inv_n, &mean, &var, &finite, &identical, &exact_zero);
-        vi8 nz = mean != zero;
+        vi8 nzm = mean != zero;
+        vi8 flags = (finite & 1) | (identical & 2) | (exact_zero & 4) | (nzm & 8);
+        vstore8(vbuf + el, var);
+        memcpy(fbuf + el, &flags, sizeof flags);
+    }
+    for (int64_t el = 0; el < full; el += 8) {
+        vf8 var = vload8(vbuf + el);
+        vi8 flags;
+        memcpy(&flags, fbuf + el, sizeof flags);
+        vi8 z0 = (vi8){0};
+        vi8 finite = (flags & 1) != z0, identical = (flags & 2) != z0,
+            exact_zero = (flags & 4) != z0, nz = (flags & 8) != z0;
         vi8 is_cap = finite & (identical | (nz & (var >= zero) & (var <= vcap)));
         vi8 lin = finite & ~identical & nz & (var > vcap) & (var < vzero);
         vi8 is_zero = ~is_cap & ~lin;
@@ -540,8 +569,6 @@ ALWAYS_INLINE void stats_block_f32_n(const float *const *rows, int64_t n, int64_
         ncap -= is_cap;
         maxv = vsel8(lin & (var > maxv), var, maxv);
         minv = vsel8(lin & (var < minv), var, minv);
-        anyz |= is_zero;
-        anyc |= is_cap;
         vi8 zmask = finite & ~exact_zero & ((lin & (var > vthr)) | (is_cap & capz) | (is_zero & zz));
         zeros -= zmask;
         nf -= ~finite;
@@ -549,6 +576,7 @@ ALWAYS_INLINE void stats_block_f32_n(const float *const *rows, int64_t n, int64_
     }
     if (full) {
         double ssum = 0, szero = 0, snf = 0, mnv = *s_min, mxv = *s_max;
+        const int64_t iters = full / 8;
         vi8 has = nlin != (vi8){0};
         vf8 lprod = vlog10_8(prod), lmax = vlog10_8(vsel8(has, maxv, one)),
             lmin = vlog10_8(vsel8(has, minv, one));
@@ -558,8 +586,8 @@ ALWAYS_INLINE void stats_block_f32_n(const float *const *rows, int64_t n, int64_
             szero += zeros[l];
             snf += nf[l];
             double lo = INFINITY, hi = -INFINITY;
-            if (anyz[l]) { lo = 0; hi = 0; }
-            if (anyc[l]) { lo = lo < cap ? lo : cap; hi = cap; }
+            if (nlin[l] + ncap[l] < iters) { lo = 0; hi = 0; }
+            if (ncap[l]) { lo = lo < cap ? lo : cap; hi = cap; }
             if (nlin[l]) {
                 double dlo = Kd - 0.5 * (double)lmax[l];
                 double dhi = Kd - 0.5 * (double)lmin[l];
