@@ -570,7 +570,7 @@ class SampleInterpreter:
                     samples, self.fmt, cfg.rounding, self._seed(plan, j),
                     cfg.data_perturbation_threshold, self._seed(user, 1000 + leaf),
                     saturate=cfg.saturate, confidence=cfg.confidence,
-                    zero_threshold=cfg.zero_threshold, in_place=own)
+                    zero_threshold=cfg.zero_threshold, in_place=own, as_list=True)
                 out = Stacked(samples)
                 self.preperturbed[user.index] = (out, count)
             else:
@@ -589,7 +589,8 @@ class SampleInterpreter:
                      in_place: bool = False):
         """Round (unless ``rounded`` is False) and measure one output's samples.
 
-        Returns the samples and [sum of digits, min, max, zeros, non-finite, numel];
+        Returns the samples and [sum of digits, min, max, zeros, non-finite, numel] (a list
+        from the CPU kernels, a tensor from the others: ``_finish`` reads both);
         ``in_place`` lets the fused CPU kernels overwrite ``samples`` (an output nothing else
         holds), which saves one copy of every output at the peak. The fused
         Triton kernel does both in one pass where ``kernels`` selects it (CUDA by default);
@@ -600,13 +601,13 @@ class SampleInterpreter:
         cap = digits_cap(self.fmt, samples.dtype)
         numel = samples[0].numel()
         if numel == 0:
-            return samples, torch.tensor([0.0, cap, cap, 0.0, 0.0, 0.0], dtype=torch.float64)
+            return samples, [0.0, cap, cap, 0.0, 0.0, 0.0]
         if self.a.owner.uses_native(samples):
             out, vec, _ = native.round_stats(samples, self.fmt, cfg.rounding if rounded else None,
                                              seed, saturate=cfg.saturate,
                                              confidence=cfg.confidence,
                                              zero_threshold=cfg.zero_threshold,
-                                             in_place=in_place)
+                                             in_place=in_place, as_list=True)
             return out, vec
         if rounded and self.a.owner.uses_triton(samples):
             from .kernels.dispatch import round_and_stats
@@ -626,11 +627,16 @@ class SampleInterpreter:
         if not self.pending:
             return
         owner = self.a.owner
-        vecs = [v for _, stats, _, _, _ in self.pending for v in stats]
-        try:  # one stack and one transfer for the whole call
-            rows = torch.stack(vecs).tolist()
-        except RuntimeError:  # outputs on several devices
-            rows = torch.stack([v.cpu() for v in vecs]).tolist()
+        # the CPU kernels return lists; tensors (Triton, references): one stack, one transfer
+        rows = [v for _, stats, _, _, _ in self.pending for v in stats]
+        at = [i for i, v in enumerate(rows) if isinstance(v, torch.Tensor)]
+        if at:
+            try:
+                values = torch.stack([rows[i] for i in at]).tolist()
+            except RuntimeError:  # outputs on several devices
+                values = torch.stack([rows[i].cpu() for i in at]).tolist()
+            for i, v in zip(at, values):
+                rows[i] = v
         i = 0
         for plan, stats, fired, status, shape in self.pending:
             k = len(stats)

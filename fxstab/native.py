@@ -243,7 +243,7 @@ def round_stats(
 def round_perturb(samples: torch.Tensor, fmt: Format, mode: Rounding, seed: int, eta: float,
                   perturb_seed: int, *, saturate: bool = False, confidence: float = 0.95,
                   zero_threshold: float = 0.5, n_samples: Optional[int] = None,
-                  in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
+                  in_place: bool = False, as_list: bool = False) -> tuple:
     """:func:`round_stats` (statistics of the rounded samples) followed by the GEMM surrogate of
     :func:`perturb` on the rounded samples, in the same pass: each group of elements is
     perturbed while it is still in cache. The samples come back rounded *and* perturbed (bit
@@ -252,7 +252,7 @@ def round_perturb(samples: torch.Tensor, fmt: Format, mode: Rounding, seed: int,
     out, stats, _, count, _ = _round_stats(samples, fmt, mode, seed, saturate, confidence,
                                            zero_threshold, True, False, n_samples, in_place,
                                            (eta, perturb_seed), False)
-    return out, torch.tensor(stats, dtype=torch.float64), count
+    return out, stats if as_list else torch.tensor(stats, dtype=torch.float64), count
 
 
 def _round_stats(samples, fmt, mode, seed, saturate, confidence, zero_threshold, want_stats,
