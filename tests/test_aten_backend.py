@@ -142,3 +142,42 @@ def test_eval_batchnorm_with_empty_saved_statistics_is_analysed():
     torch.manual_seed(0)
     be, _ = analyse(CNN().eval(), torch.randn(2, 3, 8, 8))
     assert any("batch_norm" in r.name for r in be.reports)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp32"])
+def test_cpu_kernels_match_the_torch_references(fmt):
+    """kernels="cpu" (zero masks from the kernel, counters skipped where the statistics rule
+    them out, statistics without per-element logarithms) against kernels="torch": the same
+    samples bit for bit (the mean output), the same counters, the same digits."""
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(24, 24)
+            self.scale = torch.nn.Parameter(torch.rand(24) + 0.5)
+
+        def forward(self, x):
+            h = torch.nn.functional.layer_norm(self.fc(x), (24,)) * self.scale + x
+            h = h - h.mean(-1, keepdim=True) / 3.0
+            cancelled = (x + 1e5) - 1e5  # a cancellation in every format
+            return torch.softmax(h / 0.7, dim=-1) + 2 * h[:, :1] - (h.t() * 0.5).t() + cancelled
+
+    from fxstab import native
+
+    if not native.available():
+        pytest.skip("no C compiler for fxstab.native")
+    torch.manual_seed(0)
+    m, x = Block(), torch.randn(6, 24)
+    got = {}
+    for kernels in ("cpu", "torch"):
+        torch._dynamo.reset()
+        be, y = analyse(m, x, format=fmt, output="mean", kernels=kernels, seed=4)
+        got[kernels] = (y, {r.name: r for r in be.reports})
+    (y_cpu, r_cpu), (y_torch, r_torch) = got["cpu"], got["torch"]
+    assert torch.equal(y_cpu, y_torch)
+    assert r_cpu.keys() == r_torch.keys() and len(r_cpu) > 15
+    for name, r in r_cpu.items():
+        t = r_torch[name]
+        assert r.counters == t.counters, name
+        assert r.non_finite == t.non_finite and r.zero_fraction == t.zero_fraction, name
+        assert abs(r.avg_digits - t.avg_digits) < 1e-5 and abs(r.min_digits - t.min_digits) < 1e-4
+    assert sum(sum(r.counters.values()) for r in r_cpu.values()) > 0  # some counter fired
