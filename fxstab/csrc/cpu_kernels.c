@@ -373,8 +373,8 @@ ALWAYS_INLINE float log10_posf(float v) {
 
 DEFINE_DIGITS_BLOCK(digits_block_f32_scalar, float, 1.1754943508222875e-38, log10_posf, int32_t,
                     0x1p-100, 0x1p64)
-DEFINE_DIGITS_BLOCK(digits_block_f64, double, 2.2250738585072014e-308, log10_pos, int64_t,
-                    0x1p-1000, 0x1p128)
+DEFINE_DIGITS_BLOCK(digits_block_f64_plain, double, 2.2250738585072014e-308, log10_pos,
+                    int64_t, 0x1p-1000, 0x1p128)
 
 /* ---------------------------------------------------------------------------------------
  * The fp32 digits in explicit 8-lane vectors (GCC/Clang vector extensions: AVX2 on x86,
@@ -446,8 +446,12 @@ ALWAYS_INLINE void moments8(const float *const *rows, int64_t n, int64_t el, flo
 /* Per-element digits (written to dig) and their statistics. */
 /* 8 lanes of a mask (-1 or 0) as 0/1 bytes (narrowed in registers, one 8-byte store) */
 typedef int8_t vb8 __attribute__((vector_size(8)));
+typedef int8_t vb32 __attribute__((vector_size(32)));
 ALWAYS_INLINE void store_mask8(uint8_t *zm, vi8 m) {
-    vb8 b = __builtin_convertvector(m & 1, vb8);
+    /* the low byte of each lane (a byte shuffle; __builtin_convertvector narrows lane by
+     * lane through general registers) */
+    vb32 v = (vb32)(m & 1);
+    vb8 b = __builtin_shufflevector(v, v, 0, 4, 8, 12, 16, 20, 24, 28);
     memcpy(zm, &b, sizeof b);
 }
 
@@ -521,13 +525,71 @@ ALWAYS_INLINE void digits_block_f32_n(const float *const *rows, int64_t n, int64
  * logarithms of those elements is the logarithm of their product, kept as a product of
  * significands (< 2^16 over the 16 vectors of a group) and a sum of exponents. One log10 per
  * lane and group remains. */
+/* One thread's running statistics of stats_block_f32_n, per lane: reduced to the six numbers
+ * once per thread (acc8_finish), not once per group. The product of significands is folded
+ * back to [1, 2) after each group (its exponent into esum); the integer counts move to
+ * doubles before they could overflow. */
+typedef struct {
+    vf8 prod, maxv, minv;
+    vi8 esum, nlin, ncap, zeros, nf;
+    double esum_d[8], nlin_d[8], ncap_d[8], zeros_d[8], nf_d[8];
+    int64_t iters, since_flush;  /* 8-element vectors per lane: in all, since the last flush */
+} acc8_t;
+
+static void acc8_init(acc8_t *a) {
+    memset(a, 0, sizeof *a);
+    a->prod = vsplat8(1.0f);
+    a->minv = vsplat8(INFINITY);
+}
+
+static void acc8_flush(acc8_t *a) {
+    for (int l = 0; l < 8; l++) {
+        a->esum_d[l] += a->esum[l]; a->nlin_d[l] += a->nlin[l]; a->ncap_d[l] += a->ncap[l];
+        a->zeros_d[l] += a->zeros[l]; a->nf_d[l] += a->nf[l];
+    }
+    a->esum = a->nlin = a->ncap = a->zeros = a->nf = (vi8){0};
+    a->since_flush = 0;
+}
+
+/* The statistics of the accumulated lanes: the digits of the linear-range elements are
+ * Kd - log10(var) / 2, so their sum is n Kd - (log10(product) + sum of exponents) / 2. */
+static void acc8_finish(acc8_t *a, const params_t *p, double *s_sum, double *s_min,
+                        double *s_max, double *s_zero, double *s_nf) {
+    if (a->iters == 0) return;
+    acc8_flush(a);
+    const double cap = p->cap, Kd = p->kd;
+    const vf8 one = vsplat8(1.0f);
+    vi8 has;
+    for (int l = 0; l < 8; l++) has[l] = a->nlin_d[l] > 0 ? -1 : 0;
+    vf8 lprod = vlog10_8(a->prod), lmax = vlog10_8(vsel8(has, a->maxv, one)),
+        lmin = vlog10_8(vsel8(has, a->minv, one));
+    double ssum = 0, szero = 0, snf = 0, mnv = *s_min, mxv = *s_max;
+    for (int l = 0; l < 8; l++) {
+        double logs = (double)lprod[l] + 0.30102999566398120 * a->esum_d[l];
+        ssum += a->nlin_d[l] * Kd - 0.5 * logs + cap * a->ncap_d[l];
+        szero += a->zeros_d[l];
+        snf += a->nf_d[l];
+        double lo = INFINITY, hi = -INFINITY;
+        if (a->nlin_d[l] + a->ncap_d[l] < (double)a->iters) { lo = 0; hi = 0; }
+        if (a->ncap_d[l] > 0) { lo = lo < cap ? lo : cap; hi = cap; }
+        if (a->nlin_d[l] > 0) {
+            double dlo = Kd - 0.5 * (double)lmax[l];
+            double dhi = Kd - 0.5 * (double)lmin[l];
+            lo = dlo < lo ? dlo : lo;
+            hi = dhi > hi ? dhi : hi;
+        }
+        mnv = lo < mnv ? lo : mnv;
+        mxv = hi > mxv ? hi : mxv;
+    }
+    *s_sum += ssum; *s_zero += szero; *s_nf += snf; *s_min = mnv; *s_max = mxv;
+}
+
 ALWAYS_INLINE void stats_block_f32_n(const float *const *rows, int64_t n, int64_t cnt,
-                                     const params_t *p, double K, uint8_t *restrict zm,
+                                     const params_t *p, uint8_t *restrict zm, acc8_t *acc,
                                      double *s_sum, double *s_min, double *s_max,
                                      double *s_zero, double *s_nf) {
-    (void)K;
     const float inv_n = 1.0f / (float)n;
-    const double cap = p->cap, thr_d = p->zero_threshold, Kd = p->kd;
+    const double cap = p->cap, thr_d = p->zero_threshold;
     const float tiny_f = 1.1754943508222875e-38f * (float)(n - 1);
     /* variances at or below vcap: the cap; at or above vzero: 0; above vthr: below thr */
     const vf8 vcap = vsplat8((float)p->vcap > tiny_f ? (float)p->vcap : tiny_f);
@@ -535,9 +597,8 @@ ALWAYS_INLINE void stats_block_f32_n(const float *const *rows, int64_t n, int64_
     const vf8 vthr = vsplat8((float)p->vthr);
     const vi8 capz = (vi8){0} - (cap < thr_d), zz = (vi8){0} - (0.0 < thr_d);
     const vf8 zero = vsplat8(0.0f), one = vsplat8(1.0f);
-    vf8 prod = one, maxv = zero, minv = vsplat8(INFINITY);
-    vi8 esum = (vi8){0}, nlin = (vi8){0}, ncap = (vi8){0};
-    vi8 zeros = (vi8){0}, nf = (vi8){0};
+    vf8 prod = one, maxv = acc->maxv, minv = acc->minv;
+    vi8 esum = acc->esum, nlin = acc->nlin, ncap = acc->ncap, zeros = acc->zeros, nf = acc->nf;
     int64_t full = cnt & ~(int64_t)7;
     /* two loops over the group, each with few live vectors (no spilled accumulators): the
      * moments, kept in L1, then the classification and the sums */
@@ -575,35 +636,21 @@ ALWAYS_INLINE void stats_block_f32_n(const float *const *rows, int64_t n, int64_
         if (zm) store_mask8(zm + el, zmask);
     }
     if (full) {
-        double ssum = 0, szero = 0, snf = 0, mnv = *s_min, mxv = *s_max;
-        const int64_t iters = full / 8;
-        vi8 has = nlin != (vi8){0};
-        vf8 lprod = vlog10_8(prod), lmax = vlog10_8(vsel8(has, maxv, one)),
-            lmin = vlog10_8(vsel8(has, minv, one));
-        for (int l = 0; l < 8; l++) {
-            double logs = (double)lprod[l] + 0.30102999566398120 * (double)esum[l];
-            ssum += (double)nlin[l] * Kd - 0.5 * logs + cap * (double)ncap[l];
-            szero += zeros[l];
-            snf += nf[l];
-            double lo = INFINITY, hi = -INFINITY;
-            if (nlin[l] + ncap[l] < iters) { lo = 0; hi = 0; }
-            if (ncap[l]) { lo = lo < cap ? lo : cap; hi = cap; }
-            if (nlin[l]) {
-                double dlo = Kd - 0.5 * (double)lmax[l];
-                double dhi = Kd - 0.5 * (double)lmin[l];
-                lo = dlo < lo ? dlo : lo;
-                hi = dhi > hi ? dhi : hi;
-            }
-            mnv = lo < mnv ? lo : mnv;
-            mxv = hi > mxv ? hi : mxv;
-        }
-        *s_sum += ssum; *s_zero += szero; *s_nf += snf; *s_min = mnv; *s_max = mxv;
+        /* the group's product (< 2^16) times the running one (in [1, 2)): exponent out */
+        vi8 b = (vi8)(prod * acc->prod);
+        esum += (b >> 23) - 127;
+        acc->prod = (vf8)((b & 0x007FFFFF) | 0x3F800000);
+        acc->maxv = maxv; acc->minv = minv;
+        acc->esum = esum; acc->nlin = nlin; acc->ncap = ncap; acc->zeros = zeros; acc->nf = nf;
+        acc->iters += full / 8;
+        /* |exponents| <= 150 per vector: int32 lanes hold 2^23 vectors at least */
+        if ((acc->since_flush += full / 8) >= ((int64_t)1 << 22)) acc8_flush(acc);
     }
     if (full < cnt) {
         const float *tail[MAX_SAMPLES];
         for (int64_t i = 0; i < n; i++) tail[i] = rows[i] + full;
-        digits_block_f32_scalar(tail, n, cnt - full, p, K, NULL, zm ? zm + full : NULL, s_sum,
-                                s_min, s_max, s_zero, s_nf);
+        digits_block_f32_scalar(tail, n, cnt - full, p, log10(sqrt((double)n) / p->t), NULL,
+                                zm ? zm + full : NULL, s_sum, s_min, s_max, s_zero, s_nf);
     }
 }
 
@@ -611,21 +658,30 @@ ALWAYS_INLINE void stats_block_f32_n(const float *const *rows, int64_t n, int64_
  * element's samples stay in registers between the two passes. */
 ALWAYS_INLINE void digits_block_f32(const float *const *rows, int64_t n, int64_t cnt,
                                     const params_t *p, double K, float *restrict dig,
-                                    uint8_t *restrict zm, double *s_sum, double *s_min,
-                                    double *s_max, double *s_zero, double *s_nf) {
+                                    uint8_t *restrict zm, acc8_t *acc, double *s_sum,
+                                    double *s_min, double *s_max, double *s_zero, double *s_nf) {
     if (dig == NULL) {
         if (n == 3)
-            stats_block_f32_n(rows, 3, cnt, p, K, zm, s_sum, s_min, s_max, s_zero, s_nf);
+            stats_block_f32_n(rows, 3, cnt, p, zm, acc, s_sum, s_min, s_max, s_zero, s_nf);
         else if (n == 2)
-            stats_block_f32_n(rows, 2, cnt, p, K, zm, s_sum, s_min, s_max, s_zero, s_nf);
+            stats_block_f32_n(rows, 2, cnt, p, zm, acc, s_sum, s_min, s_max, s_zero, s_nf);
         else
-            stats_block_f32_n(rows, n, cnt, p, K, zm, s_sum, s_min, s_max, s_zero, s_nf);
+            stats_block_f32_n(rows, n, cnt, p, zm, acc, s_sum, s_min, s_max, s_zero, s_nf);
     } else if (n == 3)
         digits_block_f32_n(rows, 3, cnt, p, K, dig, zm, s_sum, s_min, s_max, s_zero, s_nf);
     else if (n == 2)
         digits_block_f32_n(rows, 2, cnt, p, K, dig, zm, s_sum, s_min, s_max, s_zero, s_nf);
     else
         digits_block_f32_n(rows, n, cnt, p, K, dig, zm, s_sum, s_min, s_max, s_zero, s_nf);
+}
+
+/* fp64 statistics accumulate per group (no running lanes) */
+ALWAYS_INLINE void digits_block_f64(const double *const *rows, int64_t n, int64_t cnt,
+                                    const params_t *p, double K, double *restrict dig,
+                                    uint8_t *restrict zm, acc8_t *acc, double *s_sum,
+                                    double *s_min, double *s_max, double *s_zero, double *s_nf) {
+    (void)acc;
+    digits_block_f64_plain(rows, n, cnt, p, K, dig, zm, s_sum, s_min, s_max, s_zero, s_nf);
 }
 
 /* Random bits (random mode) or words (stochastic mode) of sample i for elements e0..e0+cnt-1
@@ -767,7 +823,11 @@ DEFINE_PERTURB_GROUP(perturb_group_f64, double)
         int64_t n_close = 0;                                                                    \
         int nt = (int)p->nthreads;                                                              \
         if (numel * n < 32768) nt = 1;                                                          \
-        _Pragma("omp parallel for num_threads(nt) schedule(static) reduction(+:s_sum, s_zero, s_nf) reduction(min:s_min) reduction(max:s_max) reduction(+:n_close)") \
+        _Pragma("omp parallel num_threads(nt) reduction(+:s_sum, s_zero, s_nf) reduction(min:s_min) reduction(max:s_max) reduction(+:n_close)") \
+        {                                                                                       \
+        acc8_t acc;                                                                             \
+        acc8_init(&acc);                                                                        \
+        _Pragma("omp for schedule(static)")                                                     \
         for (int64_t g = 0; g < groups; g++) {                                                  \
             uint32_t dwords[MAX_SAMPLES][4];                                                    \
             uint32_t rb[BLK], swords[4][PHILOX_LANES];                                          \
@@ -794,8 +854,8 @@ DEFINE_PERTURB_GROUP(perturb_group_f64, double)
                 }                                                                               \
             }                                                                                   \
             if (want_stats)                                                                     \
-                DIGITS(rows, n, cnt, p, K, dig ? dig + e0 : NULL, zm ? zm + e0 : NULL, &s_sum,  \
-                       &s_min, &s_max, &s_zero, &s_nf);                                         \
+                DIGITS(rows, n, cnt, p, K, dig ? dig + e0 : NULL, zm ? zm + e0 : NULL, &acc,    \
+                       &s_sum, &s_min, &s_max, &s_zero, &s_nf);                                 \
             if (fuse) { /* the consumer GEMM's surrogate, on the rows just rounded */           \
                 FT mean[BLK];                                                                   \
                 int close[BLK];                                                                 \
@@ -806,6 +866,8 @@ DEFINE_PERTURB_GROUP(perturb_group_f64, double)
                     PERTURB_GROUP(out, numel, out, n, numel, g, e0, cnt, eta, fused->seed,      \
                                   close, moving);                                               \
             }                                                                                   \
+        }                                                                                       \
+        if (want_stats) acc8_finish(&acc, p, &s_sum, &s_min, &s_max, &s_zero, &s_nf);           \
         }                                                                                       \
         if (fuse) fused->count = n_close;                                                       \
         if (stats) {                                                                            \
