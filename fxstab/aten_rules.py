@@ -388,6 +388,7 @@ class PrimitiveRecord:
 
 
 _KERNELS = ("auto", "cpu", "torch")
+_NATIVE_DTYPES = (torch.float32, torch.float64)
 
 
 @dataclass
@@ -454,11 +455,22 @@ class AtenContext:
         self.counters = Counters("detailed" if self.diagnostics == "detailed" else "summary")
         self._occurrence: dict[str, int] = {}
         self._native = self.kernels != "torch" and native.available()
+        self._rounders: dict = {}
 
     def native_for(self, samples: torch.Tensor) -> bool:
         """Whether ``samples`` ([N, ...]) go through the fused CPU kernels."""
-        return (self._native and samples.device.type == "cpu"
-                and samples.dtype in (torch.float32, torch.float64))
+        return self._native and samples.is_cpu and samples.dtype in _NATIVE_DTYPES
+
+    def rounder(self, dtype: torch.dtype, rounded: bool) -> "native.Rounder":
+        """The fused kernel with this context's settings, rounding (or only measuring)."""
+        key = (dtype, rounded)
+        r = self._rounders.get(key)
+        if r is None:
+            r = self._rounders[key] = native.rounder(
+                self.fmt, self.rounding if rounded else None, dtype, self.n_samples,
+                saturate=self.saturate, confidence=self.confidence,
+                zero_threshold=self.zero_threshold)
+        return r
 
     def next_seed(self, salt: Optional[int] = None) -> int:
         self.calls += 1
@@ -506,16 +518,22 @@ def _round_measure(v: torch.Tensor, ctx: AtenContext, seed: Optional[int], want_
     kernel also writes the computational-zero mask with ``want_zeros`` (a consumer's counters
     read it; a byte per element instead of the digits).
     """
-    numel = math.prod(v.shape[1:]) if v.dim() else 1
+    numel = v.numel() // v.shape[0] if v.dim() and v.shape[0] else (0 if v.dim() else 1)
     if seed is None and not (want_stats or want_digits):
         return v, None, _Analysis(v, ctx)
     if ctx.native_for(v) and numel:
-        out, st, d, *z = native.round_stats(
-            v, ctx.fmt, None if seed is None else ctx.rounding, 0 if seed is None else seed,
-            saturate=ctx.saturate, confidence=ctx.confidence, zero_threshold=ctx.zero_threshold,
-            want_stats=want_stats or want_digits or want_zeros, want_digits=want_digits,
-            as_list=True, want_zero_mask=want_zeros)
-        return out, st, _Analysis(out, ctx, digits=d, stats=st, zero=z[0] if z else None)
+        want_stats = want_stats or want_digits or want_zeros
+        if v.is_contiguous():  # the usual case: the settings are bound once per context
+            out, st, d, z = ctx.rounder(v.dtype, seed is not None)(
+                v, 0 if seed is None else seed, want_stats, want_digits, want_zeros)
+        else:  # an expanded view (identical samples) is read N times, not copied
+            out, st, d, *z = native.round_stats(
+                v, ctx.fmt, None if seed is None else ctx.rounding, 0 if seed is None else seed,
+                saturate=ctx.saturate, confidence=ctx.confidence,
+                zero_threshold=ctx.zero_threshold, want_stats=want_stats,
+                want_digits=want_digits, as_list=True, want_zero_mask=want_zeros)
+            z = z[0] if z else None
+        return out, st, _Analysis(out, ctx, digits=d, stats=st, zero=z)
     if seed is not None:
         v = round_samples(v, ctx.fmt, ctx.rounding, seed, saturate=ctx.saturate)
     an = _Analysis(v, ctx)
@@ -1178,7 +1196,7 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
         diff = None
         if kind in _SELECT2 or kind in ("clamp", "clamp_min", "clamp_max"):
             diff = _limit_diff(kind, args, kwargs, ctx)
-        out_numel = first.samples[0].numel() if first is not None else 0
+        out_numel = first.samples.numel() // n if first is not None else 0
         found = _compute_counters(kind, args, kwargs, first, out_numel, ctx, diff)
         counts = _count(kind, found, out_numel, first, ctx, rec_name, op, detailed, None)
     else:

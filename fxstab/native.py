@@ -34,7 +34,8 @@ from .digits import digits_cap, student_t
 from .formats import Format
 from .rounding import Rounding, _WORKING, _float_bits
 
-__all__ = ["available", "supports", "round_stats", "round_perturb", "perturb", "library_path"]
+__all__ = ["available", "supports", "round_stats", "round_perturb", "perturb", "library_path",
+           "Rounder", "rounder"]
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.c"
 # -march=native: the element loops vectorise (variable shifts need AVX2 on x86); the cache key
@@ -44,6 +45,7 @@ _SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.c"
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared",
           "-std=gnu11"]
 MAX_SAMPLES = 256  # cpu_kernels.c: per-thread stack buffers
+_M64 = (1 << 64) - 1
 _MODES = {Rounding.RANDOM: 0, Rounding.STOCHASTIC: 1, Rounding.NEAREST: 2, Rounding.UP: 3,
           Rounding.DOWN: 4, Rounding.ZERO: 5}
 
@@ -152,7 +154,7 @@ def _checked(samples: torch.Tensor, n_samples: Optional[int], what: str):
     if lib is None:
         raise RuntimeError("fxstab.native: the fused CPU kernels are unavailable")
     x, n, xs, shape = _layout(samples, n_samples)
-    if not (x.device.type == "cpu" and x.dtype in _WORKING and 1 <= n <= MAX_SAMPLES):
+    if not (x.is_cpu and x.dtype in _WORKING and 1 <= n <= MAX_SAMPLES):
         raise ValueError(f"fxstab.native.{what}: CPU float32/float64 samples with "
                          f"1..{MAX_SAMPLES} samples, got {x.dtype} on {x.device}, N={n}")
     return lib, (x, n, xs, shape)
@@ -168,19 +170,21 @@ def _layout(x: torch.Tensor, n_samples: Optional[int]) -> tuple[torch.Tensor, in
     """(contiguous data, n, sample stride, sample shape) for stacked or broadcast samples."""
     if n_samples is None:
         n = x.shape[0]
+        shape = tuple(x.shape[1:])
+        if x.is_contiguous():  # the common case, first: this runs for every primitive
+            return x, n, x.numel() // n if n else 0, shape
         if n and x.stride(0) == 0 and x[0].is_contiguous():  # expand()ed plain value
-            return x[0], n, 0, tuple(x.shape[1:])
+            return x[0], n, 0, shape
         x = x.contiguous()
-        return x, n, x[0].numel() if n else 0, tuple(x.shape[1:])
+        return x, n, x.numel() // n if n else 0, shape
     x = x.contiguous()
     return x, n_samples, 0, tuple(x.shape)
 
 
-@functools.lru_cache(maxsize=256)
 def _base_params(fmt: Format, mode: Optional[Rounding], dtype: torch.dtype, saturate: bool,
                  n: int, confidence: float, zero_threshold: float) -> _Params:
-    """The per-call constants of round_stats (seed and threads are set per call): the
-    analysis of a model calls it hundreds of times with the same few settings."""
+    """The constants of round_stats for these settings (a :class:`Rounder` sets the seed, the
+    threads and the mask's address per call)."""
     if not fmt.fits_in(dtype):
         raise ValueError(f"format {fmt.name} does not fit in {dtype}")
     _, _, wbias, _, _ = _WORKING[dtype]
@@ -260,40 +264,92 @@ def _round_stats(samples, fmt, mode, seed, saturate, confidence, zero_threshold,
     lib, (x, n, xs, shape) = _checked(samples, n_samples, "round_stats")
     if (want_stats or want_digits or want_zero_mask) and n < 2:
         raise ValueError(f"digits need N >= 2 samples, got N={n}")
-    numel = math.prod(shape)
-    p = _Params.from_buffer_copy(_base_params(fmt, mode, x.dtype, bool(saturate), n,
-                                              float(confidence), float(zero_threshold)))
-    p.seed = seed & ((1 << 64) - 1)
-    p.nthreads = torch.get_num_threads()
+    r = rounder(fmt, mode, x.dtype, n, saturate=saturate, confidence=confidence,
+                zero_threshold=zero_threshold)
     if mode is None:
-        out = x
+        out = x.expand(n, *shape) if n_samples is not None else x
     elif in_place and xs and x.data_ptr() == samples.data_ptr():  # contiguous() made no copy
         out = x
+    elif xs:
+        out = torch.empty_like(x)  # x is [n, *shape], contiguous
     else:
         out = torch.empty((n, *shape), dtype=x.dtype)
-    if mode is None and n_samples is not None:
-        out = x.expand(n, *shape)
-    stats = (ctypes.c_double * 6)() if want_stats else None
-    digits = torch.empty(shape, dtype=x.dtype) if want_digits else None
-    zeros = None
-    if want_zero_mask:
-        zeros = torch.zeros(shape, dtype=torch.uint8)
-        p.zmask = zeros.data_ptr()
     fused = None
     if perturb_args is not None:
         if mode is None:
             raise ValueError("round_perturb needs a rounding mode")
-        fused = _Fused(eta=float(perturb_args[0]), seed=perturb_args[1] & ((1 << 64) - 1))
-    if numel:
-        fn = lib.fxstab_round_stats_f32 if x.dtype == torch.float32 else lib.fxstab_round_stats_f64
-        fn(x.data_ptr(), xs, None if mode is None else out.data_ptr(), n, numel, ctypes.byref(p),
-           stats, None if digits is None else digits.data_ptr(),
-           None if fused is None else ctypes.byref(fused))
-        stats = None if stats is None else list(stats)
-    elif stats is not None:
-        stats = [0.0, p.cap, p.cap, 0.0, 0.0, 0.0]
-    return (out, stats, digits, 0 if fused is None else int(fused.count),
-            None if zeros is None else zeros.view(torch.bool))
+        fused = _Fused(eta=float(perturb_args[0]), seed=perturb_args[1] & _M64)
+    stats, digits, zeros = r._run(x, xs, out, shape, seed, want_stats, want_digits,
+                                  want_zero_mask, fused)
+    return out, stats, digits, 0 if fused is None else int(fused.count), zeros
+
+
+class Rounder:
+    """:func:`round_stats` with its settings bound once (format, mode, dtype, N, confidence,
+    zero threshold): what a caller that rounds every primitive of a model with the same
+    settings holds (the arithmetic level), so each call is the allocations and one C call.
+
+    Call it with contiguous stacked samples ``[N, ...]`` (CPU, the bound dtype):
+    ``rounder(samples, seed, want_stats, want_digits, want_zero_mask)`` returns ``(rounded
+    samples or the samples themselves without a mode, stats list or None, digits or None, zero
+    mask or None)``, as :func:`round_stats` with ``as_list=True``.
+    """
+
+    __slots__ = ("_fn", "_base", "mode", "dtype", "n", "cap")
+
+    def __init__(self, fn, base: _Params, mode: Optional[Rounding], dtype: torch.dtype, n: int):
+        self._fn, self._base, self.mode, self.dtype, self.n = fn, base, mode, dtype, n
+        self.cap = base.cap
+
+    def __call__(self, x: torch.Tensor, seed: int, want_stats: bool = True,
+                 want_digits: bool = False, want_zero_mask: bool = False) -> tuple:
+        if not (x.is_contiguous() and x.dtype is self.dtype and x.is_cpu and x.dim()
+                and x.shape[0] == self.n):
+            raise ValueError(f"fxstab.native.Rounder: contiguous CPU {self.dtype} samples "
+                             f"[{self.n}, ...], got {x.dtype} {tuple(x.shape)} on {x.device}")
+        n = self.n
+        out = x if self.mode is None else torch.empty_like(x)
+        stats, digits, zeros = self._run(x, x.numel() // n, out, tuple(x.shape[1:]), seed,
+                                         want_stats, want_digits, want_zero_mask, None)
+        return out, stats, digits, zeros
+
+    def _run(self, x, xs, out, shape, seed, want_stats, want_digits, want_zero_mask, fused):
+        p = _Params.from_buffer_copy(self._base)
+        p.seed = seed & _M64
+        p.nthreads = torch.get_num_threads()
+        stats = (ctypes.c_double * 6)() if want_stats else None
+        digits = torch.empty(shape, dtype=x.dtype) if want_digits else None
+        zeros = None
+        if want_zero_mask:  # the kernel writes every byte (0 or 1: valid bools)
+            zeros = torch.empty(shape, dtype=torch.bool)
+            p.zmask = zeros.data_ptr()
+        numel = math.prod(shape)
+        if numel:
+            self._fn(x.data_ptr(), xs, None if self.mode is None else out.data_ptr(), self.n,
+                     numel, ctypes.byref(p), stats,
+                     None if digits is None else digits.data_ptr(),
+                     None if fused is None else ctypes.byref(fused))
+            stats = None if stats is None else stats[:]
+        elif stats is not None:
+            stats = [0.0, p.cap, p.cap, 0.0, 0.0, 0.0]
+        return stats, digits, zeros
+
+
+@functools.lru_cache(maxsize=256)
+def rounder(fmt: Format, mode: Optional[Rounding], dtype: torch.dtype, n: int, *,
+            saturate: bool = False, confidence: float = 0.95,
+            zero_threshold: float = 0.5) -> Rounder:
+    """The :class:`Rounder` of these settings (cached)."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("fxstab.native: the fused CPU kernels are unavailable")
+    if dtype not in _WORKING or not 1 <= n <= MAX_SAMPLES:
+        raise ValueError(f"fxstab.native: float32/float64 samples with 1..{MAX_SAMPLES} "
+                         f"samples, got {dtype}, N={n}")
+    fn = lib.fxstab_round_stats_f32 if dtype == torch.float32 else lib.fxstab_round_stats_f64
+    base = _base_params(fmt, mode, dtype, bool(saturate), n, float(confidence),
+                        float(zero_threshold))
+    return Rounder(fn, base, mode, dtype, n)
 
 
 def perturb(samples: torch.Tensor, eta: float, seed: int, *,
