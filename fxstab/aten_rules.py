@@ -510,7 +510,7 @@ def round_stacked(samples: torch.Tensor, fmt: Format, mode: Rounding, seed: int,
 
 
 def _round_measure(v: torch.Tensor, ctx: AtenContext, seed: Optional[int], want_stats: bool,
-                   want_digits: bool, want_zeros: bool = False):
+                   want_digits: bool, want_zeros: bool = False, own: bool = False):
     """Round ``v`` ([N, ...], unless ``seed`` is None: measure only) and measure it.
 
     Returns (samples, stats list [sum, min, max, zeros, non-finite, numel] or None, analysis):
@@ -525,7 +525,7 @@ def _round_measure(v: torch.Tensor, ctx: AtenContext, seed: Optional[int], want_
         want_stats = want_stats or want_digits or want_zeros
         if v.is_contiguous():  # the usual case: the settings are bound once per context
             out, st, d, z = ctx.rounder(v.dtype, seed is not None)(
-                v, 0 if seed is None else seed, want_stats, want_digits, want_zeros)
+                v, 0 if seed is None else seed, want_stats, want_digits, want_zeros, own)
         else:  # an expanded view (identical samples) is read N times, not copied
             out, st, d, *z = native.round_stats(
                 v, ctx.fmt, None if seed is None else ctx.rounding, 0 if seed is None else seed,
@@ -805,7 +805,7 @@ def _run_per_sample(op, args, kwargs, n):
 
 def _run_batched(op, info: OpInfo, args: tuple, kwargs: dict, n: int):
     """Run ``op`` on all samples; returns (outputs with sample dim, lifted)."""
-    stacked_kw = _has_stacked((), kwargs)
+    stacked_kw = bool(kwargs) and _has_stacked((), kwargs)
     if (info.pointwise or info.prim is not None and not isinstance(info.prim, str)) \
             and not stacked_kw:
         nd = _logical_ndim(args)
@@ -828,6 +828,24 @@ def _run_batched(op, info: OpInfo, args: tuple, kwargs: dict, n: int):
         except Exception:  # noqa: BLE001 - any failure falls back to per-sample execution
             pass
     return _run_per_sample(op, args, kwargs, n), False
+
+
+def _owned(v: torch.Tensor, args: tuple) -> bool:
+    """Whether the primitive's result ``v`` is memory of its own (not a view, not an operand):
+    then it is rounded in place instead of into a new buffer, one memory pass less."""
+    if v._base is not None:
+        return False
+    ptr = v.data_ptr()
+    for a in args:
+        if type(a) is Stacked:
+            if a.samples.data_ptr() == ptr:
+                return False
+        elif isinstance(a, torch.Tensor):
+            if a.data_ptr() == ptr:
+                return False
+        elif isinstance(a, (list, tuple)):  # cat, stack: fresh results, but be sure
+            return False
+    return True
 
 
 def _all_identical(args: tuple) -> bool:
@@ -1017,12 +1035,17 @@ def _to_working(x, ctx):
     return x
 
 
+_PASS_THROUGH = frozenset({Stacked, int, float, bool, type(None)})
+
+
 def _working_args(args: tuple, ctx: AtenContext) -> tuple:
     """Plain floating tensors (and float dtype arguments) in the working dtype; the tuple itself
     when nothing changes (the common case: no copy, no pytree walk)."""
     wd = ctx.working_dtype
     new = None
     for i, a in enumerate(args):
+        if type(a) in _PASS_THROUGH:  # samples are in the working dtype already
+            continue
         if isinstance(a, torch.Tensor):
             if a.dtype != wd and a.is_floating_point():
                 new = list(args) if new is None else new
@@ -1102,11 +1125,12 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
                 for v in ((out,) if isinstance(out, torch.Tensor) else pytree.tree_leaves(out))):
             return out
     args = _working_args(args, ctx)
-    kwargs = _fix_dtype_kwargs(kind, kwargs, ctx)
+    if kwargs:
+        kwargs = _fix_dtype_kwargs(kind, kwargs, ctx)
     collectors = active_collectors()
     counting = ctx.diagnostics != "off" or bool(collectors)
-    detailed = counting and (ctx.diagnostics == "detailed"
-                             or any(c.diagnostics == "detailed" for c in collectors))
+    detailed = counting and (ctx.diagnostics == "detailed" or bool(collectors) and any(
+        c.diagnostics == "detailed" for c in collectors))
 
     # Comparisons: one plain boolean decision per element (CESTAC), branching on noise.
     if info.compare and len(args) >= 2:
@@ -1138,7 +1162,7 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
             lambda v: _to_working(v, ctx).unsqueeze(0).expand(n, *v.shape)
             if isinstance(v, torch.Tensor) and v.is_floating_point() else v, out)
         lifted = True
-    elif not info.gemm and _all_identical(args) and not _has_stacked((), kwargs):
+    elif not info.gemm and _all_identical(args) and not (kwargs and _has_stacked((), kwargs)):
         # Every operand is N identical samples (data entering the analysis, or exact
         # operations on it): one evaluation serves all samples; they part at the rounding.
         one = (info.plain or op)(*[a.samples[0] if isinstance(a, Stacked) else a for a in args],
@@ -1174,7 +1198,8 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
                     seed_j = None  # rounded: measure only
                 v, st, an = _round_measure(v, ctx, seed_j, is_first and (want_record or counting),
                                            is_first and want_digits,
-                                           is_first and want_zeros and not want_digits)
+                                           is_first and want_zeros and not want_digits,
+                                           _owned(v, args))
                 st_v = Stacked(v, an)
                 if is_first:
                     first_stats = st

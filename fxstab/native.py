@@ -302,13 +302,14 @@ class Rounder:
         self.cap = base.cap
 
     def __call__(self, x: torch.Tensor, seed: int, want_stats: bool = True,
-                 want_digits: bool = False, want_zero_mask: bool = False) -> tuple:
+                 want_digits: bool = False, want_zero_mask: bool = False,
+                 in_place: bool = False) -> tuple:
         if not (x.is_contiguous() and x.dtype is self.dtype and x.is_cpu and x.dim()
                 and x.shape[0] == self.n):
             raise ValueError(f"fxstab.native.Rounder: contiguous CPU {self.dtype} samples "
                              f"[{self.n}, ...], got {x.dtype} {tuple(x.shape)} on {x.device}")
         n = self.n
-        out = x if self.mode is None else torch.empty_like(x)
+        out = x if self.mode is None or in_place else torch.empty_like(x)
         stats, digits, zeros = self._run(x, x.numel() // n, out, tuple(x.shape[1:]), seed,
                                          want_stats, want_digits, want_zero_mask, None)
         return out, stats, digits, zeros

@@ -243,6 +243,23 @@ def test_unbatchable_primitive_falls_back_per_sample():
     assert nz.shape[-1] == 1
 
 
+def test_results_are_rounded_in_place_only_when_they_own_their_memory():
+    """A fresh result is rounded in its own buffer; a view of an operand (unfold) or an
+    operand returned as is never is: the operand's samples stay as they were."""
+    ctx = AtenContext("bf16", 3, 0)
+    g = torch.Generator().manual_seed(0)
+    x = Stacked(torch.randn(3, 2, 8, generator=g))  # fp32 values: bf16 rounding moves them
+    before = x.samples.clone()
+    y = apply_primitive(aten.mul.Tensor, (x, 1.0 / 3.0), {}, ctx)
+    w = apply_primitive(aten.unfold.default, (x, 1, 4, 2), {}, ctx)
+    z = apply_primitive(lambda t: t, (x,), {}, ctx)
+    assert torch.equal(x.samples, before)
+    assert y.samples.data_ptr() != x.samples.data_ptr()
+    assert w.samples.shape == (3, 2, 3, 4) and z.samples.shape == (3, 2, 8)
+    assert not torch.equal(z.samples, before)  # rounded into bf16, in a buffer of its own
+    assert torch.equal(quantize(z.samples, "bf16", Rounding.NEAREST).float(), z.samples)
+
+
 def test_integer_and_bool_tensors_pass_through():
     ctx = AtenContext("fp32", 3, 0)
     i = torch.arange(4)
