@@ -456,6 +456,10 @@ class AtenContext:
         self._occurrence: dict[str, int] = {}
         self._native = self.kernels != "torch" and native.available()
         self._rounders: dict = {}
+        # unary math on rounded values of a format with at most bf16's significand (bf16, fp8:
+        # every such value is a bf16 value) through native.lookup_bf16
+        self._lookup = (self._native and self.working_dtype == torch.float32
+                        and self.fmt.man_bits <= 7)
 
     def native_for(self, samples: torch.Tensor) -> bool:
         """Whether ``samples`` ([N, ...]) go through the fused CPU kernels."""
@@ -1171,7 +1175,15 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
                               if isinstance(v, torch.Tensor) else v, one)
         lifted = True
     else:
-        raw, lifted = _run_batched(op, info, args, kwargs, n)
+        raw = None
+        if ctx._lookup and info.kind in native.LOOKUP_OPS and len(args) == 1 and not kwargs \
+                and type(args[0]) is Stacked:
+            # exp, log, ... of values in the format: a table of the op's own results
+            raw = native.lookup_bf16(op, args[0].samples)
+        if raw is not None:
+            lifted = True
+        else:
+            raw, lifted = _run_batched(op, info, args, kwargs, n)
     exact = info.exact
     do_round = lifted and not exact
     want_record = ctx.recorder is not None and (not exact or ctx.record_exact)

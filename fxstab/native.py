@@ -35,7 +35,7 @@ from .formats import Format
 from .rounding import Rounding, _WORKING, _float_bits
 
 __all__ = ["available", "supports", "round_stats", "round_perturb", "perturb", "library_path",
-           "Rounder", "rounder"]
+           "Rounder", "rounder", "lookup_bf16", "LOOKUP_OPS"]
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.c"
 # -march=native: the element loops vectorise (variable shifts need AVX2 on x86); the cache key
@@ -129,6 +129,8 @@ def _lib() -> Optional[ctypes.CDLL]:
         fn.argtypes = [p, i64, p, i64, i64, ctypes.POINTER(_Params), ctypes.POINTER(dbl), p,
                        ctypes.POINTER(_Fused)]
         fn.restype = None
+    lib.fxstab_lookup_bf16.argtypes = [p, p, i64, p, i64]
+    lib.fxstab_lookup_bf16.restype = i64
     for name in ("fxstab_perturb_f32", "fxstab_perturb_f64"):
         fn = getattr(lib, name)
         fn.argtypes = [p, i64, p, i64, i64, dbl, u64, i64, ctypes.POINTER(i64)]
@@ -351,6 +353,39 @@ def rounder(fmt: Format, mode: Optional[Rounding], dtype: torch.dtype, n: int, *
     base = _base_params(fmt, mode, dtype, bool(saturate), n, float(confidence),
                         float(zero_threshold))
     return Rounder(fn, base, mode, dtype, n)
+
+
+# Unary functions whose torch CPU kernels give each element the same bits wherever it sits
+# (vector body, scalar tail, strided): their tables are the op itself (tests/test_native.py
+# checks every bf16 value at odd sizes and strides). torch's sigmoid is not one of them.
+LOOKUP_OPS = frozenset({"exp", "log", "sqrt", "rsqrt", "tanh", "erf"})
+
+
+@functools.lru_cache(maxsize=32)
+def _bf16_table(fn) -> torch.Tensor:
+    """``fn`` of every bf16 value (as fp32), indexed by the value's 16 bits."""
+    values = (torch.arange(1 << 16, dtype=torch.int32) << 16).view(torch.float32)
+    table = fn(values)
+    if table.dtype != torch.float32 or table.shape != values.shape:
+        raise ValueError(f"fxstab.native.lookup_bf16: {fn} must map fp32 to fp32 elementwise")
+    return table.contiguous()
+
+
+def lookup_bf16(fn, x: torch.Tensor) -> Optional[torch.Tensor]:
+    """``fn(x)`` for fp32 ``x`` whose values are all bf16 values (the rounded results of the
+    arithmetic level in the bf16 format), as one table lookup per element: ``fn`` of all 65536
+    bf16 values is computed once, so each element gets ``fn``'s own bits (for the functions of
+    :data:`LOOKUP_OPS`). Returns None when a value is not a bf16 value (or ``x`` is not a
+    contiguous CPU fp32 tensor): the caller computes ``fn(x)`` itself."""
+    lib = _lib()
+    if lib is None or x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous():
+        return None
+    table = _bf16_table(fn)
+    out = torch.empty_like(x)
+    if not lib.fxstab_lookup_bf16(x.data_ptr(), out.data_ptr(), x.numel(), table.data_ptr(),
+                                  torch.get_num_threads()):
+        return None
+    return out
 
 
 def perturb(samples: torch.Tensor, eta: float, seed: int, *,

@@ -15,11 +15,11 @@ print(alloc.tune())
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(3):  # warm: the heap grows to the working set once
-    a = [torch.ones(1 << 20) for _ in range(6)]
+    a = [torch.ones(1 << 22) for _ in range(6)]
     del a
 f0 = faults()
-for _ in range(10):  # 6 x 4 MiB allocated, touched and freed per round
-    a = [torch.ones(1 << 20) for _ in range(6)]
+for _ in range(10):  # 6 x 16 MiB allocated, touched and freed per round
+    a = [torch.ones(1 << 22) for _ in range(6)]
     del a
 print((faults() - f0) / 10)
 """
@@ -38,11 +38,15 @@ def test_tuned_allocator_stops_refaulting_freed_temporaries():
     tuned, tuned_faults = _run({})
     if tuned != "True":
         pytest.skip("not glibc")
+    assert tuned_faults < 100
     off, off_faults = _run({"FXSTAB_MALLOC_TUNING": "0"})
     assert off == "False"
-    # 24 MiB per round is 6144 pages: untuned, glibc mmaps and unmaps them every round
-    assert off_faults > 3000
-    assert tuned_faults < 100
+    # 96 MiB per round is 24576 pages: untuned, glibc usually returns them to the kernel every
+    # round (mmapped, or trimmed from the heap). Not always: on this machine some runs keep
+    # them (the system's state, not fxstab's), and then there is nothing to compare.
+    if off_faults < 1000:
+        pytest.skip(f"untuned glibc kept the blocks in this run ({off_faults} faults per round)")
+    assert off_faults > 12000
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc settings")

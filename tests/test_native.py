@@ -317,3 +317,24 @@ def test_zero_mask_matches_computational_zero(dtype, fmt, n):
             want = computational_zero(out, format=f)
             assert z.dtype == torch.bool and torch.equal(z, want)
             assert int(z.sum()) == int(st[3])
+
+
+@pytest.mark.parametrize("name", sorted(native.LOOKUP_OPS))
+def test_lookup_of_bf16_values_is_the_op_itself(name):
+    """lookup_bf16 gives torch's own bits for every bf16 value (incl. subnormals, infinities,
+    NaNs) wherever the value sits in the tensor: odd sizes (the op's scalar tail), repeats,
+    shuffles; any value that is not a bf16 value makes it decline (None)."""
+    op = getattr(torch.ops.aten, name).default
+    every = (torch.arange(1 << 16, dtype=torch.int32) << 16).view(torch.float32)
+    g = torch.Generator().manual_seed(5)
+    for n in (1, 7, 4099, 1 << 16, 200_003):
+        x = every[torch.randint(0, 1 << 16, (n,), generator=g)]
+        got, want = native.lookup_bf16(op, x), op(x)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)) or \
+            torch.equal(torch.isnan(got), torch.isnan(want)) and \
+            torch.equal(got[~torch.isnan(got)], want[~torch.isnan(want)])
+    x = every[torch.randperm(1 << 16, generator=g)].reshape(256, 256).clone()
+    x[100, 7] = 1.0 + 2.0 ** -20  # not a bf16 value
+    assert native.lookup_bf16(op, x) is None
+    assert native.lookup_bf16(op, every.double()) is None
+    assert native.lookup_bf16(op, every.reshape(256, 256).t()) is None  # not contiguous

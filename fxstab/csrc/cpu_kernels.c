@@ -984,3 +984,30 @@ DEFINE_ROUND_STATS(fxstab_round_stats_f64, double, f64)
 
 DEFINE_PERTURB(fxstab_perturb_f32, float, close_block_f32, perturb_group_f32)
 DEFINE_PERTURB(fxstab_perturb_f64, double, close_block_f64, perturb_group_f64)
+
+
+/* ---------------------------------------------------------------------------------------
+ * A unary function of fp32 values that are all bf16 values (low 16 bits zero: the rounded
+ * output of a primitive in the bf16 format) is one of 65536 results: out[e] = table[bits(x[e])
+ * >> 16], where the caller computed the table with the function itself (torch's op on every
+ * bf16 value), so the result is bit for bit the function's. Returns 1, or 0 as soon as a value
+ * is not a bf16 value (then out is incomplete and the caller computes the function itself).
+ */
+int64_t fxstab_lookup_bf16(const float *x, float *out, int64_t numel, const float *table,
+                           int64_t nthreads) {
+    const uint32_t *xb = (const uint32_t *)x;
+    int64_t chunks = (numel + 4095) / 4096, bad = 0;
+    int nt = numel < 32768 ? 1 : (int)nthreads;
+    _Pragma("omp parallel for num_threads(nt) schedule(static) reduction(|:bad)")
+    for (int64_t c = 0; c < chunks; c++) {
+        int64_t e0 = c * 4096, e1 = e0 + 4096 < numel ? e0 + 4096 : numel;
+        uint32_t low = 0;
+        for (int64_t e = e0; e < e1; e++) {
+            uint32_t b = xb[e];
+            low |= b;
+            out[e] = table[b >> 16];
+        }
+        bad |= (low & 0xFFFFu) != 0;
+    }
+    return !bad;
+}
