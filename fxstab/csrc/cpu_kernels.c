@@ -443,6 +443,33 @@ ALWAYS_INLINE void moments8(const float *const *rows, int64_t n, int64_t el, flo
     *exact_zero_ = *identical_ & (mx == zero);
 }
 
+/* First loop of a group's statistics: the moments of its full 8-element vectors into L1
+ * buffers (variance; flags: 1 finite, 2 identical, 4 exact zero, 8 mean != 0), so the second
+ * loop (classification and sums) runs with few live vectors and no spilled accumulators. */
+ALWAYS_INLINE void moments_pass8(const float *const *rows, int64_t n, int64_t full, float inv_n,
+                                 float *restrict vbuf, int32_t *restrict fbuf) {
+    const vf8 zero = vsplat8(0.0f);
+    for (int64_t el = 0; el < full; el += 8) {
+        vf8 mean, var;
+        vi8 finite, identical, exact_zero;
+        moments8(rows, n, el, inv_n, &mean, &var, &finite, &identical, &exact_zero);
+        vi8 flags = (finite & 1) | (identical & 2) | (exact_zero & 4) | ((mean != zero) & 8);
+        vstore8(vbuf + el, var);
+        memcpy(fbuf + el, &flags, sizeof flags);
+    }
+}
+
+/* The flags of moments_pass8 for the 8 elements at el, as lane masks. */
+ALWAYS_INLINE void flags8(const int32_t *fbuf, int64_t el, vi8 *finite, vi8 *identical,
+                          vi8 *exact_zero, vi8 *nonzero_mean) {
+    vi8 f, z0 = (vi8){0};
+    memcpy(&f, fbuf + el, sizeof f);
+    *finite = (f & 1) != z0;
+    *identical = (f & 2) != z0;
+    *exact_zero = (f & 4) != z0;
+    *nonzero_mean = (f & 8) != z0;
+}
+
 /* Per-element digits (written to dig) and their statistics. */
 /* 8 lanes of a mask (-1 or 0) as 0/1 bytes (narrowed in registers, one 8-byte store) */
 typedef int8_t vb8 __attribute__((vector_size(8)));
@@ -470,21 +497,12 @@ ALWAYS_INLINE void digits_block_f32_n(const float *const *rows, int64_t n, int64
     /* two loops over the group, as in stats_block_f32_n */
     float vbuf[BLK];
     int32_t fbuf[BLK];
-    for (int64_t el = 0; el < full; el += 8) {
-        vf8 mean, var;
-        vi8 finite, identical, exact_zero;
-        moments8(rows, n, el, inv_n, &mean, &var, &finite, &identical, &exact_zero);
-        vi8 flags = (finite & 1) | (identical & 2) | (exact_zero & 4) | ((mean == zero) & 8);
-        vstore8(vbuf + el, var);
-        memcpy(fbuf + el, &flags, sizeof flags);
-    }
+    moments_pass8(rows, n, full, inv_n, vbuf, fbuf);
     for (int64_t el = 0; el < full; el += 8) {
         vf8 var = vload8(vbuf + el);
-        vi8 flags;
-        memcpy(&flags, fbuf + el, sizeof flags);
-        vi8 z0 = (vi8){0};
-        vi8 finite = (flags & 1) != z0, identical = (flags & 2) != z0,
-            exact_zero = (flags & 4) != z0, mean_zero = (flags & 8) != z0;
+        vi8 finite, identical, exact_zero, nz;
+        flags8(fbuf, el, &finite, &identical, &exact_zero, &nz);
+        vi8 mean_zero = ~nz;
         /* var = 0 -> log = -inf -> cap; NaN or inf -> 0; tiny -> above the cap */
         vi8 normal = (var >= tiny) & ((var - var) == zero);
         vf8 c = vlog10_8(vsel8(normal, var, vsplat8(1.0f))) * -0.5f + Kv;
@@ -604,22 +622,11 @@ ALWAYS_INLINE void stats_block_f32_n(const float *const *rows, int64_t n, int64_
      * moments, kept in L1, then the classification and the sums */
     float vbuf[BLK];
     int32_t fbuf[BLK];
-    for (int64_t el = 0; el < full; el += 8) {
-        vf8 mean, var;
-        vi8 finite, identical, exact_zero;
-        moments8(rows, n, el, inv_n, &mean, &var, &finite, &identical, &exact_zero);
-        vi8 nzm = mean != zero;
-        vi8 flags = (finite & 1) | (identical & 2) | (exact_zero & 4) | (nzm & 8);
-        vstore8(vbuf + el, var);
-        memcpy(fbuf + el, &flags, sizeof flags);
-    }
+    moments_pass8(rows, n, full, inv_n, vbuf, fbuf);
     for (int64_t el = 0; el < full; el += 8) {
         vf8 var = vload8(vbuf + el);
-        vi8 flags;
-        memcpy(&flags, fbuf + el, sizeof flags);
-        vi8 z0 = (vi8){0};
-        vi8 finite = (flags & 1) != z0, identical = (flags & 2) != z0,
-            exact_zero = (flags & 4) != z0, nz = (flags & 8) != z0;
+        vi8 finite, identical, exact_zero, nz;
+        flags8(fbuf, el, &finite, &identical, &exact_zero, &nz);
         vi8 is_cap = finite & (identical | (nz & (var >= zero) & (var <= vcap)));
         vi8 lin = finite & ~identical & nz & (var > vcap) & (var < vzero);
         vi8 is_zero = ~is_cap & ~lin;
