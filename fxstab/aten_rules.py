@@ -527,16 +527,12 @@ def _round_measure(v: torch.Tensor, ctx: AtenContext, seed: Optional[int], want_
         return v, None, _Analysis(v, ctx)
     if ctx.native_for(v) and numel:
         want_stats = want_stats or want_digits or want_zeros
-        if v.is_contiguous():  # the usual case: the settings are bound once per context
-            out, st, d, z = ctx.rounder(v.dtype, seed is not None)(
-                v, 0 if seed is None else seed, want_stats, want_digits, want_zeros, own)
-        else:  # an expanded view (identical samples) is read N times, not copied
-            out, st, d, *z = native.round_stats(
-                v, ctx.fmt, None if seed is None else ctx.rounding, 0 if seed is None else seed,
-                saturate=ctx.saturate, confidence=ctx.confidence,
-                zero_threshold=ctx.zero_threshold, want_stats=want_stats,
-                want_digits=want_digits, as_list=True, want_zero_mask=want_zeros)
-            z = z[0] if z else None
+        if not v.is_contiguous() and not (v.stride(0) == 0 and v[0].is_contiguous()):
+            v = v.contiguous()
+        # the settings are bound once per context; an expanded view (identical samples) is
+        # read N times, not copied
+        out, st, d, z = ctx.rounder(v.dtype, seed is not None)(
+            v, 0 if seed is None else seed, want_stats, want_digits, want_zeros, own)
         return out, st, _Analysis(out, ctx, digits=d, stats=st, zero=z)
     if seed is not None:
         v = round_samples(v, ctx.fmt, ctx.rounding, seed, saturate=ctx.saturate)
@@ -1171,8 +1167,9 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
         # operations on it): one evaluation serves all samples; they part at the rounding.
         one = (info.plain or op)(*[a.samples[0] if isinstance(a, Stacked) else a for a in args],
                                  **kwargs)
-        raw = pytree.tree_map(lambda v: v.unsqueeze(0).expand(n, *v.shape)
-                              if isinstance(v, torch.Tensor) else v, one)
+        raw = one.unsqueeze(0).expand(n, *one.shape) if isinstance(one, torch.Tensor) else \
+            pytree.tree_map(lambda v: v.unsqueeze(0).expand(n, *v.shape)
+                            if isinstance(v, torch.Tensor) else v, one)
         lifted = True
     else:
         raw = None

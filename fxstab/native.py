@@ -291,7 +291,8 @@ class Rounder:
     zero threshold): what a caller that rounds every primitive of a model with the same
     settings holds (the arithmetic level), so each call is the allocations and one C call.
 
-    Call it with contiguous stacked samples ``[N, ...]`` (CPU, the bound dtype):
+    Call it with contiguous stacked samples ``[N, ...]`` (CPU, the bound dtype), or one
+    contiguous value ``expand``ed along the sample dim (read N times, not copied):
     ``rounder(samples, seed, want_stats, want_digits, want_zero_mask)`` returns ``(rounded
     samples or the samples themselves without a mode, stats list or None, digits or None, zero
     mask or None)``, as :func:`round_stats` with ``as_list=True``.
@@ -306,14 +307,24 @@ class Rounder:
     def __call__(self, x: torch.Tensor, seed: int, want_stats: bool = True,
                  want_digits: bool = False, want_zero_mask: bool = False,
                  in_place: bool = False) -> tuple:
-        if not (x.is_contiguous() and x.dtype is self.dtype and x.is_cpu and x.dim()
-                and x.shape[0] == self.n):
-            raise ValueError(f"fxstab.native.Rounder: contiguous CPU {self.dtype} samples "
-                             f"[{self.n}, ...], got {x.dtype} {tuple(x.shape)} on {x.device}")
         n = self.n
-        out = x if self.mode is None or in_place else torch.empty_like(x)
-        stats, digits, zeros = self._run(x, x.numel() // n, out, tuple(x.shape[1:]), seed,
-                                         want_stats, want_digits, want_zero_mask, None)
+        if not (x.dtype is self.dtype and x.is_cpu and x.dim() and x.shape[0] == n):
+            raise ValueError(f"fxstab.native.Rounder: CPU {self.dtype} samples [{n}, ...], "
+                             f"got {x.dtype} {tuple(x.shape)} on {x.device}")
+        shape = tuple(x.shape[1:])
+        if x.is_contiguous():
+            out = x if self.mode is None or in_place else torch.empty_like(x)
+            xs = x.numel() // n
+        elif x.stride(0) == 0 and x[0].is_contiguous():  # identical samples: read N times
+            x = x[0]
+            out = x.expand(n, *shape) if self.mode is None else \
+                torch.empty((n, *shape), dtype=self.dtype)
+            xs = 0
+        else:
+            raise ValueError("fxstab.native.Rounder: contiguous samples, or one contiguous "
+                             "value expanded along the sample dim")
+        stats, digits, zeros = self._run(x, xs, out, shape, seed, want_stats, want_digits,
+                                         want_zero_mask, None)
         return out, stats, digits, zeros
 
     def _run(self, x, xs, out, shape, seed, want_stats, want_digits, want_zero_mask, fused):

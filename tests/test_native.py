@@ -338,3 +338,21 @@ def test_lookup_of_bf16_values_is_the_op_itself(name):
     assert native.lookup_bf16(op, x) is None
     assert native.lookup_bf16(op, every.double()) is None
     assert native.lookup_bf16(op, every.reshape(256, 256).t()) is None  # not contiguous
+
+
+def test_rounder_reads_an_expanded_value_n_times():
+    """A Rounder given one value expanded along the sample dim (identical samples) rounds and
+    measures it as round_stats does with n_samples, without a copy; other layouts are refused
+    clearly (the caller makes them contiguous)."""
+    f = get_format("bf16")
+    v = torch.randn(5, 33, generator=torch.Generator().manual_seed(8))
+    r = native.rounder(f, Rounding.RANDOM, torch.float32, 3)
+    out, st, d, z = r(v.unsqueeze(0).expand(3, 5, 33), 11, True, True, True)
+    want = native.round_stats(v, f, Rounding.RANDOM, 11, n_samples=3, want_digits=True,
+                              want_zero_mask=True, as_list=True)
+    assert _same_bits(out, want[0]) and st == want[1]
+    assert torch.equal(d, want[2]) and torch.equal(z, want[3])
+    with pytest.raises(ValueError, match="contiguous"):
+        r(torch.randn(3, 6, 4).transpose(1, 2), 11)
+    with pytest.raises(ValueError, match="samples"):
+        r(torch.randn(2, 4), 11)
