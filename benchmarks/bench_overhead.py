@@ -2,7 +2,8 @@
 
 For an MLP, a small CNN, a small transformer and LayerNorm+softmax on a 256x1024 input, and N in
 {2, 3, 5}: time of one analysed forward divided by the plain eager forward and by the
-inductor-compiled forward, measured in the same process, interleaved call by call, median of
+inductor-compiled forward, measured in the same process, interleaved call by call (each timed
+call right after an untimed call of the same function: warm caches for each), median of
 repeats; also the `every=k` fast path and the peak-memory ratio: (parameters + inputs + peak
 RSS growth during one forward) of a child process that runs the analysis over the same for one
 that runs plain eager.
@@ -71,13 +72,19 @@ def make(name: str, quick: bool):
 
 def timed_interleaved(fns: list, repeats: int) -> list[float]:
     """Median time of each function, calling them in turn in every repeat: on a shared machine
-    a load change then hits all of them alike instead of one side of a ratio."""
+    a load change then hits all of them alike instead of one side of a ratio.
+
+    Each timed call follows an untimed call of the same function, so every function is timed
+    with the caches as its own previous call left them. Timing the call that follows another
+    function's call (fxstab's, which moves tens of MB) made a small eager model look up to
+    twice as slow as it is, and the ratios that much better."""
     for fn in fns:
         fn()
         fn()
     ts = [[] for _ in fns]
     for _ in range(repeats):
         for i, fn in enumerate(fns):
+            fn()
             t = time.perf_counter()
             fn()
             ts[i].append(time.perf_counter() - t)
