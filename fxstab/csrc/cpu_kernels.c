@@ -124,6 +124,27 @@ typedef struct {
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
+/* Whether a value moves one unit away from zero, per mode: `par` holds the kept part's last
+ * bit at position sh, `rem` what lies below it (low_mask = 2^sh - 1), `shift` the unclamped
+ * shift (stochastic mode compares the word with the remainder's top 32 bits), `rnd` the random
+ * bit (random mode) or 32-bit word (stochastic mode). Sets `go`. */
+#define ROUND_GO(UT, IT, SH_MAX, go, mode, par, rem, low_mask, sh, shift, neg, rnd)            \
+    switch (mode) {                                                                             \
+    case MODE_NEAREST: go = (((par) >> (sh)) & 1) + (rem) > ((low_mask) >> 1) + 1; break;      \
+    case MODE_UP: go = ((rem) != 0) & ((neg) ^ 1); break;                                       \
+    case MODE_DOWN: go = ((rem) != 0) & (neg); break;                                           \
+    case MODE_RANDOM: go = ((rem) != 0) & (int)(rnd); break; /* rnd is 0 or 1 */                \
+    case MODE_STOCHASTIC: {                                                                     \
+        /* word >> (32 - shift) < rem >> (shift - 32), both shifts clamped at 0 */              \
+        IT a_ = 32 - (shift), b_ = (shift) - 32;                                                \
+        a_ = a_ < 0 ? 0 : a_;                                                                   \
+        b_ = b_ < 0 ? 0 : (b_ > (SH_MAX) ? (SH_MAX) : b_);                                      \
+        go = (UT)(a_ >= 32 ? 0u : (rnd) >> a_) < ((rem) >> b_);                                 \
+        break;                                                                                  \
+    }                                                                                           \
+    default: go = 0;                                                                            \
+    }
+
 #define DEFINE_ROUND(NAME, UT, IT, WM, SH_MAX)                                                       \
     ALWAYS_INLINE UT NAME(UT bits, const rp_t r, const int mode, uint32_t rnd) {                \
         const UT sign = (UT)1 << (8 * sizeof(UT) - 1);                                          \
@@ -144,23 +165,7 @@ typedef struct {
         UT low_mask = unit - 1;                                                                 \
         UT rem = significand & low_mask;                                                        \
         int go = 0;                                                                             \
-        switch (mode) {                                                                         \
-        case MODE_NEAREST:                                                                      \
-            go = ((significand >> sh) & 1) + rem > (low_mask >> 1) + 1;                         \
-            break;                                                                              \
-        case MODE_UP: go = (rem != 0) & (neg ^ 1); break;                                             \
-        case MODE_DOWN: go = (rem != 0) & neg; break;                                            \
-        case MODE_RANDOM: go = (rem != 0) & (int)rnd; break; /* rnd is 0 or 1 */                                     \
-        case MODE_STOCHASTIC: {                                                                 \
-            /* word >> (32 - shift) < rem >> (shift - 32), both shifts clamped at 0 */          \
-            IT a = 32 - shift, b = shift - 32;                                                  \
-            a = a < 0 ? 0 : a;                                                                  \
-            b = b < 0 ? 0 : (b > (SH_MAX) ? (SH_MAX) : b);                                      \
-            go = (UT)(a >= 32 ? 0u : rnd >> a) < (rem >> b);                                    \
-            break;                                                                              \
-        }                                                                                       \
-        default: go = 0;                                                                        \
-        }                                                                                       \
+        ROUND_GO(UT, IT, SH_MAX, go, mode, significand, rem, low_mask, sh, shift, neg, rnd)      \
         UT res = tiny ? 0 : mag - rem;                                                          \
         unit = tiny ? (UT)r.min_sub_bits : unit;                                                \
         res = go ? res + unit : res;                                                            \
@@ -195,20 +200,7 @@ DEFINE_ROUND(round_f64, uint64_t, int64_t, 52, 62)
         const UT unit = (UT)1 << sh, low_mask = unit - 1, rem = bits & low_mask;               \
         const int neg = (int)(bits >> (8 * sizeof(UT) - 1));                                    \
         int go;                                                                                 \
-        switch (mode) {                                                                         \
-        case MODE_NEAREST: go = ((bits >> sh) & 1) + rem > (low_mask >> 1) + 1; break;          \
-        case MODE_UP: go = (rem != 0) & (neg ^ 1); break;                                       \
-        case MODE_DOWN: go = (rem != 0) & neg; break;                                           \
-        case MODE_RANDOM: go = (rem != 0) & (int)rnd; break;                                    \
-        case MODE_STOCHASTIC: {                                                                 \
-            IT a = 32 - sh, b = sh - 32;                                                        \
-            a = a < 0 ? 0 : a;                                                                  \
-            b = b < 0 ? 0 : (b > (SH_MAX) ? (SH_MAX) : b);                                      \
-            go = (UT)(a >= 32 ? 0u : rnd >> a) < (rem >> b);                                    \
-            break;                                                                              \
-        }                                                                                       \
-        default: go = 0;                                                                        \
-        }                                                                                       \
+        ROUND_GO(UT, IT, SH_MAX, go, mode, bits, rem, low_mask, sh, sh, neg, rnd)                \
         return (bits - rem) + (go ? unit : 0);                                                  \
     }
 
