@@ -470,8 +470,13 @@ ALWAYS_INLINE void store_mask8(uint8_t *zm, vi8 m) {
     /* the low byte of each lane (a byte shuffle; __builtin_convertvector narrows lane by
      * lane through general registers) */
     vb32 v = (vb32)(m & 1);
+#if defined(__clang__) || __GNUC__ >= 12
     vb8 b = __builtin_shufflevector(v, v, 0, 4, 8, 12, 16, 20, 24, 28);
     memcpy(zm, &b, sizeof b);
+#else /* GCC < 12: the same bytes first in a full-width shuffle */
+    vb32 b = __builtin_shuffle(v, (vb32){0, 4, 8, 12, 16, 20, 24, 28});
+    memcpy(zm, &b, 8);
+#endif
 }
 
 ALWAYS_INLINE void digits_block_f32_n(const float *const *rows, int64_t n, int64_t cnt,
