@@ -126,6 +126,8 @@ class OpInfo:
     prim: Any = None  # aten replacement of a prims op that neither vmap nor pointwise covers
     text: str = ""  # str(op), for records
     plain: Any = None  # faster equivalent of a prims op on plain (unstacked) values
+    call: Any = None  # what runs it on aligned samples: ``prim`` or ``op``, without the
+    # Python frame of OpOverload.__call__
 
 
 # Exact primitives whose per-element digits are the same rearrangement of their operand's
@@ -172,12 +174,14 @@ def _compute_op_info(op: Any) -> OpInfo:
     is_prim = getattr(op, "namespace", None) == "prims"
     if is_prim and kind in _PRIMS_AS_ATEN:
         prim = _PRIMS_AS_ATEN[kind] or kind
+    run = prim if prim is not None and not isinstance(prim, str) else op
     return OpInfo(
         kind=kind, pointwise=torch.Tag.pointwise in getattr(op, "tags", ()),
         exact=kind in EXACT_PRIMITIVES, gemm=kind in GEMM_PRIMITIVES,
         factory=kind.startswith(_FACTORY_PREFIXES), layout=kind in _LAYOUT,
         compare=kind in _COMPARE, prim=prim, text=str(op),
-        plain=_PRIMS_PLAIN.get(kind) if is_prim else None)
+        plain=_PRIMS_PLAIN.get(kind) if is_prim else None,
+        call=getattr(run, "_op", run))
 
 
 _OP_INFO: dict = {}
@@ -522,18 +526,18 @@ def _round_measure(v: torch.Tensor, ctx: AtenContext, seed: Optional[int], want_
     kernel also writes the computational-zero mask with ``want_zeros`` (a consumer's counters
     read it; a byte per element instead of the digits).
     """
-    numel = v.numel() // v.shape[0] if v.dim() and v.shape[0] else (0 if v.dim() else 1)
     if seed is None and not (want_stats or want_digits):
         return v, None, _Analysis(v, ctx)
-    if ctx.native_for(v) and numel:
+    if ctx._native and v.dtype in _NATIVE_DTYPES and v.is_cpu and v.dim() and v.numel():
         want_stats = want_stats or want_digits or want_zeros
         if not v.is_contiguous() and not (v.stride(0) == 0 and v[0].is_contiguous()):
             v = v.contiguous()
         # the settings are bound once per context; an expanded view (identical samples) is
         # read N times, not copied
-        out, st, d, z = ctx.rounder(v.dtype, seed is not None)(
-            v, 0 if seed is None else seed, want_stats, want_digits, want_zeros, own)
+        r = ctx._rounders.get((v.dtype, seed is not None)) or ctx.rounder(v.dtype, seed is not None)
+        out, st, d, z = r(v, 0 if seed is None else seed, want_stats, want_digits, want_zeros, own)
         return out, st, _Analysis(out, ctx, digits=d, stats=st, zero=z)
+    numel = v.numel() // v.shape[0] if v.dim() and v.shape[0] else (0 if v.dim() else 1)
     if seed is not None:
         v = round_samples(v, ctx.fmt, ctx.rounding, seed, saturate=ctx.saturate)
     an = _Analysis(v, ctx)
@@ -680,13 +684,16 @@ def _samples_or(x, n: int):
     return x.samples if isinstance(x, Stacked) else x
 
 
-def _aligned(args: tuple, ndim_out: int) -> tuple:
-    """Stacked samples reshaped to [N, 1.., *shape] so they broadcast like their logical shapes."""
+def _aligned(args: tuple, ndim_out: Optional[int] = None) -> tuple:
+    """Stacked samples reshaped to [N, 1.., *shape] so they broadcast like their logical shapes
+    (``ndim_out``: the logical rank of the result, by default the largest operand's)."""
+    if ndim_out is None:
+        ndim_out = _logical_ndim(args)
     out = []
     for a in args:
-        if isinstance(a, Stacked):
+        if type(a) is Stacked:
             s = a.samples
-            k = ndim_out - (s.dim() - 1)
+            k = ndim_out + 1 - s.dim()
             if k > 0:
                 s = s.reshape(s.shape[:1] + (1,) * k + s.shape[1:])
             out.append(s)
@@ -698,10 +705,13 @@ def _aligned(args: tuple, ndim_out: int) -> tuple:
 def _logical_ndim(args) -> int:
     nd = 0
     for a in args:
-        if isinstance(a, Stacked):
-            nd = max(nd, a.ndim)
+        if type(a) is Stacked:
+            d = a.samples.dim() - 1
         elif isinstance(a, torch.Tensor):
-            nd = max(nd, a.dim())
+            d = a.dim()
+        else:
+            continue
+        nd = d if d > nd else nd
     return nd
 
 
@@ -808,13 +818,12 @@ def _run_batched(op, info: OpInfo, args: tuple, kwargs: dict, n: int):
     stacked_kw = bool(kwargs) and _has_stacked((), kwargs)
     if (info.pointwise or info.prim is not None and not isinstance(info.prim, str)) \
             and not stacked_kw:
-        nd = _logical_ndim(args)
-        aligned = _aligned(args, nd)
+        aligned = _aligned(args)
         if info.prim is aten.div.Tensor and not any(
                 isinstance(a, torch.Tensor) and a.is_floating_point() or isinstance(a, float)
                 for a in aligned[:2]):
             return torch.div(*aligned[:2], rounding_mode="trunc"), True  # prims.div of ints
-        return (info.prim or op)(*aligned, **kwargs), True
+        return info.call(*aligned, **kwargs), True
     res = _special(op, info.kind, args, kwargs)
     if res is not NotImplemented:
         return res, True
@@ -848,16 +857,23 @@ def _owned(v: torch.Tensor, args: tuple) -> bool:
     return True
 
 
-def _all_identical(args: tuple) -> bool:
-    """Whether every stacked argument is an expanded view of one value (identical samples);
-    false when an argument is a list holding samples (cat, stack), which run batched."""
+_NO_KWARGS: dict = {}
+
+
+def _scan(args: tuple) -> tuple[bool, bool]:
+    """(whether any argument carries samples, whether every stacked one is an expanded view of
+    one value: identical samples) in one pass; a list holding samples (cat, stack) counts as
+    stacked, not identical (it runs batched)."""
+    stacked, identical = False, True
     for a in args:
-        if isinstance(a, Stacked):
-            if a.samples.stride(0) != 0 or a.samples.dim() == 0:
-                return False
+        if type(a) is Stacked:
+            stacked = True
+            if identical:
+                s = a.samples
+                identical = s.stride(0) == 0 and s.dim() > 0
         elif isinstance(a, (list, tuple)) and any(isinstance(b, Stacked) for b in a):
-            return False
-    return True
+            stacked, identical = True, False
+    return stacked, identical
 
 
 def _has_stacked(args: tuple, kwargs: dict) -> bool:
@@ -1109,11 +1125,14 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
         return plain boolean tensors (CESTAC decisions); with no stacked argument the primitive
         runs once and returns plain results.
     """
-    kwargs = kwargs or {}
+    kwargs = kwargs or _NO_KWARGS
     info = op_info(op)
     kind = info.kind
     n = ctx.n_samples
-    from_plain = not _has_stacked(args, kwargs)
+    stacked, identical = _scan(args)
+    if kwargs and not stacked:
+        stacked = _has_stacked((), kwargs)
+    from_plain = not stacked
     if from_plain:
         # Only plain operands (parameters, constants): run once. An arithmetic result is still
         # a result of the simulated arithmetic, so it enters the samples here (N identical
@@ -1162,7 +1181,7 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
             lambda v: _to_working(v, ctx).unsqueeze(0).expand(n, *v.shape)
             if isinstance(v, torch.Tensor) and v.is_floating_point() else v, out)
         lifted = True
-    elif not info.gemm and _all_identical(args) and not (kwargs and _has_stacked((), kwargs)):
+    elif not info.gemm and identical and not (kwargs and _has_stacked((), kwargs)):
         # Every operand is N identical samples (data entering the analysis, or exact
         # operations on it): one evaluation serves all samples; they part at the rounding.
         one = (info.plain or op)(*[a.samples[0] if isinstance(a, Stacked) else a for a in args],
@@ -1205,10 +1224,13 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
                 if ctx.eft:
                     v = _round_fp64(kind, op, args, kwargs, v, seed_j, ctx)
                     seed_j = None  # rounded: measure only
-                v, st, an = _round_measure(v, ctx, seed_j, is_first and (want_record or counting),
-                                           is_first and want_digits,
-                                           is_first and want_zeros and not want_digits,
-                                           _owned(v, args))
+                if is_first:
+                    v, st, an = _round_measure(v, ctx, seed_j, want_record or counting,
+                                               want_digits, want_zeros and not want_digits,
+                                               _owned(v, args))
+                else:
+                    v, st, an = _round_measure(v, ctx, seed_j, False, False, False,
+                                               _owned(v, args))
                 st_v = Stacked(v, an)
                 if is_first:
                     first_stats = st
@@ -1232,7 +1254,8 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
             diff = _limit_diff(kind, args, kwargs, ctx)
         out_numel = first.samples.numel() // n if first is not None else 0
         found = _compute_counters(kind, args, kwargs, first, out_numel, ctx, diff)
-        counts = _count(kind, found, out_numel, first, ctx, rec_name, op, detailed, None)
+        counts = _count(kind, found, out_numel, first, ctx, rec_name, op, detailed, None) \
+            if found else _no_counts(ctx)
     else:
         counts = empty_counters()
         ctx._last_events = []
@@ -1269,6 +1292,11 @@ def _record_stats(first: Stacked, st: Optional[list], ctx: AtenContext) -> Digit
         if first._an is None:
             first._an = an
     return _stats_from_list(st, ctx.cap)
+
+
+def _no_counts(ctx: AtenContext) -> dict:
+    ctx._last_events = []
+    return empty_counters()
 
 
 def _count(kind, found, out_numel, out, ctx, rec_name, op, detailed, diff) -> dict:
