@@ -903,6 +903,15 @@ def _operand(x, ctx) -> Optional[_Analysis]:
     return x.analysis(ctx) if isinstance(x, Stacked) and x.samples.is_floating_point() else None
 
 
+def _zeros(o: _Analysis, out_numel: int):
+    """An operand's computational zeros as a counter's mask: the analysis itself (counted by
+    its statistics, no pass over the mask) when they cover the output one to one and the
+    statistics counted them, else the mask."""
+    if o.zeros is not None and o._s.numel() == out_numel * o._s.shape[0]:
+        return o
+    return o.zero
+
+
 def _exact_data(a: _Analysis) -> bool:
     """Identical, finite samples (data entering the analysis): digits at the cap everywhere."""
     return a._s.stride(0) == 0 and a.all_finite
@@ -958,17 +967,16 @@ def _compute_counters(kind: str, args: tuple, kwargs: dict, out: Optional[Stacke
         else:
             o = _operand(args[1], ctx) if len(args) > 1 else None
         if o is not None and not o.no_zeros:
-            found.append(("division", o.zero))
+            found.append(("division", _zeros(o, out_numel)))
     elif kind == "mul":
         oa_, ob_ = (_operand(x, ctx) for x in args[:2])
         if oa_ is not None and ob_ is not None and not (oa_.no_zeros or ob_.no_zeros):
             found.append(("multiplication", oa_.zero & ob_.zero))
     elif kind in _POW or kind in _MATH:
-        zs = [o.zero for o in (_operand(x, ctx) for x in args[:2])
-              if o is not None and not o.no_zeros]
+        zs = [o for o in (_operand(x, ctx) for x in args[:2]) if o is not None and not o.no_zeros]
         if zs:
             found.append(("power" if kind in _POW else "math_function",
-                          zs[0] if len(zs) == 1 else zs[0] | zs[1]))
+                          _zeros(zs[0], out_numel) if len(zs) == 1 else zs[0].zero | zs[1].zero))
     elif kind == "abs" and isinstance(args[0], Stacked) and args[0].samples.is_floating_point():
         s = args[0].samples
         found.append(("intrinsic", (s > 0).any(0) & (s < 0).any(0)))
@@ -984,7 +992,7 @@ def _compute_counters(kind: str, args: tuple, kwargs: dict, out: Optional[Stacke
         if kind == "relu":
             a = args[0].analysis(ctx)
             if not a.no_zeros:
-                found.append(("branching", a.zero))
+                found.append(("branching", _zeros(a, out_numel)))
         else:
             lim = args[1] if len(args) > 1 else (-1.0 if kind == "hardtanh" else 0.0)
             d = _diff_analysis(args[0], lim, ctx, args[0].ndim)
@@ -1300,21 +1308,27 @@ def _no_counts(ctx: AtenContext) -> dict:
 
 
 def _count(kind, found, out_numel, out, ctx, rec_name, op, detailed, diff) -> dict:
+    """Count each (key, mask) of ``found`` over the output; a mask given as an operand's
+    :class:`_Analysis` is that operand's zero mask, counted by its statistics (no pass)."""
     counts = empty_counters()
     ctx._last_events = []
     if not found:
         return counts
-    if len(found) == 1:
-        vals = [int(_bcount(found[0][1], out_numel))]
-    else:
-        vals = torch.stack([_bcount(m, out_numel) for _, m in found]).tolist()
-    for (key, mask), v in zip(found, vals):
-        v = int(v)
+    masks = [m for _, m in found if type(m) is not _Analysis]
+    if len(masks) == 1:
+        counted = [int(_bcount(masks[0], out_numel))]
+    elif masks:
+        counted = torch.stack([_bcount(m, out_numel) for m in masks]).tolist()
+    counted = iter(counted if masks else ())
+    for key, mask in found:
+        v = int(mask.zeros) if type(mask) is _Analysis else int(next(counted))
         if v <= 0:
             continue
         counts[key] += v
         ev = None
         if detailed:
+            if type(mask) is _Analysis:
+                mask = mask.zero
             ev = _event(key, mask, v, out, ctx, rec_name, op, diff)
             ctx._last_events.append(ev)
         ctx.counters.add(key, v, ev)

@@ -68,6 +68,28 @@ def test_division_multiplication_power_math():
     assert c.counts["math_function"] == 3
 
 
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_operand_zero_counts_on_tensors(kernels):
+    """Counts of division, math_function and branching on a tensor with some computational
+    zeros: the fused kernel's statistics count them without a pass over the mask, and must
+    agree with the mask, elementwise, in both kernel paths."""
+    ctx = AtenContext("fp32", 3, 0, kernels=kernels)
+    g = torch.Generator().manual_seed(0)
+    one = Stacked(torch.ones(1, 64, dtype=torch.float64).expand(3, 64))
+    delta = torch.where(torch.rand(64, generator=g) < 0.4, 1e-7, 0.5).double()
+    d = apply_primitive(aten.sub.Tensor, (apply_primitive(aten.add.Tensor, (one, delta), {}, ctx),
+                                          one), {}, ctx)
+    zero = d.analysis(ctx).zero
+    expected = int(zero.sum())
+    assert 0 < expected < 64 and int(d.analysis(ctx).zeros) == expected
+    with instability_counters("detailed") as c:
+        apply_primitive(aten.exp.default, (d,), {}, ctx)
+        apply_primitive(aten.reciprocal.default, (d,), {}, ctx)
+        apply_primitive(aten.relu.default, (d,), {}, ctx)
+    assert c.counts["math_function"] == c.counts["division"] == c.counts["branching"] == expected
+    assert all(bool(zero[ev.index]) for ev in c.events)  # the worst element is one of them
+
+
 def test_intrinsic_abs_floor_and_int_cast():
     ctx = AtenContext("fp32", 3, 0)
     mixed = Stacked(torch.tensor([[1e-8], [-1e-8], [2e-8]], dtype=torch.float64))
