@@ -147,8 +147,8 @@ def _prims_var(x: torch.Tensor, dims=None, correction: float = 1.0, *, output_dt
     several times faster on CPU than torch.var's Welford loop."""
     dims = list(range(x.dim())) if dims is None or len(dims) == 0 else list(dims)
     count = math.prod(x.shape[d] for d in dims)
-    d = x - x.mean(dims, keepdim=True)
-    return (d * d).sum(dims).div_(count - correction)
+    d = x - x.sum(dims, keepdim=True).div_(count)  # torch.mean's own bits, with less overhead
+    return d.mul_(d).sum(dims).div_(count - correction)
 
 
 def _prims_sum(x: torch.Tensor, dims=None, *, output_dtype=None):
