@@ -860,20 +860,24 @@ def _owned(v: torch.Tensor, args: tuple) -> bool:
 _NO_KWARGS: dict = {}
 
 
-def _scan(args: tuple) -> tuple[bool, bool]:
+def _scan(args: tuple) -> tuple[bool, bool, bool]:
     """(whether any argument carries samples, whether every stacked one is an expanded view of
-    one value: identical samples) in one pass; a list holding samples (cat, stack) counts as
-    stacked, not identical (it runs batched)."""
-    stacked, identical = False, True
+    one value: identical samples, whether any is something else than samples or a Python
+    number: what :func:`_working_args` may convert) in one pass; a list holding samples (cat,
+    stack) counts as stacked, not identical (it runs batched)."""
+    stacked, identical, other = False, True, False
     for a in args:
-        if type(a) is Stacked:
+        t = type(a)
+        if t is Stacked:
             stacked = True
             if identical:
                 s = a.samples
                 identical = s.stride(0) == 0 and s.dim() > 0
-        elif isinstance(a, (list, tuple)) and any(isinstance(b, Stacked) for b in a):
-            stacked, identical = True, False
-    return stacked, identical
+        elif t not in _PASS_THROUGH:
+            other = True
+            if isinstance(a, (list, tuple)) and any(isinstance(b, Stacked) for b in a):
+                stacked, identical = True, False
+    return stacked, identical, other
 
 
 def _has_stacked(args: tuple, kwargs: dict) -> bool:
@@ -1137,7 +1141,7 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
     info = op_info(op)
     kind = info.kind
     n = ctx.n_samples
-    stacked, identical = _scan(args)
+    stacked, identical, other = _scan(args)
     if kwargs and not stacked:
         stacked = _has_stacked((), kwargs)
     from_plain = not stacked
@@ -1151,7 +1155,8 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
                 isinstance(v, torch.Tensor) and v.is_floating_point()
                 for v in ((out,) if isinstance(out, torch.Tensor) else pytree.tree_leaves(out))):
             return out
-    args = _working_args(args, ctx)
+    if other:
+        args = _working_args(args, ctx)
     if kwargs:
         kwargs = _fix_dtype_kwargs(kind, kwargs, ctx)
     collectors = active_collectors()
