@@ -61,10 +61,11 @@ def test_rounding_is_bit_identical_to_the_reference(dtype, fmt, mode):
         assert _same_bits(out, ref), (fmt, mode, saturate)
 
 
-@pytest.mark.parametrize("n", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8, 17])
 @pytest.mark.parametrize("numel", [1, 127, 128, 129, 1000, 70000])
 def test_sample_counts_and_odd_sizes(n, numel):
-    """The antithetic draws of every N and element counts across the 128-element groups."""
+    """The antithetic draws of every N and element counts across the 128-element groups and
+    the kernel's superblocks of 16 groups (N=17: one group at a time)."""
     g = torch.Generator().manual_seed(n * numel)
     x = torch.randn(n, numel, generator=g)
     for mode in (Rounding.RANDOM, Rounding.STOCHASTIC):

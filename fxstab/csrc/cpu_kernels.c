@@ -286,6 +286,13 @@ ALWAYS_INLINE float log10_posf(float v) {
 }
 
 #define BLK 128
+/* round_stats rounds each sample's rows of a superblock of SB groups in one run (a 8 KB
+ * stream per sample for the prefetchers), then measures them group by group from the cache:
+ * up to SB_MAX_N samples (12-48 KB of rows); the Philox words of a superblock's groups share
+ * one buffer of MAX_SAMPLES entries */
+#define SB 16
+#define SB_MAX_N 16
+_Static_assert(SB * SB_MAX_N <= MAX_SAMPLES, "a superblock's Philox words fit the buffer");
 
 /* ---------------------------------------------------------------------------------------
  * CESTAC digits (fxstab.digits._digits, in the working dtype) of `cnt` elements whose n
@@ -409,12 +416,13 @@ ALWAYS_INLINE void moments8(const float *const *rows, int64_t n, int64_t el, flo
                             vi8 *exact_zero_) {
     const vf8 zero = vsplat8(0.0f);
     const vi8 absmask = (vi8){0, 0, 0, 0, 0, 0, 0, 0} + 0x7FFFFFFF;
-    vf8 v = vload8(rows[0] + el);
-    vf8 mn = v, mx = v, mean = v * inv_n;
+    const vf8 v0 = vload8(rows[0] + el);
+    vf8 mean = v0 * inv_n, nan_if_not_finite = v0 - v0;  /* x - x: 0, or NaN for inf/NaN */
+    vi8 same = (vi8){0} - 1;
     for (int64_t i = 1; i < n; i++) {
-        v = vload8(rows[i] + el);
-        mn = vsel8(v < mn, v, mn);
-        mx = vsel8(v > mx, v, mx);
+        vf8 v = vload8(rows[i] + el);
+        same &= v == v0;
+        nan_if_not_finite += v - v;
         mean += v * inv_n;
     }
     /* 1 / |mean| overflows for a subnormal mean: scale by a power of 2 (exact) */
@@ -429,10 +437,11 @@ ALWAYS_INLINE void moments8(const float *const *rows, int64_t n, int64_t el, flo
     vf8 var = s2 - s1 * s1 * inv_n;
     *var_ = vsel8(var < zero, zero, var);
     *mean_ = mean;
-    /* a NaN sample makes the mean NaN (min/max skip it); inf makes min or max inf */
-    *finite_ = ((mn - mn) == zero) & ((mx - mx) == zero) & (mean == mean);
-    *identical_ = mn == mx;
-    *exact_zero_ = *identical_ & (mx == zero);
+    /* finite: every sample (a NaN or inf one makes the sum of x - x NaN); identical: all
+     * equal to the first (for finite samples; the masks are only read with finite) */
+    *finite_ = nan_if_not_finite == zero;
+    *identical_ = same;
+    *exact_zero_ = same & (v0 == zero);
 }
 
 /* First loop of a group's statistics: the moments of its full 8-element vectors into L1
@@ -827,48 +836,55 @@ DEFINE_PERTURB_GROUP(perturb_group_f64, double)
         int64_t n_close = 0;                                                                    \
         int nt = (int)p->nthreads;                                                              \
         if (numel * n < 32768) nt = 1;                                                          \
+        /* superblocks of sbg groups; stochastic mode's words serve 4 samples of one group */   \
+        const int64_t sbg = mode == MODE_STOCHASTIC || n > SB_MAX_N ? 1 : SB;                   \
+        const int64_t n_sb = (groups + sbg - 1) / sbg;                                          \
         _Pragma("omp parallel num_threads(nt) reduction(+:s_sum, s_zero, s_nf) reduction(min:s_min) reduction(max:s_max) reduction(+:n_close)") \
         {                                                                                       \
         acc8_t acc;                                                                             \
         acc8_init(&acc);                                                                        \
         _Pragma("omp for schedule(static)")                                                     \
-        for (int64_t g = 0; g < groups; g++) {                                                  \
-            uint32_t dwords[MAX_SAMPLES][4];                                                    \
+        for (int64_t sbk = 0; sbk < n_sb; sbk++) {                                              \
+            uint32_t dwords[MAX_SAMPLES][4]; /* group g, draw d: dwords[(g - g0) n_free + d] */ \
             uint32_t rb[BLK], swords[4][PHILOX_LANES];                                          \
             const FT *rows[MAX_SAMPLES];                                                        \
-            int64_t e0 = g * BLK, cnt = e0 + BLK < numel ? BLK : numel - e0;                    \
+            const int64_t g0 = sbk * sbg, g1 = g0 + sbg < groups ? g0 + sbg : groups;           \
             if (mode == MODE_RANDOM) {                                                          \
-                for (int d = 0; d < n_free; d++) {                                              \
-                    dwords[d][0] = (uint32_t)g;                                                 \
-                    dwords[d][1] = (uint32_t)d;                                                 \
-                    dwords[d][2] = (uint32_t)((uint64_t)g >> 32);                               \
-                    dwords[d][3] = 0;                                                           \
-                    philox(p->seed, dwords[d]);                                                 \
-                }                                                                               \
+                for (int64_t g = g0; g < g1; g++)                                               \
+                    for (int d = 0; d < n_free; d++) {                                          \
+                        uint32_t *dw = dwords[(g - g0) * n_free + d];                           \
+                        dw[0] = (uint32_t)g;                                                    \
+                        dw[1] = (uint32_t)d;                                                    \
+                        dw[2] = (uint32_t)((uint64_t)g >> 32);                                  \
+                        dw[3] = 0;                                                              \
+                        philox(p->seed, dw);                                                    \
+                    }                                                                           \
             }                                                                                   \
-            for (int64_t i = 0; i < n; i++) {                                                   \
-                const FT *xi = x + i * xs + e0;                                                 \
-                if (mode != MODE_NONE) {                                                        \
-                    FT *oi = out + i * numel + e0;                                              \
-                    sample_bits(p, mode, g, cnt, i, draws, flips, dwords, swords, rb);          \
-                    ROW(xi, oi, cnt, r, mode, rb);                                              \
-                    rows[i] = oi;                                                               \
-                } else {                                                                        \
-                    rows[i] = xi;                                                               \
+            if (mode != MODE_NONE)                                                              \
+                for (int64_t i = 0; i < n; i++)                                                 \
+                    for (int64_t g = g0; g < g1; g++) {                                         \
+                        int64_t e0 = g * BLK, cnt = e0 + BLK < numel ? BLK : numel - e0;        \
+                        sample_bits(p, mode, g, cnt, i, draws, flips,                           \
+                                    dwords + (g - g0) * n_free, swords, rb);                    \
+                        ROW(x + i * xs + e0, out + i * numel + e0, cnt, r, mode, rb);           \
+                    }                                                                           \
+            for (int64_t g = g0; g < g1; g++) {                                                 \
+                int64_t e0 = g * BLK, cnt = e0 + BLK < numel ? BLK : numel - e0;                \
+                for (int64_t i = 0; i < n; i++)                                                 \
+                    rows[i] = mode != MODE_NONE ? out + i * numel + e0 : x + i * xs + e0;       \
+                if (want_stats)                                                                 \
+                    DIGITS(rows, n, cnt, p, K, dig ? dig + e0 : NULL, zm ? zm + e0 : NULL, &acc, \
+                           &s_sum, &s_min, &s_max, &s_zero, &s_nf);                             \
+                if (fuse) { /* the consumer GEMM's surrogate, on the rows just rounded */       \
+                    FT mean[BLK];                                                               \
+                    int close[BLK];                                                             \
+                    int64_t c, moving;                                                          \
+                    CLOSE(out, numel, n, e0, cnt, eta, mean, close, &c, &moving);               \
+                    n_close += c;                                                               \
+                    if (moving)                                                                 \
+                        PERTURB_GROUP(out, numel, out, n, numel, g, e0, cnt, eta, fused->seed,  \
+                                      close, moving);                                           \
                 }                                                                               \
-            }                                                                                   \
-            if (want_stats)                                                                     \
-                DIGITS(rows, n, cnt, p, K, dig ? dig + e0 : NULL, zm ? zm + e0 : NULL, &acc,    \
-                       &s_sum, &s_min, &s_max, &s_zero, &s_nf);                                 \
-            if (fuse) { /* the consumer GEMM's surrogate, on the rows just rounded */           \
-                FT mean[BLK];                                                                   \
-                int close[BLK];                                                                 \
-                int64_t c, moving;                                                              \
-                CLOSE(out, numel, n, e0, cnt, eta, mean, close, &c, &moving);                   \
-                n_close += c;                                                                   \
-                if (moving)                                                                     \
-                    PERTURB_GROUP(out, numel, out, n, numel, g, e0, cnt, eta, fused->seed,      \
-                                  close, moving);                                               \
             }                                                                                   \
         }                                                                                       \
         if (want_stats) acc8_finish(&acc, p, &s_sum, &s_min, &s_max, &s_zero, &s_nf);           \
