@@ -181,9 +181,10 @@ class AtenGraphAnalysis(GraphAnalysis):
         copies = iter([low.mutates or node in self.mutated for node in placeholders])
         result = None
         empty: frozenset = frozenset()
-        for node, plan in zip(lowered.graph.nodes, plans):
+        fetch = env.__getitem__
+        for node, plan, inputs_of in zip(lowered.graph.nodes, plans, low.input_nodes):
             ins = empty
-            for m in node.all_input_nodes:
+            for m in inputs_of:
                 f = frontier.get(m, empty)
                 if f:
                     ins = ins | f if ins else f
@@ -205,8 +206,8 @@ class AtenGraphAnalysis(GraphAnalysis):
             if node.op == "output":
                 result = torch.fx.node.map_arg(node.args[0], lambda m: env[m])
                 continue
-            a = torch.fx.node.map_arg(node.args, lambda m: env[m])
-            kw = torch.fx.node.map_arg(node.kwargs, lambda m: env[m])
+            a = torch.fx.node.map_arg(node.args, fetch)
+            kw = torch.fx.node.map_arg(node.kwargs, fetch) if node.kwargs else {}
             if plan is None or plan.action == "plain":
                 # Python operators on sizes, getitem on tuples, symbolic sizes: plain values.
                 env[node] = _plain_call(_callable(lowered, node), a, kw, Stacked)
@@ -243,12 +244,14 @@ class _NodePlan:
 
 
 class _Lowered:
-    """A lowered graph with its node plans and the values each node frees."""
+    """A lowered graph with its node plans, each node's input nodes and the values each node
+    frees."""
 
-    __slots__ = ("gm", "plans", "free_after", "mutates")
+    __slots__ = ("gm", "plans", "free_after", "mutates", "input_nodes")
 
     def __init__(self, gm, plans, free_after, mutates):
         self.gm, self.plans, self.free_after, self.mutates = gm, plans, free_after, mutates
+        self.input_nodes = [tuple(node.all_input_nodes) for node in gm.graph.nodes]
 
 
 def _origin(node: torch.fx.Node, known: dict) -> Any:
