@@ -7,10 +7,11 @@ passes over every element; on a CPU that costs more than the model's matmuls. Th
 (OpenMP, ``torch.get_num_threads()`` threads), with the same Philox streams: rounded and
 perturbed samples are bit-identical to the references and the statistics agree to a few ulps.
 
-The library is compiled on first use with the system C compiler (``$CC``, else ``cc``; about a
-second) into a cache directory (``$FXSTAB_CACHE_DIR``, else ``$XDG_CACHE_HOME/fxstab``, else
-``~/.cache/fxstab``), keyed by a hash of the source and flags. Without a compiler, or with
-``FXSTAB_NATIVE=0``, :func:`available` is False and callers use the references (one warning).
+The library is compiled on first use with the system C compiler (``$CC``, else ``cc``; about
+25 s on a 2-core machine, announced with one line on stderr) into a cache directory
+(``$FXSTAB_CACHE_DIR``, else ``$XDG_CACHE_HOME/fxstab``, else ``~/.cache/fxstab``), keyed by a
+hash of the source, the flags and the CPU. Without a compiler, or with ``FXSTAB_NATIVE=0``,
+:func:`available` is False and callers use the references (one warning).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -98,6 +100,9 @@ def _build(path: Path) -> None:
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler ({cc!r} not found; set CC)")
     path.parent.mkdir(parents=True, exist_ok=True)
+    # a first use can take half a minute: say why the program pauses (stderr, once)
+    print(f"fxstab: compiling the CPU kernels into {path.parent} (once per version and CPU; "
+          f"about 25 s on 2 cores)", file=sys.stderr, flush=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:

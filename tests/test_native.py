@@ -178,6 +178,23 @@ def test_missing_compiler_falls_back_with_one_warning(tmp_path):
     assert out.stdout.strip() == "False False 1 True"
 
 
+def test_first_build_says_so_once_on_stderr(tmp_path):
+    """A first use compiles for tens of seconds: one line on stderr says why, and a second use
+    (the cached library) says nothing. The 'compiler' here copies the library already built."""
+    assert native.available()
+    built = native.library_path()
+    cc = tmp_path / "fake-cc"
+    cc.write_text('#!/bin/sh\nwhile [ "$1" != "-o" ]; do shift; done\ncp "%s" "$2"\n' % built)
+    cc.chmod(0o755)
+    code = "import fxstab.native as n; print(n.available())"
+    env = dict(os.environ, CC=str(cc), FXSTAB_CACHE_DIR=str(tmp_path / "cache"))
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                           text=True, check=True) for _ in range(2)]
+    assert [r.stdout.strip() for r in runs] == ["True", "True"]
+    assert runs[0].stderr.count("fxstab: compiling the CPU kernels") == 1
+    assert "compiling" not in runs[1].stderr
+
+
 def test_backend_cpu_kernels_match_the_torch_path():
     """Same model, same seed: the fused path and the references report the same digits."""
     torch.manual_seed(0)
