@@ -445,30 +445,30 @@ ALWAYS_INLINE void moments8(const float *const *rows, int64_t n, int64_t el, flo
 }
 
 /* First loop of a group's statistics: the moments of its full 8-element vectors into L1
- * buffers (variance; flags: 1 finite, 2 identical, 4 exact zero, 8 mean != 0), so the second
- * loop (classification and sums) runs with few live vectors and no spilled accumulators. */
+ * buffers (variance; the finite, identical, exact-zero and mean != 0 lane masks, four vectors
+ * per 8 elements: storing them as they are costs less than packing them into one flag word
+ * and unpacking it), so the second loop (classification and sums) runs with few live vectors
+ * and no spilled accumulators. */
 ALWAYS_INLINE void moments_pass8(const float *const *rows, int64_t n, int64_t full, float inv_n,
-                                 float *restrict vbuf, int32_t *restrict fbuf) {
+                                 float *restrict vbuf, vi8 *restrict fbuf) {
     const vf8 zero = vsplat8(0.0f);
     for (int64_t el = 0; el < full; el += 8) {
         vf8 mean, var;
-        vi8 finite, identical, exact_zero;
-        moments8(rows, n, el, inv_n, &mean, &var, &finite, &identical, &exact_zero);
-        vi8 flags = (finite & 1) | (identical & 2) | (exact_zero & 4) | ((mean != zero) & 8);
+        vi8 *f = fbuf + (el >> 3) * 4;
+        moments8(rows, n, el, inv_n, &mean, &var, &f[0], &f[1], &f[2]);
+        f[3] = mean != zero;
         vstore8(vbuf + el, var);
-        memcpy(fbuf + el, &flags, sizeof flags);
     }
 }
 
 /* The flags of moments_pass8 for the 8 elements at el, as lane masks. */
-ALWAYS_INLINE void flags8(const int32_t *fbuf, int64_t el, vi8 *finite, vi8 *identical,
+ALWAYS_INLINE void flags8(const vi8 *fbuf, int64_t el, vi8 *finite, vi8 *identical,
                           vi8 *exact_zero, vi8 *nonzero_mean) {
-    vi8 f, z0 = (vi8){0};
-    memcpy(&f, fbuf + el, sizeof f);
-    *finite = (f & 1) != z0;
-    *identical = (f & 2) != z0;
-    *exact_zero = (f & 4) != z0;
-    *nonzero_mean = (f & 8) != z0;
+    const vi8 *f = fbuf + (el >> 3) * 4;
+    *finite = f[0];
+    *identical = f[1];
+    *exact_zero = f[2];
+    *nonzero_mean = f[3];
 }
 
 /* Per-element digits (written to dig) and their statistics. */
@@ -502,7 +502,7 @@ ALWAYS_INLINE void digits_block_f32_n(const float *const *rows, int64_t n, int64
     int64_t full = cnt & ~(int64_t)7;
     /* two loops over the group, as in stats_block_f32_n */
     float vbuf[BLK];
-    int32_t fbuf[BLK];
+    vi8 fbuf[BLK / 2]; /* 4 masks per 8 elements */
     moments_pass8(rows, n, full, inv_n, vbuf, fbuf);
     for (int64_t el = 0; el < full; el += 8) {
         vf8 var = vload8(vbuf + el);
@@ -627,7 +627,7 @@ ALWAYS_INLINE void stats_block_f32_n(const float *const *rows, int64_t n, int64_
     /* two loops over the group, each with few live vectors (no spilled accumulators): the
      * moments, kept in L1, then the classification and the sums */
     float vbuf[BLK];
-    int32_t fbuf[BLK];
+    vi8 fbuf[BLK / 2]; /* 4 masks per 8 elements */
     moments_pass8(rows, n, full, inv_n, vbuf, fbuf);
     for (int64_t el = 0; el < full; el += 8) {
         vf8 var = vload8(vbuf + el);
