@@ -872,7 +872,7 @@ def _scan(args: tuple) -> tuple[bool, bool, bool]:
             stacked = True
             if identical:
                 s = a.samples
-                identical = s.stride(0) == 0 and s.dim() > 0
+                identical = s.dim() > 0 and s.stride(0) == 0
         elif t not in _PASS_THROUGH:
             other = True
             if isinstance(a, (list, tuple)) and any(isinstance(b, Stacked) for b in a):
