@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -58,6 +59,39 @@ def test_rounding_is_bit_identical_to_the_reference(dtype, fmt, mode):
         ref = round_samples(x, f, mode, seed=2024, saturate=saturate)
         out, stats, digits = native.round_stats(x, f, mode, 2024, saturate=saturate,
                                                 want_digits=True)
+        assert _same_bits(out, ref), (fmt, mode, saturate)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("mode", list(Rounding))
+def test_groups_at_the_edges_of_the_normal_range(dtype, fmt, mode):
+    """The kernel rounds a 128-element group whose values all lie in the format's normal range
+    below its top binade (or are zeros) by a short path, any other group by the general one:
+    groups of such values with one value at or just past an edge of that range."""
+    f = get_format(fmt)
+    if not f.fits_in(dtype):
+        pytest.skip("format does not fit the dtype")
+    g = torch.Generator().manual_seed(3)
+    lo, hi = math.log2(f.min_normal) + 1, math.log2(f.max_normal) - 2
+    base = torch.exp2(torch.rand(128, generator=g, dtype=torch.float64) * (hi - lo) + lo)
+    base = base * torch.where(torch.rand(128, generator=g) < 0.5, -1.0, 1.0).double()
+    top = 2.0 ** math.floor(math.log2(f.max_normal))  # the top binade starts here
+    edges = [None, 0.0, -0.0, f.min_normal, -f.min_normal, f.min_normal * (1 - 2.0 ** -12),
+             f.min_normal * 0.75, f.min_subnormal, f.min_subnormal * 0.5, top * (1 - 2.0 ** -12),
+             top, f.max_normal, -f.max_normal * (1 - 2.0 ** -(f.man_bits + 3)), float("inf"),
+             float("nan")]
+    rows = []
+    for e in edges:
+        row = base.clone()
+        if e is not None:
+            row[37] = e
+        rows.append(row)
+    v = torch.stack(rows).to(dtype).reshape(-1)
+    x = torch.stack([v, v * (1 + 2.0 ** -(f.man_bits + 4)), -v])
+    for saturate in (False, True):
+        ref = round_samples(x, f, mode, seed=99, saturate=saturate)
+        out, _, _ = native.round_stats(x, f, mode, 99, saturate=saturate)
         assert _same_bits(out, ref), (fmt, mode, saturate)
 
 
