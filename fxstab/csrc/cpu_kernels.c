@@ -198,6 +198,8 @@ DEFINE_ROUND(round_f64, uint64_t, int64_t, 52, 62)
 #define DEFINE_ROUND_NORMAL(NAME, UT, IT, WM, SH_MAX)                                           \
     ALWAYS_INLINE UT NAME(UT bits, const IT sh, const int mode, uint32_t rnd) {                 \
         const UT unit = (UT)1 << sh, low_mask = unit - 1, rem = bits & low_mask;               \
+        if (mode == MODE_RANDOM) /* up: add low_mask and truncate; down: truncate */             \
+            return (bits + (low_mask & ((UT)0 - (UT)rnd))) & ~low_mask;                       \
         const int neg = (int)(bits >> (8 * sizeof(UT) - 1));                                    \
         int go;                                                                                 \
         ROUND_GO(UT, IT, SH_MAX, go, mode, bits, rem, low_mask, sh, sh, neg, rnd)                \
@@ -218,15 +220,18 @@ DEFINE_ROUND_NORMAL(round_normal_f64, uint64_t, int64_t, 52, 62)
         const UT e_lo = (UT)r.k, span = (UT)(((UT)r.max_bits >> (WM)) - 1) - e_lo;              \
         int all_normal = r.k >= 1 && ((UT)r.max_bits >> (WM)) > (UT)r.k;                        \
         if (all_normal) {                                                                       \
-            int bad = 0;                                                                        \
-            _Pragma("omp simd reduction(|:bad)")                                                \
+            /* every magnitude 0 or in [e_lo, e_lo + span] binades: the least of mag - 1       \
+             * (0 wraps to the top) and the largest mag, unsigned */                            \
+            UT lo = ~(UT)0, hi = 0;                                                             \
+            _Pragma("omp simd reduction(min:lo) reduction(max:hi)")                             \
             for (int64_t el = 0; el < cnt; el++) {                                              \
                 UT b;                                                                           \
                 memcpy(&b, &x[el], sizeof b);                                                   \
                 UT mag = b & ~sign;                                                             \
-                bad |= (mag != 0) & ((UT)((mag >> (WM)) - e_lo) > span);                        \
+                lo = mag - 1 < lo ? mag - 1 : lo;                                               \
+                hi = mag > hi ? mag : hi;                                                       \
             }                                                                                   \
-            all_normal = !bad;                                                                  \
+            all_normal = lo >= (e_lo << (WM)) - 1 && hi < ((e_lo + span + 1) << (WM));         \
         }                                                                                       \
         if (all_normal) {                                                                       \
             const IT sh = (IT)(WM) - (IT)r.m;                                                   \
@@ -391,6 +396,16 @@ ALWAYS_INLINE vf8 vsplat8(float x) { return (vf8){x, x, x, x, x, x, x, x}; }
 /* m ? a : b per lane, m all-ones or zero */
 ALWAYS_INLINE vf8 vsel8(vi8 m, vf8 a, vf8 b) { return (vf8)(((vi8)a & m) | ((vi8)b & ~m)); }
 
+/* max(a, b), min(a, b) of lanes without NaN */
+#if defined(__AVX__)
+#include <immintrin.h>
+ALWAYS_INLINE vf8 vmax8(vf8 a, vf8 b) { return (vf8)_mm256_max_ps((__m256)a, (__m256)b); }
+ALWAYS_INLINE vf8 vmin8(vf8 a, vf8 b) { return (vf8)_mm256_min_ps((__m256)a, (__m256)b); }
+#else
+ALWAYS_INLINE vf8 vmax8(vf8 a, vf8 b) { return vsel8(a > b, a, b); }
+ALWAYS_INLINE vf8 vmin8(vf8 a, vf8 b) { return vsel8(a < b, a, b); }
+#endif
+
 /* log10 of positive normal lanes: log10(1 + x) = x P(x) on m = 1 + x in [sqrt(1/2), sqrt(2)),
  * P of degree 5 fitted (least squares at Chebyshev nodes) for an error below 7.5e-7 in the
  * log, 3.7e-7 in the digits; Estrin's form keeps the dependency chain short. */
@@ -428,14 +443,26 @@ ALWAYS_INLINE void moments8(const float *const *rows, int64_t n, int64_t el, flo
     /* 1 / |mean| overflows for a subnormal mean: scale by a power of 2 (exact) */
     vf8 am = (vf8)((vi8)mean & absmask);
     vf8 sc = vsel8(am < vsplat8(0x1p-100f), vsplat8(0x1p64f), vsplat8(1.0f)), ms = mean * sc;
-    vf8 inv = 1.0f / (am * sc), s1 = zero, s2 = zero;
-    for (int64_t i = 0; i < n; i++) {
-        vf8 r = (vload8(rows[i] + el) * sc - ms) * inv;
-        s1 += r;
-        s2 += r * r;
+    vf8 inv = 1.0f / (am * sc);
+    if (n <= 3) {
+        /* sum over pairs (r_i - r_j)^2 = n sum (r_i - mean r)^2: no cancellation, no clamp */
+        vf8 s = zero;
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t j = i + 1; j < n; j++) {
+                vf8 r = ((vload8(rows[i] + el) - vload8(rows[j] + el)) * sc) * inv;
+                s += r * r;
+            }
+        *var_ = s * inv_n;
+    } else {
+        vf8 s1 = zero, s2 = zero;
+        for (int64_t i = 0; i < n; i++) {
+            vf8 r = (vload8(rows[i] + el) * sc - ms) * inv;
+            s1 += r;
+            s2 += r * r;
+        }
+        vf8 var = s2 - s1 * s1 * inv_n;
+        *var_ = vsel8(var < zero, zero, var);
     }
-    vf8 var = s2 - s1 * s1 * inv_n;
-    *var_ = vsel8(var < zero, zero, var);
     *mean_ = mean;
     /* finite: every sample (a NaN or inf one makes the sum of x - x NaN); identical: all
      * equal to the first (for finite samples; the masks are only read with finite) */
@@ -589,7 +616,8 @@ static void acc8_finish(acc8_t *a, const params_t *p, double *s_sum, double *s_m
         lmin = vlog10_8(vsel8(has, a->minv, one));
     double ssum = 0, szero = 0, snf = 0, mnv = *s_min, mxv = *s_max;
     for (int l = 0; l < 8; l++) {
-        double logs = (double)lprod[l] + 0.30102999566398120 * a->esum_d[l];
+        /* esum holds biased exponents of the linear lanes' variances */
+        double logs = (double)lprod[l] + 0.30102999566398120 * (a->esum_d[l] - 127.0 * a->nlin_d[l]);
         ssum += a->nlin_d[l] * Kd - 0.5 * logs + cap * a->ncap_d[l];
         szero += a->zeros_d[l];
         snf += a->nf_d[l];
@@ -633,16 +661,19 @@ ALWAYS_INLINE void stats_block_f32_n(const float *const *rows, int64_t n, int64_
         vf8 var = vload8(vbuf + el);
         vi8 finite, identical, exact_zero, nz;
         flags8(fbuf, el, &finite, &identical, &exact_zero, &nz);
-        vi8 is_cap = finite & (identical | (nz & (var >= zero) & (var <= vcap)));
-        vi8 lin = finite & ~identical & nz & (var > vcap) & (var < vzero);
+        /* var is >= 0 or NaN (which no comparison takes) */
+        vi8 le = var <= vcap, cand = finite & ~identical & nz;
+        vi8 is_cap = (finite & identical) | (cand & le);
+        vi8 lin = cand & ~le & (var < vzero);
         vi8 is_zero = ~is_cap & ~lin;
         vi8 b = (vi8)var;
         prod *= vsel8(lin, (vf8)((b & 0x007FFFFF) | 0x3F800000), one);
-        esum += ((b >> 23) - 127) & lin;
+        esum += (b >> 23) & lin; /* biased: 127 per linear lane comes off at the end */
         nlin -= lin;
         ncap -= is_cap;
-        maxv = vsel8(lin & (var > maxv), var, maxv);
-        minv = vsel8(lin & (var < minv), var, minv);
+        vf8 vl = (vf8)((vi8)var & lin); /* 0 (below every linear variance) off lin */
+        maxv = vmax8(vl, maxv);
+        minv = vmin8(vsel8(lin, var, minv), minv);
         vi8 zmask = finite & ~exact_zero & ((lin & (var > vthr)) | (is_cap & capz) | (is_zero & zz));
         zeros -= zmask;
         nf -= ~finite;
@@ -656,7 +687,7 @@ ALWAYS_INLINE void stats_block_f32_n(const float *const *rows, int64_t n, int64_
         acc->maxv = maxv; acc->minv = minv;
         acc->esum = esum; acc->nlin = nlin; acc->ncap = ncap; acc->zeros = zeros; acc->nf = nf;
         acc->iters += full / 8;
-        /* |exponents| <= 150 per vector: int32 lanes hold 2^23 vectors at least */
+        /* biased exponents <= 254 per vector: int32 lanes hold 2^22 vectors */
         if ((acc->since_flush += full / 8) >= ((int64_t)1 << 22)) acc8_flush(acc);
     }
     if (full < cnt) {
@@ -842,7 +873,7 @@ DEFINE_PERTURB_GROUP(perturb_group_f64, double)
         /* superblocks of sbg groups; stochastic mode's words serve 4 samples of one group */   \
         const int64_t sbg = mode == MODE_STOCHASTIC || n > SB_MAX_N ? 1 : SB;                   \
         const int64_t n_sb = (groups + sbg - 1) / sbg;                                          \
-        _Pragma("omp parallel num_threads(nt) reduction(+:s_sum, s_zero, s_nf) reduction(min:s_min) reduction(max:s_max) reduction(+:n_close)") \
+        _Pragma("omp parallel num_threads(nt) if(nt > 1) reduction(+:s_sum, s_zero, s_nf) reduction(min:s_min) reduction(max:s_max) reduction(+:n_close)") \
         {                                                                                       \
         acc8_t acc;                                                                             \
         acc8_init(&acc);                                                                        \
