@@ -355,10 +355,14 @@ def test_statistics_of_many_groups_match_the_digits(threads):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("fmt", ["bf16", "fp16", (8, 23)])
 @pytest.mark.parametrize("n", [2, 3, 5])
-def test_zero_mask_matches_computational_zero(dtype, fmt, n):
+@pytest.mark.parametrize("threshold", ["default", "none", "above the cap"])
+def test_zero_mask_matches_computational_zero(dtype, fmt, n, threshold):
     """The kernel's zero mask is fxstab.digits.computational_zero of the samples it measured
-    (rounded or not), with or without per-element digits; odd sizes and special values."""
+    (rounded or not), with or without per-element digits; odd sizes and special values; the
+    default zero threshold, one no element is below, and one above the digit cap (every finite
+    element that is not an exact zero)."""
     f = get_format(fmt)
+    thr = {"default": 0.5, "none": 0.0, "above the cap": digits_cap(f, dtype) + 1}[threshold]
     if not f.fits_in(dtype):
         pytest.skip("format does not fit the dtype")
     v = _hard_values(dtype, fmt)
@@ -369,8 +373,8 @@ def test_zero_mask_matches_computational_zero(dtype, fmt, n):
     for mode in (None, Rounding.RANDOM):
         for want_digits in (False, True):
             out, st, _, z = native.round_stats(x, f, mode, 5, want_digits=want_digits,
-                                               want_zero_mask=True)
-            want = computational_zero(out, format=f)
+                                               want_zero_mask=True, zero_threshold=thr)
+            want = computational_zero(out, format=f, threshold=thr)
             assert z.dtype == torch.bool and torch.equal(z, want)
             assert int(z.sum()) == int(st[3])
 

@@ -648,6 +648,7 @@ ALWAYS_INLINE void stats_block_f32_n(const float *const *rows, int64_t n, int64_
     const vf8 vzero = vsplat8((float)p->vzero);
     const vf8 vthr = vsplat8((float)p->vthr);
     const vi8 capz = (vi8){0} - (cap < thr_d), zz = (vi8){0} - (0.0 < thr_d);
+    const int usual = !(cap < thr_d) && 0.0 < thr_d;
     const vf8 zero = vsplat8(0.0f), one = vsplat8(1.0f);
     vf8 prod = one, maxv = acc->maxv, minv = acc->minv;
     vi8 esum = acc->esum, nlin = acc->nlin, ncap = acc->ncap, zeros = acc->zeros, nf = acc->nf;
@@ -674,7 +675,11 @@ ALWAYS_INLINE void stats_block_f32_n(const float *const *rows, int64_t n, int64_
         vf8 vl = (vf8)((vi8)var & lin); /* 0 (below every linear variance) off lin */
         maxv = vmax8(vl, maxv);
         minv = vmin8(vsel8(lin, var, minv), minv);
-        vi8 zmask = finite & ~exact_zero & ((lin & (var > vthr)) | (is_cap & capz) | (is_zero & zz));
+        /* the usual thresholds (0 < thr <= cap): the zeros are the linear lanes above vthr
+         * and the lanes neither capped nor linear (one loop per case: unswitched) */
+        vi8 zmask = usual ? finite & ~exact_zero & ~is_cap & (~lin | (var > vthr))
+                          : finite & ~exact_zero & ((lin & (var > vthr)) | (is_cap & capz) |
+                                                    (is_zero & zz));
         zeros -= zmask;
         nf -= ~finite;
         if (zm) store_mask8(zm + el, zmask);
