@@ -63,6 +63,7 @@ class AtenGraphAnalysis(GraphAnalysis):
 
     def __init__(self, gm: torch.fx.GraphModule, owner: Any, index: int) -> None:
         self._lowered: dict[tuple, _Lowered] = {}
+        self._context = None
         super().__init__(gm, owner, index)
 
     def _plan(self) -> None:
@@ -167,12 +168,15 @@ class AtenGraphAnalysis(GraphAnalysis):
         _set_rng_states(rng_states)  # the deterministic pass's random numbers, again
 
         records: list = []
-        ctx = AtenContext(format=cfg.format, n_samples=cfg.n_samples,
-                          seed=randbits.derive_seed(cfg.seed, self.index, call),
-                          rounding=cfg.rounding, confidence=cfg.confidence,
-                          diagnostics=cfg.diagnostics, cancel_digits=cfg.cancel_digits,
-                          zero_threshold=cfg.zero_threshold, recorder=records.append,
-                          kernels=cfg.kernels, saturate=cfg.saturate)
+        if self._context is None:  # the settings, checked and derived once per graph
+            self._context = AtenContext(format=cfg.format, n_samples=cfg.n_samples,
+                                        rounding=cfg.rounding, confidence=cfg.confidence,
+                                        diagnostics=cfg.diagnostics,
+                                        cancel_digits=cfg.cancel_digits,
+                                        zero_threshold=cfg.zero_threshold, kernels=cfg.kernels,
+                                        saturate=cfg.saturate)
+        ctx = self._context.for_call(randbits.derive_seed(cfg.seed, self.index, call),
+                                     records.append)
         env: dict[torch.fx.Node, Any] = {}
         frontier: dict[torch.fx.Node, frozenset] = {}
         inputs = iter(args)

@@ -39,6 +39,7 @@ reads them; the other masks (computational zeros, finiteness...) are derived on 
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from dataclasses import dataclass, field
@@ -465,6 +466,17 @@ class AtenContext:
         self._lookup = (self._native and self.working_dtype == torch.float32
                         and self.fmt.man_bits <= 7)
 
+    def for_call(self, seed: int, recorder: Optional[Callable[[PrimitiveRecord], None]]
+                 ) -> "AtenContext":
+        """A context with this one's settings (checked and derived once) and fresh running
+        state: what a driver that analyses many calls with the same settings holds."""
+        ctx = copy.copy(self)
+        ctx.seed, ctx.recorder, ctx.calls = seed, recorder, 0
+        ctx.counters = Counters(self.counters.diagnostics)
+        ctx._occurrence = {}
+        ctx._last_events = []
+        return ctx
+
     def native_for(self, samples: torch.Tensor) -> bool:
         """Whether ``samples`` ([N, ...]) go through the fused CPU kernels."""
         return self._native and samples.is_cpu and samples.dtype in _NATIVE_DTYPES
@@ -496,9 +508,9 @@ class AtenContext:
         The samples are an ``expand``ed view (no copy) unless ``materialize`` asks for N copies
         (a value that will be updated in place).
         """
-        if x.is_floating_point():
+        if x.is_floating_point() and x.dtype != self.working_dtype:
             x = x.to(self.working_dtype)
-        s = x.unsqueeze(0).expand(self.n_samples, *x.shape)
+        s = x.expand(self.n_samples, *x.shape)
         return Stacked(s.contiguous() if materialize else s)
 
 

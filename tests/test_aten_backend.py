@@ -181,3 +181,25 @@ def test_cpu_kernels_match_the_torch_references(fmt):
         assert r.non_finite == t.non_finite and r.zero_fraction == t.zero_fraction, name
         assert abs(r.avg_digits - t.avg_digits) < 1e-5 and abs(r.min_digits - t.min_digits) < 1e-4
     assert sum(sum(r.counters.values()) for r in r_cpu.values()) > 0  # some counter fired
+
+
+def test_context_for_a_call_keeps_the_settings_and_starts_afresh():
+    """The backend checks its settings once per graph (AtenContext) and analyses each call in
+    a copy with fresh running state: its own seed, recorder, counters and occurrence counts."""
+    from fxstab.aten_rules import AtenContext, apply_primitive
+
+    proto = AtenContext(format="bf16", n_samples=3, diagnostics="summary")
+    x = torch.tensor([1.0, 1.0 + 2.0 ** -7, 2.0])
+    first: list = []
+    a = proto.for_call(11, first.append)
+    y = apply_primitive(torch.ops.aten.sub.Tensor, (a.stack(x), a.stack(x.flip(0))), {}, a)
+    apply_primitive(torch.ops.aten.exp.default, (y,), {}, a)
+    second: list = []
+    b = proto.for_call(11, second.append)
+    y = apply_primitive(torch.ops.aten.sub.Tensor, (b.stack(x), b.stack(x.flip(0))), {}, b)
+    apply_primitive(torch.ops.aten.exp.default, (y,), {}, b)
+    assert [r.name for r in second] == [r.name for r in first] == ["aten.sub#0", "aten.exp#0"]
+    assert [r.stats for r in second] == [r.stats for r in first]
+    assert b.counters.counts == a.counters.counts and b.counters is not a.counters
+    assert b.calls == a.calls == 2 and proto.calls == 0 and proto.recorder is None
+    assert (b.fmt, b.cap, b.n_samples, b._rounders) == (proto.fmt, proto.cap, 3, proto._rounders)
