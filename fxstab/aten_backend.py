@@ -176,7 +176,7 @@ class AtenGraphAnalysis(GraphAnalysis):
                                         zero_threshold=cfg.zero_threshold, kernels=cfg.kernels,
                                         saturate=cfg.saturate)
         ctx = self._context.for_call(randbits.derive_seed(cfg.seed, self.index, call),
-                                     records.append)
+                                     records.append, low.salts)
         env: dict[torch.fx.Node, Any] = {}
         frontier: dict[torch.fx.Node, frozenset] = {}
         inputs = iter(args)
@@ -251,11 +251,13 @@ class _Lowered:
     """A lowered graph with its node plans, each node's input nodes and the values each node
     frees."""
 
-    __slots__ = ("gm", "plans", "free_after", "mutates", "input_nodes")
+    __slots__ = ("gm", "plans", "free_after", "mutates", "input_nodes", "salts")
 
     def __init__(self, gm, plans, free_after, mutates):
         self.gm, self.plans, self.free_after, self.mutates = gm, plans, free_after, mutates
         self.input_nodes = [tuple(node.all_input_nodes) for node in gm.graph.nodes]
+        # the seed salts of the primitives, derived together once per call
+        self.salts = [p.index for p in plans if p is not None and p.action == "rule"]
 
 
 def _origin(node: torch.fx.Node, known: dict) -> Any:

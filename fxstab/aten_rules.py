@@ -43,7 +43,7 @@ import copy
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
@@ -459,6 +459,8 @@ class AtenContext:
         self._dconst = math.log10(math.sqrt(n * (n - 1)) / t)
         self.counters = Counters("detailed" if self.diagnostics == "detailed" else "summary")
         self._occurrence: dict[str, int] = {}
+        self._seeds: Optional[dict] = None  # salt -> seed, derived ahead (for_call)
+        self._round_seeds: Optional[dict] = None  # seed -> its first output's rounding seed
         self._native = self.kernels != "torch" and native.available()
         self._rounders: dict = {}
         # unary math on rounded values of a format with at most bf16's significand (bf16, fp8:
@@ -466,15 +468,21 @@ class AtenContext:
         self._lookup = (self._native and self.working_dtype == torch.float32
                         and self.fmt.man_bits <= 7)
 
-    def for_call(self, seed: int, recorder: Optional[Callable[[PrimitiveRecord], None]]
-                 ) -> "AtenContext":
+    def for_call(self, seed: int, recorder: Optional[Callable[[PrimitiveRecord], None]],
+                 salts: Sequence[int] = ()) -> "AtenContext":
         """A context with this one's settings (checked and derived once) and fresh running
-        state: what a driver that analyses many calls with the same settings holds."""
+        state: what a driver that analyses many calls with the same settings holds. The
+        seeds of the primitives that will pass ``salts`` are derived now, all at once."""
         ctx = copy.copy(self)
         ctx.seed, ctx.recorder, ctx.calls = seed, recorder, 0
         ctx.counters = Counters(self.counters.diagnostics)
         ctx._occurrence = {}
         ctx._last_events = []
+        ctx._seeds = ctx._round_seeds = None
+        found = native.derive_seeds(seed, salts, 100) if salts and self._native else None
+        if found is not None:
+            ctx._seeds = dict(zip(salts, found[0]))
+            ctx._round_seeds = dict(zip(*found))
         return ctx
 
     def native_for(self, samples: torch.Tensor) -> bool:
@@ -494,7 +502,21 @@ class AtenContext:
 
     def next_seed(self, salt: Optional[int] = None) -> int:
         self.calls += 1
-        return randbits.derive_seed(self.seed, self.calls if salt is None else salt)
+        key = self.calls if salt is None else salt
+        if self._seeds is not None:
+            seed = self._seeds.get(key)
+            if seed is not None:
+                return seed
+        return randbits.derive_seed(self.seed, key)
+
+    def rounding_seed(self, seed: int, j: int) -> int:
+        """The seed of a primitive's ``j``-th rounded output, from the primitive's seed
+        (``derive_seed(seed, 100 + j)``)."""
+        if j == 0 and self._round_seeds is not None:
+            found = self._round_seeds.get(seed)
+            if found is not None:
+                return found
+        return randbits.derive_seed(seed, 100 + j)
 
     def name_for(self, op: Any) -> str:
         kind = primitive_kind(op)
@@ -1244,7 +1266,7 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
         if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == n:
             is_first = first is None
             if v.is_floating_point() and do_round:
-                seed_j = randbits.derive_seed(seed, 100 + j)
+                seed_j = ctx.rounding_seed(seed, j)
                 j += 1
                 if ctx.eft:
                     v = _round_fp64(kind, op, args, kwargs, v, seed_j, ctx)

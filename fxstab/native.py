@@ -37,7 +37,7 @@ from .formats import Format
 from .rounding import Rounding, _WORKING, _float_bits
 
 __all__ = ["available", "supports", "round_stats", "round_perturb", "perturb", "library_path",
-           "Rounder", "rounder", "lookup_bf16", "LOOKUP_OPS"]
+           "Rounder", "rounder", "lookup_bf16", "LOOKUP_OPS", "derive_seeds"]
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.c"
 # -march=native: the element loops vectorise (variable shifts need AVX2 on x86); the cache key
@@ -136,6 +136,8 @@ def _lib() -> Optional[ctypes.CDLL]:
         fn.argtypes = [p, i64, p, i64, i64, ctypes.POINTER(_Params), ctypes.POINTER(dbl), p,
                        ctypes.POINTER(_Fused)]
         fn.restype = None
+    lib.fxstab_derive_seeds.argtypes = [u64, p, i64, u64, p, p]
+    lib.fxstab_derive_seeds.restype = None
     lib.fxstab_lookup_bf16.argtypes = [p, p, i64, p, i64]
     lib.fxstab_lookup_bf16.restype = i64
     for name in ("fxstab_perturb_f32", "fxstab_perturb_f64"):
@@ -143,6 +145,20 @@ def _lib() -> Optional[ctypes.CDLL]:
         fn.argtypes = [p, i64, p, i64, i64, dbl, u64, i64, ctypes.POINTER(i64)]
         fn.restype = i64
     return lib
+
+
+def derive_seeds(seed: int, salts: list, then: int) -> Optional[tuple[list, list]]:
+    """``[derive_seed(seed, s) for s in salts]`` and ``derive_seed`` of each of those with
+    ``then`` (fxstab.randbits), in one C call; None without the kernels."""
+    lib = _lib()
+    if lib is None:
+        return None
+    n = len(salts)
+    arr = ctypes.c_uint64 * n
+    seeds, after = arr(), arr()
+    lib.fxstab_derive_seeds(seed & _M64, arr(*[s & _M64 for s in salts]), n, then & _M64,
+                            seeds, after)
+    return list(seeds), list(after)
 
 
 def available() -> bool:

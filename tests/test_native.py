@@ -416,3 +416,26 @@ def test_rounder_reads_an_expanded_value_n_times():
         r(torch.randn(3, 6, 4).transpose(1, 2), 11)
     with pytest.raises(ValueError, match="samples"):
         r(torch.randn(2, 4), 11)
+
+
+def test_derive_seeds_are_derive_seed():
+    """A call's seeds derived at once in C are fxstab.randbits.derive_seed's, bit for bit (the
+    arithmetic level's primitives round with them), 64-bit extremes included."""
+    import random
+
+    from fxstab.aten_rules import AtenContext
+    from fxstab.randbits import M64, derive_seed
+
+    r = random.Random(2)
+    for _ in range(50):
+        seed = r.choice([0, 1, M64, r.getrandbits(64)])
+        salts = [r.choice([0, 7, M64, r.getrandbits(64), r.getrandbits(10)]) for _ in range(9)]
+        seeds, then = native.derive_seeds(seed, salts, 100)
+        assert seeds == [derive_seed(seed, s) for s in salts]
+        assert then == [derive_seed(s, 100) for s in seeds]
+    ctx = AtenContext(format="bf16").for_call(12345, None, [3, 5])
+    for salt in (3, 5, 9):  # 9 was not derived ahead
+        s = ctx.next_seed(salt)
+        assert s == derive_seed(12345, salt)
+        assert ctx.rounding_seed(s, 0) == derive_seed(s, 100)
+        assert ctx.rounding_seed(s, 2) == derive_seed(s, 102)

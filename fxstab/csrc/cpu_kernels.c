@@ -1070,3 +1070,23 @@ int64_t fxstab_lookup_bf16(const float *x, float *out, int64_t numel, const floa
     }
     return !bad;
 }
+
+/* ---------------------------------------------------------------------------------------
+ * fxstab.randbits.derive_seed (SplitMix64 finalisation of the seed mixed with a salt) for a
+ * call's primitives at once: seeds[i] = derive_seed(seed, salts[i]) and then[i] =
+ * derive_seed(seeds[i], then_salt). In Python each is a dozen big-integer operations.
+ */
+static uint64_t derive1(uint64_t z, uint64_t s) {
+    z = z ^ (s + 0x9E3779B97F4A7C15ull + (z << 6) + (z >> 2));
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+void fxstab_derive_seeds(uint64_t seed, const uint64_t *salts, int64_t n, uint64_t then_salt,
+                         uint64_t *seeds, uint64_t *then) {
+    for (int64_t i = 0; i < n; i++) {
+        seeds[i] = derive1(seed, salts[i]);
+        then[i] = derive1(seeds[i], then_salt);
+    }
+}
