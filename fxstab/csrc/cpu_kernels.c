@@ -483,19 +483,21 @@ ALWAYS_INLINE void moments_pass8(const float *const *rows, int64_t n, int64_t fu
         vf8 mean, var;
         vi8 *f = fbuf + (el >> 3) * 4;
         moments8(rows, n, el, inv_n, &mean, &var, &f[0], &f[1], &f[2]);
-        f[3] = mean != zero;
+        f[3] = f[0] & ~f[1] & (mean != zero); /* a measured variance: finite, not identical,
+                                                * mean != 0 */
         vstore8(vbuf + el, var);
     }
 }
 
-/* The flags of moments_pass8 for the 8 elements at el, as lane masks. */
+/* The flags of moments_pass8 for the 8 elements at el, as lane masks: finite, identical,
+ * exact zero, measured (finite, not identical, mean != 0: the variance sets the digits). */
 ALWAYS_INLINE void flags8(const vi8 *fbuf, int64_t el, vi8 *finite, vi8 *identical,
-                          vi8 *exact_zero, vi8 *nonzero_mean) {
+                          vi8 *exact_zero, vi8 *measured) {
     const vi8 *f = fbuf + (el >> 3) * 4;
     *finite = f[0];
     *identical = f[1];
     *exact_zero = f[2];
-    *nonzero_mean = f[3];
+    *measured = f[3];
 }
 
 /* Per-element digits (written to dig) and their statistics. */
@@ -533,9 +535,9 @@ ALWAYS_INLINE void digits_block_f32_n(const float *const *rows, int64_t n, int64
     moments_pass8(rows, n, full, inv_n, vbuf, fbuf);
     for (int64_t el = 0; el < full; el += 8) {
         vf8 var = vload8(vbuf + el);
-        vi8 finite, identical, exact_zero, nz;
-        flags8(fbuf, el, &finite, &identical, &exact_zero, &nz);
-        vi8 mean_zero = ~nz;
+        vi8 finite, identical, exact_zero, measured;
+        flags8(fbuf, el, &finite, &identical, &exact_zero, &measured);
+        vi8 mean_zero = finite & ~identical & ~measured;
         /* var = 0 -> log = -inf -> cap; NaN or inf -> 0; tiny -> above the cap */
         vi8 normal = (var >= tiny) & ((var - var) == zero);
         vf8 c = vlog10_8(vsel8(normal, var, vsplat8(1.0f))) * -0.5f + Kv;
@@ -571,19 +573,20 @@ ALWAYS_INLINE void digits_block_f32_n(const float *const *rows, int64_t n, int64
 }
 
 /* The same statistics without per-element digits, and without a logarithm per element: an
- * element's digits K' - log10(var) / 2 lie strictly between 0 and the cap exactly when its
- * variance lies between two bounds, so the clamps become comparisons, and the sum of the
- * logarithms of those elements is the logarithm of their product, kept as a product of
- * significands (< 2^16 over the 16 vectors of a group) and a sum of exponents. One log10 per
- * lane and group remains. */
+ * element's digits are K' - log10(v) / 2 with v its variance clamped to [vcap, vzero] (the
+ * variances of the cap's digits and of 0 digits; vcap for identical samples, vzero for a zero
+ * mean or a non-finite sample), so the clamps of the digits become clamps of variances, the
+ * zero threshold a comparison, and the sum of the logarithms of all elements the logarithm of
+ * their product, kept as a product of significands (< 2^16 over the 16 vectors of a group) and
+ * a sum of exponents. One log10 per lane remains. */
 /* One thread's running statistics of stats_block_f32_n, per lane: reduced to the six numbers
  * once per thread (acc8_finish), not once per group. The product of significands is folded
  * back to [1, 2) after each group (its exponent into esum); the integer counts move to
  * doubles before they could overflow. */
 typedef struct {
-    vf8 prod, maxv, minv;
-    vi8 esum, nlin, ncap, zeros, nf;
-    double esum_d[8], nlin_d[8], ncap_d[8], zeros_d[8], nf_d[8];
+    vf8 prod, maxv, minv;  /* of the clamped variances */
+    vi8 esum, zeros, nf;
+    double esum_d[8], zeros_d[8], nf_d[8];
     int64_t iters, since_flush;  /* 8-element vectors per lane: in all, since the last flush */
 } acc8_t;
 
@@ -595,41 +598,34 @@ static void acc8_init(acc8_t *a) {
 
 static void acc8_flush(acc8_t *a) {
     for (int l = 0; l < 8; l++) {
-        a->esum_d[l] += a->esum[l]; a->nlin_d[l] += a->nlin[l]; a->ncap_d[l] += a->ncap[l];
-        a->zeros_d[l] += a->zeros[l]; a->nf_d[l] += a->nf[l];
+        a->esum_d[l] += a->esum[l]; a->zeros_d[l] += a->zeros[l]; a->nf_d[l] += a->nf[l];
     }
-    a->esum = a->nlin = a->ncap = a->zeros = a->nf = (vi8){0};
+    a->esum = a->zeros = a->nf = (vi8){0};
     a->since_flush = 0;
 }
 
-/* The statistics of the accumulated lanes: the digits of the linear-range elements are
- * Kd - log10(var) / 2, so their sum is n Kd - (log10(product) + sum of exponents) / 2. */
-static void acc8_finish(acc8_t *a, const params_t *p, double *s_sum, double *s_min,
-                        double *s_max, double *s_zero, double *s_nf) {
+/* The statistics of the accumulated lanes: an element's digits are Kd - log10(v) / 2, so a
+ * lane's sum is iters Kd - (log10(product) + sum of exponents) / 2; its least and largest
+ * digits come from its largest and least v, exactly 0 and the cap at the clamps. */
+static void acc8_finish(acc8_t *a, const params_t *p, float vcap, float vzero, double *s_sum,
+                        double *s_min, double *s_max, double *s_zero, double *s_nf) {
     if (a->iters == 0) return;
     acc8_flush(a);
-    const double cap = p->cap, Kd = p->kd;
-    const vf8 one = vsplat8(1.0f);
-    vi8 has;
-    for (int l = 0; l < 8; l++) has[l] = a->nlin_d[l] > 0 ? -1 : 0;
-    vf8 lprod = vlog10_8(a->prod), lmax = vlog10_8(vsel8(has, a->maxv, one)),
-        lmin = vlog10_8(vsel8(has, a->minv, one));
+    const double cap = p->cap, Kd = p->kd, it = (double)a->iters;
+    vf8 lprod = vlog10_8(a->prod), lmax = vlog10_8(a->maxv), lmin = vlog10_8(a->minv);
     double ssum = 0, szero = 0, snf = 0, mnv = *s_min, mxv = *s_max;
     for (int l = 0; l < 8; l++) {
-        /* esum holds biased exponents of the linear lanes' variances */
-        double logs = (double)lprod[l] + 0.30102999566398120 * (a->esum_d[l] - 127.0 * a->nlin_d[l]);
-        ssum += a->nlin_d[l] * Kd - 0.5 * logs + cap * a->ncap_d[l];
+        /* esum holds biased exponents, one per vector */
+        double logs = (double)lprod[l] + 0.30102999566398120 * (a->esum_d[l] - 127.0 * it);
+        ssum += it * Kd - 0.5 * logs;
         szero += a->zeros_d[l];
         snf += a->nf_d[l];
-        double lo = INFINITY, hi = -INFINITY;
-        if (a->nlin_d[l] + a->ncap_d[l] < (double)a->iters) { lo = 0; hi = 0; }
-        if (a->ncap_d[l] > 0) { lo = lo < cap ? lo : cap; hi = cap; }
-        if (a->nlin_d[l] > 0) {
-            double dlo = Kd - 0.5 * (double)lmax[l];
-            double dhi = Kd - 0.5 * (double)lmin[l];
-            lo = dlo < lo ? dlo : lo;
-            hi = dhi > hi ? dhi : hi;
-        }
+        double lo = a->maxv[l] >= vzero ? 0 : a->maxv[l] <= vcap ? cap
+                                             : Kd - 0.5 * (double)lmax[l];
+        double hi = a->minv[l] <= vcap ? cap : a->minv[l] >= vzero ? 0
+                                             : Kd - 0.5 * (double)lmin[l];
+        lo = lo < 0 ? 0 : (lo > cap ? cap : lo);
+        hi = hi < 0 ? 0 : (hi > cap ? cap : hi);
         mnv = lo < mnv ? lo : mnv;
         mxv = hi > mxv ? hi : mxv;
     }
@@ -641,46 +637,35 @@ ALWAYS_INLINE void stats_block_f32_n(const float *const *rows, int64_t n, int64_
                                      double *s_sum, double *s_min, double *s_max,
                                      double *s_zero, double *s_nf) {
     const float inv_n = 1.0f / (float)n;
-    const double cap = p->cap, thr_d = p->zero_threshold;
     const float tiny_f = 1.1754943508222875e-38f * (float)(n - 1);
-    /* variances at or below vcap: the cap; at or above vzero: 0; above vthr: below thr */
-    const vf8 vcap = vsplat8((float)p->vcap > tiny_f ? (float)p->vcap : tiny_f);
-    const vf8 vzero = vsplat8((float)p->vzero);
+    /* the variances of the cap's digits, of 0 digits, of the zero threshold's */
+    const vf8 vcap = vsplat8((float)p->vcap), vzero = vsplat8((float)p->vzero);
     const vf8 vthr = vsplat8((float)p->vthr);
-    const vi8 capz = (vi8){0} - (cap < thr_d), zz = (vi8){0} - (0.0 < thr_d);
-    const int usual = !(cap < thr_d) && 0.0 < thr_d;
-    const vf8 zero = vsplat8(0.0f), one = vsplat8(1.0f);
+    const vf8 one = vsplat8(1.0f);
     vf8 prod = one, maxv = acc->maxv, minv = acc->minv;
-    vi8 esum = acc->esum, nlin = acc->nlin, ncap = acc->ncap, zeros = acc->zeros, nf = acc->nf;
-    int64_t full = cnt & ~(int64_t)7;
+    vi8 esum = acc->esum, zeros = acc->zeros, nf = acc->nf;
+    /* vcap is a normal float for every format that fits fp32 samples (its log is exact to
+     * the float's precision); the general block otherwise */
+    int64_t full = (float)p->vcap > tiny_f ? cnt & ~(int64_t)7 : 0;
     /* two loops over the group, each with few live vectors (no spilled accumulators): the
-     * moments, kept in L1, then the classification and the sums */
+     * moments, kept in L1, then the clamps and the sums */
     float vbuf[BLK];
     vi8 fbuf[BLK / 2]; /* 4 masks per 8 elements */
     moments_pass8(rows, n, full, inv_n, vbuf, fbuf);
     for (int64_t el = 0; el < full; el += 8) {
         vf8 var = vload8(vbuf + el);
-        vi8 finite, identical, exact_zero, nz;
-        flags8(fbuf, el, &finite, &identical, &exact_zero, &nz);
-        /* var is >= 0 or NaN (which no comparison takes) */
-        vi8 le = var <= vcap, cand = finite & ~identical & nz;
-        vi8 is_cap = (finite & identical) | (cand & le);
-        vi8 lin = cand & ~le & (var < vzero);
-        vi8 is_zero = ~is_cap & ~lin;
-        vi8 b = (vi8)var;
-        prod *= vsel8(lin, (vf8)((b & 0x007FFFFF) | 0x3F800000), one);
-        esum += (b >> 23) & lin; /* biased: 127 per linear lane comes off at the end */
-        nlin -= lin;
-        ncap -= is_cap;
-        vf8 vl = (vf8)((vi8)var & lin); /* 0 (below every linear variance) off lin */
-        maxv = vmax8(vl, maxv);
-        minv = vmin8(vsel8(lin, var, minv), minv);
-        /* the usual thresholds (0 < thr <= cap): the zeros are the linear lanes above vthr
-         * and the lanes neither capped nor linear (one loop per case: unswitched) */
-        vi8 zmask = usual ? finite & ~exact_zero & ~is_cap & (~lin | (var > vthr))
-                          : finite & ~exact_zero & ((lin & (var > vthr)) | (is_cap & capz) |
-                                                    (is_zero & zz));
-        zeros -= zmask;
+        vi8 finite, identical, exact_zero, measured;
+        flags8(fbuf, el, &finite, &identical, &exact_zero, &measured);
+        vf8 v = vsel8(measured, vmin8(vmax8(var, vcap), vzero),
+                      vsel8(finite & identical, vcap, vzero));
+        vi8 b = (vi8)v;
+        prod *= (vf8)((b & 0x007FFFFF) | 0x3F800000);
+        esum += b >> 23; /* biased: 127 per vector comes off at the end */
+        maxv = vmax8(v, maxv);
+        minv = vmin8(v, minv);
+        /* computational zeros: fewer digits than the threshold, finite, not exact zeros */
+        vi8 zmask = finite & ~exact_zero & (v > vthr);
+        zeros -= zmask; /* masks are -1 */
         nf -= ~finite;
         if (zm) store_mask8(zm + el, zmask);
     }
@@ -690,7 +675,7 @@ ALWAYS_INLINE void stats_block_f32_n(const float *const *rows, int64_t n, int64_
         esum += (b >> 23) - 127;
         acc->prod = (vf8)((b & 0x007FFFFF) | 0x3F800000);
         acc->maxv = maxv; acc->minv = minv;
-        acc->esum = esum; acc->nlin = nlin; acc->ncap = ncap; acc->zeros = zeros; acc->nf = nf;
+        acc->esum = esum; acc->zeros = zeros; acc->nf = nf;
         acc->iters += full / 8;
         /* biased exponents <= 254 per vector: int32 lanes hold 2^22 vectors */
         if ((acc->since_flush += full / 8) >= ((int64_t)1 << 22)) acc8_flush(acc);
@@ -926,7 +911,8 @@ DEFINE_PERTURB_GROUP(perturb_group_f64, double)
                 }                                                                               \
             }                                                                                   \
         }                                                                                       \
-        if (want_stats) acc8_finish(&acc, p, &s_sum, &s_min, &s_max, &s_zero, &s_nf);           \
+        if (want_stats) acc8_finish(&acc, p, (float)p->vcap, (float)p->vzero, &s_sum, &s_min,  \
+                                    &s_max, &s_zero, &s_nf);                                   \
         }                                                                                       \
         if (fuse) fused->count = n_close;                                                       \
         if (stats) {                                                                            \
