@@ -406,6 +406,17 @@ ALWAYS_INLINE vf8 vmax8(vf8 a, vf8 b) { return vsel8(a > b, a, b); }
 ALWAYS_INLINE vf8 vmin8(vf8 a, vf8 b) { return vsel8(a < b, a, b); }
 #endif
 
+/* Whether any lane of a mask is set. */
+ALWAYS_INLINE int any8(vi8 m) {
+#if defined(__AVX__)
+    return _mm256_movemask_ps((__m256)m) != 0;
+#else
+    int r = 0;
+    for (int l = 0; l < 8; l++) r |= m[l] != 0;
+    return r;
+#endif
+}
+
 /* log10 of positive normal lanes: log10(1 + x) = x P(x) on m = 1 + x in [sqrt(1/2), sqrt(2)),
  * P of degree 5 fitted (least squares at Chebyshev nodes) for an error below 7.5e-7 in the
  * log, 3.7e-7 in the digits; Estrin's form keeps the dependency chain short. */
@@ -422,6 +433,20 @@ ALWAYS_INLINE vf8 vlog10_8(vf8 v) {
     vf8 p45 = x * -0.06180094555020332f + 0.09695739299058914f;
     vf8 q = (p01 + z * p23) + z2 * p45;
     return q * x + __builtin_convertvector(e, vf8) * 0.301029996f;
+}
+
+/* The sum over sample pairs of ((x_i - x_j) sc / |mean|)^2 (inv = 1 / (|mean| sc)), sc
+ * applied only when `scaled`. */
+ALWAYS_INLINE vf8 pair_squares8(const float *const *rows, int64_t n, int64_t el, vf8 sc,
+                                vf8 inv, const int scaled) {
+    vf8 s = vsplat8(0.0f);
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t j = i + 1; j < n; j++) {
+            vf8 d = vload8(rows[i] + el) - vload8(rows[j] + el);
+            vf8 r = (scaled ? d * sc : d) * inv;
+            s += r * r;
+        }
+    return s;
 }
 
 /* The moments of 8 elements: their mean, corrected variance of the relative deviations (times
@@ -442,18 +467,16 @@ ALWAYS_INLINE void moments8(const float *const *rows, int64_t n, int64_t el, flo
     }
     /* 1 / |mean| overflows for a subnormal mean: scale by a power of 2 (exact) */
     vf8 am = (vf8)((vi8)mean & absmask);
-    vf8 sc = vsel8(am < vsplat8(0x1p-100f), vsplat8(0x1p64f), vsplat8(1.0f)), ms = mean * sc;
-    vf8 inv = 1.0f / (am * sc);
+    vi8 small = am < vsplat8(0x1p-100f);
+    vf8 sc = vsel8(small, vsplat8(0x1p64f), vsplat8(1.0f)), ms = mean * sc;
     if (n <= 3) {
         /* sum over pairs (r_i - r_j)^2 = n sum (r_i - mean r)^2: no cancellation, no clamp */
-        vf8 s = zero;
-        for (int64_t i = 0; i < n; i++)
-            for (int64_t j = i + 1; j < n; j++) {
-                vf8 r = ((vload8(rows[i] + el) - vload8(rows[j] + el)) * sc) * inv;
-                s += r * r;
-            }
+        /* no lane scaled (sc = 1, the usual case): the same bits without the scaling */
+        vf8 s = any8(small) ? pair_squares8(rows, n, el, sc, 1.0f / (am * sc), 1)
+                            : pair_squares8(rows, n, el, sc, 1.0f / am, 0);
         *var_ = s * inv_n;
     } else {
+        vf8 inv = 1.0f / (am * sc);
         vf8 s1 = zero, s2 = zero;
         for (int64_t i = 0; i < n; i++) {
             vf8 r = (vload8(rows[i] + el) * sc - ms) * inv;
