@@ -116,7 +116,7 @@ class AtenGraphAnalysis(GraphAnalysis):
     def _node_plans(self, lowered: torch.fx.GraphModule) -> list:
         """What each node of the lowered graph does, decided once per lowering: a
         :class:`_NodePlan` (primitive, stable name, record?, digits needed?) or None."""
-        from .aten_rules import OPERAND_DIGITS_KINDS, op_info
+        from .aten_rules import op_info, operand_needs
 
         counts: dict[tuple[str, str], int] = {}
         plans: list = []
@@ -134,12 +134,13 @@ class AtenGraphAnalysis(GraphAnalysis):
                 record = origin in self.recorded_ops if self.cfg.select is not None else True
                 action = ("plain" if info.kind in _SYMBOLIC else
                           "random" if info.kind in _RANDOM_PRIMITIVES else "rule")
-                plan = _NodePlan(i, action, node.target, name, path, record, False)
+                plan = _NodePlan(i, action, node.target, name, path, record, False, False)
                 by_node[node] = plan
             plans.append(plan)
         # Per-element digits of an output are worth writing in the rounding pass only when a
-        # consumer's counters read them (add/sub operands, divisors, math arguments...), also
-        # through layout primitives (views) whose digits follow their operand's.
+        # consumer's counters read them (add/sub operands, sums), and its zero mask only when
+        # a consumer's counters read that (divisors, factors, math arguments...), also through
+        # layout primitives (views) whose digits and masks follow their operand's.
         for node in reversed(list(lowered.graph.nodes)):
             plan = by_node.get(node)
             if plan is None:
@@ -148,10 +149,10 @@ class AtenGraphAnalysis(GraphAnalysis):
                 up = by_node.get(user)
                 if up is None:
                     continue
-                uinfo = op_info(user.target)
-                if uinfo.kind in OPERAND_DIGITS_KINDS or (uinfo.layout and up.need_digits):
-                    plan.need_digits = True
-                    break
+                digits, zeros = operand_needs(op_info(user.target), user.args, user.kwargs, node)
+                layout = op_info(user.target).layout
+                plan.need_digits |= digits or (layout and up.need_digits)
+                plan.need_zeros |= zeros or (layout and up.need_zeros)
         return plans
 
     # -- the stochastic path ----------------------------------------------------------------
@@ -221,7 +222,8 @@ class AtenGraphAnalysis(GraphAnalysis):
                 continue
             before = len(records)
             env[node] = apply_primitive(plan.target, a, kw, ctx, name=plan.name, salt=plan.index,
-                                        need_digits=plan.need_digits)
+                                        need_digits=plan.need_digits,
+                                        need_zeros=plan.need_zeros)
             if len(records) > before:
                 for rec in records[before:]:
                     if not plan.record:
@@ -240,11 +242,13 @@ class AtenGraphAnalysis(GraphAnalysis):
 class _NodePlan:
     """One lowered node's decisions, made once per lowering (see ``_node_plans``)."""
 
-    __slots__ = ("index", "action", "target", "name", "path", "record", "need_digits")
+    __slots__ = ("index", "action", "target", "name", "path", "record", "need_digits",
+                 "need_zeros")
 
-    def __init__(self, index, action, target, name, path, record, need_digits):
+    def __init__(self, index, action, target, name, path, record, need_digits, need_zeros):
         self.index, self.action, self.target, self.name = index, action, target, name
-        self.path, self.record, self.need_digits = path, record, need_digits
+        self.path, self.record = path, record
+        self.need_digits, self.need_zeros = need_digits, need_zeros
 
 
 class _Lowered:

@@ -60,7 +60,7 @@ aten = torch.ops.aten
 
 __all__ = ["Stacked", "AtenContext", "PrimitiveRecord", "apply_primitive", "round_stacked",
            "primitive_kind", "op_info", "OpInfo", "GEMM_PRIMITIVES", "EXACT_PRIMITIVES",
-           "OPERAND_DIGITS_KINDS", "OUTPUT_DIGITS_KINDS", "to_op_report"]
+           "operand_needs", "OUTPUT_DIGITS_KINDS", "to_op_report"]
 
 
 # --------------------------------------------------------------------------- op classes
@@ -199,11 +199,28 @@ def op_info(op: Any) -> OpInfo:
         return _compute_op_info(op)
 
 
-# Kinds whose counters read their operands' analysis (digits or computational-zero masks);
-# a graph driver uses this to measure per-element digits only where a consumer needs them.
-OPERAND_DIGITS_KINDS = frozenset(_ADD | _REDUCE_SUM | _DIV | _POW | _MATH | {"mul", "relu"})
 # Kinds whose counters read their own output's per-element digits.
 OUTPUT_DIGITS_KINDS = frozenset(_ADD | _REDUCE_SUM)
+# Kinds whose counters read an operand's computational-zero mask (all operands, or the
+# divisor of a division).
+_OPERAND_ZEROS_KINDS = frozenset(_DIV | _POW | _MATH | {"mul", "relu"})
+
+
+def operand_needs(info: "OpInfo", args: tuple, kwargs: dict, operand: Any) -> tuple[bool, bool]:
+    """(digits, zero mask): what the counters of a primitive (``info``, its ``args`` and
+    ``kwargs`` as a graph holds them) read of ``operand``: the digits of add/sub operands and
+    of summed values (cancellation), the zero masks of divisors, factors and math arguments.
+    A graph driver writes those in the operand's rounding pass; anything else a consumer reads
+    is measured when read."""
+    kind = info.kind
+    if any(v is operand for v in kwargs.values()):
+        return True, True  # an unusual place: assume everything
+    if kind in _ADD or kind in _REDUCE_SUM:
+        return True, False
+    if kind in _DIV:
+        divisor = args[0] if kind == "reciprocal" else (args[1] if len(args) > 1 else None)
+        return False, divisor is operand
+    return False, kind in _OPERAND_ZEROS_KINDS
 
 
 # --------------------------------------------------------------------------- stacked values
@@ -1151,7 +1168,8 @@ def _digits_through(info: OpInfo, op, args: tuple, kwargs: dict, out: torch.Tens
 
 def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenContext, *,
                     name: Optional[str] = None, salt: Optional[int] = None,
-                    need_digits: Optional[bool] = None) -> Any:
+                    need_digits: Optional[bool] = None,
+                    need_zeros: Optional[bool] = None) -> Any:
     """Run one aten primitive on stacked samples and apply the arithmetic-level rules.
 
     Args:
@@ -1162,8 +1180,11 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
         name: Stable name for the record (default ``aten.<kind>#k`` within ``ctx``).
         salt: Seed salt (default: the context's call counter).
         need_digits: Whether a consumer's counters will read this output's per-element digits
-            (a graph driver knows; ``None``: assume so whenever counters run). Only decides
-            whether the fused kernel writes them now or a consumer measures them later.
+            (a graph driver knows: :func:`operand_needs`; ``None``: assume so whenever counters
+            run). Only decides whether the fused kernel writes them now or a consumer measures
+            them later.
+        need_zeros: The same for the output's computational-zero mask (``None``: as
+            ``need_digits``).
 
     Returns:
         The primitive's outputs with the same structure as ``op``'s, each tensor computed from
@@ -1255,7 +1276,7 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
     # other counters are measured later, only for values whose statistics count zeros.
     want_digits = counting and ctx.cap > ctx.cancel_digits and (
         need_digits is not False or kind in OUTPUT_DIGITS_KINDS)
-    want_zeros = counting and need_digits is not False
+    want_zeros = counting and (need_digits if need_zeros is None else need_zeros) is not False
     single = isinstance(raw, torch.Tensor)
     flat, spec = ([raw], None) if single else pytree.tree_flatten(raw)
     outs = []

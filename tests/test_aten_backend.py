@@ -203,3 +203,45 @@ def test_context_for_a_call_keeps_the_settings_and_starts_afresh():
     assert b.counters.counts == a.counters.counts and b.counters is not a.counters
     assert b.calls == a.calls == 2 and proto.calls == 0 and proto.recorder is None
     assert (b.fmt, b.cap, b.n_samples, b._rounders) == (proto.fmt, proto.cap, 3, proto._rounders)
+
+
+def test_operand_needs_says_what_counters_read():
+    """The rounding pass writes an operand's digits only for consumers that can see a
+    cancellation in them, and its zero mask only for consumers whose counters read one:
+    divisors (not numerators), factors, math arguments."""
+    from fxstab.aten_rules import op_info, operand_needs
+
+    aten = torch.ops.aten
+    a, b = object(), object()
+    assert operand_needs(op_info(aten.sub.Tensor), (a, b), {}, a) == (True, False)
+    assert operand_needs(op_info(aten.sum.dim_IntList), (a, [1]), {}, a) == (True, False)
+    assert operand_needs(op_info(aten.div.Tensor), (a, b), {}, a) == (False, False)
+    assert operand_needs(op_info(aten.div.Tensor), (a, b), {}, b) == (False, True)
+    assert operand_needs(op_info(aten.div.Tensor), (a, a), {}, a) == (False, True)
+    assert operand_needs(op_info(aten.reciprocal.default), (a,), {}, a) == (False, True)
+    assert operand_needs(op_info(aten.mul.Tensor), (a, b), {}, b) == (False, True)
+    assert operand_needs(op_info(aten.exp.default), (a,), {}, a) == (False, True)
+    assert operand_needs(op_info(aten.amax.default), (a, [1], True), {}, a) == (False, False)
+    assert operand_needs(op_info(aten.where.self), (b, a, 0.0), {}, a) == (False, False)
+    assert operand_needs(op_info(aten.add.Tensor), (b,), {"other": a}, a) == (True, True)
+
+
+def test_divisions_counted_with_the_planned_zero_masks():
+    """Division counts at the arithmetic level are the same whether the divisor's zero mask
+    was written in its rounding pass (the plan) or measured when the division read it."""
+    from fxstab.aten_rules import AtenContext, apply_primitive
+
+    aten = torch.ops.aten
+    x = torch.linspace(-1, 1, 64)
+    counts = []
+    for need_digits, need_zeros, written in ((False, True, True), (False, False, False),
+                                             (None, None, True)):  # None: assume a reader
+        ctx = AtenContext(format="bf16", n_samples=3, seed=4)
+        a = ctx.stack(x)
+        y = apply_primitive(aten.mul.Tensor, (a, 1.0 + 2.0 ** -10), {}, ctx)
+        d = apply_primitive(aten.sub.Tensor, (y, a), {}, ctx,  # rounding noise: zeros
+                            need_digits=need_digits, need_zeros=need_zeros)
+        assert (d._an._zero is not None) == written
+        apply_primitive(aten.div.Tensor, (a, d), {}, ctx)
+        counts.append(ctx.counters.counts["division"])
+    assert counts[0] == counts[1] == counts[2] > 0
