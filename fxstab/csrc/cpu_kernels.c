@@ -512,6 +512,27 @@ ALWAYS_INLINE void moments_pass8(const float *const *rows, int64_t n, int64_t fu
     }
 }
 
+/* First loop of the statistics without digits: each element's variance clamped to [vcap,
+ * vzero] (vcap for identical samples, vzero for a zero mean or a non-finite sample) into
+ * vbuf, and two lane masks per 8 elements into fbuf: finite, and finite but not an exact
+ * zero (what may be a computational zero). */
+ALWAYS_INLINE void clamped_pass8(const float *const *rows, int64_t n, int64_t full, float inv_n,
+                                 vf8 vcap, vf8 vzero, float *restrict vbuf,
+                                 vi8 *restrict fbuf) {
+    const vf8 zero = vsplat8(0.0f);
+    for (int64_t el = 0; el < full; el += 8) {
+        vf8 mean, var;
+        vi8 finite, identical, exact_zero;
+        moments8(rows, n, el, inv_n, &mean, &var, &finite, &identical, &exact_zero);
+        vi8 measured = finite & ~identical & (mean != zero);
+        vf8 v = vsel8(measured, vmin8(vmax8(var, vcap), vzero),
+                      vsel8(finite & identical, vcap, vzero));
+        vstore8(vbuf + el, v);
+        fbuf[(el >> 3) * 2] = finite;
+        fbuf[(el >> 3) * 2 + 1] = finite & ~exact_zero;
+    }
+}
+
 /* The flags of moments_pass8 for the 8 elements at el, as lane masks: finite, identical,
  * exact zero, measured (finite, not identical, mean != 0: the variance sets the digits). */
 ALWAYS_INLINE void flags8(const vi8 *fbuf, int64_t el, vi8 *finite, vi8 *identical,
@@ -673,21 +694,18 @@ ALWAYS_INLINE void stats_block_f32_n(const float *const *rows, int64_t n, int64_
     /* two loops over the group, each with few live vectors (no spilled accumulators): the
      * moments, kept in L1, then the clamps and the sums */
     float vbuf[BLK];
-    vi8 fbuf[BLK / 2]; /* 4 masks per 8 elements */
-    moments_pass8(rows, n, full, inv_n, vbuf, fbuf);
+    vi8 fbuf[BLK / 4]; /* 2 masks per 8 elements */
+    clamped_pass8(rows, n, full, inv_n, vcap, vzero, vbuf, fbuf);
     for (int64_t el = 0; el < full; el += 8) {
-        vf8 var = vload8(vbuf + el);
-        vi8 finite, identical, exact_zero, measured;
-        flags8(fbuf, el, &finite, &identical, &exact_zero, &measured);
-        vf8 v = vsel8(measured, vmin8(vmax8(var, vcap), vzero),
-                      vsel8(finite & identical, vcap, vzero));
+        vf8 v = vload8(vbuf + el);
+        vi8 finite = fbuf[(el >> 3) * 2], maybe_zero = fbuf[(el >> 3) * 2 + 1];
         vi8 b = (vi8)v;
         prod *= (vf8)((b & 0x007FFFFF) | 0x3F800000);
         esum += b >> 23; /* biased: 127 per vector comes off at the end */
         maxv = vmax8(v, maxv);
         minv = vmin8(v, minv);
         /* computational zeros: fewer digits than the threshold, finite, not exact zeros */
-        vi8 zmask = finite & ~exact_zero & (v > vthr);
+        vi8 zmask = maybe_zero & (v > vthr);
         zeros -= zmask; /* masks are -1 */
         nf -= ~finite;
         if (zm) store_mask8(zm + el, zmask);
