@@ -692,7 +692,7 @@ ALWAYS_INLINE void stats_block_f32_n(const float *const *rows, int64_t n, int64_
      * the float's precision); the general block otherwise */
     int64_t full = (float)p->vcap > tiny_f ? cnt & ~(int64_t)7 : 0;
     /* two loops over the group, each with few live vectors (no spilled accumulators): the
-     * moments, kept in L1, then the clamps and the sums */
+     * clamped variances and masks, kept in L1, then the sums */
     float vbuf[BLK];
     vi8 fbuf[BLK / 4]; /* 2 masks per 8 elements */
     clamped_pass8(rows, n, full, inv_n, vcap, vzero, vbuf, fbuf);
