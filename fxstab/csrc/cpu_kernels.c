@@ -213,8 +213,8 @@ DEFINE_ROUND_NORMAL(round_normal_f64, uint64_t, int64_t, 52, 62)
  * of normal values (the common case) takes the short path; one value that needs the general
  * treatment sends the whole row through the general one. */
 #define DEFINE_ROUND_ROW(NAME, FT, UT, IT, WM, ROUND, NORMAL)                                   \
-    ALWAYS_INLINE void NAME(const FT *restrict x, FT *restrict o, int64_t cnt, const rp_t r,    \
-                            const int mode, const uint32_t *restrict rb) {                      \
+    ALWAYS_INLINE int NAME(const FT *restrict x, FT *restrict o, int64_t cnt, const rp_t r,     \
+                           const int mode, const uint32_t *restrict rb) {                       \
         const UT sign = (UT)1 << (8 * sizeof(UT) - 1);                                          \
         /* exponents [k, top - 1]: normal in the format, no overflow when rounding up */         \
         const UT e_lo = (UT)r.k, span = (UT)(((UT)r.max_bits >> (WM)) - 1) - e_lo;              \
@@ -242,7 +242,7 @@ DEFINE_ROUND_NORMAL(round_normal_f64, uint64_t, int64_t, 52, 62)
                 b = NORMAL(b, sh, mode, rb[el]);                                                \
                 memcpy(&o[el], &b, sizeof b);                                                   \
             }                                                                                   \
-            return;                                                                             \
+            return 1; /* every value in the format's normal range: finite results */           \
         }                                                                                       \
         _Pragma("omp simd")                                                                     \
         for (int64_t el = 0; el < cnt; el++) {                                                  \
@@ -251,6 +251,7 @@ DEFINE_ROUND_NORMAL(round_normal_f64, uint64_t, int64_t, 52, 62)
             b = ROUND(b, r, mode, rb[el]);                                                      \
             memcpy(&o[el], &b, sizeof b);                                                       \
         }                                                                                       \
+        return 0;                                                                               \
     }
 
 DEFINE_ROUND_ROW(round_row_f32, float, uint32_t, int32_t, 23, round_f32, round_normal_f32)
@@ -453,7 +454,7 @@ ALWAYS_INLINE vf8 pair_squares8(const float *const *rows, int64_t n, int64_t el,
  * n - 1), finite, identical and exact-zero masks. */
 ALWAYS_INLINE void moments8(const float *const *rows, int64_t n, int64_t el, float inv_n,
                             vf8 *mean_, vf8 *var_, vi8 *finite_, vi8 *identical_,
-                            vi8 *exact_zero_) {
+                            vi8 *exact_zero_, const int finite_known) {
     const vf8 zero = vsplat8(0.0f);
     const vi8 absmask = (vi8){0, 0, 0, 0, 0, 0, 0, 0} + 0x7FFFFFFF;
     const vf8 v0 = vload8(rows[0] + el);
@@ -462,7 +463,7 @@ ALWAYS_INLINE void moments8(const float *const *rows, int64_t n, int64_t el, flo
     for (int64_t i = 1; i < n; i++) {
         vf8 v = vload8(rows[i] + el);
         same &= v == v0;
-        nan_if_not_finite += v - v;
+        if (!finite_known) nan_if_not_finite += v - v;
         mean += v * inv_n;
     }
     /* 1 / |mean| overflows for a subnormal mean: scale by a power of 2 (exact) */
@@ -489,7 +490,7 @@ ALWAYS_INLINE void moments8(const float *const *rows, int64_t n, int64_t el, flo
     *mean_ = mean;
     /* finite: every sample (a NaN or inf one makes the sum of x - x NaN); identical: all
      * equal to the first (for finite samples; the masks are only read with finite) */
-    *finite_ = nan_if_not_finite == zero;
+    *finite_ = finite_known ? (vi8){0} - 1 : nan_if_not_finite == zero;
     *identical_ = same;
     *exact_zero_ = same & (v0 == zero);
 }
@@ -505,7 +506,7 @@ ALWAYS_INLINE void moments_pass8(const float *const *rows, int64_t n, int64_t fu
     for (int64_t el = 0; el < full; el += 8) {
         vf8 mean, var;
         vi8 *f = fbuf + (el >> 3) * 4;
-        moments8(rows, n, el, inv_n, &mean, &var, &f[0], &f[1], &f[2]);
+        moments8(rows, n, el, inv_n, &mean, &var, &f[0], &f[1], &f[2], 0);
         f[3] = f[0] & ~f[1] & (mean != zero); /* a measured variance: finite, not identical,
                                                 * mean != 0 */
         vstore8(vbuf + el, var);
@@ -518,12 +519,13 @@ ALWAYS_INLINE void moments_pass8(const float *const *rows, int64_t n, int64_t fu
  * zero (what may be a computational zero). */
 ALWAYS_INLINE void clamped_pass8(const float *const *rows, int64_t n, int64_t full, float inv_n,
                                  vf8 vcap, vf8 vzero, float *restrict vbuf,
-                                 vi8 *restrict fbuf) {
+                                 vi8 *restrict fbuf, const int finite_known) {
     const vf8 zero = vsplat8(0.0f);
     for (int64_t el = 0; el < full; el += 8) {
         vf8 mean, var;
         vi8 finite, identical, exact_zero;
-        moments8(rows, n, el, inv_n, &mean, &var, &finite, &identical, &exact_zero);
+        moments8(rows, n, el, inv_n, &mean, &var, &finite, &identical, &exact_zero,
+                 finite_known);
         vi8 measured = finite & ~identical & (mean != zero);
         vf8 v = vsel8(measured, vmin8(vmax8(var, vcap), vzero),
                       vsel8(finite & identical, vcap, vzero));
@@ -679,7 +681,7 @@ static void acc8_finish(acc8_t *a, const params_t *p, float vcap, float vzero, d
 ALWAYS_INLINE void stats_block_f32_n(const float *const *rows, int64_t n, int64_t cnt,
                                      const params_t *p, uint8_t *restrict zm, acc8_t *acc,
                                      double *s_sum, double *s_min, double *s_max,
-                                     double *s_zero, double *s_nf) {
+                                     double *s_zero, double *s_nf, const int finite_known) {
     const float inv_n = 1.0f / (float)n;
     const float tiny_f = 1.1754943508222875e-38f * (float)(n - 1);
     /* the variances of the cap's digits, of 0 digits, of the zero threshold's */
@@ -695,7 +697,7 @@ ALWAYS_INLINE void stats_block_f32_n(const float *const *rows, int64_t n, int64_
      * clamped variances and masks, kept in L1, then the sums */
     float vbuf[BLK];
     vi8 fbuf[BLK / 4]; /* 2 masks per 8 elements */
-    clamped_pass8(rows, n, full, inv_n, vcap, vzero, vbuf, fbuf);
+    clamped_pass8(rows, n, full, inv_n, vcap, vzero, vbuf, fbuf, finite_known);
     for (int64_t el = 0; el < full; el += 8) {
         vf8 v = vload8(vbuf + el);
         vi8 finite = fbuf[(el >> 3) * 2], maybe_zero = fbuf[(el >> 3) * 2 + 1];
@@ -707,7 +709,7 @@ ALWAYS_INLINE void stats_block_f32_n(const float *const *rows, int64_t n, int64_
         /* computational zeros: fewer digits than the threshold, finite, not exact zeros */
         vi8 zmask = maybe_zero & (v > vthr);
         zeros -= zmask; /* masks are -1 */
-        nf -= ~finite;
+        if (!finite_known) nf -= ~finite;
         if (zm) store_mask8(zm + el, zmask);
     }
     if (full) {
@@ -737,14 +739,17 @@ ALWAYS_INLINE void stats_block_f32_n(const float *const *rows, int64_t n, int64_
 NOINLINE void digits_block_f32(const float *const *rows, int64_t n, int64_t cnt, const params_t *p,
                                double K, float *restrict dig, uint8_t *restrict zm, acc8_t *acc,
                                double *s_sum, double *s_min, double *s_max, double *s_zero,
-                               double *s_nf) {
+                               double *s_nf, int finite) {
+    /* finite: every sample row was rounded by the short path (no inf or NaN to look for) */
     if (dig == NULL) {
-        if (n == 3)
-            stats_block_f32_n(rows, 3, cnt, p, zm, acc, s_sum, s_min, s_max, s_zero, s_nf);
+        if (n == 3 && finite)
+            stats_block_f32_n(rows, 3, cnt, p, zm, acc, s_sum, s_min, s_max, s_zero, s_nf, 1);
+        else if (n == 3)
+            stats_block_f32_n(rows, 3, cnt, p, zm, acc, s_sum, s_min, s_max, s_zero, s_nf, 0);
         else if (n == 2)
-            stats_block_f32_n(rows, 2, cnt, p, zm, acc, s_sum, s_min, s_max, s_zero, s_nf);
+            stats_block_f32_n(rows, 2, cnt, p, zm, acc, s_sum, s_min, s_max, s_zero, s_nf, 0);
         else
-            stats_block_f32_n(rows, n, cnt, p, zm, acc, s_sum, s_min, s_max, s_zero, s_nf);
+            stats_block_f32_n(rows, n, cnt, p, zm, acc, s_sum, s_min, s_max, s_zero, s_nf, 0);
     } else if (n == 3)
         digits_block_f32_n(rows, 3, cnt, p, K, dig, zm, s_sum, s_min, s_max, s_zero, s_nf);
     else if (n == 2)
@@ -757,8 +762,9 @@ NOINLINE void digits_block_f32(const float *const *rows, int64_t n, int64_t cnt,
 NOINLINE void digits_block_f64(const double *const *rows, int64_t n, int64_t cnt, const params_t *p,
                                double K, double *restrict dig, uint8_t *restrict zm, acc8_t *acc,
                                double *s_sum, double *s_min, double *s_max, double *s_zero,
-                               double *s_nf) {
+                               double *s_nf, int finite) {
     (void)acc;
+    (void)finite;
     digits_block_f64_plain(rows, n, cnt, p, K, dig, zm, s_sum, s_min, s_max, s_zero, s_nf);
 }
 
@@ -925,13 +931,17 @@ DEFINE_PERTURB_GROUP(perturb_group_f64, double)
                         philox(p->seed, dw);                                                    \
                     }                                                                           \
             }                                                                                   \
+            /* groups whose every sample row took the short path: finite samples */             \
+            unsigned char normal[SB];                                                           \
+            for (int64_t g = g0; g < g1; g++) normal[g - g0] = mode != MODE_NONE;               \
             if (mode != MODE_NONE)                                                              \
                 for (int64_t i = 0; i < n; i++)                                                 \
                     for (int64_t g = g0; g < g1; g++) {                                         \
                         int64_t e0 = g * BLK, cnt = e0 + BLK < numel ? BLK : numel - e0;        \
                         sample_bits(p, mode, g, cnt, i, draws, flips,                           \
                                     dwords + (g - g0) * n_free, swords, rb);                    \
-                        ROW(x + i * xs + e0, out + i * numel + e0, cnt, r, mode, rb);           \
+                        normal[g - g0] &= ROW(x + i * xs + e0, out + i * numel + e0, cnt, r,    \
+                                              mode, rb);                                        \
                     }                                                                           \
             for (int64_t g = g0; g < g1; g++) {                                                 \
                 int64_t e0 = g * BLK, cnt = e0 + BLK < numel ? BLK : numel - e0;                \
@@ -939,7 +949,7 @@ DEFINE_PERTURB_GROUP(perturb_group_f64, double)
                     rows[i] = mode != MODE_NONE ? out + i * numel + e0 : x + i * xs + e0;       \
                 if (want_stats)                                                                 \
                     DIGITS(rows, n, cnt, p, K, dig ? dig + e0 : NULL, zm ? zm + e0 : NULL, &acc, \
-                           &s_sum, &s_min, &s_max, &s_zero, &s_nf);                             \
+                           &s_sum, &s_min, &s_max, &s_zero, &s_nf, normal[g - g0]);             \
                 if (fuse) { /* the consumer GEMM's surrogate, on the rows just rounded */       \
                     FT mean[BLK];                                                               \
                     int close[BLK];                                                             \
