@@ -149,8 +149,9 @@ class AtenGraphAnalysis(GraphAnalysis):
                 up = by_node.get(user)
                 if up is None:
                     continue
-                digits, zeros = operand_needs(op_info(user.target), user.args, user.kwargs, node)
-                layout = op_info(user.target).layout
+                uinfo = op_info(user.target)
+                digits, zeros = operand_needs(uinfo, user.args, user.kwargs, node)
+                layout = uinfo.layout
                 plan.need_digits |= digits or (layout and up.need_digits)
                 plan.need_zeros |= zeros or (layout and up.need_zeros)
         return plans
