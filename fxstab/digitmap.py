@@ -36,6 +36,8 @@ SCHEMA_VERSION = 1
 # be lifted onto the samples means its digits are incomplete for the whole map.
 _STATUS_SEVERITY = {ROUNDED: 0, OBSERVED: 1, UNLIFTED: 2}
 _METRICS = ("min", "avg")
+# The metric of tables, rankings, plots and the CI gate (docs/digit-maps.md says why).
+DEFAULT_METRIC = "avg"
 
 # JSON has no NaN/Infinity literals (Python's json writes invalid tokens for them); a digit map
 # writes non-finite numbers as these strings and reads them back as floats.
