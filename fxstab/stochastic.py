@@ -304,10 +304,15 @@ def _nearest(t: torch.Tensor, ctx: AtenContext) -> torch.Tensor:
 class AnalysisResult:
     """What :func:`analyze` returns.
 
+    Each of ``value``, ``samples`` and ``digits`` has the structure of the function's output
+    (a value, a tuple, a dict...). An output leaf that is not stochastic (an integer tensor, a
+    constant, a plain boolean decision of a CESTAC comparison) carries no samples: its
+    ``value`` is the leaf itself and its ``samples`` and ``digits`` are ``None``.
+
     Attributes:
         value: Output(s) with each stochastic tensor replaced by its mean.
-        samples: Output(s) as stacked samples ``[N, ...]``.
-        digits: Output(s) as per-element digits.
+        samples: Output(s) as stacked samples ``[N, ...]`` (``None`` where not stochastic).
+        digits: Output(s) as per-element digits (``None`` where not stochastic).
         counters: CADNA's counters over the whole call (dict with ``COUNTER_KEYS``).
         events: Per-event records (``diagnostics="detailed"``).
         reports: One :class:`~fxstab.report.OpReport` per recorded primitive, in call order.
@@ -316,11 +321,12 @@ class AnalysisResult:
 
     def __init__(self, output, counters: Counters, reports: list):
         self.output = output
-        pick = lambda f: pytree.tree_map(  # noqa: E731
-            lambda x: f(x) if isinstance(x, StochasticTensor) else x, output)
-        self.value = pick(lambda t: t.value)
-        self.samples = pick(lambda t: t.samples)
-        self.digits = pick(lambda t: t.digits)
+        def pick(f, plain):
+            return pytree.tree_map(
+                lambda x: f(x) if isinstance(x, StochasticTensor) else plain(x), output)
+        self.value = pick(lambda t: t.value, lambda x: x)
+        self.samples = pick(lambda t: t.samples, lambda x: None)
+        self.digits = pick(lambda t: t.digits, lambda x: None)
         self.counters = dict(counters.counts)
         self.events = list(counters.events)
         self.reports = reports

@@ -301,3 +301,15 @@ def test_rounding_with_zeros_and_subnormals(fmt, kernels):
     lo, hi = quantize(vals, f, "down"), quantize(vals, f, "up")
     assert bool(((out == lo) | (out == hi)).all()), (out, lo, hi)
     assert torch.equal(torch.signbit(out[:, 1]), torch.ones(3, dtype=torch.bool))
+
+
+def test_analyze_reports_no_digits_for_outputs_that_are_not_stochastic():
+    """An integer input is not lifted: its output carries no samples, so no digits (not its
+    values, as before); a stochastic output beside it keeps its own."""
+    res = fxstab.analyze(lambda a: a.float() * 2)(torch.arange(3))
+    assert res.digits is None and res.samples is None
+    assert torch.equal(res.value, torch.tensor([0.0, 2.0, 4.0]))
+    res = fxstab.analyze(lambda a, i: (a * 3, i + 1, a > 0))(torch.ones(2), torch.arange(2))
+    d_float, d_int, d_bool = res.digits
+    assert d_int is None and d_bool is None and d_float.shape == (2,)
+    assert float(d_float.min()) > 6 and torch.equal(res.value[1], torch.tensor([1, 2]))
