@@ -50,7 +50,10 @@ from torch.utils import _pytree as pytree
 
 from . import native, randbits
 from .counters import CounterEvent, Counters, active_collectors, check_diagnostics
-from .digits import ZERO_THRESHOLD, DigitStats, student_t
+from .digits import (
+    ZERO_THRESHOLD, DigitStats, empty_stats, extra_stats, stats_from_list, student_t,
+    underflow_count,
+)
 from .formats import Format, FormatLike, get_format, working_dtype_for
 from .report import OBSERVED, ROUNDED, UNLIFTED, OpReport, empty_counters
 from .rounding import Rounding, round_samples, sample_draws
@@ -386,13 +389,6 @@ def _torch_digits(s: torch.Tensor, ctx: "AtenContext", identical: torch.Tensor,
     return torch.where(finite, d, 0.0)
 
 
-def _stats_from_list(v: list, cap: float) -> DigitStats:
-    total, mn, mx, zeros, nf, numel = v
-    if numel == 0:
-        return DigitStats(cap, cap, cap, 0, 0.0, 0)
-    return DigitStats(total / numel, mn, mx, int(numel), zeros / numel, int(nf))
-
-
 # --------------------------------------------------------------------------- context
 @dataclass
 class PrimitiveRecord:
@@ -471,7 +467,7 @@ class AtenContext:
         self.eft = (self.working_dtype == torch.float64 and self.fmt.man_bits == 52
                     and self.rounding is Rounding.RANDOM)
         self.cap = self.fmt.digit_cap
-        t = student_t(self.n_samples, self.confidence)
+        t = self._t = student_t(self.n_samples, self.confidence)
         n = self.n_samples
         self._dconst = math.log10(math.sqrt(n * (n - 1)) / t)
         self.counters = Counters("detailed" if self.diagnostics == "detailed" else "summary")
@@ -589,7 +585,10 @@ def _round_measure(v: torch.Tensor, ctx: AtenContext, seed: Optional[int], want_
         out, st, d, z = r(v, 0 if seed is None else seed, want_stats, want_digits, want_zeros, own)
         return out, st, _Analysis(out, ctx, digits=d, stats=st, zero=z)
     numel = v.numel() // v.shape[0] if v.dim() and v.shape[0] else (0 if v.dim() else 1)
+    under = 0
     if seed is not None:
+        if want_stats and numel and v.is_floating_point():
+            under = underflow_count(v, ctx.fmt)
         v = round_samples(v, ctx.fmt, ctx.rounding, seed, saturate=ctx.saturate)
     an = _Analysis(v, ctx)
     st = None
@@ -599,9 +598,13 @@ def _round_measure(v: torch.Tensor, ctx: AtenContext, seed: Optional[int], want_
         st = torch.stack([d.sum(dtype=torch.float64), dmin.double(), dmax.double(),
                           an.zero.sum().double(), (~an.finite).sum().double()]).tolist()
         st.append(float(numel))
+        if v.is_floating_point():  # the extras: norms, underflow, quantiles
+            st += extra_stats(v, ctx._t, ctx.cap, under)
+        else:
+            st += empty_stats(ctx.cap)[6:]
         an.zeros, an.min_digits, an._nf = st[3], st[1], int(st[4])
     elif want_stats:
-        st = [0.0, ctx.cap, ctx.cap, 0.0, 0.0, 0.0]
+        st = empty_stats(ctx.cap)
     return v, st, an
 
 
@@ -1359,7 +1362,7 @@ def _record_stats(first: Stacked, st: Optional[list], ctx: AtenContext) -> Digit
         _, st, an = _round_measure(first.samples, ctx, None, True, first._an is None)
         if first._an is None:
             first._an = an
-    return _stats_from_list(st, ctx.cap)
+    return stats_from_list(st, ctx.n_samples, ctx._t, ctx.cap)
 
 
 def _no_counts(ctx: AtenContext) -> dict:
@@ -1428,4 +1431,6 @@ def to_op_report(record: PrimitiveRecord, ctx: AtenContext, *, module_path: str 
     if s is not None:
         rep.avg_digits, rep.min_digits, rep.max_digits = s.avg, s.min, s.max
         rep.numel, rep.zero_fraction, rep.non_finite = s.numel, s.zero_fraction, s.non_finite
+        rep.normwise_digits, rep.p10_digits, rep.p50_digits = s.normwise, s.p10, s.p50
+        rep.underflow = s.underflow
     return rep

@@ -34,7 +34,10 @@ from torch.utils import _pytree as pytree
 
 from . import alloc, native, randbits
 from .config import AnalysisConfig
-from .digits import digits_cap, stats_vector, student_t
+from .digits import (
+    digits_cap, empty_stats, extra_stats, merge_stats, stats_from_list, stats_vector, student_t,
+    underflow_count,
+)
 from .formats import working_dtype_for
 from .naming import NameRegistry, module_path, qualified_name, source_location
 from .opsets import (
@@ -601,7 +604,7 @@ class SampleInterpreter:
         cap = digits_cap(self.fmt, samples.dtype)
         numel = samples[0].numel()
         if numel == 0:
-            return samples, [0.0, cap, cap, 0.0, 0.0, 0.0]
+            return samples, empty_stats(cap)
         if self.a.owner.uses_native(samples):
             out, vec, _ = native.round_stats(samples, self.fmt, cfg.rounding if rounded else None,
                                              seed, saturate=cfg.saturate,
@@ -609,19 +612,21 @@ class SampleInterpreter:
                                              zero_threshold=cfg.zero_threshold,
                                              in_place=in_place, as_list=True)
             return out, vec
+        t = student_t(n, cfg.confidence)
+        under = underflow_count(samples, self.fmt) if rounded else 0
         if rounded and self.a.owner.uses_triton(samples):
             from .kernels.dispatch import round_and_stats
 
             out, st = round_and_stats(samples, self.fmt, cfg.rounding, seed,
                                       saturate=cfg.saturate, confidence=cfg.confidence,
                                       zero_threshold=cfg.zero_threshold, kernels=cfg.kernels)
-            return out, torch.tensor([st.avg * numel, st.min, st.max, st.zero_fraction * numel,
-                                      float(st.non_finite), float(numel)], dtype=torch.float64)
+            # the extras (norms, underflow, quantiles) with torch operations on the device
+            return out, [st.avg * numel, st.min, st.max, st.zero_fraction * numel,
+                         float(st.non_finite), float(numel)] + extra_stats(out, t, cap, under)
         if rounded:
             samples = round_samples(samples, self.fmt, cfg.rounding, seed=seed,
                                     saturate=cfg.saturate)
-        return samples, stats_vector(samples.reshape(n, -1), student_t(n, cfg.confidence), cap,
-                                     cfg.zero_threshold)
+        return samples, stats_vector(samples, t, cap, cfg.zero_threshold, under)
 
     def _finish(self) -> None:
         if not self.pending:
@@ -638,23 +643,22 @@ class SampleInterpreter:
             for i, v in zip(at, values):
                 rows[i] = v
         i = 0
+        t = student_t(self.n, self.cfg.confidence)
+        cap = digits_cap(self.fmt, self.wdtype)
         for plan, stats, fired, status, shape in self.pending:
             k = len(stats)
             part = rows[i:i + k]
             i += k
-            numel = sum(r[5] for r in part)
-            total = sum(r[0] for r in part)
-            report = OpReport(
+            st = stats_from_list(part[0] if k == 1 else merge_stats(part), self.n, t, cap)
+            owner.reports.append(OpReport(
                 name=plan.name, kind=plan.kind, module_path=plan.module_path, source=plan.source,
                 phase=owner._phase, step=owner._step, format=self.fmt.name, n_samples=self.n,
-                avg_digits=total / numel if numel else min(r[1] for r in part),
-                min_digits=min(r[1] for r in part), max_digits=max(r[2] for r in part),
-                numel=int(numel), zero_fraction=(sum(r[3] for r in part) / numel) if numel else 0.0,
-                non_finite=int(sum(r[4] for r in part)), surrogate=fired,
-                status=status,
+                avg_digits=st.avg, min_digits=st.min, max_digits=st.max, numel=st.numel,
+                zero_fraction=st.zero_fraction, non_finite=st.non_finite,
+                normwise_digits=st.normwise, p10_digits=st.p10, p50_digits=st.p50,
+                underflow=st.underflow, surrogate=fired, status=status,
                 shape=shape, counters=empty_counters(), inputs=plan.inputs, call=self.call,
-            )
-            owner.reports.append(report)
+            ))
 
 
 class _FlatSpec:

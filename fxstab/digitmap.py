@@ -30,12 +30,17 @@ from typing import Any, Iterable, Optional, Sequence, Union
 from .report import COUNTER_KEYS, OBSERVED, ROUNDED, UNLIFTED, OpReport
 
 SCHEMA_NAME = "fxstab-digit-map"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# Version 1 had no normwise digits, quantiles or underflow: it still loads (those are NaN/0).
+_READABLE_VERSIONS = (1, 2)
 
 # An operator aggregated over calls takes its most severe status: a single call that could not
 # be lifted onto the samples means its digits are incomplete for the whole map.
 _STATUS_SEVERITY = {ROUNDED: 0, OBSERVED: 1, UNLIFTED: 2}
-_METRICS = ("min", "avg")
+# Per-operator statistics a metric can name, and the OperatorDigits/StepDigits field of each.
+_METRIC_FIELDS = {"normwise": "normwise_digits", "p10": "p10_digits", "p50": "p50_digits",
+                  "avg": "avg_digits", "min": "min_digits"}
+_METRICS = tuple(_METRIC_FIELDS)
 # The metric of tables, rankings, plots and the CI gate (docs/digit-maps.md says why).
 DEFAULT_METRIC = "avg"
 
@@ -97,11 +102,14 @@ class OperatorDigits:
     shape: tuple = ()
     counters: dict = field(default_factory=lambda: {k: 0 for k in COUNTER_KEYS})
     inputs: tuple = ()
+    normwise_digits: float = math.nan
+    p10_digits: float = math.nan
+    p50_digits: float = math.nan
+    underflow: int = 0
 
-    def digits(self, metric: str = "min") -> float:
-        """The digits of this operator under ``metric`` ("min" or "avg")."""
-        _check_metric(metric)
-        return self.min_digits if metric == "min" else self.avg_digits
+    def digits(self, metric: Optional[str] = None) -> float:
+        """The digits of this operator under ``metric`` (default :data:`DEFAULT_METRIC`)."""
+        return getattr(self, _METRIC_FIELDS[_check_metric(metric)])
 
     def as_dict(self) -> dict:
         return {
@@ -109,7 +117,10 @@ class OperatorDigits:
             "source": self.source, "shape": list(self.shape), "status": self.status,
             "calls": self.calls, "numel": self.numel, "avg_digits": self.avg_digits,
             "min_digits": self.min_digits, "max_digits": self.max_digits,
+            "normwise_digits": self.normwise_digits, "p10_digits": self.p10_digits,
+            "p50_digits": self.p50_digits,
             "zero_fraction": self.zero_fraction, "non_finite": self.non_finite,
+            "underflow": self.underflow,
             "surrogate": self.surrogate, "counters": dict(self.counters),
             "inputs": list(self.inputs),
         }
@@ -129,10 +140,13 @@ class StepDigits:
     max_digits: float
     zero_fraction: float = 0.0
     non_finite: int = 0
+    normwise_digits: float = math.nan
+    p10_digits: float = math.nan
+    p50_digits: float = math.nan
+    underflow: int = 0
 
-    def digits(self, metric: str = "min") -> float:
-        _check_metric(metric)
-        return self.min_digits if metric == "min" else self.avg_digits
+    def digits(self, metric: Optional[str] = None) -> float:
+        return getattr(self, _METRIC_FIELDS[_check_metric(metric)])
 
 
 @dataclass
@@ -152,9 +166,13 @@ class LocalLoss:
 
 
 # --------------------------------------------------------------------------- aggregation
-def _check_metric(metric: str) -> None:
+def _check_metric(metric: Optional[str]) -> str:
+    """``metric``, or the default metric for None; a clear error for an unknown name."""
+    if metric is None:
+        return DEFAULT_METRIC
     if metric not in _METRICS:
-        raise ValueError(f"metric must be 'min' or 'avg', got {metric!r}")
+        raise ValueError(f"metric must be one of {', '.join(_METRICS)}, got {metric!r}")
+    return metric
 
 
 def _nanmin(values: Iterable[float]) -> float:
@@ -185,6 +203,11 @@ def _aggregate(reports: Sequence[OpReport]) -> dict:
         "max_digits": _nanmax(float(r.max_digits) for r in reports),
         "zero_fraction": _weighted([float(r.zero_fraction) for r in reports], numels),
         "non_finite": sum(int(r.non_finite) for r in reports),
+        # over calls: numel-weighted means (an operator's calls usually have one shape)
+        "normwise_digits": _weighted([float(r.normwise_digits) for r in reports], numels),
+        "p10_digits": _weighted([float(r.p10_digits) for r in reports], numels),
+        "p50_digits": _weighted([float(r.p50_digits) for r in reports], numels),
+        "underflow": sum(int(r.underflow) for r in reports),
     }
 
 
@@ -524,7 +547,10 @@ class DigitMap:
             index[key]["operators"][s.name] = {
                 "calls": s.calls, "numel": s.numel, "avg_digits": s.avg_digits,
                 "min_digits": s.min_digits, "max_digits": s.max_digits,
+                "normwise_digits": s.normwise_digits, "p10_digits": s.p10_digits,
+                "p50_digits": s.p50_digits,
                 "zero_fraction": s.zero_fraction, "non_finite": s.non_finite,
+                "underflow": s.underflow,
             }
         return {
             "schema": SCHEMA_NAME,
@@ -693,11 +719,11 @@ def _validate(doc: Any, source: str) -> DigitMap:
         raise c.fail(f"not an fxstab digit map: schema is {doc['schema']!r}, expected "
                      f"{SCHEMA_NAME!r}", key="schema")
     version = c.get(doc, "schema_version", "an integer", "")
-    if version != SCHEMA_VERSION:
+    if version not in _READABLE_VERSIONS:
         hint = ("written by a newer fxstab; upgrade fxstab" if version > SCHEMA_VERSION
                 else "written by an older fxstab; record it again")
-        raise c.fail(f"schema version {version} is not supported (this fxstab reads version "
-                     f"{SCHEMA_VERSION}): {hint}", key="schema_version")
+        raise c.fail(f"schema version {version} is not supported (this fxstab reads versions "
+                     f"{', '.join(map(str, _READABLE_VERSIONS))}): {hint}", key="schema_version")
 
     meta = c.get(doc, "metadata", "an object", "")
     for key in _META_REQUIRED:
@@ -738,6 +764,7 @@ def _validate(doc: Any, source: str) -> DigitMap:
             max_digits=c.get(o, "max_digits", "a number", where),
             zero_fraction=c.get(o, "zero_fraction", "a number", where, False, 0.0),
             non_finite=c.get(o, "non_finite", "a non-negative integer", where, False, 0),
+            **_extras(c, o, where),
             surrogate=c.get(o, "surrogate", "a boolean", where, False, False),
             status=c.get(o, "status", "a string", where, False, ROUNDED),
             source=c.get(o, "source", "a string", where, False, ""),
@@ -767,8 +794,17 @@ def _validate(doc: Any, source: str) -> DigitMap:
                 min_digits=c.get(e, "min_digits", "a number", w),
                 max_digits=c.get(e, "max_digits", "a number", w),
                 zero_fraction=c.get(e, "zero_fraction", "a number", w, False, 0.0),
-                non_finite=c.get(e, "non_finite", "a non-negative integer", w, False, 0)))
+                non_finite=c.get(e, "non_finite", "a non-negative integer", w, False, 0),
+                **_extras(c, e, w)))
     return DigitMap(ops, meta, steps)
+
+
+def _extras(c: "_Checker", o: dict, where: str) -> dict:
+    """The statistics schema version 2 added (absent from version 1: NaN digits, 0 underflow)."""
+    out = {f: c.get(o, f, "a number", where, False, math.nan)
+           for f in ("normwise_digits", "p10_digits", "p50_digits")}
+    out["underflow"] = c.get(o, "underflow", "a non-negative integer", where, False, 0)
+    return out
 
 
 # --------------------------------------------------------------------------- diff

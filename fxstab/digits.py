@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -30,10 +31,27 @@ from .randbits import CPU_CHUNK
 
 __all__ = [
     "student_t", "cestac_digits", "computational_zero", "digit_stats", "DigitStats",
-    "format_stochastic", "digits_cap", "stats_vector",
+    "format_stochastic", "digits_cap", "stats_vector", "stats_from_list", "empty_stats",
+    "normwise_digits", "underflow_count", "extra_stats", "merge_stats", "STATS_LEN", "EXTRA_STATS",
 ]
 
 ZERO_THRESHOLD = 0.5
+
+# A statistics vector (stats_vector, the fused kernels) holds the six digit reductions [sum of
+# digits, min, max, computational zeros, non-finite elements, numel], then the extras: the
+# squared Frobenius norms of the sample means and of the sample standard deviations (normwise
+# digits), the elements that underflowed, and the 10% and 50% quantiles of the digits.
+EXTRA_STATS = ("mean_sq", "var_sq", "underflow", "p10", "p50")
+STATS_LEN = 6 + len(EXTRA_STATS)
+QUANTILES = (0.1, 0.5)
+# Quantile bins: the top 16 bits of the fp64 relative sample variance s^2 / mean^2 (sign,
+# exponent and 4 significand bits: 16 bins an octave, at most 0.013 digits wide).
+_BIN_SHIFT = 48
+
+
+def empty_stats(cap: float) -> list:
+    """The statistics of a tensor without elements: nothing lost, every digit the cap."""
+    return [0.0, cap, cap, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, cap, cap]
 
 
 # --------------------------------------------------------------------------- Student t
@@ -204,17 +222,44 @@ class DigitStats:
     numel: int
     zero_fraction: float  # computational zeros / numel
     non_finite: int  # elements with a NaN/inf sample
+    normwise: float = math.nan  # the CESTAC estimate of the tensor as a whole
+    p10: float = math.nan  # quantiles of the per-element digits
+    p50: float = math.nan
+    underflow: int = 0  # elements a rounding took below the smallest normal (to 0 or subnormal)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
-    @classmethod
-    def from_vector(cls, v: "torch.Tensor | list") -> "DigitStats":
-        """From the 6 values of :func:`stats_vector` (tensor or list)."""
-        total, mn, mx, zeros, nf, numel = v.tolist() if isinstance(v, torch.Tensor) else v
-        if numel == 0:
-            raise ValueError("no elements: use the format's cap")
-        return cls(total / numel, mn, mx, int(numel), zeros / numel, int(nf))
+
+def normwise_digits(mean_sq: float, var_sq: float, non_finite: int, n: int, t: float,
+                    cap: float) -> float:
+    """CESTAC digits of a tensor as a whole: ``log10(sqrt(N) ||mean|| / (t ||std||))``.
+
+    ``mean_sq`` and ``var_sq`` are the squared Frobenius norms of the elements' sample means and
+    sample standard deviations (N-1 denominator). The element conventions carry over: any
+    non-finite sample gives 0, no spread at all the cap, a zero mean with spread 0; clipped to
+    [0, cap]. NaN when a norm overflowed fp64 (means beyond 1e154).
+    """
+    if non_finite:
+        return 0.0
+    if var_sq == 0:
+        return cap
+    if mean_sq == 0:
+        return 0.0
+    if not (math.isfinite(mean_sq) and math.isfinite(var_sq)):
+        return math.nan
+    d = math.log10(math.sqrt(n) / t) + 0.5 * (math.log10(mean_sq) - math.log10(var_sq))
+    return min(max(d, 0.0), cap)
+
+
+def stats_from_list(v: "torch.Tensor | list", n: int, t: float, cap: float) -> DigitStats:
+    """A :class:`DigitStats` from a statistics vector (tensor or list; empty: the cap)."""
+    v = v.tolist() if isinstance(v, torch.Tensor) else v
+    total, mn, mx, zeros, nf, numel, msq, vsq, under, p10, p50 = v
+    if numel == 0:
+        return DigitStats(cap, cap, cap, 0, 0.0, 0, cap, cap, cap, 0)
+    return DigitStats(total / numel, mn, mx, int(numel), zeros / numel, int(nf),
+                      normwise_digits(msq, vsq, nf, n, t, cap), p10, p50, int(under))
 
 
 def digit_stats(
@@ -231,29 +276,132 @@ def digit_stats(
     n = samples.shape[0]
     t = student_t(n, confidence)  # validates N and the confidence even for empty tensors
     cap = digits_cap(format, samples.dtype)
-    numel = samples[0].numel()
-    if numel == 0:
-        return DigitStats(cap, cap, cap, 0, 0.0, 0)
-    return DigitStats.from_vector(stats_vector(samples, t, cap, zero_threshold))
+    return stats_from_list(stats_vector(samples, t, cap, zero_threshold), n, t, cap)
 
 
 def stats_vector(samples: torch.Tensor, t: float, cap: float,
-                 zero_threshold: float = ZERO_THRESHOLD) -> torch.Tensor:
-    """The reductions of :func:`digit_stats` as one float64 tensor on the samples' device:
-    [sum of digits, min, max, computational zeros, non-finite elements, numel].
+                 zero_threshold: float = ZERO_THRESHOLD, underflow: int = 0) -> list:
+    """The statistics of :func:`digit_stats` as a list of :data:`STATS_LEN` floats: [sum of
+    digits, min, max, computational zeros, non-finite elements, numel, squared norm of the
+    means, squared norm of the standard deviations, underflowed elements, p10, p50].
 
-    No host synchronisation: a caller that measures many tensors converts them all at once.
-    ``samples`` is [N, ...] with at least one element per sample.
+    ``samples`` is [N, ...]; ``underflow`` is the count of :func:`underflow_count` on the
+    samples before they were rounded (the caller has them). The quantiles are the "lower" ones
+    (the element of rank floor(q (numel - 1)) in ascending digits) at the resolution of the
+    bins (16 per octave of the relative variance, at most 0.013 digits; the fused kernels use
+    the same bins).
     """
     n = samples.shape[0]
     flat = samples.reshape(n, -1)
-    if flat.device.type == "cpu" and flat.shape[1] > CPU_CHUNK:
-        # Column chunks bound the temporaries on the CPU; sums, mins and maxes combine.
-        parts = torch.stack([_stats_columns(flat[:, a:a + CPU_CHUNK], n, t, cap, zero_threshold)
-                             for a in range(0, flat.shape[1], CPU_CHUNK)])
-        return torch.stack([parts[:, 0].sum(), parts[:, 1].min(), parts[:, 2].max(),
-                            parts[:, 3].sum(), parts[:, 4].sum(), parts[:, 5].sum()])
-    return _stats_columns(flat, n, t, cap, zero_threshold)
+    if flat.shape[1] == 0:
+        return empty_stats(cap)
+    # Column chunks bound the temporaries on the CPU; sums, mins and maxes combine.
+    parts = torch.stack([_stats_columns(flat[:, a:a + step], n, t, cap, zero_threshold)
+                         for a, step in _chunks(flat)])
+    head = torch.stack([parts[:, 0].sum(), parts[:, 1].min(), parts[:, 2].max(),
+                        parts[:, 3].sum(), parts[:, 4].sum(), parts[:, 5].sum()]).tolist()
+    return head + extra_stats(flat, t, cap, underflow)
+
+
+def extra_stats(samples: torch.Tensor, t: float, cap: float, underflow: int = 0) -> list:
+    """The extras of a statistics vector (:data:`EXTRA_STATS`) of ``samples`` [N, ...]: what
+    the fused kernels compute beside the six digit reductions (the Triton path and the
+    references call this)."""
+    n = samples.shape[0]
+    flat = samples.reshape(n, -1)
+    numel = flat.shape[1]
+    if numel == 0:
+        return empty_stats(cap)[6:]
+    consts = _extras_constants(n, t, cap)
+    sums, hist = None, None
+    for a, step in _chunks(flat):  # sums and bins combine
+        s, h = _extras_columns(flat[:, a:a + step], n, consts)
+        sums, hist = (s, h) if sums is None else (sums + s, hist + h)
+    counts = hist.tolist()
+    return sums.tolist() + [float(underflow)] + [
+        _hist_quantile(counts, consts, numel, q, cap) for q in QUANTILES]
+
+
+def _chunks(flat: torch.Tensor) -> list:
+    """(start, width) of the column chunks that bound the temporaries on the CPU."""
+    step = CPU_CHUNK if flat.device.type == "cpu" else max(flat.shape[1], 1)
+    return [(a, step) for a in range(0, flat.shape[1], step)]
+
+
+def merge_stats(parts: Sequence[Sequence[float]]) -> list:
+    """One statistics vector of several tensors (an operator's outputs): sums add, min and max
+    combine; the quantiles are not kept per element, so theirs is the numel-weighted mean."""
+    numel = sum(p[5] for p in parts)
+    out = [sum(p[0] for p in parts), min(p[1] for p in parts), max(p[2] for p in parts),
+           sum(p[3] for p in parts), sum(p[4] for p in parts), numel,
+           sum(p[6] for p in parts), sum(p[7] for p in parts), sum(p[8] for p in parts)]
+    for j in (9, 10):
+        out.append(sum(p[j] * p[5] for p in parts) / numel if numel else parts[0][j])
+    return out
+
+
+def underflow_count(samples: torch.Tensor, format: FormatLike) -> int:
+    """Elements of ``samples`` ([N, ...], before rounding) whose value is finite, non-zero and
+    below ``format``'s smallest normal in some sample: rounding takes it to a subnormal or to
+    zero, where the format keeps fewer digits than it reports (all samples may agree on 0)."""
+    a = samples.reshape(samples.shape[0], -1).abs()
+    tiny = (a > 0) & (a < get_format(format).min_normal)
+    return int(tiny.any(0).sum())
+
+
+def _extras_constants(n: int, t: float, cap: float) -> tuple:
+    """(K, relative variance of the cap's digits, of 0 digits, the cap's bin, bin count)."""
+    k0 = math.log10(math.sqrt(n) / t)
+    rv_cap = 10.0 ** (2.0 * (k0 - cap))
+    rv_zero = 10.0 ** (2.0 * k0)
+    b_cap = struct.unpack("<q", struct.pack("<d", rv_cap))[0] >> _BIN_SHIFT
+    nbins = (struct.unpack("<q", struct.pack("<d", rv_zero))[0] >> _BIN_SHIFT) - b_cap + 1
+    return k0, rv_cap, rv_zero, b_cap, nbins
+
+
+def _extras_columns(samples: torch.Tensor, n: int, consts: tuple
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[squared norm of the means, of the standard deviations] (float64) and the digit
+    histogram (int64 [bins + 2]: the bins, then 0 digits, then the cap's) of ``samples``
+    [N, M], in fp64: the fused kernels' extras_block, operation for operation."""
+    k0, rv_cap, rv_zero, b_cap, nbins = consts
+    d = samples.double()
+    m = d[0].clone()
+    for i in range(1, n):
+        m += d[i]
+    m /= n
+    ss = torch.zeros_like(m)
+    for i in range(n):
+        ss += (d[i] - m).square()
+    ss /= n - 1
+    finite = ((m - m) == 0) & ((ss - ss) == 0)
+    same = (samples == samples[:1]).all(0)
+    zero_m = torch.zeros((), dtype=torch.float64, device=m.device)
+    sums = torch.stack([torch.where(finite, m * m, zero_m).sum(),
+                        torch.where(finite, ss, zero_m).sum()])
+    rv = ss / (m * m)
+    idx = ((rv.view(torch.int64) >> _BIN_SHIFT) - b_cap).clamp_(0, nbins - 1)
+    zero_cls = ~finite | (~same & ((m == 0) | ~(rv < rv_zero)))
+    cap_cls = finite & ~zero_cls & (same | (rv <= rv_cap))
+    idx = torch.where(zero_cls, nbins, torch.where(cap_cls, nbins + 1, idx))
+    return sums, torch.bincount(idx, minlength=nbins + 2)
+
+
+def _hist_quantile(counts: list, consts: tuple, numel: int, q: float, cap: float) -> float:
+    """The fused kernels' ext_quantile: ascending digits are 0 digits, the bins from the
+    largest relative variance down, then the cap's."""
+    k0, _, _, b_cap, nbins = consts
+    r = int(math.floor(q * (numel - 1)))
+    cum = counts[nbins]
+    if r < cum:
+        return 0.0
+    for b in range(nbins - 1, -1, -1):
+        cum += counts[b]
+        if r < cum:
+            bits = ((b + b_cap) << _BIN_SHIFT) | (1 << (_BIN_SHIFT - 1))
+            rv = struct.unpack("<d", struct.pack("<q", bits))[0]
+            return min(max(k0 - 0.5 * math.log10(rv), 0.0), cap)
+    return cap
 
 
 

@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from .digits import digits_cap, student_t
+from .digits import STATS_LEN, digits_cap, empty_stats, student_t
 from .formats import Format
 from .rounding import Rounding, _WORKING, _float_bits
 
@@ -63,7 +63,8 @@ class _Params(ctypes.Structure):
         ("nthreads", ctypes.c_int64), ("zmask", ctypes.c_uint64),
         # derived by the kernel at entry
         ("kd", ctypes.c_double), ("vcap", ctypes.c_double), ("vzero", ctypes.c_double),
-        ("vthr", ctypes.c_double),
+        ("vthr", ctypes.c_double), ("k0", ctypes.c_double), ("rv_cap", ctypes.c_double),
+        ("rv_zero", ctypes.c_double), ("b_cap", ctypes.c_int64), ("nbins", ctypes.c_int64),
     ]
 
 
@@ -245,8 +246,9 @@ def round_stats(
         fmt: Simulated format (must fit the samples' dtype).
         mode: Rounding mode, or ``None`` to measure without rounding.
         seed: Seed of the random streams (the same streams as ``round_samples``).
-        want_stats: Return ``[sum of digits, min, max, computational zeros, non-finite,
-            numel]`` (float64, the layout of :func:`fxstab.digits.stats_vector`).
+        want_stats: Return the statistics in the layout of :func:`fxstab.digits.stats_vector`
+            (float64: sum of digits, min, max, computational zeros, non-finite, numel, then the
+            extras of :data:`fxstab.digits.EXTRA_STATS`).
         want_digits: Return the per-element digits (shape ``[...]``, samples' dtype).
         in_place: Write the rounded samples over ``samples`` (contiguous stacked samples
             only; each element is read before it is written, so the bits are the same).
@@ -309,7 +311,7 @@ def _round_stats(samples, fmt, mode, seed, saturate, confidence, zero_threshold,
     return out, stats, digits, 0 if fused is None else int(fused.count), zeros
 
 
-_Stats6 = ctypes.c_double * 6
+_Stats = ctypes.c_double * STATS_LEN
 
 
 def _empty(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -362,7 +364,7 @@ class Rounder:
         p = _Params.from_buffer_copy(self._base)
         p.seed = seed & _M64
         p.nthreads = torch.get_num_threads()
-        stats = _Stats6() if want_stats else None
+        stats = _Stats() if want_stats else None
         digits = _empty(shape, x.dtype) if want_digits else None
         zeros = None
         if want_zero_mask:  # the kernel writes every byte (0 or 1: valid bools)
@@ -376,7 +378,7 @@ class Rounder:
                      None if fused is None else ctypes.byref(fused))
             stats = None if stats is None else stats[:]
         elif stats is not None:
-            stats = [0.0, p.cap, p.cap, 0.0, 0.0, 0.0]
+            stats = empty_stats(p.cap)
         return stats, digits, zeros
 
 

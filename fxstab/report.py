@@ -54,6 +54,10 @@ class OpReport:
     numel: int = 0
     zero_fraction: float = 0.0
     non_finite: int = 0
+    normwise_digits: float = 0.0
+    p10_digits: float = 0.0
+    p50_digits: float = 0.0
+    underflow: int = 0
     surrogate: bool = False
     status: str = ROUNDED
     shape: tuple = ()

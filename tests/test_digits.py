@@ -192,10 +192,13 @@ def test_digit_stats():
     assert (st.min, st.max) == (d.min().item(), d.max().item())
     assert st.zero_fraction == pytest.approx(z.double().mean().item()) and st.zero_fraction > 0
     assert st.min == 0.0 and st.max == CAP64
-    assert set(st.as_dict()) == {"avg", "min", "max", "numel", "zero_fraction", "non_finite"}
+    assert set(st.as_dict()) == {"avg", "min", "max", "numel", "zero_fraction", "non_finite",
+                                 "normwise", "p10", "p50", "underflow"}
+    assert st.normwise == 0.0  # a non-finite sample: the tensor as a whole has no digit
     e = digit_stats(torch.empty(3, 0, 4), "bf16")
     cap = get_format("bf16").digit_cap
     assert (e.avg, e.min, e.max, e.numel, e.zero_fraction, e.non_finite) == (cap, cap, cap, 0, 0.0, 0)
+    assert (e.normwise, e.p10, e.p50, e.underflow) == (cap, cap, cap, 0)
     # fp32 samples reduce in fp64 and match the per-element digits
     st32 = digit_stats(s.float(), "bf16", zero_threshold=1.0)
     d32 = cestac_digits(s.float(), "bf16")
@@ -228,3 +231,64 @@ def test_format_exact_zero():
     assert format_stochastic(0.0, 0.0, exact_zero=True) == "0." + "0" * 16 + "E+000"
     assert format_stochastic(0.0, 0.0, exact_zero=True, cap=get_format("fp32").digit_cap) == \
         "0.0000000E+000"
+
+
+# ----------------------------------------------------------------------------- extras
+def _spread_samples(numel: int, dtype=torch.float64, seed: int = 0) -> torch.Tensor:
+    """Samples whose relative spread runs from 1e-14 to 1: every digit count occurs."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(numel, generator=g, dtype=dtype) * 10 ** torch.linspace(-3, 3, numel,
+                                                                                dtype=dtype)
+    rel = 10 ** torch.linspace(-14, 0, numel, dtype=dtype)[torch.randperm(numel, generator=g)]
+    return base * (1 + rel * torch.randn(3, numel, generator=g, dtype=dtype))
+
+
+def test_normwise_digits_against_fp64_formula():
+    s = _spread_samples(999)
+    t = student_t(3)
+    m = s.mean(0)
+    sd2 = s.var(0, unbiased=True)
+    expect = math.log10(math.sqrt(3) * m.norm().item() / (t * sd2.sum().sqrt().item()))
+    assert digit_stats(s, "fp64").normwise == pytest.approx(expect, abs=1e-9)
+    # dominated by the large elements: a tiny cancelled element does not saturate it
+    s2 = torch.stack([torch.tensor([1.0, 1.0, 1.0]), torch.tensor([1e-9, 2e-9, -1e-9])], 1)
+    st = digit_stats(s2.to(torch.float64), "fp64")
+    assert st.min == 0.0 and st.normwise > 8
+    # the conventions: identical samples, zero mean with spread
+    assert digit_stats(torch.ones(3, 5, dtype=torch.float64), "bf16").normwise == \
+        get_format("bf16").digit_cap
+    zero_mean = torch.tensor([[1.0], [-0.5], [-0.5]], dtype=torch.float64)
+    assert digit_stats(zero_mean, "fp64").normwise == 0.0
+
+
+@pytest.mark.parametrize("numel", [1, 7, 128, 1000, 70001])  # 70001: chunked columns
+def test_quantiles_against_sorted_digits(numel):
+    s = _spread_samples(numel, seed=numel)
+    d = cestac_digits(s, "fp64").sort().values
+    st = digit_stats(s, "fp64")
+    for q, got in ((0.1, st.p10), (0.5, st.p50)):
+        exact = d[int(math.floor(q * (numel - 1)))].item()
+        # one bin is 1/16 of an octave of the variance: at most 0.013 digits
+        assert got == pytest.approx(exact, abs=0.0131), (q, got, exact)
+
+
+def test_quantiles_at_the_clamps():
+    cap = get_format("fp16").digit_cap
+    ident = torch.full((3, 50), 2.0, dtype=torch.float32)
+    assert digit_stats(ident, "fp16").p10 == cap
+    wild = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    st = digit_stats(wild, "fp16")
+    assert st.p10 == 0.0 and st.p50 == 0.0
+
+
+def test_underflow_count():
+    from fxstab.digits import underflow_count
+    fp16 = get_format("fp16")
+    x = torch.tensor([[1.0, 1e-6, 0.0, -1e-5, 6.2e-5, math.inf],
+                      [1.0, 1e-6, 0.0, -1e-4, 6.2e-5, math.nan],
+                      [1.0, 1e-6, 0.0, -1e-4, 6.2e-5, 1.0]])
+    # 1e-6 (every sample), -1e-5 (one sample) are below fp16's smallest normal 6.1e-5;
+    # zeros, 6.2e-5 and non-finite values are not
+    assert fp16.min_normal < 6.2e-5
+    assert underflow_count(x, fp16) == 2
+    assert underflow_count(x, "bf16") == 0

@@ -106,8 +106,10 @@ def test_sample_counts_and_odd_sizes(n, numel):
         ref = round_samples(x, "bf16", mode, seed=7)
         out, st, _ = native.round_stats(x, get_format("bf16"), mode, 7)
         assert _same_bits(out, ref)
-        want = stats_vector(ref, student_t(n), digits_cap("bf16", x.dtype))
+        want = torch.tensor(stats_vector(ref, student_t(n), digits_cap("bf16", x.dtype)),
+                            dtype=torch.float64)
         torch.testing.assert_close(st, want, rtol=2e-6, atol=1e-4)
+        assert st[9:].tolist() == want[9:].tolist()  # the same quantile bins
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -124,7 +126,7 @@ def test_statistics_and_digits_match_the_estimator(dtype):
     _, st, d = native.round_stats(x, get_format(fmt), None, want_digits=True)
     ref_d = cestac_digits(x, fmt)
     torch.testing.assert_close(d, ref_d, rtol=0, atol=2e-5 if dtype == torch.float32 else 1e-9)
-    ref = stats_vector(x, student_t(3), digits_cap(fmt, dtype))
+    ref = torch.tensor(stats_vector(x, student_t(3), digits_cap(fmt, dtype)), dtype=torch.float64)
     torch.testing.assert_close(st, ref, rtol=1e-6, atol=1e-3)
     assert st[3].item() == computational_zero(x, ref_d).sum().item()
     assert st[4].item() == 2.0  # the NaN and the inf elements
@@ -251,6 +253,9 @@ def test_backend_cpu_kernels_match_the_torch_path():
         assert abs(r.avg_digits - t.avg_digits) < 1e-5, name
         assert abs(r.min_digits - t.min_digits) < 1e-4, name
         assert r.zero_fraction == t.zero_fraction, name
+        assert abs(r.normwise_digits - t.normwise_digits) < 1e-9, name
+        assert (r.p10_digits, r.p50_digits, r.underflow) == \
+            (t.p10_digits, t.p50_digits, t.underflow), name
 
 
 def test_in_place_rounding_gives_the_same_bits():
@@ -439,3 +444,31 @@ def test_derive_seeds_are_derive_seed():
         assert s == derive_seed(12345, salt)
         assert ctx.rounding_seed(s, 0) == derive_seed(s, 100)
         assert ctx.rounding_seed(s, 2) == derive_seed(s, 102)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("dtype, fmt", [(torch.float32, "fp16"), (torch.float32, "bf16"),
+                                        (torch.float64, "fp32"), (torch.float32, "fp8_e4m3")])
+def test_underflow_norms_and_quantiles_match_the_reference(dtype, fmt, in_place):
+    """The extras of the statistics (underflowed elements, the norms of normwise digits, the
+    digit quantiles) against the references, on values across the format's subnormal range,
+    in groups that take the rounding's short path and groups that do not."""
+    f = get_format(fmt)
+    g = torch.Generator().manual_seed(3)
+    numel = 5000
+    mag = f.min_normal * 2.0 ** torch.linspace(-12, 12, numel, dtype=torch.float64)
+    base = (torch.randn(numel, generator=g, dtype=torch.float64).sign() * mag)
+    x = (base * (1 + 1e-3 * torch.randn(3, numel, generator=g, dtype=torch.float64))).to(dtype)
+    x[:, 2000:2500] = torch.randn(3, 500, generator=g).to(dtype)  # a normal stretch
+    x[:, 100:110] = 0.0
+    from fxstab.digits import underflow_count
+    want_under = underflow_count(x, f)
+    assert 0 < want_under < numel
+    ref = round_samples(x, f, Rounding.RANDOM, seed=5)
+    want = stats_vector(ref, student_t(3), digits_cap(f, dtype), underflow=want_under)
+    out, st, _ = native.round_stats(x.clone() if in_place else x, f, Rounding.RANDOM, 5,
+                                    in_place=in_place, as_list=True)
+    assert _same_bits(out, ref)
+    assert st[8] == want_under
+    assert st[6] == pytest.approx(want[6], rel=1e-12) and st[7] == pytest.approx(want[7], rel=1e-12)
+    assert st[9:] == want[9:]

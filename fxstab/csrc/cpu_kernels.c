@@ -15,6 +15,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <stddef.h>
 #include <string.h>
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -48,7 +49,24 @@ typedef struct {
     /* derived at entry (see derive_params), not set by the caller */
     double kd;             /* K + log10(n - 1) / 2: digits are kd - log10(var) / 2 */
     double vcap, vzero, vthr;  /* variances at which the digits reach the cap, 0, the threshold */
+    /* the extras (extras_block): K = log10(sqrt(n) / t); the relative sample variances of the
+     * cap's digits and of 0 digits; the histogram bin of rv_cap and the number of bins */
+    double k0, rv_cap, rv_zero;
+    int64_t b_cap, nbins;
 } params_t;
+
+/* The statistics beyond the six digit reductions (fxstab.digits: EXTRA_STATS): the squared
+ * Frobenius norms of the sample means and of the sample standard deviations (normwise digits),
+ * the elements that underflowed, and the histogram of per-element digits (quantiles). Bins:
+ * the top 16 bits of the fp64 relative sample variance (sign, exponent, 4 significand bits:
+ * 16 bins per octave, at most 0.013 digits wide), between the cap's and 0 digits' variances;
+ * the elements with 0 digits and with the cap's are counted apart. */
+#define HBINS 2048
+typedef struct {
+    double msq, vsq, under;
+    int64_t zero_cls, cap_cls;
+    uint32_t hist[HBINS];
+} ext_t;
 
 /* The surrogate of the GEMM that consumes a rounded output (fused into round_stats): eta and
  * seed in, the number of insufficiently separated elements out. */
@@ -211,10 +229,13 @@ DEFINE_ROUND_NORMAL(round_normal_f64, uint64_t, int64_t, 52, 62)
 
 /* Rounds `cnt` consecutive values of one sample; `rb` holds their random bits or words. A row
  * of normal values (the common case) takes the short path; one value that needs the general
- * treatment sends the whole row through the general one. */
+ * treatment sends the whole row through the general one. There, with `uf`, an element whose
+ * value is finite, non-zero and below the format's smallest normal (rounding takes it to a
+ * subnormal or to zero) gets its flag set; the short path has no such value. */
 #define DEFINE_ROUND_ROW(NAME, FT, UT, IT, WM, ROUND, NORMAL)                                   \
     ALWAYS_INLINE int NAME(const FT *restrict x, FT *restrict o, int64_t cnt, const rp_t r,     \
-                           const int mode, const uint32_t *restrict rb) {                       \
+                           const int mode, const uint32_t *restrict rb,                         \
+                           uint8_t *restrict uf) {                                              \
         const UT sign = (UT)1 << (8 * sizeof(UT) - 1);                                          \
         /* exponents [k, top - 1]: normal in the format, no overflow when rounding up */         \
         const UT e_lo = (UT)r.k, span = (UT)(((UT)r.max_bits >> (WM)) - 1) - e_lo;              \
@@ -243,6 +264,15 @@ DEFINE_ROUND_NORMAL(round_normal_f64, uint64_t, int64_t, 52, 62)
                 memcpy(&o[el], &b, sizeof b);                                                   \
             }                                                                                   \
             return 1; /* every value in the format's normal range: finite results */           \
+        }                                                                                       \
+        if (uf && r.k >= 1) {                                                                   \
+            const UT tiny = (UT)r.k << (WM); /* the format's smallest normal */               \
+            for (int64_t el = 0; el < cnt; el++) {                                              \
+                UT b;                                                                           \
+                memcpy(&b, &x[el], sizeof b);                                                   \
+                UT mag = b & ~sign;                                                             \
+                uf[el] |= (uint8_t)((mag != 0) & (mag < tiny));                                 \
+            }                                                                                   \
         }                                                                                       \
         _Pragma("omp simd")                                                                     \
         for (int64_t el = 0; el < cnt; el++) {                                                  \
@@ -380,6 +410,82 @@ DEFINE_DIGITS_BLOCK(digits_block_f32_scalar, float, 1.1754943508222875e-38, log1
                     0x1p-100, 0x1p64)
 DEFINE_DIGITS_BLOCK(digits_block_f64_plain, double, 2.2250738585072014e-308, log10_pos,
                     int64_t, 0x1p-1000, 0x1p128)
+
+/* ---------------------------------------------------------------------------------------
+ * The extras of `cnt` elements (ext_t), in fp64 whatever the samples' dtype, exactly as
+ * fxstab.digits._extras_columns: mean = (sum of samples) / n, s^2 = sum (x_i - mean)^2 /
+ * (n - 1); a finite element adds mean^2 and s^2 to the norms; its digits bin comes from s^2 /
+ * mean^2 (a non-finite element or a zero mean with spread has 0 digits, identical samples the
+ * cap's). `uf` (or NULL) holds the underflow flags of the group's elements.
+ */
+#define DEFINE_EXTRAS_BLOCK(NAME, FT)                                                           \
+    ALWAYS_INLINE void NAME(const FT *const *rows, int64_t n, int64_t cnt, const params_t *p,  \
+                            const uint8_t *restrict uf, ext_t *e) {                             \
+        const double dn = (double)n, dn1 = (double)(n - 1);                                     \
+        const double rv_cap = p->rv_cap, rv_zero = p->rv_zero;                                  \
+        const int64_t b_cap = p->b_cap;                                                         \
+        double msq = 0, vsq = 0;                                                                \
+        for (int64_t el = 0; el < cnt; el++) {                                                  \
+            const FT x0 = rows[0][el];                                                          \
+            double m = (double)x0;                                                              \
+            int same = 1;                                                                       \
+            for (int64_t i = 1; i < n; i++) {                                                   \
+                m += (double)rows[i][el];                                                       \
+                same &= rows[i][el] == x0;                                                      \
+            }                                                                                   \
+            m = m / dn;                                                                         \
+            double ss = 0;                                                                      \
+            for (int64_t i = 0; i < n; i++) {                                                   \
+                double d = (double)rows[i][el] - m;                                             \
+                ss += d * d;                                                                    \
+            }                                                                                   \
+            ss = ss / dn1;                                                                      \
+            if (!(m - m == 0) || !(ss - ss == 0)) { e->zero_cls++; continue; }                  \
+            msq += m * m;                                                                       \
+            vsq += ss;                                                                          \
+            if (same) { e->cap_cls++; continue; }                                               \
+            if (m == 0) { e->zero_cls++; continue; }                                            \
+            double rv = ss / (m * m);                                                           \
+            if (!(rv < rv_zero)) { e->zero_cls++; continue; }                                   \
+            if (rv <= rv_cap) { e->cap_cls++; continue; }                                       \
+            uint64_t bits;                                                                      \
+            memcpy(&bits, &rv, sizeof bits);                                                    \
+            int64_t bi = (int64_t)(bits >> 48) - b_cap;                                         \
+            e->hist[bi < p->nbins ? bi : p->nbins - 1]++;                                       \
+        }                                                                                       \
+        e->msq += msq;                                                                          \
+        e->vsq += vsq;                                                                          \
+        if (uf) {                                                                               \
+            int64_t u = 0;                                                                      \
+            for (int64_t el = 0; el < cnt; el++) u += uf[el];                                   \
+            e->under += (double)u;                                                              \
+        }                                                                                       \
+    }
+
+DEFINE_EXTRAS_BLOCK(extras_block_f32, float)
+DEFINE_EXTRAS_BLOCK(extras_block_f64, double)
+
+/* The digits of histogram bin b: those of the relative variance at the bin's middle. */
+static double bin_digits(const params_t *p, int64_t b) {
+    uint64_t bits = ((uint64_t)(b + p->b_cap) << 48) | ((uint64_t)1 << 47);
+    double rv;
+    memcpy(&rv, &bits, sizeof rv);
+    double d = p->k0 - 0.5 * log10(rv);
+    return d < 0 ? 0 : (d > p->cap ? p->cap : d);
+}
+
+/* The q-quantile of the digits ("lower": the element of rank floor(q (numel - 1)) in ascending
+ * order) from the merged histogram. */
+static double ext_quantile(const ext_t *e, const params_t *p, int64_t numel, double q) {
+    if (numel <= 0) return p->cap;
+    int64_t r = (int64_t)floor(q * (double)(numel - 1)), cum = e->zero_cls;
+    if (r < cum) return 0.0;
+    for (int64_t b = p->nbins - 1; b >= 0; b--) {
+        cum += e->hist[b];
+        if (r < cum) return bin_digits(p, b);
+    }
+    return p->cap;
+}
 
 /* ---------------------------------------------------------------------------------------
  * The fp32 digits in explicit 8-lane vectors (GCC/Clang vector extensions: AVX2 on x86,
@@ -884,12 +990,14 @@ DEFINE_PERTURB_GROUP(perturb_group_f64, double)
 
 /* ---------------------------------------------------------------------------------------
  * round_stats: round (mode != MODE_NONE) the n samples of each element into `out` and
- * accumulate stats[6] = [sum of digits, min, max, computational zeros, non-finite, numel]
+ * accumulate stats[11] = [sum of digits, min, max, computational zeros, non-finite, numel,
+ * squared norm of the means, squared norm of the standard deviations, underflowed elements,
+ * p10 and p50 of the digits]
  * (stats may be NULL: rounding only); per-element digits into `dig` when not NULL.
  * Work is split into groups of 128 elements: one Philox evaluation per group and draw gives
  * the random bits of the whole group.
  */
-#define DEFINE_ROUND_STATS_MODE(NAME, FT, ROW, DIGITS, CLOSE, PERTURB_GROUP, MODE)              \
+#define DEFINE_ROUND_STATS_MODE(NAME, FT, ROW, DIGITS, EXTRAS, CLOSE, PERTURB_GROUP, MODE)      \
     static void NAME(const FT *x, int64_t xs, FT *out, int64_t n, int64_t numel,                \
                      const params_t *p, double *stats, FT *dig, fused_t *fused) {               \
         const int mode = MODE;                                                                  \
@@ -902,6 +1010,9 @@ DEFINE_PERTURB_GROUP(perturb_group_f64, double)
         double s_sum = 0, s_min = INFINITY, s_max = -INFINITY, s_zero = 0, s_nf = 0;            \
         uint8_t *zm = (uint8_t *)(uintptr_t)p->zmask;                                          \
         int want_stats = stats != NULL || dig != NULL || zm != NULL;                            \
+        const int want_ext = stats != NULL;                                                     \
+        ext_t total;                                                                            \
+        if (want_ext) memset(&total, 0, sizeof total);                                          \
         const int fuse = fused != NULL && mode != MODE_NONE;                                   \
         const FT eta = fuse ? (FT)fused->eta : (FT)0;                                           \
         int64_t n_close = 0;                                                                    \
@@ -914,6 +1025,8 @@ DEFINE_PERTURB_GROUP(perturb_group_f64, double)
         {                                                                                       \
         acc8_t acc;                                                                             \
         acc8_init(&acc);                                                                        \
+        ext_t ext; /* the header and the bins in use */                                       \
+        if (want_ext) memset(&ext, 0, offsetof(ext_t, hist) + sizeof(uint32_t) * p->nbins);     \
         _Pragma("omp for schedule(static)")                                                     \
         for (int64_t sbk = 0; sbk < n_sb; sbk++) {                                              \
             uint32_t dwords[MAX_SAMPLES][4]; /* group g, draw d: dwords[(g - g0) n_free + d] */ \
@@ -933,6 +1046,9 @@ DEFINE_PERTURB_GROUP(perturb_group_f64, double)
             }                                                                                   \
             /* groups whose every sample row took the short path: finite samples */             \
             unsigned char normal[SB];                                                           \
+            uint8_t ufb[SB * BLK]; /* underflow flags of the superblock's elements */          \
+            const int flag_uf = want_ext && mode != MODE_NONE;                                  \
+            if (flag_uf) memset(ufb, 0, (size_t)((g1 - g0) * BLK));                             \
             for (int64_t g = g0; g < g1; g++) normal[g - g0] = mode != MODE_NONE;               \
             if (mode != MODE_NONE)                                                              \
                 for (int64_t i = 0; i < n; i++)                                                 \
@@ -941,7 +1057,7 @@ DEFINE_PERTURB_GROUP(perturb_group_f64, double)
                         sample_bits(p, mode, g, cnt, i, draws, flips,                           \
                                     dwords + (g - g0) * n_free, swords, rb);                    \
                         normal[g - g0] &= ROW(x + i * xs + e0, out + i * numel + e0, cnt, r,    \
-                                              mode, rb);                                        \
+                                              mode, rb, flag_uf ? ufb + (g - g0) * BLK : NULL); \
                     }                                                                           \
             for (int64_t g = g0; g < g1; g++) {                                                 \
                 int64_t e0 = g * BLK, cnt = e0 + BLK < numel ? BLK : numel - e0;                \
@@ -950,6 +1066,9 @@ DEFINE_PERTURB_GROUP(perturb_group_f64, double)
                 if (want_stats)                                                                 \
                     DIGITS(rows, n, cnt, p, K, dig ? dig + e0 : NULL, zm ? zm + e0 : NULL, &acc, \
                            &s_sum, &s_min, &s_max, &s_zero, &s_nf, normal[g - g0]);             \
+                if (want_ext)                                                                   \
+                    EXTRAS(rows, n, cnt, p, flag_uf && !normal[g - g0] ? ufb + (g - g0) * BLK   \
+                           : NULL, &ext);                                                       \
                 if (fuse) { /* the consumer GEMM's surrogate, on the rows just rounded */       \
                     FT mean[BLK];                                                               \
                     int close[BLK];                                                             \
@@ -964,6 +1083,14 @@ DEFINE_PERTURB_GROUP(perturb_group_f64, double)
         }                                                                                       \
         if (want_stats) acc8_finish(&acc, p, (float)p->vcap, (float)p->vzero, &s_sum, &s_min,  \
                                     &s_max, &s_zero, &s_nf);                                   \
+        if (want_ext) {                                                                         \
+            _Pragma("omp critical")                                                             \
+            {                                                                                   \
+                total.msq += ext.msq; total.vsq += ext.vsq; total.under += ext.under;           \
+                total.zero_cls += ext.zero_cls; total.cap_cls += ext.cap_cls;                   \
+                for (int64_t b = 0; b < p->nbins; b++) total.hist[b] += ext.hist[b];            \
+            }                                                                                   \
+        }                                                                                       \
         }                                                                                       \
         if (fuse) fused->count = n_close;                                                       \
         if (stats) {                                                                            \
@@ -973,37 +1100,42 @@ DEFINE_PERTURB_GROUP(perturb_group_f64, double)
             stats[3] = s_zero;                                                                  \
             stats[4] = s_nf;                                                                    \
             stats[5] = (double)numel;                                                           \
+            stats[6] = total.msq;                                                               \
+            stats[7] = total.vsq;                                                               \
+            stats[8] = total.under;                                                             \
+            stats[9] = ext_quantile(&total, p, numel, 0.1);                                     \
+            stats[10] = ext_quantile(&total, p, numel, 0.5);                                    \
         }                                                                                       \
     }
 
-DEFINE_ROUND_STATS_MODE(rs_f32_random, float, round_row_f32, digits_block_f32, close_block_f32,
+DEFINE_ROUND_STATS_MODE(rs_f32_random, float, round_row_f32, digits_block_f32, extras_block_f32, close_block_f32,
                         perturb_group_f32, MODE_RANDOM)
-DEFINE_ROUND_STATS_MODE(rs_f32_stochastic, float, round_row_f32, digits_block_f32, close_block_f32,
+DEFINE_ROUND_STATS_MODE(rs_f32_stochastic, float, round_row_f32, digits_block_f32, extras_block_f32, close_block_f32,
                         perturb_group_f32, MODE_STOCHASTIC)
-DEFINE_ROUND_STATS_MODE(rs_f32_nearest, float, round_row_f32, digits_block_f32, close_block_f32,
+DEFINE_ROUND_STATS_MODE(rs_f32_nearest, float, round_row_f32, digits_block_f32, extras_block_f32, close_block_f32,
                         perturb_group_f32, MODE_NEAREST)
-DEFINE_ROUND_STATS_MODE(rs_f32_up, float, round_row_f32, digits_block_f32, close_block_f32,
+DEFINE_ROUND_STATS_MODE(rs_f32_up, float, round_row_f32, digits_block_f32, extras_block_f32, close_block_f32,
                         perturb_group_f32, MODE_UP)
-DEFINE_ROUND_STATS_MODE(rs_f32_down, float, round_row_f32, digits_block_f32, close_block_f32,
+DEFINE_ROUND_STATS_MODE(rs_f32_down, float, round_row_f32, digits_block_f32, extras_block_f32, close_block_f32,
                         perturb_group_f32, MODE_DOWN)
-DEFINE_ROUND_STATS_MODE(rs_f32_zero, float, round_row_f32, digits_block_f32, close_block_f32,
+DEFINE_ROUND_STATS_MODE(rs_f32_zero, float, round_row_f32, digits_block_f32, extras_block_f32, close_block_f32,
                         perturb_group_f32, MODE_ZERO)
-DEFINE_ROUND_STATS_MODE(rs_f32_none, float, round_row_f32, digits_block_f32, close_block_f32,
+DEFINE_ROUND_STATS_MODE(rs_f32_none, float, round_row_f32, digits_block_f32, extras_block_f32, close_block_f32,
                         perturb_group_f32, MODE_NONE)
 
-DEFINE_ROUND_STATS_MODE(rs_f64_random, double, round_row_f64, digits_block_f64, close_block_f64,
+DEFINE_ROUND_STATS_MODE(rs_f64_random, double, round_row_f64, digits_block_f64, extras_block_f64, close_block_f64,
                         perturb_group_f64, MODE_RANDOM)
-DEFINE_ROUND_STATS_MODE(rs_f64_stochastic, double, round_row_f64, digits_block_f64, close_block_f64,
+DEFINE_ROUND_STATS_MODE(rs_f64_stochastic, double, round_row_f64, digits_block_f64, extras_block_f64, close_block_f64,
                         perturb_group_f64, MODE_STOCHASTIC)
-DEFINE_ROUND_STATS_MODE(rs_f64_nearest, double, round_row_f64, digits_block_f64, close_block_f64,
+DEFINE_ROUND_STATS_MODE(rs_f64_nearest, double, round_row_f64, digits_block_f64, extras_block_f64, close_block_f64,
                         perturb_group_f64, MODE_NEAREST)
-DEFINE_ROUND_STATS_MODE(rs_f64_up, double, round_row_f64, digits_block_f64, close_block_f64,
+DEFINE_ROUND_STATS_MODE(rs_f64_up, double, round_row_f64, digits_block_f64, extras_block_f64, close_block_f64,
                         perturb_group_f64, MODE_UP)
-DEFINE_ROUND_STATS_MODE(rs_f64_down, double, round_row_f64, digits_block_f64, close_block_f64,
+DEFINE_ROUND_STATS_MODE(rs_f64_down, double, round_row_f64, digits_block_f64, extras_block_f64, close_block_f64,
                         perturb_group_f64, MODE_DOWN)
-DEFINE_ROUND_STATS_MODE(rs_f64_zero, double, round_row_f64, digits_block_f64, close_block_f64,
+DEFINE_ROUND_STATS_MODE(rs_f64_zero, double, round_row_f64, digits_block_f64, extras_block_f64, close_block_f64,
                         perturb_group_f64, MODE_ZERO)
-DEFINE_ROUND_STATS_MODE(rs_f64_none, double, round_row_f64, digits_block_f64, close_block_f64,
+DEFINE_ROUND_STATS_MODE(rs_f64_none, double, round_row_f64, digits_block_f64, extras_block_f64, close_block_f64,
                         perturb_group_f64, MODE_NONE)
 
 /* The per-call constants of the statistics, once per call instead of once per group. */
@@ -1013,6 +1145,15 @@ static params_t derive_params(const params_t *p, int64_t n) {
     q.vcap = pow(10.0, 2.0 * (q.kd - p->cap));
     q.vzero = pow(10.0, 2.0 * q.kd);
     q.vthr = pow(10.0, 2.0 * (q.kd - p->zero_threshold));
+    q.k0 = log10(sqrt((double)n) / p->t);
+    q.rv_cap = pow(10.0, 2.0 * (q.k0 - p->cap));
+    q.rv_zero = pow(10.0, 2.0 * q.k0);
+    uint64_t bc, bz;
+    memcpy(&bc, &q.rv_cap, sizeof bc);
+    memcpy(&bz, &q.rv_zero, sizeof bz);
+    q.b_cap = (int64_t)(bc >> 48);
+    q.nbins = (int64_t)(bz >> 48) - q.b_cap + 1;
+    if (q.nbins > HBINS) q.nbins = HBINS; /* cap <= 15.95 digits: at most 1712 bins */
     return q;
 }
 
