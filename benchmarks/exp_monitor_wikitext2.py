@@ -20,7 +20,11 @@ evaluations excluded), fraction of operators promoted.
     python benchmarks/exp_monitor_wikitext2.py --device cuda --d-model 256 --seq 128 \
         --batch 32 --vocab 20000 --steps 2000                  # GPU-sized run
 
-Writes results/monitor_wikitext2.json and results/monitor_wikitext2_loss.png.
+Data: --data DIR (train.txt, valid.txt), else $FXSTAB_DATA/wikitext-2, else
+../shared/data/wikitext-2 beside the repository root; never downloaded.
+
+Writes results/monitor_wikitext2.json and results/monitor_wikitext2_loss.png (the loss per
+arm, with non-finite steps, skipped updates and promotions marked: see ``loss_figure``).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -42,12 +47,13 @@ import torch.nn.functional as F
 
 import fxstab
 from fxstab import inject
-from fxstab.monitor import StabilityMonitor
+from fxstab.monitor import Mode, StabilityMonitor
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
-if not DATA.exists():
-    DATA = Path("/work/shared/data/wikitext-2")
+# The data sets ship beside the clone, in <clone>/../shared/data (DESIGN.md §10); FXSTAB_DATA
+# names another copy of that folder, --data the wikitext-2 folder itself. Nothing is downloaded.
+DATA_ENV = "FXSTAB_DATA"
+SPLITS = ("train.txt", "valid.txt")
 
 # (injection, module path, strength at onset, strength at the end of the ramp, calibration
 # strength). Ends: fp16 partial sums ~ c*|rowsum| pass 65504; logits x 256 pass exp's 88.7;
@@ -82,8 +88,34 @@ def tokenize(path: Path) -> list[str]:
     return words
 
 
-def load(vocab_cap: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    train, valid = tokenize(DATA / "train.txt"), tokenize(DATA / "valid.txt")
+def data_dir(data: Optional[Path] = None) -> Path:
+    """The WikiText-2 folder: ``data`` (--data), else ``$FXSTAB_DATA/wikitext-2``, else
+    ``../shared/data/wikitext-2`` relative to the repository root.
+
+    Raises:
+        FileNotFoundError: the folder or one of its train/valid files is missing; the message
+            says where it looked and how to point the script at a copy.
+    """
+    if data is not None:
+        path, how = Path(data), "--data"
+    elif os.environ.get(DATA_ENV):
+        path, how = Path(os.environ[DATA_ENV]) / "wikitext-2", f"${DATA_ENV}/wikitext-2"
+    else:
+        path, how = ROOT.parent / "shared" / "data" / "wikitext-2", \
+            "the default <repo>/../shared/data/wikitext-2"
+    missing = [f for f in SPLITS if not (path / f).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"WikiText-2 not found: {path} ({how}) lacks {', '.join(missing)}. Pass --data DIR "
+            f"(a folder with {' and '.join(SPLITS)}) or set {DATA_ENV} to the folder holding "
+            f"wikitext-2/ (the shared/data folder beside the clone); this script never "
+            f"downloads data.")
+    return path
+
+
+def load(vocab_cap: int, data: Optional[Path] = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    path = data_dir(data)
+    train, valid = tokenize(path / "train.txt"), tokenize(path / "valid.txt")
     counts = collections.Counter(train)
     vocab = ["<unk>"] + [w for w, _ in counts.most_common() if w != "<unk>"][: vocab_cap - 1]
     index = {w: i for i, w in enumerate(vocab)}
@@ -227,7 +259,7 @@ def run_arm(arm: str, scenario: str, args, data, vocab: int, cal) -> dict:
         return loss, gnorm
 
     curve, val_curve = [], []
-    nonfinite = skipped = 0
+    nonfinite_at, skipped_at = [], []  # steps whose first pass was non-finite / not applied
     times, mon_times = [], []
     bar = Bar(args.steps, f"{scenario}/{arm}")
     for t, (x, y) in enumerate(batches(train, args.seq, args.batch, args.steps, args.seed + 1)):
@@ -240,7 +272,7 @@ def run_arm(arm: str, scenario: str, args, data, vocab: int, cal) -> dict:
         t0 = time.perf_counter()
         loss, gnorm = forward_backward(x, y)
         if not (torch.isfinite(loss) and torch.isfinite(gnorm)):
-            nonfinite += 1
+            nonfinite_at.append(t)
             for p in params:
                 p.grad = None
             if monitor is not None and arm == "monitor":
@@ -250,7 +282,7 @@ def run_arm(arm: str, scenario: str, args, data, vocab: int, cal) -> dict:
         if torch.isfinite(loss) and torch.isfinite(gnorm):
             _master_step(opt, masters, params, args.clip, float(gnorm))
         else:
-            skipped += 1
+            skipped_at.append(t)
         for p in params:
             p.grad = None
         if monitor is not None:
@@ -272,8 +304,10 @@ def run_arm(arm: str, scenario: str, args, data, vocab: int, cal) -> dict:
     warm = min(args.warmup, len(times) - 1)
     out = {
         "scenario": scenario, "arm": arm, "val_loss": val_curve[-1][1], "val_curve": val_curve,
-        "train_loss": curve, "nonfinite_steps": nonfinite, "skipped_updates": skipped,
-        "nonfinite_frequency": nonfinite / args.steps, "train_time_s": sum(times[warm:]),
+        "train_loss": curve, "nonfinite_steps": len(nonfinite_at),
+        "skipped_updates": len(skipped_at), "nonfinite_at": nonfinite_at,
+        "skipped_at": skipped_at, "nonfinite_frequency": len(nonfinite_at) / args.steps,
+        "train_time_s": sum(times[warm:]),
     }
     if monitor is not None:
         s = monitor.summary()
@@ -350,33 +384,105 @@ def calibrate(args, vocab: int, train: torch.Tensor):
     return cal, clean, dict(injected)
 
 
-def plot(results: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
-        return
+def _smooth(values: list, k: int) -> list:
+    """Trailing mean over ``k`` steps of the finite losses only (NaN where none is finite):
+    a non-finite step neither erases the curve nor drags it to infinity."""
+    out = []
+    for i in range(len(values)):
+        window = [v for v in values[max(0, i - k + 1):i + 1] if math.isfinite(v)]
+        out.append(sum(window) / len(window) if window else math.nan)
+    return out
+
+
+def _steps_of(r: dict, key: str, fallback) -> list:
+    """Steps listed under ``key``; results written before that key existed give ``fallback``."""
+    return list(r[key]) if key in r else fallback
+
+
+def loss_figure(results: list[dict]):
+    """The training-loss picture: one panel per scenario, one smoothed curve per arm.
+
+    Marks, in the arm's colour: x at the top of the panel for each step whose first
+    forward/backward was non-finite (the update may then have been retried or skipped:
+    a filled x-box means it was skipped), and a triangle at the bottom for each promotion of
+    an operator by the monitor (a forced mode, the fp32 arm's set-up, is not a promotion).
+    Raw losses are drawn faintly behind the smoothed curve; non-finite losses are left out of
+    both, so a NaN step shows as a mark, not as a vanished curve.
+
+    Returns:
+        The matplotlib figure (the caller saves and closes it).
+    """
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    if not results:
+        raise ValueError("no results to plot")
     scenarios = list(dict.fromkeys(r["scenario"] for r in results))
-    fig, axes = plt.subplots(1, len(scenarios), figsize=(4.5 * len(scenarios), 3.6),
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(4.8 * len(scenarios), 3.8),
                              squeeze=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    arms = list(dict.fromkeys(r["arm"] for r in results))
     for ax, sc in zip(axes[0], scenarios):
+        finite_max = 0.0
         for r in results:
             if r["scenario"] != sc:
                 continue
-            y = torch.tensor(r["train_loss"])
-            k = max(1, len(y) // 40)
-            smooth = [float(y[max(0, i - k):i + 1].nan_to_num(nan=float("inf")).mean())
-                      for i in range(len(y))]
-            ax.plot(smooth, label=r["arm"])
+            c = colours[arms.index(r["arm"]) % len(colours)]
+            y = [float(v) for v in r["train_loss"]]
+            steps = list(range(len(y)))
+            finite = [v for v in y if math.isfinite(v)]
+            finite_max = max([finite_max] + finite)
+            ax.plot(steps, [v if math.isfinite(v) else math.nan for v in y], color=c,
+                    alpha=0.25, linewidth=0.6)
+            ax.plot(steps, _smooth(y, max(1, len(y) // 40)), color=c, label=r["arm"])
+            bad = _steps_of(r, "nonfinite_at", [t for t, v in enumerate(y)
+                                                if not math.isfinite(v)])
+            skipped = set(_steps_of(r, "skipped_at", []))
+            if bad:
+                ax.scatter(bad, [0.97] * len(bad), transform=ax.get_xaxis_transform(),
+                           marker="x", color=c, s=30, zorder=4, clip_on=False,
+                           gid=f"nonfinite:{r['arm']}")
+            if skipped:
+                ax.scatter(sorted(skipped), [0.97] * len(skipped), marker="s", s=60,
+                           facecolor="none", edgecolor=c, transform=ax.get_xaxis_transform(),
+                           zorder=4, clip_on=False, gid=f"skipped:{r['arm']}")
+            promo = [p["step"] for p in r.get("promotions", [])
+                     if p.get("reason") != "forced" and Mode[p["new"]] > Mode[p["old"]]]
+            if promo:
+                ax.scatter(promo, [0.03] * len(promo), transform=ax.get_xaxis_transform(),
+                           marker="^", color=c, s=36, zorder=4, clip_on=False,
+                           gid=f"promotion:{r['arm']}")
         ax.set_title(sc)
         ax.set_xlabel("step")
-        ax.set_ylim(bottom=0)
+        ax.set_ylim(0, finite_max * 1.1 if finite_max > 0 else 1.0)
         ax.set_ylabel("train loss (smoothed)")
-        ax.legend()
+        handles, _ = ax.get_legend_handles_labels()
+        handles += [Line2D([], [], marker="x", color="grey", linestyle="none",
+                           label="non-finite step"),
+                    Line2D([], [], marker="s", markerfacecolor="none", color="grey",
+                           linestyle="none", label="update skipped"),
+                    Line2D([], [], marker="^", color="grey", linestyle="none",
+                           label="promotion")]
+        ax.legend(handles=handles, fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
+
+
+def plot(results: list[dict], path: Path) -> None:
+    """Save :func:`loss_figure` to ``path`` (a note instead when matplotlib is missing)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig = loss_figure(results)
+    try:
+        fig.savefig(path, dpi=120)
+    finally:
+        import matplotlib.pyplot as plt
+        plt.close(fig)
 
 
 def main(argv=None) -> int:
@@ -418,9 +524,17 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=ROOT / "results")
+    ap.add_argument("--data", type=Path, default=None,
+                    help=f"WikiText-2 folder with train.txt and valid.txt (default: "
+                         f"${DATA_ENV}/wikitext-2, else ../shared/data/wikitext-2 beside the "
+                         f"repository)")
     args = ap.parse_args(argv)
 
-    train, val, vocab = load(args.vocab)
+    try:
+        train, val, vocab = load(args.vocab, args.data)
+    except FileNotFoundError as e:
+        print(f"exp_monitor_wikitext2: error: {e}", file=sys.stderr)
+        return 2
     print(f"WikiText-2: {train.numel()} train / {val.numel()} valid tokens, vocab {vocab}; "
           f"model d={args.d_model} heads={args.heads} layers={args.layers} seq={args.seq} "
           f"batch={args.batch}, {args.steps} steps on {args.device}")
