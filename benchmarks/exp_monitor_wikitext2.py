@@ -402,10 +402,11 @@ def _steps_of(r: dict, key: str, fallback) -> list:
 def loss_figure(results: list[dict]):
     """The training-loss picture: one panel per scenario, one smoothed curve per arm.
 
-    Marks, in the arm's colour: x at the top of the panel for each step whose first
-    forward/backward was non-finite (the update may then have been retried or skipped:
-    a filled x-box means it was skipped), and a triangle at the bottom for each promotion of
-    an operator by the monitor (a forced mode, the fp32 arm's set-up, is not a promotion).
+    Marks, in the arm's colour and on a line of the arm's own: x at the top of the panel for
+    each step whose first forward/backward was non-finite (a square around it: the update
+    was skipped, the retry too was non-finite), and a triangle at the bottom for each
+    promotion of an operator by the monitor (a forced mode, the fp32 arm's set-up, is not a
+    promotion; a demotion neither).
     Raw losses are drawn faintly behind the smoothed curve; non-finite losses are left out of
     both, so a NaN step shows as a mark, not as a vanished curve.
 
@@ -430,6 +431,9 @@ def loss_figure(results: list[dict]):
             if r["scenario"] != sc:
                 continue
             c = colours[arms.index(r["arm"]) % len(colours)]
+            # marks of each arm on their own line, so that two arms' marks of a step both show
+            lane = 0.045 * arms.index(r["arm"])
+            top, bottom = 0.97 - lane, 0.03 + lane
             y = [float(v) for v in r["train_loss"]]
             steps = list(range(len(y)))
             finite = [v for v in y if math.isfinite(v)]
@@ -441,30 +445,30 @@ def loss_figure(results: list[dict]):
                                                 if not math.isfinite(v)])
             skipped = set(_steps_of(r, "skipped_at", []))
             if bad:
-                ax.scatter(bad, [0.97] * len(bad), transform=ax.get_xaxis_transform(),
+                ax.scatter(bad, [top] * len(bad), transform=ax.get_xaxis_transform(),
                            marker="x", color=c, s=30, zorder=4, clip_on=False,
                            gid=f"nonfinite:{r['arm']}")
             if skipped:
-                ax.scatter(sorted(skipped), [0.97] * len(skipped), marker="s", s=60,
+                ax.scatter(sorted(skipped), [top] * len(skipped), marker="s", s=60,
                            facecolor="none", edgecolor=c, transform=ax.get_xaxis_transform(),
                            zorder=4, clip_on=False, gid=f"skipped:{r['arm']}")
             promo = [p["step"] for p in r.get("promotions", [])
                      if p.get("reason") != "forced" and Mode[p["new"]] > Mode[p["old"]]]
             if promo:
-                ax.scatter(promo, [0.03] * len(promo), transform=ax.get_xaxis_transform(),
+                ax.scatter(promo, [bottom] * len(promo), transform=ax.get_xaxis_transform(),
                            marker="^", color=c, s=36, zorder=4, clip_on=False,
                            gid=f"promotion:{r['arm']}")
         ax.set_title(sc)
         ax.set_xlabel("step")
-        ax.set_ylim(0, finite_max * 1.1 if finite_max > 0 else 1.0)
+        ax.set_ylim(0, finite_max * 1.2 if finite_max > 0 else 1.0)  # room for the marks
         ax.set_ylabel("train loss (smoothed)")
         handles, _ = ax.get_legend_handles_labels()
         handles += [Line2D([], [], marker="x", color="grey", linestyle="none",
-                           label="non-finite step"),
+                           label="non-finite step (top)"),
                     Line2D([], [], marker="s", markerfacecolor="none", color="grey",
-                           linestyle="none", label="update skipped"),
+                           linestyle="none", label="update skipped (top)"),
                     Line2D([], [], marker="^", color="grey", linestyle="none",
-                           label="promotion")]
+                           label="promotion (bottom)")]
         ax.legend(handles=handles, fontsize=7)
     fig.tight_layout()
     return fig

@@ -766,10 +766,9 @@ def plot_graph(dm: DigitMap, path: PathLike, metric: Optional[str] = None) -> Pa
             ax.text(b.x, b.y - 0.085, st.text, fontsize=FONT_PT, ha="center", va="center",
                     color=st.ink, zorder=5, fontweight="bold" if st.origin else "normal")
         # a halo around each NaN/inf origin: found at a glance in a 300-operator picture
-        halos = [FancyBboxPatch((lay.nodes[n].x - lay.nodes[n].w / 2 - 0.07,
-                                 lay.nodes[n].y - lay.nodes[n].h / 2 - 0.07),
-                                lay.nodes[n].w + 0.14, lay.nodes[n].h + 0.14,
-                                boxstyle="round,pad=0,rounding_size=0.08") for n in sorted(sources)]
+        halos = [FancyBboxPatch((b.x - b.w / 2 - 0.07, b.y - b.h / 2 - 0.07), b.w + 0.14,
+                                b.h + 0.14, boxstyle="round,pad=0,rounding_size=0.08")
+                 for b in (lay.nodes[n] for n in sorted(sources))]
         ax.add_collection(PatchCollection(halos, facecolor=NONFINITE_COLOUR, alpha=0.35,
                                           edgecolor="none", zorder=3.5))
         styles = [style[n] for n in lay.nodes]
