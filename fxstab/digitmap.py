@@ -151,18 +151,20 @@ class StepDigits:
 
 @dataclass
 class LocalLoss:
-    """Where an operator loses digits: its digits against the best of its inputs.
+    """Where an operator loses digits: its digits against the least accurate of its inputs.
 
-    ``best_input`` is None for an operator without instrumented inputs, whose reference is then
-    the format's digit cap (``reference``).
+    ``worst_input`` is None for an operator without instrumented inputs, whose reference is
+    then the format's digit cap (``reference``). ``nonfinite_origin`` marks an operator whose
+    output holds NaN/inf while none of its instrumented inputs does (it ranks first).
     """
 
     name: str
     kind: str
     digits: float
     reference: float
-    best_input: Optional[str]
+    worst_input: Optional[str]
     local_loss: float
+    nonfinite_origin: bool = False
 
 
 # --------------------------------------------------------------------------- aggregation
@@ -240,6 +242,67 @@ def _unique(values: Iterable[Any], what: str) -> Any:
     if len(seen) > 1:
         raise ValueError(f"reports mix {what} values {seen}; build one digit map per {what}")
     return seen[0] if seen else None
+
+
+# --------------------------------------------------------------------------- hints
+# A local loss below this fraction of the cap is the cost of a rounding or two (a bf16 GEMM of
+# exact inputs keeps ~1.9 of 2.41 digits), not a finding.
+MIN_FINDING = 0.25
+# Underflow worth a finding: at least this fraction of an operator's elements.
+MIN_UNDERFLOW = 0.01
+LEGEND = ("legend: digits are the CESTAC estimate of the reliable significant digits of an "
+          "output, at most the cap ({cap:.2f}); normwise: the tensor as a whole; p10/p50: "
+          "quantiles of the elements' digits; zero%: computational zeros (samples disagree on "
+          "every digit); under: elements rounded below the smallest normal; surrogate: the "
+          "GEMM's inputs were perturbed (their samples were too close to expose it)")
+_OVERFLOW_KINDS = {"exp", "exp2", "expm1", "softmax", "log_softmax", "logsumexp", "pow", "sinh",
+                   "cosh", "mul", "matmul", "mm", "bmm", "linear", "sum", "cumsum", "square"}
+_INVALID_KINDS = {"div", "reciprocal", "rsqrt", "sqrt", "log", "log2", "log10", "log1p",
+                  "true_divide", "floor_divide", "atanh", "acos", "asin"}
+_NORM_KINDS = {"layer_norm", "batch_norm", "group_norm", "instance_norm", "rms_norm", "var",
+               "std", "var_mean", "rsqrt", "native_layer_norm", "native_batch_norm"}
+_CANCEL_KINDS = {"add", "sub", "rsub", "iadd", "isub", "addmm", "sum", "mean", "cumsum"}
+_GEMM_KINDS = {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "conv1d", "conv2d",
+               "conv3d", "convolution", "einsum", "scaled_dot_product_attention"}
+_UNDERFLOW_HINT = ("scale the values up (loss scaling for gradients), or use a format with a "
+                   "wider exponent (bf16) or fp32 there")
+
+
+def _kinds_of(op: "OperatorDigits") -> set:
+    """The operator's kind and, at the aten level, the kinds in its name (``blocks.0.attn/
+    softmax#0/aten.exp#0`` is an exp inside a softmax)."""
+    kinds = {op.kind}
+    for part in op.name.split("/")[1:]:
+        kinds.add(part.split("#")[0].removeprefix("aten."))
+    return kinds
+
+
+def hint(op: "OperatorDigits", nonfinite: bool = False) -> str:
+    """A one-line remedy for an operator that loses digits (or produces NaN/inf)."""
+    kinds = _kinds_of(op)
+    if nonfinite:
+        if kinds & _INVALID_KINDS:
+            return ("invalid operation or division by (almost) zero: guard the argument "
+                    "(an eps), reformulate, or compute it in fp32")
+        return ("overflow: subtract the max before exponentials (softmax, logsumexp), scale "
+                "the values down, or accumulate in fp32")
+    if kinds & _NORM_KINDS:
+        return ("near-constant normalization: compute the statistics in fp32, use a larger "
+                "eps, or centre the input first")
+    if kinds & {"exp", "softmax", "log_softmax", "logsumexp", "exp2", "expm1"}:
+        return "exponential of large values: subtract the max first and accumulate in fp32"
+    if kinds & {"div", "reciprocal", "true_divide"}:
+        return ("division by a value with few reliable digits: guard or reformulate the "
+                "denominator, or compute it in fp32")
+    if kinds & _GEMM_KINDS:
+        return ("ill-conditioned or cancelling product: accumulate in fp32, or check for "
+                "cancelling weights and near-tied scores")
+    if kinds & _CANCEL_KINDS:
+        return ("cancellation (nearly equal values subtracted): reformulate the expression "
+                "or raise its precision")
+    if op.underflow:
+        return "underflow: " + _UNDERFLOW_HINT
+    return "raise this operator's precision (fp32) and check whether the loss goes away"
 
 
 # --------------------------------------------------------------------------- the map
@@ -359,32 +422,39 @@ class DigitMap:
                 pass
         return _nanmax(op.max_digits for op in self.operators.values()) if self.operators else 0.0
 
-    def sorted_worst_first(self) -> list[OperatorDigits]:
-        """Operators by min digits, then avg digits, then name (NaN digits count as 0)."""
+    def sorted_worst_first(self, metric: Optional[str] = None) -> list[OperatorDigits]:
+        """Operators by ``metric`` digits (default :data:`DEFAULT_METRIC`), then min digits,
+        then name (NaN digits count as 0)."""
+        metric = _check_metric(metric)
+
         def key(op: OperatorDigits) -> tuple:
-            return (_as_digits(op.min_digits), _as_digits(op.avg_digits), op.name)
+            return (_as_digits(op.digits(metric)), _as_digits(op.min_digits), op.name)
         return sorted(self.operators.values(), key=key)
 
-    def worst(self, k: int = 10) -> list[OperatorDigits]:
-        """The ``k`` operators with the fewest reliable digits (worst first)."""
+    def worst(self, k: int = 10, metric: Optional[str] = None) -> list[OperatorDigits]:
+        """The ``k`` operators with the fewest reliable digits under ``metric`` (worst first)."""
         if k < 0:
             raise ValueError(f"k must be >= 0, got {k}")
-        return self.sorted_worst_first()[:k]
+        return self.sorted_worst_first(metric)[:k]
 
-    def table(self, top: Optional[int] = None) -> str:
-        """A readable text table of the operators, worst first (by min digits, then avg)."""
-        ops = self.sorted_worst_first() if top is None else self.worst(top)
+    def table(self, top: Optional[int] = None, metric: Optional[str] = None) -> str:
+        """A readable text table of the operators, worst first under ``metric`` (the column
+        marked ``*``), with a legend."""
+        metric = _check_metric(metric)
+        ops = self.sorted_worst_first(metric) if top is None else self.worst(top, metric)
         m = self.metadata
         head = (f"digit map: {len(self)} operators, format {m.get('format', '?')}, "
                 f"N={m.get('n_samples', '?')}, cap {self.cap:.2f} digits, "
-                f"{m.get('analysed_calls', '?')} analysed call(s)")
+                f"{m.get('analysed_calls', '?')} analysed call(s); sorted by {metric} digits")
         if not ops:
             return head + "\n(no operators)"
         width = max(8, *(len(op.name) for op in ops))
         kw = max(4, *(len(op.kind) for op in ops))
+        cols = [c for c in _METRICS]
         lines = [head,
-                 f"{'operator':<{width}}  {'kind':<{kw}}  {'calls':>5}  {'numel':>10}  "
-                 f"{'min':>5}  {'avg':>5}  {'max':>5}  {'zero%':>6}  {'nonfin':>6}  flags"]
+                 f"{'operator':<{width}}  {'kind':<{kw}}  {'calls':>5}  {'numel':>9}  "
+                 + "  ".join(f"{c + ('*' if c == metric else ''):>8}" for c in cols)
+                 + f"  {'zero%':>6}  {'nonfin':>6}  {'under':>6}  flags"]
         for op in ops:
             flags = []
             if op.surrogate:
@@ -393,12 +463,39 @@ class DigitMap:
                 flags.append(op.status)
             flags += [f"{k}={v}" for k, v in op.counters.items() if v]
             lines.append(
-                f"{op.name:<{width}}  {op.kind:<{kw}}  {op.calls:>5}  {op.numel:>10}  "
-                f"{op.min_digits:>5.2f}  {op.avg_digits:>5.2f}  {op.max_digits:>5.2f}  "
-                f"{100 * op.zero_fraction:>5.1f}%  {op.non_finite:>6}  {' '.join(flags)}".rstrip())
+                f"{op.name:<{width}}  {op.kind:<{kw}}  {op.calls:>5}  {op.numel:>9}  "
+                + "  ".join(f"{op.digits(c):>8.2f}" for c in cols)
+                + f"  {100 * op.zero_fraction:>5.1f}%  {op.non_finite:>6}  {op.underflow:>6}  "
+                f"{' '.join(flags)}".rstrip())
         if top is not None and top < len(self):
             lines.append(f"... {len(self) - top} more operator(s)")
+        lines.append(LEGEND.format(cap=self.cap))
         return "\n".join(lines)
+
+    def findings(self, top: int = 3, metric: Optional[str] = None) -> list[str]:
+        """What to look at first, one line each with a hint: where NaN/inf first appear, then
+        the largest local losses (:meth:`localize`) and underflow."""
+        metric = _check_metric(metric)
+        out = []
+        ranked = self.localize(metric)
+        for r in ranked:
+            if r.nonfinite_origin:
+                op = self.operators[r.name]
+                out.append(f"NaN/inf first appear at {r.name} ({op.non_finite} of {op.numel} "
+                           f"elements): {hint(op, nonfinite=True)}")
+        losses = [r for r in ranked
+                  if not r.nonfinite_origin and r.local_loss >= MIN_FINDING * self.cap]
+        for r in losses[:top]:
+            op = self.operators[r.name]
+            src = f"{r.worst_input}" if r.worst_input else "the format's cap"
+            out.append(f"digits are lost at {r.name}: {r.digits:.2f} {metric} digits against "
+                       f"{r.reference:.2f} of {src} (local loss {r.local_loss:.2f}): {hint(op)}")
+        for op in self.operators.values():
+            if op.numel and op.underflow >= MIN_UNDERFLOW * op.numel:
+                out.append(f"underflow at {op.name}: {op.underflow} of {op.numel} elements fell "
+                           f"below the format's smallest normal: {_UNDERFLOW_HINT}")
+                break
+        return out
 
     def __repr__(self) -> str:
         return (f"DigitMap({len(self)} operators, format={self.metadata.get('format')!r}, "
@@ -472,39 +569,46 @@ class DigitMap:
                     g.add_edge(i, op.name)
         return g
 
-    def localize(self, metric: str = "avg") -> list[LocalLoss]:
+    def localize(self, metric: Optional[str] = None) -> list[LocalLoss]:
         """Rank operators by where digits are lost, not merely where they are low.
 
-        An operator's local loss is the best digits among its instrumented inputs minus its
-        own digits: an operator that receives accurate inputs and returns few digits is where
-        the loss happens, while the operators downstream of it merely inherit low digits (their
-        local loss is small). An operator without instrumented inputs (it reads only model
-        inputs, parameters or unselected operators) is compared with the format's digit cap:
-        its local loss is ``cap - own digits``. A negative local loss means the operator
-        restores digits (e.g. a normalization after a cancellation).
+        An operator's local loss is the digits of its *least accurate* instrumented input minus
+        its own digits: how much it amplifies the error it receives. An operator that receives
+        accurate inputs and returns few digits is where the loss happens; the operators
+        downstream of it inherit low digits (their local loss is small), and so does a residual
+        join of a clean skip path and a damaged branch (against its damaged input it loses
+        nothing; against its best input it would look like the culprit). An operator without
+        instrumented inputs is compared with the format's digit cap. A negative local loss means
+        the operator restores digits (a normalization after a cancellation).
+
+        Operators where NaN/inf first appear (:meth:`nonfinite_sources`) rank above every
+        other, in graph order: everything downstream of them merely propagates the overflow.
 
         Args:
-            metric: "avg" (default) or "min" digits. The average is the default because the
-                minimum over a large tensor is dominated by individual near-zero elements, so
-                min-based losses are noisier.
+            metric: the per-operator digits compared (default :data:`DEFAULT_METRIC`).
 
         Returns:
-            One :class:`LocalLoss` per operator, largest local loss first (ties: fewer own
-            digits first, then name).
+            One :class:`LocalLoss` per operator, NaN/inf origins first, then largest local loss
+            first (ties: fewer own digits first, then name).
         """
-        _check_metric(metric)
+        metric = _check_metric(metric)
         cap = self.cap
+        origins = set(self.nonfinite_sources())
         out = []
         for op in self.operators.values():
             own = _as_digits(op.digits(metric))
             ins = [i for i in op.inputs if i in self.operators]
             if ins:
-                best = max(ins, key=lambda i: (_as_digits(self.operators[i].digits(metric)), i))
-                ref = _as_digits(self.operators[best].digits(metric))
+                worst = min(ins, key=lambda i: (_as_digits(self.operators[i].digits(metric)), i))
+                ref = _as_digits(self.operators[worst].digits(metric))
             else:
-                best, ref = None, cap
-            out.append(LocalLoss(op.name, op.kind, own, ref, best, ref - own))
-        return sorted(out, key=lambda x: (-x.local_loss, x.digits, x.name))
+                worst, ref = None, cap
+            out.append(LocalLoss(op.name, op.kind, own, ref, worst, ref - own,
+                                 op.name in origins))
+        order = {name: i for i, name in enumerate(self.operators)}
+        return sorted(out, key=lambda x: (not x.nonfinite_origin,
+                                          order[x.name] if x.nonfinite_origin else 0,
+                                          -x.local_loss, x.digits, x.name))
 
     def nonfinite_sources(self) -> list[str]:
         """Operators that produce NaN/inf although none of their instrumented inputs did.
@@ -518,20 +622,23 @@ class DigitMap:
                 out.append(op.name)
         return out
 
-    def localize_table(self, top: Optional[int] = None, metric: str = "avg") -> str:
+    def localize_table(self, top: Optional[int] = None, metric: Optional[str] = None) -> str:
         """The localization ranking as text (see :meth:`localize`)."""
+        metric = _check_metric(metric)
         ranked = self.localize(metric)
         if top is not None:
             ranked = ranked[:top]
         if not ranked:
             return "(no operators)"
         width = max(8, *(len(r.name) for r in ranked))
-        lines = [f"where digits are lost ({metric} digits; local loss = best input - own, "
-                 f"cap {self.cap:.2f} without instrumented inputs)",
-                 f"{'operator':<{width}}  {'loss':>6}  {'own':>5}  {'ref':>5}  best input"]
+        lines = [f"where digits are lost ({metric} digits; local loss = least accurate input "
+                 f"- own, cap {self.cap:.2f} without instrumented inputs; NaN/inf origins "
+                 f"first)",
+                 f"{'operator':<{width}}  {'loss':>6}  {'own':>5}  {'ref':>5}  worst input"]
         for r in ranked:
-            lines.append(f"{r.name:<{width}}  {r.local_loss:>6.2f}  {r.digits:>5.2f}  "
-                         f"{r.reference:>5.2f}  {r.best_input or '(cap)'}")
+            loss = "NaN/inf" if r.nonfinite_origin else f"{r.local_loss:.2f}"
+            lines.append(f"{r.name:<{width}}  {loss:>6}  {r.digits:>5.2f}  "
+                         f"{r.reference:>5.2f}  {r.worst_input or '(cap)'}")
         return "\n".join(lines)
 
     # ----------------------------------------------------------------- JSON
@@ -596,6 +703,7 @@ class DigitMap:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
+            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 is for secrets, not results
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)
                 f.write("\n")
@@ -625,6 +733,13 @@ class DigitMap:
         except OSError as e:
             raise DigitMapError(f"cannot read ({e.strerror or e})", src) from None
         return cls.from_json(data, source=src)
+
+
+def _umask() -> int:
+    """The process's file-creation mask (reading it means setting it: set it back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _as_digits(v: float) -> float:
@@ -704,7 +819,7 @@ _META_TYPES = {
     "fxstab_version": "a string", "torch_version": "a string", "format": "a string",
     "n_samples": "an integer", "seed": "an integer", "granularity": "a string",
     "confidence": "a number", "rounding": "a string", "target": "a string",
-    "analysed_calls": "a non-negative integer", "git_commit": "a string",
+    "analysed_calls": "a non-negative integer", "git_commit": "a string", "modules": "a list",
 }
 _META_REQUIRED = ("fxstab_version", "torch_version")
 
@@ -834,13 +949,18 @@ class OpPresence:
 
 @dataclass
 class DiffResult:
-    """Outcome of :func:`diff`: drops, gains, added and removed operators.
+    """Outcome of :func:`diff`.
 
     ``drops`` lost more than ``max_drop`` digits (largest loss first), ``gains`` gained more than
     ``max_drop`` (largest gain first), ``unchanged`` counts the operators within ``max_drop``
-    either way. ``failed`` is True when there is any drop; added and removed operators are listed
-    but do not fail the diff. ``origins`` ranks the dropped operators by their local loss in the
-    head map (:meth:`DigitMap.localize`): the first is where the lost digits start.
+    either way. ``module_drops`` compares the modules whose operators were renamed (a rewrite
+    inside a module): a module's digits are those of its worst operator. ``new_origins`` are
+    operators where NaN/inf first appear in head but not in base; ``vanished`` are base
+    operators of a module that is still in the model (head's ``metadata["modules"]``) but has
+    no analysed operator any more. ``failed`` is True when any of drops, module drops, new
+    NaN/inf origins or vanished operators is non-empty; added and removed operators are listed
+    but do not fail. ``origins`` ranks the dropped operators by their local loss in the head map
+    (:meth:`DigitMap.localize`): the first is where the lost digits start.
     """
 
     metric: str
@@ -854,25 +974,41 @@ class DiffResult:
     base_label: str = "base"
     head_label: str = "head"
     origins: list[LocalLoss] = field(default_factory=list)
+    new_origins: list[str] = field(default_factory=list)
+    module_drops: list[OpChange] = field(default_factory=list)
+    vanished: list[OpPresence] = field(default_factory=list)
 
     @property
     def failed(self) -> bool:
-        return bool(self.drops)
+        return bool(self.drops or self.module_drops or self.new_origins or self.vanished)
 
     @property
     def exit_code(self) -> int:
-        """0 when no operator lost more than ``max_drop`` digits, 1 otherwise."""
+        """0 when the gate passes, 1 when it fails."""
         return 1 if self.failed else 0
 
     def summary(self) -> str:
-        if self.failed:
-            return (f"FAIL: {len(self.drops)} operator(s) lost more than {self.max_drop:g} "
-                    f"{self.metric} digits")
-        return f"OK: no operator lost more than {self.max_drop:g} {self.metric} digits"
+        if not self.failed:
+            return f"OK: no operator lost more than {self.max_drop:g} {self.metric} digits"
+        why = []
+        if self.new_origins:
+            why.append(f"{len(self.new_origins)} new NaN/inf origin(s)")
+        if self.drops:
+            why.append(f"{len(self.drops)} operator(s) lost more than {self.max_drop:g} "
+                       f"{self.metric} digits")
+        if self.module_drops:
+            why.append(f"{len(self.module_drops)} module(s) lost more than {self.max_drop:g} "
+                       f"{self.metric} digits")
+        if self.vanished:
+            why.append(f"{len(self.vanished)} operator(s) no longer analysed")
+        return "FAIL: " + "; ".join(why)
 
     def to_text(self) -> str:
         lines = [f"fxstab diff {self.base_label} -> {self.head_label}: {self.summary()}"]
         lines += [f"note: {n}" for n in self.notes]
+        if self.new_origins:
+            lines.append(f"NaN/inf now first appear at ({len(self.new_origins)}):")
+            lines.extend(f"  {n}" for n in self.new_origins)
 
         def changes(title: str, rows: list[OpChange]) -> None:
             if rows:
@@ -892,7 +1028,9 @@ class DiffResult:
             o = self.origins[0]
             lines.append(f"digits are lost first at {o.name} (local loss {o.local_loss:.2f}: "
                          f"{o.digits:.2f} against {o.reference:.2f} "
-                         f"{'of ' + o.best_input if o.best_input else '(cap)'})")
+                         f"{'of ' + o.worst_input if o.worst_input else '(cap)'})")
+        changes("module drops (operators renamed inside)", self.module_drops)
+        presence("no longer analysed (their module is still there)", self.vanished)
         changes("gains", self.gains)
         presence("added", self.added)
         presence("removed", self.removed)
@@ -901,15 +1039,18 @@ class DiffResult:
         return "\n".join(lines)
 
     def to_markdown(self) -> str:
-        """A pull-request comment: verdict, drops table, other sections folded."""
+        """A pull-request comment: verdict, NaN/inf origins, drops table, the rest folded."""
         icon = ":x:" if self.failed else ":white_check_mark:"
         lines = ["<!-- fxstab-digit-map-diff -->",
-                 f"### fxstab digit map {icon} {self.summary()}", "",
+                 f"### fxstab digit map {icon} {_md_text(self.summary())}", "",
                  f"Metric: **{self.metric} digits** per operator, threshold {self.max_drop:g}; "
                  f"{_md(self.base_label)} → {_md(self.head_label)}."]
         for n in self.notes:
             lines.append(f"> **Note:** {_md_text(n)}")
         lines.append("")
+        if self.new_origins:
+            lines += [f"**NaN/inf now first appear at** "
+                      + ", ".join(_md(n) for n in self.new_origins), ""]
 
         def change_table(rows: list[OpChange]) -> list[str]:
             out = ["| operator | kind | base | head | change |", "|---|---|--:|--:|--:|"]
@@ -922,14 +1063,15 @@ class DiffResult:
             out += [f"| {_md(r.name)} | {_md_text(r.kind)} | {r.digits:.2f} |" for r in rows]
             return out
 
-        if self.drops:
-            lines.append(f"**Lost digits ({len(self.drops)})**")
-            lines.append("")
-            lines += change_table(self.drops)
-            lines.append("")
+        for title, rows, fn in (("Lost digits", self.drops, change_table),
+                                ("Modules that lost digits", self.module_drops, change_table),
+                                ("No longer analysed", self.vanished, presence_table)):
+            if rows:
+                lines += [f"**{title} ({len(rows)})**", ""] + fn(rows) + [""]
         if self.origins:
             o = self.origins[0]
-            ref = f"its best input {_md(o.best_input)}" if o.best_input else "the format's cap"
+            ref = f"its least accurate input {_md(o.worst_input)}" if o.worst_input \
+                else "the format's cap"
             lines += [f"Digits are lost first at {_md(o.name)}: {o.digits:.2f} digits against "
                       f"{o.reference:.2f} of {ref} (local loss {o.local_loss:.2f}).", ""]
         for title, rows, fn in (("Gained digits", self.gains, change_table),
@@ -952,11 +1094,15 @@ class DiffResult:
 
         return {"metric": self.metric, "max_drop": self.max_drop, "failed": self.failed,
                 "base": self.base_label, "head": self.head_label,
-                "drops": [ch(r) for r in self.drops], "gains": [ch(r) for r in self.gains],
+                "new_nonfinite_origins": list(self.new_origins),
+                "drops": [ch(r) for r in self.drops],
+                "module_drops": [ch(r) for r in self.module_drops],
+                "vanished": [pr(r) for r in self.vanished],
+                "gains": [ch(r) for r in self.gains],
                 "added": [pr(r) for r in self.added], "removed": [pr(r) for r in self.removed],
                 "unchanged": self.unchanged, "notes": list(self.notes),
                 "origins": [{"name": o.name, "local_loss": o.local_loss, "digits": o.digits,
-                             "reference": o.reference, "best_input": o.best_input}
+                             "reference": o.reference, "worst_input": o.worst_input}
                             for o in self.origins]}
 
     def to_json(self, indent: Optional[int] = 1) -> str:
@@ -976,27 +1122,40 @@ _COMPARED_SETTINGS = ("format", "n_samples", "granularity", "confidence", "round
                       "target")
 
 
-def diff(base: DigitMap, head: DigitMap, max_drop: float = 0.5, metric: str = "min",
+def diff(base: DigitMap, head: DigitMap, max_drop: float = 0.5, metric: Optional[str] = None,
          base_label: Optional[str] = None, head_label: Optional[str] = None) -> DiffResult:
-    """Match operators by name and compare their digits.
+    """The CI gate: match operators by name (and modules by path) and compare their digits.
 
     Args:
         base: the reference map (e.g. the main branch).
         head: the map under test (e.g. the pull request).
         max_drop: tolerance in digits: a drop larger than this fails; changes within it either
             way count as unchanged.
-        metric: "min" (default) or "avg" digits per operator. NaN digits count as 0.
+        metric: per-operator digits compared (default :data:`DEFAULT_METRIC`). NaN digits
+            count as 0.
         base_label, head_label: names in the rendering (default: the maps' git commits).
 
     Returns:
-        A :class:`DiffResult`; ``notes`` lists analysis settings that differ between the maps
-        (a diff across formats or sample counts compares different things); ``origins`` ranks
-        the dropped operators by local loss in ``head`` (same metric).
+        A :class:`DiffResult` (see it for what fails); ``notes`` lists analysis settings that
+        differ between the maps (a diff across formats or sample counts compares different
+        things); ``origins`` ranks the dropped operators by local loss in ``head``.
+
+    Raises:
+        DigitMapError: a map has no analysed operator (nothing to compare is no pass), or holds
+            no value of ``metric`` (a schema 1 map has no normwise digits or quantiles).
     """
-    _check_metric(metric)
+    metric = _check_metric(metric)
     if isinstance(max_drop, bool) or not isinstance(max_drop, (int, float)) \
             or not math.isfinite(max_drop) or max_drop < 0:
         raise ValueError(f"max_drop must be a finite number >= 0, got {max_drop!r}")
+    for dm, what in ((base, "base"), (head, "head")):
+        src = str(dm.metadata.get("target") or what)
+        if not dm.operators:
+            raise DigitMapError(f"the {what} map has no analysed operator: nothing was "
+                                f"compared (was the model analysed? see `fxstab record`)", src)
+        if all(math.isnan(op.digits(metric)) for op in dm.operators.values()):
+            raise DigitMapError(f"the {what} map has no {metric} digits (a schema version 1 "
+                                f"map): record it again, or compare with --metric avg", src)
     drops, gains, unchanged = [], [], 0
     for name, b in base.operators.items():
         if name not in head.operators:
@@ -1015,6 +1174,35 @@ def diff(base: DigitMap, head: DigitMap, max_drop: float = 0.5, metric: str = "m
              for n, o in head.operators.items() if n not in base.operators]
     removed = [OpPresence(n, o.kind, _as_digits(o.digits(metric)))
                for n, o in base.operators.items() if n not in head.operators]
+
+    # modules whose operators were renamed: compare their worst operators
+    def by_module(dm: DigitMap) -> dict[str, list[OperatorDigits]]:
+        out: dict[str, list[OperatorDigits]] = {}
+        for op in dm.operators.values():
+            out.setdefault(op.module_path, []).append(op)
+        return out
+
+    bm, hm = by_module(base), by_module(head)
+    module_drops = []
+    for path, bops in bm.items():
+        hops = hm.get(path)
+        if not hops or {o.name for o in bops} == {o.name for o in hops}:
+            continue
+        bd = min(_as_digits(o.digits(metric)) for o in bops)
+        hd = min(_as_digits(o.digits(metric)) for o in hops)
+        if bd - hd > max_drop:
+            module_drops.append(OpChange(path or "(top level)", "module", bd, hd))
+    module_drops.sort(key=lambda c: (c.delta, c.name))
+    still = head.metadata.get("modules")
+    still = set(still) if isinstance(still, list) else set()
+    vanished = [r for r in removed
+                if base.operators[r.name].module_path not in hm
+                and base.operators[r.name].module_path in still]
+    gone = {r.name for r in vanished}
+    removed = [r for r in removed if r.name not in gone]
+    base_origins = set(base.nonfinite_sources())
+    new_origins = [n for n in head.nonfinite_sources() if n not in base_origins]
+
     notes = []
     for key in _COMPARED_SETTINGS:
         bv, hv = base.metadata.get(key), head.metadata.get(key)
@@ -1029,4 +1217,4 @@ def diff(base: DigitMap, head: DigitMap, max_drop: float = 0.5, metric: str = "m
     origins = [x for x in head.localize(metric) if x.name in dropped]
     return DiffResult(metric, float(max_drop), drops, gains, added, removed, unchanged, notes,
                       base_label or label(base, "base"), head_label or label(head, "head"),
-                      origins)
+                      origins, new_origins, module_drops, vanished)
