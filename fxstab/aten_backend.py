@@ -81,6 +81,7 @@ class AtenGraphAnalysis(GraphAnalysis):
                 continue
             kind = node_kind(node)
             path = module_path(node)
+            self.owner.modules.add(path)
             src = source_location(node)
             key = (path, kind, src)
             rep = repeats.get(key, 0)

@@ -223,6 +223,7 @@ class GraphAnalysis:
                 ins |= frontier.get(m, frozenset())
             if node.op in ("call_function", "call_method", "call_module"):
                 path = module_path(node)
+                self.owner.modules.add(path)
                 qn = qualified_name(path, kind)
                 if kind not in RANDOM_KINDS and kind not in _METADATA_KINDS and pred(node, kind, qn):
                     src = source_location(node)
@@ -760,6 +761,7 @@ class FxstabBackend:
         self.reports: list[OpReport] = []
         self.graphs: list[GraphAnalysis] = []
         self.names = NameRegistry()
+        self.modules: set[str] = set()  # module paths of the captured graphs' operators
         self.enabled = True
         self._phase = "default"
         self._step: Optional[int] = None
@@ -789,7 +791,8 @@ class FxstabBackend:
         return [g.info for g in self.graphs]
 
     def clear(self) -> None:
-        """Forget the reports (compiled graphs and names stay)."""
+        """Forget the reports (compiled graphs and names stay); a digit map made after this
+        counts only the calls analysed since (its ``analysed_calls`` comes from the reports)."""
         self.reports.clear()
 
     @contextlib.contextmanager
@@ -822,7 +825,7 @@ class FxstabBackend:
             "format": c.format.name, "n_samples": c.n_samples, "seed": c.seed,
             "granularity": c.granularity, "confidence": c.confidence,
             "rounding": c.rounding.value, "output": c.output, "every": c.every,
-            "analysed_calls": max((g.info.analysed_calls for g in self.graphs), default=0),
+            "modules": sorted(self.modules),
         }
 
     def digit_map(self, target: str = ""):
@@ -907,19 +910,21 @@ def _check_triton_usable() -> None:
                          "kernels='torch' / 'auto'")
 
 
-_DEFAULT: Optional[FxstabBackend] = None
+_DEFAULTS: dict = {}
 
 
-def default_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-    """``torch.compile(model, backend="fxstab")``: a shared backend with default options.
+def default_backend(gm: torch.fx.GraphModule, example_inputs: list, **options: Any) -> Callable:
+    """``torch.compile(model, backend="fxstab", options={...})``: a shared backend per set of
+    options (the options of :func:`backend`; none: the defaults).
 
-    Its reports are at ``fxstab.get_default_backend().reports``.
+    Its reports are at ``fxstab.get_default_backend(**options).reports``.
     """
-    return get_default_backend()(gm, example_inputs)
+    return get_default_backend(**options)(gm, example_inputs)
 
 
-def get_default_backend() -> FxstabBackend:
-    global _DEFAULT
-    if _DEFAULT is None:
-        _DEFAULT = backend()
-    return _DEFAULT
+def get_default_backend(**options: Any) -> FxstabBackend:
+    """The shared backend of ``torch.compile(..., backend="fxstab", options=options)``."""
+    key = repr(sorted(options.items()))
+    if key not in _DEFAULTS:
+        _DEFAULTS[key] = backend(**options)
+    return _DEFAULTS[key]

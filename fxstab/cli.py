@@ -1,7 +1,9 @@
 """The ``fxstab`` command line: demo, formats, record, diff, show.
 
-Exit codes: 0 success; 1 ``diff`` found an operator that lost more than ``--max-drop`` digits;
-2 unusable input (missing or corrupt digit map, schema mismatch, bad target, bad arguments).
+Exit codes: 0 success; 1 ``diff``'s gate failed (an operator or module lost more than
+``--max-drop`` digits, a new NaN/inf origin, an operator no longer analysed); 2 unusable input
+(missing or corrupt digit map, schema mismatch, a map with no analysed operator, bad target,
+bad arguments, a target whose model fails).
 """
 
 from __future__ import annotations
@@ -36,7 +38,22 @@ def _cmd_formats(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(seed=args.seed)
+    return run_demo(seed=args.seed, format=_format_arg(args.format), output=args.output)
+
+
+def _format_arg(text: str) -> Any:
+    """A --format value: a format name, or ``E,M`` (exponent and significand bits)."""
+    from .formats import get_format
+
+    parts = text.replace(" ", "").split(",")
+    fmt: Any = text
+    if len(parts) == 2 and all(p.isdigit() for p in parts):
+        fmt = (int(parts[0]), int(parts[1]))
+    try:
+        get_format(fmt)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    return fmt
 
 
 # --------------------------------------------------------------------------- record
@@ -107,8 +124,9 @@ def _cmd_record(args: argparse.Namespace) -> int:
         raise CLIError("this fxstab build has no operator-level backend (fxstab.backend)")
     torch.manual_seed(args.seed)  # the target's parameters and inputs are part of the result
     model, inputs = load_target(args.target)
+    fmt = _format_arg(args.format)
     try:
-        be = fxstab.backend(granularity=args.granularity, format=args.format,
+        be = fxstab.backend(granularity=args.granularity, format=fmt,
                             n_samples=args.n_samples, seed=args.seed, rounding=args.rounding,
                             confidence=args.confidence)
     except ValueError as e:
@@ -119,7 +137,8 @@ def _cmd_record(args: argparse.Namespace) -> int:
         for step in range(args.calls):
             with be.phase(args.phase, step=step):
                 compiled(*inputs)
-    meta = {"target": args.target, "format": args.format, "n_samples": args.n_samples,
+    meta = {"target": args.target, "format": fxstab.get_format(fmt).name,
+            "n_samples": args.n_samples,
             "seed": args.seed, "granularity": args.granularity,
             "confidence": args.confidence, "rounding": args.rounding}
     if hasattr(be, "digit_map"):
@@ -127,10 +146,33 @@ def _cmd_record(args: argparse.Namespace) -> int:
         dm.metadata.update(meta)
     else:  # pragma: no cover - the backend offers digit_map(); reports are the fallback
         dm = DigitMap.from_reports(be.reports, metadata=meta)
+    if not len(dm):
+        raise CLIError(f"no operator of {args.target} was analysed (nothing compiled to a graph, "
+                       f"or none of its operators is floating or selected): no digit map "
+                       f"written to {args.output}")
     dm.save(args.output)
+    n_float = _floating_operators(be)
+    if n_float and len(dm) < 0.25 * n_float:
+        print(f"fxstab record: warning: only {len(dm)} of the model's {n_float} floating "
+              f"operators were analysed; the others are not in the map", file=sys.stderr)
+    for line in dm.findings():
+        print(f"- {line}")
     print(dm.table(top=args.top))
     print(f"saved {len(dm)} operators to {args.output}")
     return EXIT_OK
+
+
+def _floating_operators(be: Any) -> int:
+    """Operators with a floating output in the graphs the backend compiled."""
+    import torch
+
+    n = 0
+    for g in getattr(be, "graphs", ()):
+        for node in g.gm.graph.nodes:
+            v = node.meta.get("example_value") if node.op.startswith("call") else None
+            if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()):
+                n += 1
+    return n
 
 
 # --------------------------------------------------------------------------- diff / show
@@ -144,12 +186,15 @@ def _load(path: str):
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
-    from .digitmap import diff
+    from .digitmap import DigitMapError, diff
 
     if args.max_drop < 0:
         raise CLIError(f"--max-drop must be >= 0, got {args.max_drop}")
     base, head = _load(args.base), _load(args.head)
-    result = diff(base, head, max_drop=args.max_drop, metric=args.metric)
+    try:
+        result = diff(base, head, max_drop=args.max_drop, metric=args.metric)
+    except DigitMapError as e:
+        raise CLIError(str(e)) from None
     render = {"text": result.to_text, "markdown": result.to_markdown, "json": result.to_json}
     for fmt in render:  # extra renderings to files: one process (one torch import) in CI
         dest = getattr(args, f"{fmt}_out")
@@ -178,14 +223,21 @@ def _cmd_show(args: argparse.Namespace) -> int:
     meta = dm.metadata
     extras = ", ".join(f"{k}={meta[k]}" for k in ("target", "seed", "granularity", "rounding",
                                                   "git_commit") if meta.get(k) is not None)
-    print(dm.table(top=args.top))
+    findings = dm.findings(metric=args.metric)
+    print("findings:" if findings else "findings: none (no NaN/inf origin, no operator losing "
+          "a quarter of the cap or more)")
+    for line in findings:
+        print(f"  - {line}")
+    print()
+    print(dm.table(top=args.top, metric=args.metric))
     if extras:
         print(f"({extras})")
     print()
     print(dm.localize_table(top=args.top, metric=args.metric))
-    for flag, fn, kw in (("plot", plots.plot_digits, {"top": args.top}),
-                         ("graph", plots.plot_graph, {}),
-                         ("series", plots.plot_series, {"top": min(args.top, 8)})):
+    for flag, fn, kw in (("plot", plots.plot_digits, {"top": args.top, "metric": args.metric}),
+                         ("graph", plots.plot_graph, {"metric": args.metric}),
+                         ("series", plots.plot_series, {"top": min(args.top, 8),
+                                                        "metric": args.metric})):
         out = getattr(args, flag)
         if out:
             try:
@@ -226,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="analyse a built-in model and print its digit map")
     p.add_argument("--seed", type=int, default=0, help="seed of the random rounding (default 0)")
+    p.add_argument("--format", default="fp16",
+                   help="simulated format: a name or E,M bit counts (default fp16)")
+    p.add_argument("-o", "--output", metavar="FILE", help="also save the digit map (JSON)")
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("formats", help="print the table of named formats")
@@ -240,7 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--granularity", default="op", choices=("op", "aten"),
                    help="operator level or aten arithmetic level (default op)")
     p.add_argument("--format", default="bf16",
-                   help="simulated format: bf16, fp16, fp8_e4m3, tf32, ... (default bf16)")
+                   help="simulated format: bf16, fp16, fp8_e4m3, tf32, ..., or E,M bit counts "
+                        "such as 5,2 (default bf16)")
     p.add_argument("--n-samples", type=int, default=3, help="stochastic samples N (default 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of rounding and model (default 0)")
     p.add_argument("--confidence", type=float, default=0.95,
@@ -251,19 +307,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="number of analysed calls, recorded as steps 0..calls-1 (default 1)")
     p.add_argument("--phase", default="eval", help="phase label of the calls (default eval)")
     p.add_argument("--top", type=int, default=10, help="operators printed (default 10)")
+    p.add_argument("--verbose", action="store_true",
+                   help="print the whole traceback when the target's model fails")
     p.set_defaults(func=_cmd_record)
 
     p = sub.add_parser(
         "diff", help="compare two digit maps; exit 1 when an operator lost digits",
-        description="Match operators by name and report drops, gains, added and removed "
-                    "operators. Exit 0: no operator lost more than --max-drop digits; 1: some "
-                    "did; 2: unusable input (missing or corrupt file, schema mismatch).")
+        description="Match operators by name (and modules by path) and report drops, gains, "
+                    "added and removed operators. Exit 0: the gate passes; 1: an operator or a "
+                    "module lost more than --max-drop digits, NaN/inf appear at a new origin, or "
+                    "an operator is no longer analysed while its module is still there; 2: "
+                    "unusable input (missing or corrupt file, schema mismatch, a map with no "
+                    "analysed operator).")
     p.add_argument("base", metavar="BASE", help="reference digit map (e.g. main)")
     p.add_argument("head", metavar="HEAD", help="digit map under test (e.g. the branch)")
     p.add_argument("--max-drop", type=float, default=0.5,
                    help="digits an operator may lose before the diff fails (default 0.5)")
-    p.add_argument("--metric", choices=("min", "avg"), default="min",
-                   help="compare min or avg digits per operator (default min)")
+    p.add_argument("--metric", choices=_metrics(), default=None,
+                   help=f"per-operator digits compared (default {_default_metric()})")
     p.add_argument("--format", choices=("text", "markdown", "json"), default="text",
                    help="output format (markdown suits a pull-request comment)")
     for fmt in ("text", "markdown", "json"):
@@ -273,13 +334,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "show", help="print the worst operators and where digits are lost; draw pictures",
-        description="Print the worst operators (by min then avg digits) and the localization "
-                    "ranking (local loss = best input digits - own digits); optionally draw "
-                    "a bar chart, the operator graph and digits over steps.")
+        description="Print the findings (where NaN/inf first appear, where digits are lost, with "
+                    "a hint each), the worst operators and the localization ranking (local loss "
+                    "= least accurate input's digits - own digits); optionally draw a bar chart, "
+                    "the operator graph and digits over steps.")
     p.add_argument("digits", metavar="DIGITS", help="digit map (JSON)")
     p.add_argument("--top", type=int, default=15, help="operators listed (default 15)")
-    p.add_argument("--metric", choices=("min", "avg"), default="avg",
-                   help="digits used for the localization ranking (default avg)")
+    p.add_argument("--metric", choices=_metrics(), default=None,
+                   help=f"digits the tables, ranking and pictures use (default "
+                        f"{_default_metric()})")
     p.add_argument("--plot", metavar="OUT", help="bar chart of digits per operator (.png/.svg)")
     p.add_argument("--graph", metavar="OUT", help="operator graph coloured by digits (.svg/.png)")
     p.add_argument("--series", metavar="OUT", help="digits over steps, worst operators (.png)")
@@ -287,6 +350,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write TensorBoard scalars (needs the tensorboard package)")
     p.set_defaults(func=_cmd_show)
     return parser
+
+
+def _metrics() -> tuple:
+    from .digitmap import _METRICS
+
+    return _METRICS
+
+
+def _default_metric() -> str:
+    from .digitmap import DEFAULT_METRIC
+
+    return DEFAULT_METRIC
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """The innermost exception of a chain (dynamo wraps the model's own error)."""
+    seen = set()
+    while id(exc) not in seen:
+        seen.add(id(exc))
+        nxt = exc.__cause__ or exc.__context__  # dynamo re-raises the model's error
+        if nxt is None:
+            break
+        exc = nxt
+    return exc
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -297,12 +384,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except CLIError as e:
         print(f"fxstab {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:
+        # the reader (`| head`) went away: no traceback; stdout is closed quietly
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except OSError:
+            pass
+        return EXIT_OK
     except Exception as e:
         if args.command != "record":
             raise
-        # the target's own code failed: its traceback is what the user needs
-        traceback.print_exc()
-        print(f"fxstab record: error: {type(e).__name__}: {e}", file=sys.stderr)
+        # the target's own code failed: the cause in one line, the trace with --verbose
+        if getattr(args, "verbose", False):
+            traceback.print_exc()
+        cause = _root_cause(e)
+        first = (str(cause).strip().splitlines() or [""])[0]
+        where = ""
+        tb = traceback.extract_tb(cause.__traceback__) if cause.__traceback__ else []
+        user = [f for f in tb if "site-packages" not in f.filename and "/torch/" not in f.filename
+                and "/fxstab/" not in f.filename]
+        if user:
+            where = f" (at {user[-1].filename}:{user[-1].lineno})"
+        print(f"fxstab record: error: the model failed: {type(cause).__name__}: {first}{where}"
+              + ("" if getattr(args, "verbose", False) else "; --verbose prints the traceback"),
+              file=sys.stderr)
         return EXIT_USAGE
 
 

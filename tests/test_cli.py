@@ -18,7 +18,7 @@ import torch
 
 import fxstab
 from fxstab.cli import main
-from fxstab.digitmap import DigitMap
+from fxstab.digitmap import DEFAULT_METRIC, DigitMap
 from fxstab.opsets import node_kind
 from fxstab.report import OpReport
 
@@ -65,7 +65,7 @@ def test_diff_exit_codes_and_output(tmp_path, capsys):
 
     assert main(["diff", str(base), str(head), "--max-drop", "0.5"]) == 1
     out = capsys.readouterr().out
-    assert "FAIL: 1 operator(s) lost more than 0.5 min digits" in out
+    assert f"FAIL: 1 operator(s) lost more than 0.5 {DEFAULT_METRIC} digits" in out
     assert "norm/layer_norm#0" in out and "(-1.90)" in out
     assert "added (1):" in out and "new/relu#0" in out
     assert "removed (1):" in out and "old/gelu#0" in out
@@ -165,7 +165,9 @@ def test_show_prints_worst_and_localization_and_draws(tmp_path, capsys):
                  str(outs["graph"]), "--series", str(outs["series"])]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
-    assert lines[2].split()[0] == "head/softmax#0"  # worst by digits ...
+    assert lines[0] == "findings:" and "cancel/linear#0" in lines[1]  # the findings first
+    t = next(k for k, ln in enumerate(lines) if ln.startswith("digit map:"))
+    assert lines[t + 2].split()[0] == "head/softmax#0"  # worst by digits ...
     i = next(k for k, ln in enumerate(lines) if ln.startswith("where digits are lost"))
     assert lines[i + 2].split()[0] == "cancel/linear#0"  # ... but lost at the cancellation
     for p in outs.values():
@@ -175,8 +177,8 @@ def test_show_prints_worst_and_localization_and_draws(tmp_path, capsys):
 
 def test_show_errors(tmp_path, capsys):
     path = write_map(tmp_path / "d.json", {"a/linear#0": 2.0})
-    assert main(["show", str(path), "--series", str(tmp_path / "s.png")]) == 2
-    assert "no per-step entries" in capsys.readouterr().err
+    assert main(["show", str(path), "--plot", str(tmp_path / "s.jpg")]) == 2
+    assert ".png" in capsys.readouterr().err
     assert main(["show", str(tmp_path / "none.json")]) == 2
     assert "no such file" in capsys.readouterr().err
 
@@ -290,7 +292,7 @@ def test_record_with_stand_in_backend(tmp_path, monkeypatch, capsys, stand_in_ba
     assert dm.step_keys() == [("train", 0), ("train", 1)]
     assert len(dm) > 5 and all(op.calls == 2 for op in dm.operators.values())
     out = capsys.readouterr().out
-    assert out.startswith("digit map:") and f"saved {len(dm)} operators to out/d.json" in out
+    assert "\ndigit map:" in out and f"saved {len(dm)} operators to out/d.json" in out
     first = (tmp_path / "out" / "d.json").read_bytes()
     assert main(args) == 0  # the same seed gives the same file
     assert (tmp_path / "out" / "d.json").read_bytes() == first
@@ -471,3 +473,169 @@ def test_show_tensorboard_writes_or_skips_cleanly(tmp_path, capsys):
     else:
         assert f"wrote 6 TensorBoard scalars to {logdir}" in cap.out
         assert any(p.name.startswith("events.out.tfevents") for p in logdir.iterdir())
+
+
+# --------------------------------------------------------------------------- the gate
+_ATTN_TARGET = '''
+import math
+import torch
+import torch.nn as nn
+
+NAIVE = {naive}
+
+
+class Attn(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        a = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        if NAIVE:  # the regression: no max subtraction, a sharper temperature
+            e = torch.exp(8 * a)
+            p = e / e.sum(-1, keepdim=True)
+        else:
+            p = torch.softmax(a, -1)
+        return self.out(p @ v)
+
+
+class Model(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.embed = nn.Linear(16, d)
+        self.attn = Attn(d)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, 8)
+
+    def forward(self, x):
+        h = self.embed(x)
+        h = h + self.attn(h)
+        return self.head(self.norm(h))
+
+
+def build():
+    torch.manual_seed(0)
+    return Model(), (torch.randn(2, 24, 16) * 3,)
+'''
+
+
+def _record(tmp_path, name: str, naive: bool, *extra: str) -> str:
+    target = tmp_path / f"{name}.py"
+    target.write_text(_ATTN_TARGET.format(naive=naive))
+    out = str(tmp_path / f"{name}.json")
+    assert main(["record", f"{target}:build", "-o", out, *extra]) == 0
+    torch._dynamo.reset()
+    return out
+
+
+def test_gate_fails_the_naive_softmax_regression_and_passes_an_unchanged_model(tmp_path,
+                                                                               capsys):
+    base = _record(tmp_path, "base", False)
+    again = _record(tmp_path, "again", False)
+    head = _record(tmp_path, "head", True)
+    capsys.readouterr()
+    assert main(["diff", base, again]) == 0  # unchanged model: same map, passes
+    assert main(["diff", base, head]) == 1  # the default metric and threshold catch it
+    out = capsys.readouterr().out
+    # softmax became exp/sum/div: the module comparison catches the rewrite inside "attn"
+    assert "FAIL" in out and "module drops" in out and "attn  module" in out
+
+
+def test_gate_on_empty_maps_nonfinite_origins_and_vanished_operators(tmp_path, capsys):
+    empty = tmp_path / "empty.json"
+    DigitMap(metadata={"fxstab_version": "x", "torch_version": "y"}).save(empty)
+    full = write_map(tmp_path / "full.json", BASE)
+    for a, b in ((empty, full), (full, empty), (empty, empty)):
+        assert main(["diff", str(a), str(b)]) == 2
+        assert "no analysed operator" in capsys.readouterr().err
+    # a new operator where NaN/inf first appear fails the gate, even with no digit drop
+    ok = {"a/linear#0": 2.0, "b/exp#0": 2.0}
+    base = DigitMap.from_reports([rep(n, d, d, 2.4) for n, d in ok.items()],
+                                 metadata={"seed": 0})
+    head = DigitMap.from_reports([rep("a/linear#0", 2.0, 2.0, 2.4),
+                                  rep("b/exp#0", 2.0, 2.0, 2.4, non_finite=3,
+                                      inputs=["a/linear#0"])], metadata={"seed": 0})
+    base.save(tmp_path / "b.json")
+    head.save(tmp_path / "h.json")
+    assert main(["diff", str(tmp_path / "b.json"), str(tmp_path / "h.json")]) == 1
+    out = capsys.readouterr().out
+    assert "new NaN/inf origin" in out and "b/exp#0" in out
+    # an operator no longer analysed while its module is still in the model fails
+    head = DigitMap.from_reports([rep("a/linear#0", 2.0, 2.0, 2.4)],
+                                 metadata={"seed": 0, "modules": ["a", "b"]})
+    head.save(tmp_path / "h2.json")
+    assert main(["diff", str(tmp_path / "b.json"), str(tmp_path / "h2.json")]) == 1
+    assert "no longer analysed" in capsys.readouterr().out
+    head.metadata["modules"] = ["a"]  # the module itself is gone: listed, not failed
+    head.save(tmp_path / "h3.json")
+    assert main(["diff", str(tmp_path / "b.json"), str(tmp_path / "h3.json")]) == 0
+
+
+def test_record_refuses_a_model_with_nothing_analysed(tmp_path, capsys):
+    target = tmp_path / "ints.py"
+    target.write_text("import torch\n\ndef build():\n"
+                      "    return (lambda x: x * 2 + 1), (torch.arange(6),)\n")
+    out = tmp_path / "d.json"
+    assert main(["record", f"{target}:build", "-o", str(out)]) == 2
+    assert "no operator" in capsys.readouterr().err and not out.exists()
+    torch._dynamo.reset()
+
+
+def test_record_accepts_bit_counts_and_reports_the_models_error_in_one_line(tmp_path,
+                                                                            capsys):
+    path = _record(tmp_path, "bits", False, "--format", "5,2")
+    assert DigitMap.load(path).metadata["format"] == "fp8_e5m2"
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch\n\ndef build():\n"
+                   "    return torch.nn.Linear(4, 3), (torch.randn(2, 5),)\n")
+    capsys.readouterr()
+    assert main(["record", f"{bad}:build", "-o", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "RuntimeError" in err and "[2, 5]" in err
+    assert "--verbose" in err
+    torch._dynamo.reset()
+
+
+def test_show_into_a_closed_pipe_prints_no_traceback(tmp_path):
+    import subprocess
+    import sys
+
+    path = write_map(tmp_path / "d.json", {f"m{i}/linear#0": 2.0 - i / 50 for i in range(80)})
+    proc = subprocess.run(f"{sys.executable} -m fxstab show {path} --top 80 | head -n 2",
+                          shell=True, capture_output=True, text=True, timeout=120)
+    assert len(proc.stdout.splitlines()) == 2
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr
+
+
+def test_digit_maps_honour_the_umask(tmp_path):
+    import os
+    import stat
+
+    old = os.umask(0o027)
+    try:
+        path = write_map(tmp_path / "d.json", {"a/linear#0": 2.0})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+
+
+def test_schema_1_maps_still_load_and_diff_by_avg(tmp_path, capsys):
+    import json
+
+    path = write_map(tmp_path / "d.json", {"a/linear#0": 2.0})
+    doc = json.loads(path.read_text())
+    doc["schema_version"] = 1
+    for op in doc["operators"]:
+        for k in ("normwise_digits", "p10_digits", "p50_digits", "underflow"):
+            op.pop(k)
+    for st in doc["steps"]:
+        for e in st["operators"].values():
+            for k in ("normwise_digits", "p10_digits", "p50_digits", "underflow"):
+                e.pop(k)
+    old = tmp_path / "v1.json"
+    old.write_text(json.dumps(doc))
+    dm = DigitMap.load(old)
+    assert dm["a/linear#0"].avg_digits == 2.0 and dm["a/linear#0"].underflow == 0
+    assert main(["diff", str(old), str(path), "--metric", "avg"]) == 0
