@@ -497,28 +497,30 @@ def layout_graph(dm: DigitMap) -> GraphLayout:
             cols.append(cur)
         return [(c[0][0], c[-1][1]) for c in cols]
 
+    def column_height(a: int, b: int) -> float:
+        h = 0.0
+        for r, (f, depth) in enumerate(run_layers):
+            inside = min(f + depth, b) - max(f, a)
+            if inside > 0:
+                h += inside * _ROW + (_TITLE_H if titled[r] else 0) + _RUN_GAP
+        return h
+
     def extent(cols: list) -> tuple[float, float]:
         w = sum(max(hi[a:b]) - min(lo[a:b]) for a, b in cols) + _COL_GAP * (len(cols) - 1)
-        h = max(sum(run_h[r] for r in range(len(runs)) if a <= run_layers[r][0] < b) or
-                (b - a) * _ROW for a, b in cols)
-        return w, h
+        return w, max(column_height(a, b) for a, b in cols)
 
     columns = [(0, n_layers)]
     if total_h > _MIN_WRAP_H:
-        best_score = None
-        for c in range(1, min(len(runs), 24) + 1) if len(runs) > 1 else [1]:
+        starts = {f for f, _ in run_layers}
+        best_score = math.inf
+        for c in range(1, 25):
             cand = split(total_h / c)
             w, h = extent(cand)
-            score = abs(math.log(w / h / _ASPECT))
-            if best_score is None or score < best_score - 1e-9:
+            # a module cut between two columns is harder to read than a less ideal aspect
+            cuts = sum(1 for a, _ in cand if a not in starts)
+            score = abs(math.log(w / h / _ASPECT)) + 0.15 * cuts
+            if score < best_score - 1e-9:
                 best_score, columns = score, cand
-        if len(runs) == 1 and total_h > _MIN_WRAP_H:  # one long run: cut it by height alone
-            for c in range(2, 25):
-                cand = split(total_h / c)
-                w, h = extent(cand)
-                score = abs(math.log(w / h / _ASPECT))
-                if score < best_score:
-                    best_score, columns = score, cand
     col_of_layer = [0] * n_layers
     for c, (a, b) in enumerate(columns):
         for k in range(a, b):
