@@ -913,13 +913,14 @@ def _check_triton_usable() -> None:
 _DEFAULTS: dict = {}
 
 
-def default_backend(gm: torch.fx.GraphModule, example_inputs: list, **options: Any) -> Callable:
+def default_backend(gm: torch.fx.GraphModule, example_inputs: list,
+                    options: Optional[dict] = None) -> Callable:
     """``torch.compile(model, backend="fxstab", options={...})``: a shared backend per set of
-    options (the options of :func:`backend`; none: the defaults).
+    options (the keyword arguments of :func:`backend`; none: the defaults).
 
     Its reports are at ``fxstab.get_default_backend(**options).reports``.
     """
-    return get_default_backend(**options)(gm, example_inputs)
+    return get_default_backend(**(options or {}))(gm, example_inputs)
 
 
 def get_default_backend(**options: Any) -> FxstabBackend:

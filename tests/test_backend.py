@@ -492,3 +492,29 @@ def test_an_output_read_only_by_a_gemm_is_perturbed_in_its_rounding_pass(monkeyp
     for name, r in got.items():
         assert r.surrogate == want[name].surrogate, name
         assert abs(r.avg_digits - want[name].avg_digits) < 1e-5, name
+
+
+def test_clear_resets_the_call_count_of_later_maps():
+    torch._dynamo.reset()
+    be = fxstab.backend(format="bf16")
+    m = torch.compile(torch.nn.Linear(8, 4), backend=be)
+    with torch.no_grad():
+        for _ in range(3):
+            m(torch.randn(2, 8))
+        assert be.digit_map().metadata["analysed_calls"] == 3
+        be.clear()
+        m(torch.randn(2, 8))
+    dm = be.digit_map()
+    assert dm.metadata["analysed_calls"] == 1 and "1 analysed call(s)" in dm.table()
+
+
+def test_compile_by_name_accepts_options():
+    torch._dynamo.reset()
+    m = torch.compile(torch.nn.Linear(8, 4), backend="fxstab",
+                      options={"format": "fp16", "seed": 3})
+    with torch.no_grad():
+        m(torch.randn(2, 8))
+    be = fxstab.get_default_backend(format="fp16", seed=3)
+    assert be.config.format.name == "fp16" and be.reports
+    assert be is not fxstab.get_default_backend()
+    torch._dynamo.reset()
