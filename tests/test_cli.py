@@ -404,6 +404,13 @@ def test_ci_script_without_baseline(tmp_path):
     run = _run_script(repo, "false")  # fxstab is never called
     assert run.returncode == 0, run.stderr
     assert "no baseline" in (tmp_path / "digits" / "diff.md").read_text()
+    # the other way round: the head commit removed the target: an error, not a pass
+    _git(repo, "rm", "-q", "examples/ci/target.py")
+    _git(repo, "commit", "-qm", "remove target")
+    run = subprocess.run(["bash", str(SCRIPT), "HEAD~1", "HEAD"], cwd=repo, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "FXSTAB": "false",
+                                                      "FXSTAB_OUT": str(tmp_path / "d2")})
+    assert run.returncode == 2 and "does not exist in the head commit" in run.stderr
 
 
 # --------------------------------------------------------------------------- the real backend
