@@ -532,7 +532,22 @@ def main(argv=None) -> int:
                     help=f"WikiText-2 folder with train.txt and valid.txt (default: "
                          f"${DATA_ENV}/wikitext-2, else ../shared/data/wikitext-2 beside the "
                          f"repository)")
+    ap.add_argument("--replot", type=Path, default=None, metavar="JSON",
+                    help="only redraw the loss plot of a results JSON (written by this script) "
+                         "into --out")
     args = ap.parse_args(argv)
+
+    if args.replot is not None:
+        try:
+            results = json.loads(args.replot.read_text())["results"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"exp_monitor_wikitext2: error: --replot {args.replot}: not a results JSON "
+                  f"of this script ({type(e).__name__}: {e})", file=sys.stderr)
+            return 2
+        args.out.mkdir(parents=True, exist_ok=True)
+        plot(results, args.out / "monitor_wikitext2_loss.png")
+        print(f"wrote {args.out / 'monitor_wikitext2_loss.png'}")
+        return 0
 
     try:
         train, val, vocab = load(args.vocab, args.data)

@@ -199,6 +199,15 @@ def test_a_short_chain_stays_one_column():
     assert lay.columns == 1 and len(lay.groups) == 1 and lay.groups[0].key == "blocks.0"
 
 
+def test_a_long_chain_without_modules_wraps_by_height():
+    dm = DigitMap.from_reports([rep(f"fc{i}/linear#0", 2.0, 1.0,
+                                    [f"fc{i - 1}/linear#0"] if i else []) for i in range(120)])
+    lay = plots.layout_graph(dm)
+    check_layout(dm, lay)
+    assert not lay.groups and lay.layers == 120
+    assert lay.columns > 1 and 0.6 < lay.width / lay.height < 2.5
+
+
 def test_layout_breaks_a_cycle_and_draws_it_as_a_back_edge():
     dm = DigitMap.from_reports([rep("a/relu#0", 2.0, 1.0, ["c/relu#0"]),
                                 rep("b/relu#0", 2.0, 1.0, ["a/relu#0"]),
@@ -396,6 +405,19 @@ def test_loss_plot_marks_nonfinite_steps_and_promotions(exp, tmp_path):
         plt.close(fig)
     exp.plot(results, tmp_path / "loss.png")
     assert _is_png(tmp_path / "loss.png")
+
+
+def test_replot_redraws_from_a_results_json(exp, tmp_path, capsys):
+    import json
+
+    results = [_arm("bf16", [3.0, math.nan, 2.9], [1], [1])]
+    src = tmp_path / "monitor_wikitext2.json"
+    src.write_text(json.dumps({"results": results}))  # NaN as the script's json.dumps writes it
+    assert exp.main(["--replot", str(src), "--out", str(tmp_path / "out")]) == 0
+    assert _is_png(tmp_path / "out" / "monitor_wikitext2_loss.png")
+    (tmp_path / "bad.json").write_text("{}")
+    assert exp.main(["--replot", str(tmp_path / "bad.json"), "--out", str(tmp_path)]) == 2
+    assert "not a results JSON" in capsys.readouterr().err
 
 
 def test_loss_plot_reads_results_written_before_the_step_lists(exp):
