@@ -5,6 +5,11 @@ driver (``fxstab.analyze``): every primitive rounds randomly into the format, an
 the result are CESTAC's. Expected: the unstable formulations keep ~0 digits in fp32, the
 stabilized ones ~6-7 (fp32, cap 7.22) and ~15 (fp64, cap 15.95).
 
+A second table runs the NumPy twins of Rump's polynomial, the quadratic, the variance and the
+series (the same formulas written with NumPy functions on NumPy arguments,
+``fxstab.numpy_interop``) beside the torch versions: for the same seed they must give the same
+samples, hence the same digits and counters.
+
     .venv/bin/python benchmarks/bench_classical.py [--seeds 3] [--json out.json]
 """
 
@@ -17,6 +22,7 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -108,6 +114,48 @@ def series_closed(x):
     return 1 / x.exp()
 
 
+# NumPy twins: the same formulas with NumPy functions, for NumPy arguments.
+def quadratic_naive_np(b, c):
+    return (-b + np.sqrt(b * b - 4 * c)) / 2
+
+
+def quadratic_stable_np(b, c):
+    q = -(b + np.sqrt(b * b - 4 * c)) / 2
+    return c / q
+
+
+def variance_one_pass_np(x):
+    n = x.shape[0]
+    return (np.sum(x * x) - np.sum(x) * np.sum(x) / n) / (n - 1)
+
+
+def variance_two_pass_np(x):
+    n = x.shape[0]
+    d = x - np.sum(x) / n
+    return np.sum(d * d) / (n - 1)
+
+
+def series_naive_np(x):
+    s = 1.0 + 0 * x
+    t = 1.0 + 0 * x
+    k = 0
+    while True:
+        k += 1
+        t = t * np.negative(x) / k
+        s_new = np.add(s, t)
+        if np.equal(s_new, s) or k > 500:
+            return s_new
+        s = s_new
+
+
+def series_closed_np(x):
+    return 1 / np.exp(x)
+
+
+def _variance_data():
+    return 1e4 + torch.rand(64, generator=torch.Generator().manual_seed(0)).double()
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -125,7 +173,7 @@ CASES = [
          "x = 1e-4; stable 2 sin^2(x/2)/x^2"),
     Case("exp(x)-1", expm1_naive, expm1_stable, lambda: (1e-8,), "x = 1e-8; stable expm1"),
     Case("variance, offset data", variance_one_pass, variance_two_pass,
-         lambda: (1e4 + torch.rand(64, generator=torch.Generator().manual_seed(0)).double(),),
+         lambda: (_variance_data(),),
          "1e4 + U(0,1), n=64; one-pass vs two-pass"),
     Case("(x-1)^6 near 1", poly_naive, poly_factored, lambda: (1.001,),
          "expanded vs factored (Horner: extra row)"),
@@ -135,11 +183,75 @@ CASES = [
 ]
 
 
+@dataclass(frozen=True)
+class Twin:
+    """A classical case in torch and in NumPy: the same formula, the same data."""
+
+    case: str
+    variant: str
+    torch_fn: Callable
+    numpy_fn: Callable
+    torch_args: Callable
+    numpy_args: Callable
+
+
+NUMPY_TWINS = [
+    Twin("Rump's polynomial", "unstable", rump, rump, lambda: (77617.0, 33096.0),
+         lambda: (np.float64(77617.0), np.float64(33096.0))),
+    Twin("quadratic smaller root", "unstable", quadratic_naive, quadratic_naive_np,
+         lambda: (1e4, 1.0), lambda: (np.float64(1e4), np.float64(1.0))),
+    Twin("quadratic smaller root", "stable", quadratic_stable, quadratic_stable_np,
+         lambda: (1e4, 1.0), lambda: (np.float64(1e4), np.float64(1.0))),
+    Twin("variance, offset data", "unstable", variance_one_pass, variance_one_pass_np,
+         lambda: (_variance_data(),), lambda: (_variance_data().numpy(),)),
+    Twin("variance, offset data", "stable", variance_two_pass, variance_two_pass_np,
+         lambda: (_variance_data(),), lambda: (_variance_data().numpy(),)),
+    Twin("alternating series exp(-20)", "unstable", series_naive, series_naive_np,
+         lambda: (20.0,), lambda: (np.float64(20.0),)),
+    Twin("alternating series exp(-20)", "stable", series_closed, series_closed_np,
+         lambda: (20.0,), lambda: (np.float64(20.0),)),
+]
+
+
 def digits_of(fn: Callable, args: tuple, fmt: str, seed: int) -> tuple[float, float, dict]:
     """(avg, min) digits of fn's output and the counters, eager arithmetic-level analysis."""
     r = fxstab.analyze(fn, format=fmt, seed=seed)(*args)
-    d = r.digits.double()
+    d = np.asarray(r.digits, dtype=np.float64)  # a tensor (torch) or an ndarray (NumPy)
     return float(d.mean()), float(d.min()), r.counters
+
+
+def measure_twins(seeds: int = 3) -> list[dict]:
+    """The NumPy twins beside the torch versions: digits of both, and whether every seed gave
+    the same samples."""
+    rows = []
+    for tw in NUMPY_TWINS:
+        row = {"case": tw.case, "variant": tw.variant}
+        for fmt in ("fp32", "fp64"):
+            dt, dn, same = [], [], True
+            for s in range(seeds):
+                rt = fxstab.analyze(tw.torch_fn, format=fmt, seed=s)(*tw.torch_args())
+                rn = fxstab.analyze(tw.numpy_fn, format=fmt, seed=s)(*tw.numpy_args())
+                dt.append(float(np.asarray(rt.digits, dtype=np.float64).mean()))
+                dn.append(float(np.asarray(rn.digits, dtype=np.float64).mean()))
+                same &= bool(np.array_equal(rt.samples.numpy(), np.asarray(rn.samples),
+                                            equal_nan=True)) and rt.counters == rn.counters
+            row[f"{fmt}_torch"] = sum(dt) / len(dt)
+            row[f"{fmt}_numpy"] = sum(dn) / len(dn)
+            row[f"{fmt}_same"] = same
+        rows.append(row)
+    return rows
+
+
+def twins_table(rows: list[dict]) -> str:
+    head = (f"{'NumPy twin of':<30} {'variant':<9} {'fp32 torch':>10} {'fp32 numpy':>10} "
+            f"{'fp64 torch':>10} {'fp64 numpy':>10}  same samples")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        same = "yes" if r["fp32_same"] and r["fp64_same"] else "NO"
+        lines.append(f"{r['case']:<30} {r['variant']:<9} {r['fp32_torch']:10.2f} "
+                     f"{r['fp32_numpy']:10.2f} {r['fp64_torch']:10.2f} {r['fp64_numpy']:10.2f}"
+                     f"  {same}")
+    return "\n".join(lines)
 
 
 def measure(seeds: int = 3) -> list[dict]:
@@ -183,8 +295,14 @@ def main(argv=None) -> int:
     print(table(rows))
     print(f"\n({a.seeds} seeds, N=3, random rounding; min over seeds, avg of means; "
           f"{time.perf_counter() - t0:.1f} s)")
+    twins = measure_twins(a.seeds)
+    print()
+    print(twins_table(twins))
+    print(f"\n(avg digits over {a.seeds} seeds; same samples: every seed and format gave "
+          f"bit-identical samples and equal counters)")
     if a.json:
-        save_json(a.json, {"benchmark": "bench_classical", "seeds": a.seeds, "rows": rows})
+        save_json(a.json, {"benchmark": "bench_classical", "seeds": a.seeds, "rows": rows,
+                           "numpy_twins": twins})
     return 0
 
 

@@ -100,9 +100,7 @@ class StochasticTensor(torch.Tensor):
 
     @property
     def value(self) -> torch.Tensor:
-        s = self._st.samples
-        m = s.double().mean(0) if s.is_floating_point() else s[0]
-        return m.to(self.dtype)
+        return _mean(self._st.samples).to(self.dtype)
 
     @property
     def digits(self) -> torch.Tensor:
@@ -134,6 +132,23 @@ class StochasticTensor(torch.Tensor):
     def __format__(self, spec: str) -> str:
         return str(self) if not spec else format(float(self), spec)
 
+    def __setitem__(self, key, v) -> None:
+        # torch writes x[1:3] = v into a view, and views of stochastic tensors are copies:
+        # the base would not change. One index_put on the flat positions does reach it.
+        from .numpy_interop import _key, _set  # noqa: PLC0415 - shared with NumPy's indexing
+        k = _key(key)
+        self._st = _set(self, k, v if isinstance(v, torch.Tensor) else
+                        torch.tensor(v, dtype=torch.float64))._st
+
+    # -- NumPy's protocols: np.sqrt(x), np.sum(x)... run the same rules -------------------
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        from .numpy_interop import tensor_array_ufunc  # noqa: PLC0415 - it imports this module
+        return tensor_array_ufunc(ufunc, method, inputs, kwargs)
+
+    def __array_function__(self, func, types, args, kwargs):
+        from .numpy_interop import tensor_array_function  # noqa: PLC0415
+        return tensor_array_function(func, args, kwargs)
+
     # -- dispatch -------------------------------------------------------------------------
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -158,9 +173,37 @@ class StochasticTensor(torch.Tensor):
             return x._st if isinstance(x, StochasticTensor) else x
 
         uargs, ukw = pytree.tree_map(unwrap, (args, kwargs))
-        out = apply_primitive(func, tuple(uargs), ukw, ctx)
+        with _functorch_enabled():
+            out = apply_primitive(func, tuple(uargs), ukw, ctx)
         return pytree.tree_map(lambda x: _wrap(x, ctx, nominal), out,
                                is_leaf=lambda x: isinstance(x, Stacked))
+
+
+def _mean(s: torch.Tensor) -> torch.Tensor:
+    """The sample mean (fp64) of floating samples; where all samples agree, that sample itself
+    (a signed zero stays signed, an exact value exact); sample 0 of integer or boolean ones."""
+    if not s.is_floating_point():
+        return s[0]
+    m = s.double().mean(0)
+    if s.shape[0] and s.numel():
+        m = torch.where((s == s[:1]).all(0), s[0].double(), m)
+    return m
+
+
+_FUNCTORCH_KEYS = tuple(getattr(torch._C.DispatchKey, k) for k in (
+    "FuncTorchBatched", "FuncTorchDynamicLayerFrontMode", "FuncTorchDynamicLayerBackMode",
+    "FuncTorchVmapMode") if hasattr(torch._C.DispatchKey, k))
+
+
+def _functorch_enabled():
+    """The dispatch state outside ``__torch_dispatch__`` for the rules' ``torch.vmap``: inside
+    the handler torch excludes functorch's keys, so a vmapped primitive reached its CPU kernel
+    with batched tensors (``mv``, ``dot``, ``prod``, ``tril``: "Cannot access data pointer";
+    ``cumprod``, ``logcumsumexp``: a segmentation fault)."""
+    ex = torch._C._dispatch_tls_local_exclude_set()
+    for k in _FUNCTORCH_KEYS:
+        ex = ex.remove(k)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), ex)
 
 
 def _wrap(x, ctx, nominal):
@@ -247,14 +290,19 @@ def stochastic(
     diagnostics: str = "summary",
     kernels: str = "auto",
     context: Optional[AtenContext] = None,
-) -> StochasticTensor:
+) -> "StochasticTensor | StochasticArray":
     """A stochastic value (CADNA's ``float_st``) for a tensor, NumPy array or Python number.
 
     The input is rounded to nearest into the format (as assigning a double to a ``float_st``
     does) and enters as N identical samples; every operation on it then rounds randomly.
 
+    A NumPy array or NumPy scalar gives a :class:`~fxstab.numpy_interop.StochasticArray`
+    (NumPy functions run on it, and its ``value``, ``samples`` and ``digits`` are NumPy);
+    a tensor, a Python number or a list gives a :class:`StochasticTensor`.
+
     Args:
-        x: Floating tensor, NumPy array or Python number.
+        x: Floating tensor, NumPy array or scalar, Python number (integer arrays and lists are
+            converted to float64).
         format: Simulated format (``"fp32"``, ``"bf16"``, a pair...).
         n_samples: N >= 2.
         seed: Base seed. Values created with the same settings share one context (so their
@@ -267,11 +315,21 @@ def stochastic(
         context: An explicit :class:`~fxstab.aten_rules.AtenContext` (overrides the settings).
     """
     ctx = context or _context(format, n_samples, seed, rounding, confidence, diagnostics, kernels)
-    if isinstance(x, StochasticTensor):
+    from .numpy_interop import StochasticArray  # noqa: PLC0415 - it imports this module
+    if isinstance(x, (StochasticTensor, StochasticArray)):
         return x
+    if isinstance(x, (np.ndarray, np.generic)):
+        if isinstance(x, np.generic) and not isinstance(x, (np.floating, np.integer)) or \
+                isinstance(x, np.ndarray) and x.dtype.kind not in "iuf":
+            raise ValueError(f"fxstab.stochastic needs floating values, got NumPy dtype "
+                             f"{x.dtype}; convert with .astype(np.float64) first")
+        a = np.asarray(x)
+        a = a if a.dtype.kind == "f" else a.astype(np.float64)
+        t = stochastic(torch.from_numpy(np.array(a, copy=True, order="C")), context=ctx)
+        return StochasticArray(t, a.dtype)
     if isinstance(x, torch.Tensor):
         t = x.detach()
-    elif isinstance(x, (np.ndarray, np.generic, list, tuple)):
+    elif isinstance(x, (list, tuple)):
         t = torch.as_tensor(np.asarray(x))
         if not t.is_floating_point():
             t = t.to(torch.float64)
@@ -305,7 +363,8 @@ class AnalysisResult:
     """What :func:`analyze` returns.
 
     Each of ``value``, ``samples`` and ``digits`` has the structure of the function's output
-    (a value, a tuple, a dict...). An output leaf that is not stochastic (an integer tensor, a
+    (a value, a tuple, a dict...): tensors for stochastic tensors, ``np.ndarray`` (NumPy
+    scalars for 0-d values) for stochastic arrays, that is for NumPy programs. An output leaf that is not stochastic (an integer tensor, a
     constant, a plain boolean decision of a CESTAC comparison) carries no samples: its
     ``value`` is the leaf itself and its ``samples`` and ``digits`` are ``None``.
 
@@ -321,9 +380,12 @@ class AnalysisResult:
 
     def __init__(self, output, counters: Counters, reports: list):
         self.output = output
+        from .numpy_interop import StochasticArray  # noqa: PLC0415 - it imports this module
+
         def pick(f, plain):
             return pytree.tree_map(
-                lambda x: f(x) if isinstance(x, StochasticTensor) else plain(x), output)
+                lambda x: f(x) if isinstance(x, (StochasticTensor, StochasticArray))
+                else plain(x), output)
         self.value = pick(lambda t: t.value, lambda x: x)
         self.samples = pick(lambda t: t.samples, lambda x: None)
         self.digits = pick(lambda t: t.digits, lambda x: None)
@@ -352,6 +414,11 @@ def analyze(fn: Callable, *, format: FormatLike = "fp32", n_samples: int = 3, se
     ``fxstab.analyze(f, format="fp32")(x, y)`` turns every floating argument into a stochastic
     value, runs ``f`` once (eager driver), and returns an :class:`AnalysisResult`. Each call uses
     a fresh context, so the same call with the same seed gives the same samples.
+
+    Floating tensors become :class:`StochasticTensor`; floating NumPy arrays and scalars become
+    :class:`~fxstab.numpy_interop.StochasticArray` (NumPy functions run on them; results come
+    back as NumPy). Python floats join the NumPy side when any argument is NumPy (as float64
+    scalars: a NumPy program), else the torch side. Integer arguments are not lifted.
     """
     def run(*args, **kwargs) -> AnalysisResult:
         records: list[PrimitiveRecord] = []
@@ -359,11 +426,17 @@ def analyze(fn: Callable, *, format: FormatLike = "fp32", n_samples: int = 3, se
                           cancel_digits=cancel_digits, recorder=records.append,
                           kernels=kernels)
 
+        numpy_call = any(isinstance(a, (np.ndarray, np.generic))
+                         for a in pytree.tree_leaves((args, kwargs)))
+
         def lift(a):
-            if isinstance(a, torch.Tensor) and a.is_floating_point() or \
-                    isinstance(a, (float, np.floating)) or \
-                    (isinstance(a, np.ndarray) and np.issubdtype(a.dtype, np.floating)):
+            if isinstance(a, (np.ndarray, np.generic)):  # first: np.float64 is a float
+                floating = np.issubdtype(a.dtype, np.floating)
+                return stochastic(a, context=ctx) if floating else a
+            if isinstance(a, torch.Tensor) and a.is_floating_point():
                 return stochastic(a, context=ctx)
+            if isinstance(a, float):
+                return stochastic(np.float64(a) if numpy_call else a, context=ctx)
             return a
 
         largs, lkw = pytree.tree_map(lift, (args, kwargs))

@@ -276,10 +276,13 @@ def test_analyze_numpy_and_python_floats():
     assert set(res.counters) == set(fxstab.report.COUNTER_KEYS)
     assert abs(float(res.value) - 0.7 * np.linspace(0.1, 1, 10).sum() / 3) < 1e-6
     assert res.samples.shape == (3,) and 5 < float(res.digits) <= 7.23
+    # a NumPy program's results come back in NumPy
+    assert isinstance(res.value, np.float64) and isinstance(res.samples, np.ndarray)
+    assert isinstance(res.digits, np.float64)
     assert res.reports and all(r.format == "fp32" and r.n_samples == 3 for r in res.reports)
     again = fxstab.analyze(lambda a, b: (a * b).sum() / 3.0, format="fp32", seed=1)(
         np.linspace(0.1, 1, 10), 0.7)
-    assert torch.equal(res.samples, again.samples)  # fresh context: reproducible
+    assert np.array_equal(res.samples, again.samples)  # fresh context: reproducible
     assert "primitive" in res.table()
 
 
@@ -313,3 +316,17 @@ def test_analyze_reports_no_digits_for_outputs_that_are_not_stochastic():
     d_float, d_int, d_bool = res.digits
     assert d_int is None and d_bool is None and d_float.shape == (2,)
     assert float(d_float.min()) > 6 and torch.equal(res.value[1], torch.tensor([1, 2]))
+
+
+@pytest.mark.parametrize("name, fn", [
+    ("mv", lambda u: torch.outer(u, u) @ u), ("dot", lambda u: u @ u),
+    ("prod", lambda u: torch.prod(u * 3)), ("tril", lambda u: torch.tril(torch.outer(u, u))),
+    ("cumprod", lambda u: torch.cumprod(u * 3, 0)), ("cummax", lambda u: torch.cummax(u * 3, 0).values),
+    ("logcumsumexp", lambda u: torch.logcumsumexp(u * 3, 0)),
+])
+def test_primitives_batched_by_vmap_are_rounded_in_eager_code(name, fn):
+    """vmap inside __torch_dispatch__ used to run without functorch's dispatch keys: mv, dot,
+    prod, tril fell back to unrounded per-sample runs, cumprod and logcumsumexp crashed."""
+    res = fxstab.analyze(fn, format="fp32")(torch.arange(1.0, 4.0))
+    assert all(r.status == ROUNDED for r in res.reports), [(r.kind, r.status) for r in res.reports]
+    assert torch.allclose(res.value.double(), fn(torch.arange(1.0, 4.0, dtype=torch.float64)))
