@@ -720,8 +720,12 @@ def plot_graph(dm: DigitMap, path: PathLike, metric: Optional[str] = None) -> Pa
     cap = dm.cap
     cmap, norm = _digit_scale(dm)
     sources = set(dm.nonfinite_sources())
-    margin, header = 0.25, 0.95
+    # The header (title, scale, legend) grows with the picture so that it stays readable
+    # when a 27-inch, 300-operator picture is fitted to a screen: x2 at 36 inches.
+    margin = 0.25
     fig_w = max(lay.width, 7.0) + 2 * margin
+    hs = min(2.0, max(1.0, math.sqrt(fig_w / 9.0)))
+    header = 0.95 * hs
     fig_h = lay.height + header + margin
     fig = plt.figure(figsize=(fig_w, fig_h))
     try:
@@ -737,7 +741,8 @@ def plot_graph(dm: DigitMap, path: PathLike, metric: Optional[str] = None) -> Pa
                                           linewidth=0.8, zorder=0))
         for g in lay.groups:
             ax.text(g.x0 + 0.06, g.y1 - 0.05, g.key + (" (continued)" if g.continued else ""),
-                    fontsize=FONT_PT + 1, fontweight="bold", color="#3a3a5a", ha="left",
+                    fontsize=(FONT_PT + 1) * min(hs, 1.4), fontweight="bold", color="#3a3a5a",
+                    ha="left",
                     va="top", zorder=1)
 
         curves = [PathPatch(_curve(p)) for e in lay.edges if not e.back for p in e.pieces]
@@ -784,23 +789,24 @@ def plot_graph(dm: DigitMap, path: PathLike, metric: Optional[str] = None) -> Pa
                  f"(cap {cap:.2f})")
         if sources:
             title += f"; NaN/inf first appear at {', '.join(sorted(sources))}"
-        top = 1 - 0.12 / fig_h
-        fig.text(margin / fig_w, top, title, fontsize=10, ha="left", va="top",
-                 fontweight="bold")
-        cax = fig.add_axes([margin / fig_w, 1 - 0.62 / fig_h, 2.6 / fig_w, 0.12 / fig_h])
+        fig.text(margin / fig_w, 1 - 0.12 * hs / fig_h, title, fontsize=10 * hs, ha="left",
+                 va="top", fontweight="bold")
+        cax = fig.add_axes([margin / fig_w, 1 - 0.62 * hs / fig_h, 2.6 * hs / fig_w,
+                            0.12 * hs / fig_h])
         sm = plt.cm.ScalarMappable(norm=norm, cmap=cmap)
         cb = fig.colorbar(sm, cax=cax, orientation="horizontal")
-        cb.ax.tick_params(labelsize=FONT_PT)
-        cb.set_label(f"{metric} reliable digits", fontsize=FONT_PT, labelpad=1)
+        cb.ax.tick_params(labelsize=FONT_PT * hs)
+        cb.set_label(f"{metric} reliable digits", fontsize=FONT_PT * hs, labelpad=1)
         handles = [Patch(facecolor="white", edgecolor=NONFINITE_COLOUR, linewidth=2.6,
                          label="NaN/inf origin"),
                    Patch(facecolor="white", edgecolor=NONFINITE_COLOUR, linewidth=1.3,
                          linestyle="--", label="passes NaN/inf on"),
                    Patch(facecolor="#f2f2f7", edgecolor="#9a9ab0", label="module"),
-                   Line2D([], [], color="#6b6b6b", marker="v", markersize=4, linewidth=0.7,
+                   Line2D([], [], color="#6b6b6b", marker="v", markersize=4 * hs, linewidth=0.7,
                           label="input -> consumer")]
-        fig.legend(handles=handles, loc="upper left", ncol=4, fontsize=FONT_PT, frameon=False,
-                   bbox_to_anchor=((margin + 3.0) / fig_w, 1 - 0.33 / fig_h))
+        fig.legend(handles=handles, loc="upper left", ncol=4, fontsize=FONT_PT * hs,
+                   frameon=False, bbox_to_anchor=((margin + 3.0 * hs) / fig_w,
+                                                  1 - 0.33 * hs / fig_h))
         # 36 Mpixel at most: a 2000-operator graph still saves in seconds
         dpi = min(120.0, math.sqrt(36e6 / (fig_w * fig_h)))
         return _save(fig, path, dpi=dpi)
