@@ -314,6 +314,8 @@ class StochasticArray(NDArrayOperatorsMixin):
 
     # -- printing: CADNA's style, as for tensors ----------------------------------------------
     def __str__(self) -> str:
+        if not self._t._st.samples.is_floating_point():
+            return str(self.value)  # integers, booleans: NumPy's printing of sample 0
         return str(self._t)
 
     def __repr__(self) -> str:
@@ -484,6 +486,8 @@ def _set(t: StochasticTensor, key, v) -> StochasticTensor:
     pos = torch.arange(t.numel()).reshape(t.shape)[key]
     flat = t.reshape(-1)
     vals = v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float64)
+    if t.is_floating_point() and not vals.is_floating_point():
+        vals = vals.to(torch.float64)  # integers written into floats (NumPy casts them)
     vals = vals.expand(pos.shape) if vals.shape != pos.shape else vals
     out = flat.index_put((pos.reshape(-1),), vals.reshape(-1))
     return out.reshape(t.shape)
