@@ -34,6 +34,10 @@ def test_triton_and_torch_paths_give_the_same_digit_map(make):
         assert f.avg_digits == pytest.approx(r.avg_digits, abs=1e-5), name
         assert (f.non_finite, f.surrogate, f.numel) == (r.non_finite, r.surrogate, r.numel)
         assert f.zero_fraction == pytest.approx(r.zero_fraction, abs=1.0 / r.numel), name
+        # the extras come from the same rounded samples by the same torch code
+        assert (f.p10_digits, f.p50_digits, f.underflow) == \
+            (r.p10_digits, r.p50_digits, r.underflow), name
+        assert f.normwise_digits == pytest.approx(r.normwise_digits, abs=1e-12), name
 
 
 def test_triton_without_gpu_or_interpreter_says_why(monkeypatch):
