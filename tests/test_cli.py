@@ -646,3 +646,17 @@ def test_schema_1_maps_still_load_and_diff_by_avg(tmp_path, capsys):
     dm = DigitMap.load(old)
     assert dm["a/linear#0"].avg_digits == 2.0 and dm["a/linear#0"].underflow == 0
     assert main(["diff", str(old), str(path), "--metric", "avg"]) == 0
+
+
+def test_show_of_the_demo_recorded_in_fp16_names_the_nan_origin_first(tmp_path, capsys):
+    demo = Path(fxstab.__file__).parent / "demo.py"
+    out = tmp_path / "demo.json"
+    assert main(["record", f"{demo}:build", "-o", str(out), "--format", "fp16"]) == 0
+    torch._dynamo.reset()
+    capsys.readouterr()
+    assert main(["show", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "findings:"
+    assert lines[1].startswith("  - NaN/inf first appear at blocks.1.attn/exp#0"), lines[:3]
+    # the finite, subtle loss: the first block's layer norm cancels the embeddings' offset
+    assert "digits are lost at blocks.0.ln1/layer_norm#0" in lines[2]
