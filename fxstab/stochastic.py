@@ -32,7 +32,8 @@ import torch
 from torch._decomp import get_decompositions
 from torch.utils import _pytree as pytree
 
-from .aten_rules import AtenContext, PrimitiveRecord, Stacked, apply_primitive, to_op_report
+from .aten_rules import (AtenContext, PrimitiveRecord, Stacked, apply_primitive, op_info,
+                         to_op_report)
 from .counters import Counters, active_collectors, instability_counters
 from .digits import format_stochastic
 from .formats import FormatLike, get_format
@@ -173,8 +174,11 @@ class StochasticTensor(torch.Tensor):
             return x._st if isinstance(x, StochasticTensor) else x
 
         uargs, ukw = pytree.tree_map(unwrap, (args, kwargs))
-        with _functorch_enabled():
+        if op_info(func).pointwise:  # run directly on the samples, never through vmap
             out = apply_primitive(func, tuple(uargs), ukw, ctx)
+        else:
+            with _functorch_enabled():
+                out = apply_primitive(func, tuple(uargs), ukw, ctx)
         return pytree.tree_map(lambda x: _wrap(x, ctx, nominal), out,
                                is_leaf=lambda x: isinstance(x, Stacked))
 
@@ -200,10 +204,18 @@ def _functorch_enabled():
     the handler torch excludes functorch's keys, so a vmapped primitive reached its CPU kernel
     with batched tensors (``mv``, ``dot``, ``prod``, ``tril``: "Cannot access data pointer";
     ``cumprod``, ``logcumsumexp``: a segmentation fault)."""
-    ex = torch._C._dispatch_tls_local_exclude_set()
-    for k in _FUNCTORCH_KEYS:
-        ex = ex.remove(k)
+    inside = torch._C._dispatch_tls_local_exclude_set()
+    key = inside.raw_repr()
+    ex = _OUTSIDE.get(key)
+    if ex is None:
+        ex = inside
+        for k in _FUNCTORCH_KEYS:
+            ex = ex.remove(k)
+        _OUTSIDE[key] = ex
     return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), ex)
+
+
+_OUTSIDE: dict = {}  # exclude set inside the handler (raw) -> the same without functorch's
 
 
 def _wrap(x, ctx, nominal):
