@@ -329,87 +329,71 @@ def _crossings(upper: list, lower: list, down: dict) -> int:
     return sum(1 for i in range(len(ends)) for j in range(i + 1, len(ends)) if ends[j] < ends[i])
 
 
-def layout_graph(dm: DigitMap) -> GraphLayout:
-    """A layered top-down layout of the map's operator graph, grouped by module.
+def _layer_runs(order: list, key: dict, fwd_preds: dict, succs: dict) -> tuple:
+    """Runs of consecutive operators of one group, stacked, each layered inside itself.
 
-    Steps (after Sugiyama et al.): a topological order that keeps each module's operators
-    together (:func:`_order`); runs of consecutive operators of one group (:func:`group_key`)
-    stacked from the top, each run layered by the longest path inside it (an operator fed
-    only from above the run sits just above its first consumer); edges that span layers get
-    one lane per layer crossed; barycentre sweeps to cut crossings; x by least squares toward
-    the neighbours' mean; the layers wrapped into columns (between runs where possible) so
-    that the picture is about 1.3 times as wide as tall once a single column would exceed
-    9 inches.
+    A run's layers follow the longest path inside the run; an operator fed only from above
+    the run sits just above its first consumer in the run (an embedding read by the second
+    layer of the run does not float at its top).
 
-    Raises:
-        ValueError: the map has no operators.
+    Returns:
+        (runs as [key, [names]], layer per name, (first layer, depth) per run)
     """
-    ops = list(dm.operators.values())
-    if not ops:
-        raise ValueError("the digit map has no operators to draw")
-    names = [op.name for op in ops]
-    key = {op.name: group_key(op.module_path) for op in ops}
-    preds: dict = {n: [] for n in names}
-    succs: dict = {n: [] for n in names}
-    for op in ops:
-        for i in dict.fromkeys(op.inputs):
-            if i in dm.operators and i != op.name:
-                preds[op.name].append(i)
-                succs[i].append(op.name)
-    order, back = _order(names, preds, succs, key)
     rank = {n: i for i, n in enumerate(order)}
-    fwd_preds = {n: [p for p in preds[n] if rank[p] < rank[n]] for n in names}
-
-    # runs of one group, each layered inside itself
-    runs: list = []  # [key, [names]]
+    runs: list = []
     for n in order:
         if runs and runs[-1][0] == key[n]:
             runs[-1][1].append(n)
         else:
             runs.append([key[n], [n]])
     layer: dict = {}
-    run_of: dict = {}
-    run_layers: list = []  # (first layer, depth) per run
+    run_layers: list = []
     first = 0
-    for r, (_, members) in enumerate(runs):
+    for _, members in runs:
         inside = set(members)
         local: dict = {}
         for n in members:
             local[n] = max((local[p] + 1 for p in fwd_preds[n] if p in inside), default=0)
-        for n in reversed(members):  # sources of the run sink to just above their consumer
+        for n in reversed(members):
             if not any(p in inside for p in fwd_preds[n]):
-                below = [local[s] for s in succs[n] if s in inside and rank[s] > rank[n]]
+                below = [local[t] for t in succs[n] if t in inside and rank[t] > rank[n]]
                 if below:
                     local[n] = max(local[n], min(below) - 1)
         depth = max(local.values()) + 1
         for n in members:
             layer[n] = first + local[n]
-            run_of[n] = r
         run_layers.append((first, depth))
         first += depth
-    n_layers = first
+    return runs, layer, run_layers
 
-    # Long edges get a lane (a dummy item) in every layer they cross. The edges of one source
-    # share its lanes until they leave for their targets (a residual stream read by q, k, v
-    # and the next norm is one line, not four parallel ones).
+
+def _lanes(order: list, layer: dict, fwd_preds: dict, n_layers: int) -> tuple:
+    """The layered graph: operators and lanes per layer, and who connects to whom.
+
+    An edge that spans layers gets a lane (a dummy item ``("lane", source, layer)``) in every
+    layer it crosses. The edges of one source share its lanes until they leave for their
+    targets: a residual stream read by q, k, v and the next norm is one line, not four.
+
+    Returns:
+        (items per layer, up and down neighbours per item, (source, target, items) per edge)
+    """
+    rank = {n: i for i, n in enumerate(order)}
     rows: list = [[] for _ in range(n_layers)]
     for n in order:
         rows[layer[n]].append(n)
-    down: dict = {n: [] for n in names}
-    up: dict = {n: [] for n in names}
-    width: dict = {}
-    chains: list = []  # (source, target, [items])
-    seed_pos: dict = {n: float(rank[n]) for n in names}
+    up: dict = {n: [] for n in order}
+    down: dict = {n: [] for n in order}
+    seed = {n: float(rank[n]) for n in order}
+    chains = []
     for t in order:
         for s in fwd_preds[t]:
             items = [s]
             for k in range(layer[s] + 1, layer[t]):
                 d = ("lane", s, k)
-                if d not in width:
+                if d not in up:
                     rows[k].append(d)
                     up[d], down[d] = [], []
-                    width[d] = _DUMMY_W
-                    seed_pos[d] = rank[s] + 0.5
+                    seed[d] = rank[s] + 0.5
                 items.append(d)
             items.append(t)
             for a, b in zip(items, items[1:]):
@@ -417,65 +401,75 @@ def layout_graph(dm: DigitMap) -> GraphLayout:
                     down[a].append(b)
                     up[b].append(a)
             chains.append((s, t, items))
-
-    # box width: the names, within bounds (longer names get a smaller font)
-    labels = {n: _label(n, key[n]) for n in names}
-    chars = sorted(len(lb) for lb in labels.values())
-    box_chars = min(max(chars[int(0.9 * (len(chars) - 1))], _LABEL_CHARS[0]), _LABEL_CHARS[1])
-    box_w = box_chars * _CHAR_IN + 0.12
-    for n in names:
-        width[n] = box_w
-
-    # crossing reduction: barycentre sweeps, keeping the best order seen
     for row in rows:
-        row.sort(key=seed_pos.__getitem__)
+        row.sort(key=seed.__getitem__)
+    return rows, up, down, chains
 
-    def total_crossings() -> int:
-        return sum(_crossings(rows[k], rows[k + 1], down) for k in range(n_layers - 1))
 
-    best, best_rows = total_crossings(), [list(r) for r in rows]
+def _reduce_crossings(rows: list, up: dict, down: dict) -> tuple[list, int]:
+    """Barycentre sweeps, alternately down and up; the order with fewest crossings wins.
+
+    Six sweeps: on the transformer maps of docs/pictures.md the count stops falling after
+    two (the 4 crossings a block keeps are its q/k/v and gate/up fan-ins, unavoidable).
+    """
+    n = len(rows)
+
+    def total() -> int:
+        return sum(_crossings(rows[k], rows[k + 1], down) for k in range(n - 1))
+
+    best, best_rows = total(), [list(r) for r in rows]
     for sweep in range(6):
-        rng = range(1, n_layers) if sweep % 2 == 0 else range(n_layers - 2, -1, -1)
-        for k in rng:
-            nb = up if sweep % 2 == 0 else down
-            ref = {it: i for i, it in enumerate(rows[k - 1 if sweep % 2 == 0 else k + 1])}
+        downward = sweep % 2 == 0
+        for k in (range(1, n) if downward else range(n - 2, -1, -1)):
+            nb = up if downward else down
+            ref = {it: i for i, it in enumerate(rows[k - 1 if downward else k + 1])}
             cur = {it: i for i, it in enumerate(rows[k])}
 
             def bary(it):
                 ps = [ref[p] for p in nb[it] if p in ref]
                 return (sum(ps) / len(ps) if ps else cur[it], cur[it])
             rows[k].sort(key=bary)
-        c = total_crossings()
+        c = total()
         if c < best:
             best, best_rows = c, [list(r) for r in rows]
         if best == 0:
             break
-    rows = best_rows
+    return best_rows, best
 
-    # x: each item toward the mean of its neighbours, alternately from above and below
+
+def _x_positions(rows: list, up: dict, down: dict, width: dict) -> dict:
+    """x of every item: toward the mean of its neighbours above, then below, then both
+    (eight sweeps), each layer placed by :func:`_place_row`."""
     x: dict = {}
     for row in rows:
         x.update(_place_row(row, {it: 0.0 for it in row}, width))
+    n = len(rows)
     for sweep in range(8):
-        rng = range(n_layers) if sweep % 2 == 0 else range(n_layers - 1, -1, -1)
-        for k in rng:
+        for k in (range(n) if sweep % 2 == 0 else range(n - 1, -1, -1)):
             want = {}
             for it in rows[k]:
                 nbs = up[it] + down[it] if sweep >= 6 else (up[it] if sweep % 2 == 0 else
                                                            down[it])
                 want[it] = sum(x[m] for m in nbs) / len(nbs) if nbs else x[it]
             x.update(_place_row(rows[k], want, width))
+    return x
 
-    # columns: break between runs where possible, sized toward the aimed aspect
-    lo = [min(x[it] - width[it] / 2 for it in row) for row in rows]
-    hi = [max(x[it] + width[it] / 2 for it in row) for row in rows]
-    titled = [bool(runs[r][0]) for r in range(len(runs))]
-    run_h = [run_layers[r][1] * _ROW + (_TITLE_H if titled[r] else 0) + _RUN_GAP
-             for r in range(len(runs))]
+
+def _columns(run_layers: list, titled: list, lo: list, hi: list) -> list:
+    """Layer ranges of the columns the layers are wrapped into.
+
+    One column up to 9 inches; beyond, the number of columns (1..24) whose picture comes
+    nearest to 1.3 times as wide as tall, with whole runs in a column while they fit and a
+    penalty for each run cut between columns.
+    """
+    run_h = [depth * _ROW + (_TITLE_H if t else 0) + _RUN_GAP
+             for (_, depth), t in zip(run_layers, titled)]
     total_h = sum(run_h)
+    n_layers = sum(depth for _, depth in run_layers)
+    if total_h <= _MIN_WRAP_H:
+        return [(0, n_layers)]
 
     def split(target: float) -> list:
-        """Layer ranges of the columns: whole runs while they fit, long runs cut."""
         cols, cur, h = [], [], 0.0
         for r, (f, depth) in enumerate(run_layers):
             # a short run (the embeddings above the first block, the head below the last)
@@ -497,7 +491,7 @@ def layout_graph(dm: DigitMap) -> GraphLayout:
             cols.append(cur)
         return [(c[0][0], c[-1][1]) for c in cols]
 
-    def column_height(a: int, b: int) -> float:
+    def height(a: int, b: int) -> float:
         h = 0.0
         for r, (f, depth) in enumerate(run_layers):
             inside = min(f + depth, b) - max(f, a)
@@ -505,22 +499,65 @@ def layout_graph(dm: DigitMap) -> GraphLayout:
                 h += inside * _ROW + (_TITLE_H if titled[r] else 0) + _RUN_GAP
         return h
 
-    def extent(cols: list) -> tuple[float, float]:
-        w = sum(max(hi[a:b]) - min(lo[a:b]) for a, b in cols) + _COL_GAP * (len(cols) - 1)
-        return w, max(column_height(a, b) for a, b in cols)
+    starts = {f for f, _ in run_layers}
+    best, columns = math.inf, [(0, n_layers)]
+    for c in range(1, 25):
+        cand = split(total_h / c)
+        w = sum(max(hi[a:b]) - min(lo[a:b]) for a, b in cand) + _COL_GAP * (len(cand) - 1)
+        h = max(height(a, b) for a, b in cand)
+        # a module cut between two columns is harder to read than a less ideal aspect
+        score = abs(math.log(w / h / _ASPECT)) + 0.15 * sum(1 for a, _ in cand
+                                                           if a not in starts)
+        if score < best - 1e-9:
+            best, columns = score, cand
+    return columns
 
-    columns = [(0, n_layers)]
-    if total_h > _MIN_WRAP_H:
-        starts = {f for f, _ in run_layers}
-        best_score = math.inf
-        for c in range(1, 25):
-            cand = split(total_h / c)
-            w, h = extent(cand)
-            # a module cut between two columns is harder to read than a less ideal aspect
-            cuts = sum(1 for a, _ in cand if a not in starts)
-            score = abs(math.log(w / h / _ASPECT)) + 0.15 * cuts
-            if score < best_score - 1e-9:
-                best_score, columns = score, cand
+
+def layout_graph(dm: DigitMap) -> GraphLayout:
+    """A layered top-down layout of the map's operator graph, grouped by module.
+
+    Steps (after Sugiyama et al.): a topological order that keeps each module's operators
+    together (:func:`_order`); runs of consecutive operators of one group (:func:`group_key`)
+    stacked from the top, each layered inside itself (:func:`_layer_runs`); a lane per layer
+    crossed by a long edge (:func:`_lanes`); barycentre sweeps against crossings; x by least
+    squares toward the neighbours; the layers wrapped into columns (:func:`_columns`); edges
+    routed through their lanes, and from a column's bottom up the gap to the next one's top.
+
+    Raises:
+        ValueError: the map has no operators.
+    """
+    ops = list(dm.operators.values())
+    if not ops:
+        raise ValueError("the digit map has no operators to draw")
+    names = [op.name for op in ops]
+    key = {op.name: group_key(op.module_path) for op in ops}
+    preds: dict = {n: [] for n in names}
+    succs: dict = {n: [] for n in names}
+    for op in ops:
+        for i in dict.fromkeys(op.inputs):
+            if i in dm.operators and i != op.name:
+                preds[op.name].append(i)
+                succs[i].append(op.name)
+    order, back = _order(names, preds, succs, key)
+    rank = {n: i for i, n in enumerate(order)}
+    fwd_preds = {n: [p for p in preds[n] if rank[p] < rank[n]] for n in names}
+    runs, layer, run_layers = _layer_runs(order, key, fwd_preds, succs)
+    n_layers = sum(depth for _, depth in run_layers)
+    rows, up, down, chains = _lanes(order, layer, fwd_preds, n_layers)
+    rows, crossings = _reduce_crossings(rows, up, down)
+
+    # box width: the names, within bounds (the few longer names get a smaller font)
+    labels = {n: _label(n, key[n]) for n in names}
+    chars = sorted(len(lb) for lb in labels.values())
+    box_chars = min(max(chars[int(0.9 * (len(chars) - 1))], _LABEL_CHARS[0]), _LABEL_CHARS[1])
+    box_w = box_chars * _CHAR_IN + 0.12
+    width = {it: box_w if it in key else _DUMMY_W for row in rows for it in row}
+    x = _x_positions(rows, up, down, width)
+
+    lo = [min(x[it] - width[it] / 2 for it in row) for row in rows]
+    hi = [max(x[it] + width[it] / 2 for it in row) for row in rows]
+    titled = [bool(k) for k, _ in runs]
+    columns = _columns(run_layers, titled, lo, hi)
     col_of_layer = [0] * n_layers
     for c, (a, b) in enumerate(columns):
         for k in range(a, b):
@@ -549,14 +586,13 @@ def layout_graph(dm: DigitMap) -> GraphLayout:
         col_left.append(left)
         left += max(hi[a:b]) - min(lo[a:b]) + _COL_GAP
         col_bottom.append(cur)
-    width_in = left - _COL_GAP
     height_in = -min(col_bottom) + _COL_GAP / 2
 
     nodes = {n: NodeBox(n, x[n], y_of_layer[layer[n]], box_w, _BOX_H, layer[n],
                         col_of_layer[layer[n]], key[n], labels[n]) for n in names}
 
     groups = []
-    for r, (f, depth) in enumerate(run_layers):
+    for r, (f, _) in enumerate(run_layers):
         if not titled[r]:
             continue
         members = runs[r][1]
@@ -629,7 +665,8 @@ def layout_graph(dm: DigitMap) -> GraphLayout:
         e.connectors = [[(px + dx, py) for px, py in line] for line in e.connectors]
     width_in = max(x_max) + dx + 0.05
     height_in = max(height_in, 0.05 - min(y_min))
-    return GraphLayout(nodes, groups, edges, width_in, height_in, len(columns), n_layers, best)
+    return GraphLayout(nodes, groups, edges, width_in, height_in, len(columns), n_layers,
+                       crossings)
 
 
 # --------------------------------------------------------------------------- graph picture
