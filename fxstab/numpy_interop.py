@@ -70,6 +70,8 @@ def _torch_of(a: np.ndarray) -> torch.Tensor:
     if a.dtype == object or a.dtype.kind not in "biuf":
         raise TypeError(f"fxstab: a NumPy array of dtype {a.dtype} cannot enter the analysis "
                         f"(only booleans, integers and floats); convert it first")
+    if a.dtype.kind == "f" and a.dtype.itemsize > 8:  # long double: torch has no such dtype
+        a = a.astype(np.float64)
     return torch.from_numpy(np.array(a, copy=True, order="C"))
 
 
@@ -152,7 +154,8 @@ def _wrap(r: Any, dtype: Optional[np.dtype] = None, *, decide: bool = False) -> 
         if r._st.samples.is_floating_point():
             dt = dtype if dtype is not None and np.dtype(dtype).kind == "f" else _np_dtype(r.dtype)
         else:
-            dt = dtype if dtype is not None and np.dtype(dtype).kind in "biu" else _np_dtype(r.dtype)
+            dt = dtype if dtype is not None and np.dtype(dtype).kind in "biu" else \
+                _np_dtype(r.dtype)
         return StochasticArray(r, dt)
     if isinstance(r, torch.Tensor):
         a = r.detach().numpy() if r.dtype != torch.bfloat16 else r.float().numpy()
@@ -1011,7 +1014,8 @@ def _tensordot(a, b, axes=2):
         dims = axes
     else:
         xa, xb = axes
-        dims = ([xa] if isinstance(xa, int) else list(xa), [xb] if isinstance(xb, int) else list(xb))
+        dims = ([xa] if isinstance(xa, int) else list(xa),
+                [xb] if isinstance(xb, int) else list(xb))
     return _wrap(torch.tensordot(ta, tb, dims=dims), _result_dtype(a, b))
 
 

@@ -337,7 +337,9 @@ def stochastic(
                              f"{x.dtype}; convert with .astype(np.float64) first")
         a = np.asarray(x)
         a = a if a.dtype.kind == "f" else a.astype(np.float64)
-        t = stochastic(torch.from_numpy(np.array(a, copy=True, order="C")), context=ctx)
+        # long double enters as float64 (torch has no wider dtype; the format is narrower)
+        w = a if a.dtype.itemsize <= 8 else a.astype(np.float64)
+        t = stochastic(torch.from_numpy(np.array(w, copy=True, order="C")), context=ctx)
         return StochasticArray(t, a.dtype)
     if isinstance(x, torch.Tensor):
         t = x.detach()

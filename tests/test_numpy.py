@@ -473,7 +473,8 @@ def _cbrt_torch(a):
 def test_newton_in_numpy_stops_where_its_torch_twin_stops(fmt):
     for seed in range(3):
         rn = fxstab.analyze(_newton_numpy, format=fmt, seed=seed)(np.float64(2.0))
-        rt = fxstab.analyze(_newton_torch, format=fmt, seed=seed)(torch.tensor(2.0, dtype=torch.float64))
+        rt = fxstab.analyze(_newton_torch, format=fmt, seed=seed)(
+            torch.tensor(2.0, dtype=torch.float64))
         (zn, kn), (zt, kt) = rn.output, rt.output
         assert kn == kt < 100
         assert np.array_equal(zn.samples, zt.samples.numpy())
