@@ -541,7 +541,13 @@ def layout_graph(dm: DigitMap) -> GraphLayout:
     order, back = _order(names, preds, succs, key)
     rank = {n: i for i, n in enumerate(order)}
     fwd_preds = {n: [p for p in preds[n] if rank[p] < rank[n]] for n in names}
-    runs, layer, run_layers = _layer_runs(order, key, fwd_preds, succs)
+    layering = fwd_preds
+    if not any(preds.values()):
+        # A map without edges (its operators' inputs were not recorded) would put every
+        # operator of a module side by side in one layer: one operator a layer, in execution
+        # order, instead (no edge is drawn).
+        layering = {n: [order[i - 1]] if i else [] for i, n in enumerate(order)}
+    runs, layer, run_layers = _layer_runs(order, key, layering, succs)
     n_layers = sum(depth for _, depth in run_layers)
     rows, up, down, chains = _lanes(order, layer, fwd_preds, n_layers)
     rows, crossings = _reduce_crossings(rows, up, down)

@@ -208,6 +208,15 @@ def test_a_long_chain_without_modules_wraps_by_height():
     assert lay.columns > 1 and 0.6 < lay.width / lay.height < 2.5
 
 
+def test_a_map_without_edges_is_drawn_in_execution_order():
+    dm = DigitMap.from_reports([rep(f"blocks.{i // 10}.l{i % 10}/linear#0", 2.0, 1.0)
+                                for i in range(40)])
+    lay = plots.layout_graph(dm)
+    check_layout(dm, lay)
+    assert [lay.nodes[n].layer for n in dm.operators] == list(range(40))
+    assert not lay.edges and lay.columns > 1
+
+
 def test_layout_breaks_a_cycle_and_draws_it_as_a_back_edge():
     dm = DigitMap.from_reports([rep("a/relu#0", 2.0, 1.0, ["c/relu#0"]),
                                 rep("b/relu#0", 2.0, 1.0, ["a/relu#0"]),
