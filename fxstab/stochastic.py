@@ -142,6 +142,11 @@ class StochasticTensor(torch.Tensor):
                         torch.tensor(v, dtype=torch.float64))._st
 
     # -- NumPy's protocols: np.sqrt(x), np.sum(x)... run the same rules -------------------
+    def __array__(self, dtype=None, copy=None):
+        raise TypeError("fxstab: np.asarray/np.array of a stochastic tensor would drop its "
+                        "samples; use x.value.numpy() for the sample mean (leaving the "
+                        "analysis), or fxstab.stochastic(np_array) to analyse NumPy code")
+
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         from .numpy_interop import tensor_array_ufunc  # noqa: PLC0415 - it imports this module
         return tensor_array_ufunc(ufunc, method, inputs, kwargs)

@@ -404,6 +404,10 @@ def test_numpy_functions_on_stochastic_tensors_stay_tensors():
     s = np.sum(t * 2)
     assert isinstance(s, StochasticTensor) and float(s) == 28.0
     assert float(np.linalg.norm(t)) == pytest.approx(math.sqrt(98), rel=1e-6)
+    with pytest.raises(TypeError, match=r"x\.value\.numpy\(\)"):  # not torch's .numpy() error
+        np.asarray(t)
+    with pytest.raises(TypeError, match=r"np\.fft\.fft"):
+        np.fft.fft(t)
 
 
 def test_tensor_slice_assignment_reaches_the_tensor():
