@@ -555,3 +555,22 @@ def test_readme_numpy_example_runs_as_written():
         # the comment up to a remark in parentheses or an ellipsis is what the line prints
         want = re.split(r"\s+\(", want)[0].split("...")[0].strip()
         assert got.startswith(want), f"README says {want!r}, the code prints {got!r}"
+
+
+ISSUE_TABLE = {  # what a new user tried (issue 20): every row failed or came back as torch
+    "arithmetic": lambda a, b: (a + b) * a - b / a, "matmul": lambda a, b: a @ b,
+    "sum method": lambda a, b: (a * b).sum(), "sqrt": lambda a, b: np.sqrt(a),
+    "exp": lambda a, b: np.exp(a), "dot": lambda a, b: np.dot(a, b),
+    "norm": lambda a, b: np.linalg.norm(a), "where": lambda a, b: np.where(a > b, a, b),
+    "maximum": lambda a, b: np.maximum(a, b), "np.sum": lambda a, b: np.sum(a),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ISSUE_TABLE))
+def test_the_issue_table_runs_and_answers_in_numpy(name):
+    a, b = np.array([1.0, 2.0, 3.0]), np.array([0.5, 2.5, 1.0])
+    res = fxstab.analyze(ISSUE_TABLE[name], format="fp32", seed=0)(a, b)
+    ref = ISSUE_TABLE[name](a, b)
+    assert isinstance(res.value, (np.ndarray, np.floating))
+    assert isinstance(res.digits, (np.ndarray, np.floating)) and isinstance(res.samples, np.ndarray)
+    assert np.allclose(res.value, ref, rtol=1e-6)
