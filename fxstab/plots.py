@@ -828,10 +828,12 @@ def plot_graph(dm: DigitMap, path: PathLike, metric: Optional[str] = None) -> Pa
             linestyles=[st.linestyle for st in styles], zorder=4))
 
         fmt = dm.metadata.get("format", "?")
-        title = (f"operator graph: {len(dm)} operators, {fmt}, {metric} digits "
-                 f"(cap {cap:.2f})")
+        title = (f"operator graph: {len(dm)} operator{'s' if len(dm) != 1 else ''}, {fmt}, "
+                 f"{metric} digits (cap {cap:.2f})")
         if sources:
             title += f"; NaN/inf first appear at {', '.join(sorted(sources))}"
+        elif not any(op.non_finite for op in dm.operators.values()):
+            title += "; no NaN/inf"
         fig.text(margin / fig_w, 1 - 0.12 * hs / fig_h, title, fontsize=10 * hs, ha="left",
                  va="top", fontweight="bold")
         cax = fig.add_axes([margin / fig_w, 1 - 0.62 * hs / fig_h, 2.6 * hs / fig_w,
@@ -847,6 +849,8 @@ def plot_graph(dm: DigitMap, path: PathLike, metric: Optional[str] = None) -> Pa
                    Patch(facecolor="#f2f2f7", edgecolor="#9a9ab0", label="module"),
                    Line2D([], [], color="#6b6b6b", marker="v", markersize=4 * hs, linewidth=0.7,
                           label="input -> consumer")]
+        if not lay.groups:
+            handles = [h for h in handles if h.get_label() != "module"]
         fig.legend(handles=handles, loc="upper left", ncol=4, fontsize=FONT_PT * hs,
                    frameon=False, bbox_to_anchor=((margin + 3.0 * hs) / fig_w,
                                                   1 - 0.33 * hs / fig_h))

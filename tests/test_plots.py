@@ -279,6 +279,7 @@ def test_default_metric_is_read_when_plotting(tmp_path, monkeypatch, figures):
     plots.plot_graph(dm, tmp_path / "g.png")
     plots.plot_digits(dm, tmp_path / "d.png")
     assert "min digits" in figures[0]["texts"][0]
+    assert figures[0]["texts"][0].endswith("; no NaN/inf")  # the clean map says so
     assert "min digits" in figures[1]["title"]
 
 
