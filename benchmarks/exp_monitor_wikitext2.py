@@ -440,7 +440,10 @@ def loss_figure(results: list[dict]):
             finite_max = max([finite_max] + finite)
             ax.plot(steps, [v if math.isfinite(v) else math.nan for v in y], color=c,
                     alpha=0.25, linewidth=0.6)
-            ax.plot(steps, _smooth(y, max(1, len(y) // 40)), color=c, label=r["arm"])
+            # each arm thinner than the one before: identical curves (the arms agree until an
+            # injection bites) stay visible under each other
+            ax.plot(steps, _smooth(y, max(1, len(y) // 40)), color=c, label=r["arm"],
+                    linewidth=max(0.8, 2.4 - 0.7 * arms.index(r["arm"])))
             bad = _steps_of(r, "nonfinite_at", [t for t, v in enumerate(y)
                                                 if not math.isfinite(v)])
             skipped = set(_steps_of(r, "skipped_at", []))
