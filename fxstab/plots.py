@@ -131,8 +131,12 @@ def plot_digits(dm: DigitMap, path: PathLike, top: Optional[int] = None,
         ax.set_xlim(0, max(cap, max(vals)) * 1.05 or 1.0)
         ax.set_xlabel(f"{metric} reliable digits")
         fmt = dm.metadata.get("format", "?")
-        ax.set_title(f"digits per operator ({fmt}, N={dm.metadata.get('n_samples', '?')}, "
-                     f"{metric} digits, worst first)")
+        title = (f"digits per operator ({fmt}, N={dm.metadata.get('n_samples', '?')}, "
+                 f"{metric} digits, worst first)")
+        missing = sum(1 for op in ops if math.isnan(op.digits(metric)))
+        if missing:  # e.g. a version-1 map has no normwise or quantile digits
+            title += f"\n{missing} operator(s) without {metric} digits, drawn as 0"
+        ax.set_title(title)
         handles, labels = ax.get_legend_handles_labels()
         from matplotlib.patches import Patch
 
@@ -834,6 +838,9 @@ def plot_graph(dm: DigitMap, path: PathLike, metric: Optional[str] = None) -> Pa
             title += f"; NaN/inf first appear at {', '.join(sorted(sources))}"
         elif not any(op.non_finite for op in dm.operators.values()):
             title += "; no NaN/inf"
+        missing = sum(1 for op in dm.operators.values() if math.isnan(op.digits(metric)))
+        if missing:  # e.g. a version-1 map has no normwise or quantile digits
+            title += f"; grey: {missing} without {metric} digits"
         fig.text(margin / fig_w, 1 - 0.12 * hs / fig_h, title, fontsize=10 * hs, ha="left",
                  va="top", fontweight="bold")
         cax = fig.add_axes([margin / fig_w, 1 - 0.62 * hs / fig_h, 2.6 * hs / fig_w,

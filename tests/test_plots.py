@@ -254,10 +254,14 @@ def test_node_styles_mark_nonfinite_origins_and_colour_by_metric():
     assert plots.node_styles(dm, "min")["blocks.0.attn/softmax#0"].face != clean.face
 
 
-def test_operator_without_digits_under_the_metric_is_grey_not_red():
+def test_operator_without_digits_under_the_metric_is_grey_not_red(tmp_path, figures):
     dm = DigitMap.from_reports([rep("a/linear#0", math.nan, 1.0), rep("b/linear#0", 0.0, 0.0)])
     st = plots.node_styles(dm, "avg")
     assert st["a/linear#0"].text == "n/a" and st["a/linear#0"].face != st["b/linear#0"].face
+    plots.plot_graph(dm, tmp_path / "g.png", metric="avg")
+    plots.plot_digits(dm, tmp_path / "d.png", metric="avg")
+    assert "grey: 1 without avg digits" in figures[0]["texts"][0]
+    assert "1 operator(s) without avg digits, drawn as 0" in figures[1]["title"]
 
 
 def test_plot_graph_writes_pictures_that_name_the_origin(tmp_path, figures):
