@@ -462,7 +462,7 @@ def _x_positions(rows: list, up: dict, down: dict, width: dict) -> dict:
 def _columns(run_layers: list, titled: list, lo: list, hi: list) -> list:
     """Layer ranges of the columns the layers are wrapped into.
 
-    One column up to 9 inches; beyond, the number of columns (1..24) whose picture comes
+    One column up to 9 inches; beyond, the number of columns (1..64) whose picture comes
     nearest to 1.3 times as wide as tall, with whole runs in a column while they fit and a
     penalty for each run cut between columns.
     """
@@ -473,13 +473,15 @@ def _columns(run_layers: list, titled: list, lo: list, hi: list) -> list:
     if total_h <= _MIN_WRAP_H:
         return [(0, n_layers)]
 
+    # a short run (the embeddings above the first block, the head below the last) stays
+    # with its neighbour rather than open a column of its own
+    short = 0.35 * sorted(run_h)[len(run_h) // 2]
+
     def split(target: float) -> list:
         cols, cur, h = [], [], 0.0
         for r, (f, depth) in enumerate(run_layers):
-            # a short run (the embeddings above the first block, the head below the last)
-            # stays with its neighbour rather than open a column of its own
             if cur and h + run_h[r] > 1.15 * target and h >= 0.5 * target and \
-                    run_h[r] >= 0.35 * target:
+                    run_h[r] >= short:
                 cols.append(cur)
                 cur, h = [], 0.0
             if run_h[r] > 1.3 * target:  # a run taller than a column: cut it into columns
@@ -505,7 +507,7 @@ def _columns(run_layers: list, titled: list, lo: list, hi: list) -> list:
 
     starts = {f for f, _ in run_layers}
     best, columns = math.inf, [(0, n_layers)]
-    for c in range(1, 25):
+    for c in range(1, 65):
         cand = split(total_h / c)
         w = sum(max(hi[a:b]) - min(lo[a:b]) for a, b in cand) + _COL_GAP * (len(cand) - 1)
         h = max(height(a, b) for a, b in cand)

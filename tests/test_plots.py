@@ -173,17 +173,18 @@ def test_layout_is_layered_top_down_and_grouped_by_module():
     assert nodes["blocks.0.attn/matmul#0"].layer < nodes["blocks.0.attn/matmul#1"].layer
 
 
-def test_a_deep_model_wraps_into_columns_between_blocks():
-    dm = transformer_map(blocks=12)
+@pytest.mark.parametrize("blocks", [12, 80])
+def test_a_deep_model_wraps_into_columns_between_blocks(blocks):
+    dm = transformer_map(blocks=blocks)  # 147 and 963 operators
     lay = plots.layout_graph(dm)
     check_layout(dm, lay)
     assert lay.columns > 1 and lay.crossings == 0
     assert 0.6 < lay.width / lay.height < 2.5
     assert not any(g.continued for g in lay.groups)  # columns break between blocks
-    cols = [lay.nodes[f"blocks.{b}/add#1"].column for b in range(12)]
+    cols = [lay.nodes[f"blocks.{b}/add#1"].column for b in range(blocks)]
     assert cols == sorted(cols) and cols[0] == 0 and cols[-1] == lay.columns - 1
     # the residual stream that leaves a column's bottom continues at the next column's top
-    for b in range(1, 12):
+    for b in range(1, blocks):
         e = next(e for e in lay.edges
                  if (e.source, e.target) == (f"blocks.{b - 1}/add#1", f"blocks.{b}/add#0"))
         gap = lay.nodes[e.target].column - lay.nodes[e.source].column
