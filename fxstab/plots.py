@@ -753,8 +753,9 @@ def plot_graph(dm: DigitMap, path: PathLike, metric: Optional[str] = None) -> Pa
 
     Each box is an operator (its name inside its module box, its ``metric`` digits below),
     filled by digits on a red (0) to green (the format's cap) scale. An operator where NaN/inf
-    first appear (:meth:`DigitMap.nonfinite_sources`) has a thick violet outline; one that
-    only passes non-finite values on has a dashed violet outline. Edges run from an input's
+    first appear (:meth:`DigitMap.nonfinite_sources`, also named in the title) has a thick
+    violet outline and a halo; one that only passes non-finite values on has a dashed violet
+    outline. Edges run from an input's
     bottom to its consumer's top; an edge that leaves the bottom of a column continues at the
     top of the next one through the gap between them.
     """
