@@ -748,6 +748,8 @@ def summary_table(summary: dict) -> str:
     def pct(v: Optional[float]) -> str:
         return "   -" if v is None else f"{100 * v:4.0f}%"
 
+    if not summary:
+        return "(no damaged hazard case selected)"
     lines = [f"{'group':<10} {'cases':>5}  {'top1':>5} {'top3':>5}   {'top1 low':>8} "
              f"{'top3 low':>8}"]
     for g, s in summary.items():
