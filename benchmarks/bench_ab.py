@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -90,12 +91,19 @@ def main(argv=None) -> int:
     ap.add_argument("--diagnostics", default="summary", choices=["off", "summary", "detailed"])
     ap.add_argument("--repeats", type=int, default=60)
     ap.add_argument("--quick", action="store_true", help="small models (a smoke test)")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time the process's CPU time, not the wall clock (a machine shared "
+                         "with other jobs; with --threads 1 the two agree on an idle machine)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--out", default=str(ROOT / "results"))
     args = ap.parse_args(argv)
     unknown = [m for m in args.models.split(",") if m not in MODELS]
     if unknown:
         ap.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.process_time if args.cpu_time else time.perf_counter
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         ref = load_ref(extract_ref(args.ref, Path(tmp)))
@@ -114,7 +122,8 @@ def main(argv=None) -> int:
                     be.reports.clear()  # the same work every call: reports do not pile up
 
                 t_ref, t_new = timed_interleaved([lambda: call(f_ref, be_ref),
-                                                  lambda: call(f_new, be_new)], args.repeats)
+                                                  lambda: call(f_new, be_new)], args.repeats,
+                                                 clock)
                 for be in (be_ref, be_new):
                     if any(info.failures for info in be.infos):
                         raise RuntimeError(f"{name}: the stochastic path failed: "

@@ -70,14 +70,16 @@ def make(name: str, quick: bool):
     return m.eval(), x
 
 
-def timed_interleaved(fns: list, repeats: int) -> list[float]:
+def timed_interleaved(fns: list, repeats: int, clock=time.perf_counter) -> list[float]:
     """Median time of each function, calling them in turn in every repeat: on a shared machine
     a load change then hits all of them alike instead of one side of a ratio.
 
     Each timed call follows an untimed call of the same function, so every function is timed
     with the caches as its own previous call left them. Timing the call that follows another
     function's call (fxstab's, which moves tens of MB) made a small eager model look up to
-    twice as slow as it is, and the ratios that much better."""
+    twice as slow as it is, and the ratios that much better. ``clock``: ``time.process_time``
+    counts the CPU time of this process (all its threads) instead of the wall clock, which a
+    machine shared with other jobs inflates by whatever they take."""
     for fn in fns:
         fn()
         fn()
@@ -85,9 +87,9 @@ def timed_interleaved(fns: list, repeats: int) -> list[float]:
     for _ in range(repeats):
         for i, fn in enumerate(fns):
             fn()
-            t = time.perf_counter()
+            t = clock()
             fn()
-            ts[i].append(time.perf_counter() - t)
+            ts[i].append(clock() - t)
     return [statistics.median(t) for t in ts]
 
 

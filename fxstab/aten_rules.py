@@ -1273,7 +1273,8 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
             raw, lifted = _run_batched(op, info, args, kwargs, n)
     exact = info.exact
     do_round = lifted and not exact
-    want_record = ctx.recorder is not None and (not exact or ctx.record_exact)
+    want_record = ctx.recorder is not None and (
+        not exact or ctx.record_exact or _writes_nonfinite(kind, args, kwargs))
     # Per-element digits now, in the rounding pass, when a counter will read them: a
     # cancellation needs a format with more digits than cancel_digits; the zero masks of the
     # other counters are measured later, only for values whose statistics count zeros.
@@ -1336,6 +1337,25 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
         ctx.recorder(PrimitiveRecord(rec_name, info.text, kind, stats, counts, surrogate, status,
                                      tuple(first.shape), list(ctx._last_events)))
     return result
+
+
+# Exact primitives that write a value of their own: filled with an infinity (an attention mask's
+# -inf), they are recorded (observed, not rounded), so the graph sees where the infinities come
+# from and their consumers (the softmax's x - max) are not taken for where NaN/inf appear.
+_WRITING_KINDS = frozenset({"masked_fill", "fill", "full", "full_like", "new_full", "where",
+                            "index_put", "index_fill", "scatter", "masked_scatter"})
+
+
+def _writes_nonfinite(kind: str, args: tuple, kwargs: dict) -> bool:
+    if kind not in _WRITING_KINDS:
+        return False
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, float) and not math.isfinite(v):
+            return True
+        if isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point() \
+                and not bool(torch.isfinite(v)):
+            return True
+    return False
 
 
 def _limit_diff(kind: str, args: tuple, kwargs: dict, ctx: AtenContext) -> Optional[_Analysis]:

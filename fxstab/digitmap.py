@@ -603,8 +603,9 @@ class DigitMap:
                 ref = _as_digits(self.operators[worst].digits(metric))
             else:
                 worst, ref = None, cap
-            out.append(LocalLoss(op.name, op.kind, own, ref, worst, ref - own,
-                                 op.name in origins))
+            # an observed operator does no arithmetic: it loses nothing of its own
+            loss = 0.0 if op.status == OBSERVED else ref - own
+            out.append(LocalLoss(op.name, op.kind, own, ref, worst, loss, op.name in origins))
         order = {name: i for i, name in enumerate(self.operators)}
         return sorted(out, key=lambda x: (not x.nonfinite_origin,
                                           order[x.name] if x.nonfinite_origin else 0,
@@ -614,11 +615,15 @@ class DigitMap:
         """Operators that produce NaN/inf although none of their instrumented inputs did.
 
         This is where an overflow or an invalid operation starts; everything downstream merely
-        propagates it. Graph order (the order of the map) is kept.
+        propagates it. An observed operator (an exact primitive recorded without rounding,
+        such as an attention mask's ``masked_fill(-inf)`` at the aten level) writes its
+        infinities by design: it is no origin, but its consumers read them. Graph order (the
+        order of the map) is kept.
         """
         out = []
         for op in self.operators.values():
-            if op.non_finite and not any(self.operators[i].non_finite for i in op.inputs if i in self.operators):
+            if op.non_finite and op.status != OBSERVED and not any(
+                    self.operators[i].non_finite for i in op.inputs if i in self.operators):
                 out.append(op.name)
         return out
 

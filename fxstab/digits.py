@@ -47,6 +47,10 @@ QUANTILES = (0.1, 0.5)
 # Quantile bins: the top 16 bits of the fp64 relative sample variance s^2 / mean^2 (sign,
 # exponent and 4 significand bits: 16 bins an octave, at most 0.013 digits wide).
 _BIN_SHIFT = 48
+# The quantiles sample every ceil(groups / _QGROUPS)-th group of _GROUP consecutive elements
+# (the fused kernels' groups): all elements up to 4096, then 2048-4096 of them.
+_GROUP = 128
+_QGROUPS = 32
 
 
 def empty_stats(cap: float) -> list:
@@ -306,20 +310,35 @@ def stats_vector(samples: torch.Tensor, t: float, cap: float,
 def extra_stats(samples: torch.Tensor, t: float, cap: float, underflow: int = 0) -> list:
     """The extras of a statistics vector (:data:`EXTRA_STATS`) of ``samples`` [N, ...]: what
     the fused kernels compute beside the six digit reductions (the Triton path and the
-    references call this)."""
+    references call this).
+
+    The norms cover every element. The quantiles sample the elements in groups of 128
+    consecutive ones, every ``ceil(groups / 32)``-th group (all of them up to 32 groups, 4096
+    elements), as the kernels do: the histogram costs an increment per element it holds.
+    """
     n = samples.shape[0]
     flat = samples.reshape(n, -1)
     numel = flat.shape[1]
     if numel == 0:
         return empty_stats(cap)[6:]
     consts = _extras_constants(n, t, cap)
-    sums, hist = None, None
-    for a, step in _chunks(flat):  # sums and bins combine
-        s, h = _extras_columns(flat[:, a:a + step], n, consts)
-        sums, hist = (s, h) if sums is None else (sums + s, hist + h)
-    counts = hist.tolist()
+    sums = None
+    for a, step in _chunks(flat):  # norms over every element
+        ss, m2, finite, _ = _moments2(flat[:, a:a + step], n)
+        zero = torch.zeros((), dtype=torch.float64, device=flat.device)
+        part = torch.stack([torch.where(finite, m2, zero).sum(), torch.where(finite, ss, zero).sum()])
+        sums = part if sums is None else sums + part
+    groups = -(-numel // _GROUP)
+    stride = -(-groups // _QGROUPS) if groups > _QGROUPS else 1
+    if stride > 1:
+        cols = (torch.arange(0, groups, stride, device=flat.device).unsqueeze(1) * _GROUP
+                + torch.arange(_GROUP, device=flat.device)).reshape(-1)
+        sampled = flat[:, cols[cols < numel]]
+    else:
+        sampled = flat
+    counts = _bins(sampled, n, consts).tolist()
     return sums.tolist() + [float(underflow)] + [
-        _hist_quantile(counts, consts, numel, q, cap) for q in QUANTILES]
+        _hist_quantile(counts, consts, sampled.shape[1], q, cap) for q in QUANTILES]
 
 
 def _chunks(flat: torch.Tensor) -> list:
@@ -359,32 +378,38 @@ def _extras_constants(n: int, t: float, cap: float) -> tuple:
     return k0, rv_cap, rv_zero, b_cap, nbins
 
 
-def _extras_columns(samples: torch.Tensor, n: int, consts: tuple
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[squared norm of the means, of the standard deviations] (float64) and the digit
-    histogram (int64 [bins + 2]: the bins, then 0 digits, then the cap's) of ``samples``
-    [N, M], in fp64: the fused kernels' extras_block, operation for operation."""
-    k0, rv_cap, rv_zero, b_cap, nbins = consts
-    d = samples.double()
-    m = d[0].clone()
+def _moments2(samples: torch.Tensor, n: int) -> tuple:
+    """(s^2, mean^2, finite, identical) per element of ``samples`` [N, M]: the fused kernels'
+    extras_block operation for operation. The mean in the samples' dtype as the digits take it
+    (sum of x_i * (1 / n): no overflow near the dtype's maximum), the rest in fp64."""
+    inv = 1.0 / n
+    m = samples[0] * inv
     for i in range(1, n):
-        m += d[i]
-    m /= n
-    ss = torch.zeros_like(m)
+        m = m + samples[i] * inv
+    md = m.double()
+    ss = torch.zeros_like(md)
     for i in range(n):
-        ss += (d[i] - m).square()
-    ss /= n - 1
-    finite = ((m - m) == 0) & ((ss - ss) == 0)
+        ss += (samples[i].double() - md).square()
+    ss *= 1.0 / (n - 1)
+    m2 = md * md
+    finite = ((m2 - m2) == 0) & ((ss - ss) == 0)  # a mean beyond 1e154 (fp64) counts as not
     same = (samples == samples[:1]).all(0)
-    zero_m = torch.zeros((), dtype=torch.float64, device=m.device)
-    sums = torch.stack([torch.where(finite, m * m, zero_m).sum(),
-                        torch.where(finite, ss, zero_m).sum()])
-    rv = ss / (m * m)
-    idx = ((rv.view(torch.int64) >> _BIN_SHIFT) - b_cap).clamp_(0, nbins - 1)
-    zero_cls = ~finite | (~same & ((m == 0) | ~(rv < rv_zero)))
-    cap_cls = finite & ~zero_cls & (same | (rv <= rv_cap))
+    return ss, m2, finite, same
+
+
+def _bins(samples: torch.Tensor, n: int, consts: tuple) -> torch.Tensor:
+    """The digit histogram (int64 [bins + 2]: the bins, then 0 digits, then the cap's) of
+    ``samples`` [N, M]. The bin of a relative variance r = s^2 / mean^2 is read off
+    bits(s^2) - bits(mean^2) + bits(1.0), the bit pattern of r up to mean^2's significand (no
+    division; within 0.013 digits)."""
+    k0, rv_cap, rv_zero, b_cap, nbins = consts
+    ss, m2, finite, same = _moments2(samples, n)
+    bits = ss.view(torch.int64) - m2.view(torch.int64) + (1023 << 52)
+    idx = ((bits >> _BIN_SHIFT) - b_cap).clamp_(0, nbins - 1)
+    zero_cls = ~finite | (~same & ((m2 == 0) | ~(ss < rv_zero * m2)))
+    cap_cls = ~zero_cls & (same | (ss <= rv_cap * m2))
     idx = torch.where(zero_cls, nbins, torch.where(cap_cls, nbins + 1, idx))
-    return sums, torch.bincount(idx, minlength=nbins + 2)
+    return torch.bincount(idx, minlength=nbins + 2)
 
 
 def _hist_quantile(counts: list, consts: tuple, numel: int, q: float, cap: float) -> float:

@@ -245,3 +245,27 @@ def test_divisions_counted_with_the_planned_zero_masks():
         apply_primitive(aten.div.Tensor, (a, d), {}, ctx)
         counts.append(ctx.counters.counts["division"])
     assert counts[0] == counts[1] == counts[2] > 0
+
+
+def test_an_attention_masks_infinities_are_no_nan_origin():
+    """masked_fill(-inf) before a softmax writes its infinities by design: recorded (observed),
+    it is no NaN/inf origin and neither is the softmax's x - max that reads them."""
+    import math as _math
+
+    class Masked(torch.nn.Module):
+        def forward(self, q, k):
+            s = q @ k.transpose(-1, -2) / _math.sqrt(q.shape[-1])
+            mask = torch.ones(s.shape[-2:], dtype=torch.bool).triu(1)
+            return torch.softmax(s.masked_fill(mask, float("-inf")), -1)
+
+    torch._dynamo.reset()
+    be = fxstab.backend(granularity="aten", format="bf16")
+    q, k = torch.randn(2, 8, 16), torch.randn(2, 8, 16)
+    with torch.no_grad():
+        torch.compile(Masked(), backend=be)(q, k)
+    dm = be.digit_map()
+    fills = [op for op in dm.operators.values() if "masked_fill#0/" in op.name]
+    assert fills and fills[0].status == "observed" and fills[0].non_finite > 0
+    assert dm.nonfinite_sources() == [] and dm.findings() == []
+    sub = next(op for op in dm.operators.values() if op.kind == "sub")
+    assert sub.non_finite > 0 and fills[0].name in sub.inputs

@@ -261,15 +261,24 @@ def test_normwise_digits_against_fp64_formula():
     assert digit_stats(zero_mean, "fp64").normwise == 0.0
 
 
-@pytest.mark.parametrize("numel", [1, 7, 128, 1000, 70001])  # 70001: chunked columns
+@pytest.mark.parametrize("numel", [1, 7, 128, 1000, 4096, 4097, 70001])
 def test_quantiles_against_sorted_digits(numel):
+    """Exact up to the bins for at most 32 groups of 128 elements; beyond, the quantiles of
+    every ceil(groups / 32)-th group (70001: also the torch path's column chunks)."""
     s = _spread_samples(numel, seed=numel)
-    d = cestac_digits(s, "fp64").sort().values
+    d = cestac_digits(s, "fp64")
+    groups = -(-numel // 128)
+    stride = -(-groups // 32) if groups > 32 else 1
+    keep = torch.cat([torch.arange(g * 128, min(g * 128 + 128, numel))
+                      for g in range(0, groups, stride)])
+    assert (stride == 1) == (numel <= 4096) and 2048 <= keep.numel() or numel < 2048
+    d = d[keep].sort().values
     st = digit_stats(s, "fp64")
     for q, got in ((0.1, st.p10), (0.5, st.p50)):
-        exact = d[int(math.floor(q * (numel - 1)))].item()
-        # one bin is 1/16 of an octave of the variance: at most 0.013 digits
-        assert got == pytest.approx(exact, abs=0.0131), (q, got, exact)
+        exact = d[int(math.floor(q * (keep.numel() - 1)))].item()
+        # a bin is 1/16 of an octave of the variance (0.0094 digits), read off the bits with a
+        # piecewise-linear logarithm (within 0.013 digits)
+        assert got == pytest.approx(exact, abs=0.023), (q, got, exact)
 
 
 def test_quantiles_at_the_clamps():

@@ -62,11 +62,17 @@ typedef struct {
  * 16 bins per octave, at most 0.013 digits wide), between the cap's and 0 digits' variances;
  * the elements with 0 digits and with the cap's are counted apart. */
 #define HBINS 2048
+/* The quantiles sample at most about this many groups of 128 elements (fxstab.digits). */
+#define QGROUPS 32
 typedef struct {
     double msq, vsq, under;
-    int64_t zero_cls, cap_cls;
-    uint32_t hist[HBINS];
+    int64_t sampled; /* elements in the histogram */
+    /* the bins, then 0 digits, then the cap's; 4 counters a bin, used in turn by consecutive
+     * elements (a run of elements in one bin does not wait on its own increments) */
+    uint32_t hist[(HBINS + 2) * 4];
 } ext_t;
+#define HIST(e, b) ((e)->hist[(b) * 4] + (e)->hist[(b) * 4 + 1] + (e)->hist[(b) * 4 + 2] + \
+                    (e)->hist[(b) * 4 + 3])
 
 /* The surrogate of the GEMM that consumes a rounded output (fused into round_stats): eta and
  * seed in, the number of insufficiently separated elements out. */
@@ -412,46 +418,77 @@ DEFINE_DIGITS_BLOCK(digits_block_f64_plain, double, 2.2250738585072014e-308, log
                     int64_t, 0x1p-1000, 0x1p128)
 
 /* ---------------------------------------------------------------------------------------
- * The extras of `cnt` elements (ext_t), in fp64 whatever the samples' dtype, exactly as
- * fxstab.digits._extras_columns: mean = (sum of samples) / n, s^2 = sum (x_i - mean)^2 /
- * (n - 1); a finite element adds mean^2 and s^2 to the norms; its digits bin comes from s^2 /
- * mean^2 (a non-finite element or a zero mean with spread has 0 digits, identical samples the
- * cap's). `uf` (or NULL) holds the underflow flags of the group's elements.
+ * The extras of `cnt` elements (ext_t), exactly as fxstab.digits._moments2: the mean in the
+ * samples' dtype as the digits take it (sum of x_i * (1 / n), no overflow near the dtype's
+ * maximum), then in fp64 the deviations x_i - mean, s^2 = sum of their squares * (1 / (n - 1))
+ * and mean^2. An element whose mean^2 and s^2 are finite adds them to the norms (a mean beyond
+ * 1e154, in the fp64 format only, counts as non-finite here). With `bins` (the groups the
+ * quantiles sample), its digits bin comes from the relative variance r = s^2 / mean^2 without a
+ * division: bits(s^2) - bits(mean^2) + bits(1) is the bit pattern of r up to mean^2's
+ * significand (a logarithm read off the bits, piecewise linear: within 0.09 octaves, 0.013
+ * digits, of the exact one); the classes are comparisons (0 digits: a non-finite element, a
+ * zero mean with spread, r >= rv_zero; the cap's: identical samples, r <= rv_cap). The element
+ * loops are branch-free and vectorise. `uf` (or NULL) holds the underflow flags.
  */
 #define DEFINE_EXTRAS_BLOCK(NAME, FT)                                                           \
     ALWAYS_INLINE void NAME(const FT *const *rows, int64_t n, int64_t cnt, const params_t *p,  \
-                            const uint8_t *restrict uf, ext_t *e) {                             \
-        const double dn = (double)n, dn1 = (double)(n - 1);                                     \
-        const double rv_cap = p->rv_cap, rv_zero = p->rv_zero;                                  \
-        const int64_t b_cap = p->b_cap;                                                         \
+                            const uint8_t *restrict uf, int bins, ext_t *e) {                   \
+        const FT inv_n = (FT)1 / (FT)n;                                                         \
+        const double inv_n1 = 1.0 / (double)(n - 1);                                            \
         double msq = 0, vsq = 0;                                                                \
-        for (int64_t el = 0; el < cnt; el++) {                                                  \
-            const FT x0 = rows[0][el];                                                          \
-            double m = (double)x0;                                                              \
-            int same = 1;                                                                       \
-            for (int64_t i = 1; i < n; i++) {                                                   \
-                m += (double)rows[i][el];                                                       \
-                same &= rows[i][el] == x0;                                                      \
+        double var[BLK], mean2[BLK];                                                            \
+        int32_t fin_[BLK], same_[BLK];                                                          \
+        if (n == 3 && !bins) { /* the norms alone: nothing stored */                          \
+            const FT *restrict r0 = rows[0], *restrict r1 = rows[1], *restrict r2 = rows[2];    \
+            _Pragma("omp simd reduction(+:msq, vsq)")                                           \
+            for (int64_t el = 0; el < cnt; el++) {                                              \
+                const FT a = r0[el], b = r1[el], c = r2[el];                                    \
+                const FT m = (a * inv_n + b * inv_n) + c * inv_n;                               \
+                const double md = (double)m;                                                    \
+                const double da = (double)a - md, db = (double)b - md, dc = (double)c - md;     \
+                const double ss = ((0.0 + da * da) + db * db + dc * dc) * inv_n1;               \
+                const double m2 = md * md;                                                      \
+                const int finite = (m2 - m2 == 0) & (ss - ss == 0);                             \
+                msq += finite ? m2 : 0.0;                                                       \
+                vsq += finite ? ss : 0.0;                                                       \
             }                                                                                   \
-            m = m / dn;                                                                         \
-            double ss = 0;                                                                      \
-            for (int64_t i = 0; i < n; i++) {                                                   \
-                double d = (double)rows[i][el] - m;                                             \
-                ss += d * d;                                                                    \
+        } else if (n == 3) { /* straight-line code: the element loop vectorises */             \
+            const FT *restrict r0 = rows[0], *restrict r1 = rows[1], *restrict r2 = rows[2];    \
+            _Pragma("omp simd reduction(+:msq, vsq)")                                           \
+            for (int64_t el = 0; el < cnt; el++) {                                              \
+                const FT a = r0[el], b = r1[el], c = r2[el];                                    \
+                const FT m = (a * inv_n + b * inv_n) + c * inv_n;                               \
+                const double md = (double)m;                                                    \
+                const double da = (double)a - md, db = (double)b - md, dc = (double)c - md;     \
+                const double ss = ((0.0 + da * da) + db * db + dc * dc) * inv_n1;               \
+                const double m2 = md * md;                                                      \
+                const int finite = (m2 - m2 == 0) & (ss - ss == 0);                             \
+                msq += finite ? m2 : 0.0;                                                       \
+                vsq += finite ? ss : 0.0;                                                       \
+                var[el] = ss; mean2[el] = m2; fin_[el] = finite;                                \
+                same_[el] = (b == a) & (c == a);                                                \
             }                                                                                   \
-            ss = ss / dn1;                                                                      \
-            if (!(m - m == 0) || !(ss - ss == 0)) { e->zero_cls++; continue; }                  \
-            msq += m * m;                                                                       \
-            vsq += ss;                                                                          \
-            if (same) { e->cap_cls++; continue; }                                               \
-            if (m == 0) { e->zero_cls++; continue; }                                            \
-            double rv = ss / (m * m);                                                           \
-            if (!(rv < rv_zero)) { e->zero_cls++; continue; }                                   \
-            if (rv <= rv_cap) { e->cap_cls++; continue; }                                       \
-            uint64_t bits;                                                                      \
-            memcpy(&bits, &rv, sizeof bits);                                                    \
-            int64_t bi = (int64_t)(bits >> 48) - b_cap;                                         \
-            e->hist[bi < p->nbins ? bi : p->nbins - 1]++;                                       \
+        } else {                                                                                \
+            for (int64_t el = 0; el < cnt; el++) {                                              \
+                const FT x0 = rows[0][el];                                                      \
+                FT m = x0 * inv_n;                                                              \
+                int same = 1;                                                                   \
+                for (int64_t i = 1; i < n; i++) {                                               \
+                    m += rows[i][el] * inv_n;                                                   \
+                    same &= rows[i][el] == x0;                                                  \
+                }                                                                               \
+                const double md = (double)m;                                                    \
+                double ss = 0;                                                                  \
+                for (int64_t i = 0; i < n; i++) {                                               \
+                    double d = (double)rows[i][el] - md;                                        \
+                    ss += d * d;                                                                \
+                }                                                                               \
+                ss = ss * inv_n1;                                                               \
+                const int finite = (md * md - md * md == 0) & (ss - ss == 0);                   \
+                msq += finite ? md * md : 0.0;                                                  \
+                vsq += finite ? ss : 0.0;                                                       \
+                var[el] = ss; mean2[el] = md * md; fin_[el] = finite; same_[el] = same;        \
+            }                                                                                   \
         }                                                                                       \
         e->msq += msq;                                                                          \
         e->vsq += vsq;                                                                          \
@@ -460,10 +497,48 @@ DEFINE_DIGITS_BLOCK(digits_block_f64_plain, double, 2.2250738585072014e-308, log
             for (int64_t el = 0; el < cnt; el++) u += uf[el];                                   \
             e->under += (double)u;                                                              \
         }                                                                                       \
+        if (!bins) return;                                                                      \
+        const double rv_cap = p->rv_cap, rv_zero = p->rv_zero;                                  \
+        const int64_t b_cap = p->b_cap, nb = p->nbins, one = (int64_t)1023 << 52;              \
+        int32_t idx[BLK];                                                                       \
+        _Pragma("omp simd")                                                                     \
+        for (int64_t el = 0; el < cnt; el++) {                                                  \
+            const double ss = var[el], m2 = mean2[el];                                          \
+            const int finite = fin_[el], same = same_[el];                                      \
+            int64_t bs, bm;                                                                     \
+            memcpy(&bs, &ss, sizeof bs);                                                        \
+            memcpy(&bm, &m2, sizeof bm);                                                        \
+            /* unsigned shifts vectorise on AVX2 (no 64-bit arithmetic shift): a pattern below \
+             * 0 is a relative variance below 2^-1023, far under the cap's */                 \
+            const int64_t dv = bs - bm + one;                                                   \
+            int64_t b = (int64_t)((uint64_t)(dv > 0 ? dv : 0) >> 48) - b_cap;                   \
+            b = b < 0 ? 0 : (b >= nb ? nb - 1 : b);                                             \
+            const int zero_cls = !finite | (!same & ((m2 == 0) | !(ss < rv_zero * m2)));       \
+            const int cap_cls = !zero_cls & (same | (ss <= rv_cap * m2));                       \
+            idx[el] = (int32_t)(zero_cls ? nb : (cap_cls ? nb + 1 : b));                         \
+        }                                                                                       \
+        for (int64_t el = 0; el < cnt; el++) e->hist[idx[el] * 4 + (el & 3)]++;                 \
+        e->sampled += cnt;                                                                      \
     }
 
-DEFINE_EXTRAS_BLOCK(extras_block_f32, float)
-DEFINE_EXTRAS_BLOCK(extras_block_f64, double)
+DEFINE_EXTRAS_BLOCK(extras_block_f32_n, float)
+DEFINE_EXTRAS_BLOCK(extras_block_f64_n, double)
+
+/* N = 3 as a compile-time constant (the sample loops unroll, the element loop vectorises), one
+ * copy for the seven mode bodies, as digits_block_f32 */
+static __attribute__((noinline)) void extras_block_f32(const float *const *rows, int64_t n,
+                                                       int64_t cnt, const params_t *p,
+                                                       const uint8_t *uf, int bins, ext_t *e) {
+    if (n == 3) extras_block_f32_n(rows, 3, cnt, p, uf, bins, e);
+    else extras_block_f32_n(rows, n, cnt, p, uf, bins, e);
+}
+
+static __attribute__((noinline)) void extras_block_f64(const double *const *rows, int64_t n,
+                                                       int64_t cnt, const params_t *p,
+                                                       const uint8_t *uf, int bins, ext_t *e) {
+    if (n == 3) extras_block_f64_n(rows, 3, cnt, p, uf, bins, e);
+    else extras_block_f64_n(rows, n, cnt, p, uf, bins, e);
+}
 
 /* The digits of histogram bin b: those of the relative variance at the bin's middle. */
 static double bin_digits(const params_t *p, int64_t b) {
@@ -474,14 +549,15 @@ static double bin_digits(const params_t *p, int64_t b) {
     return d < 0 ? 0 : (d > p->cap ? p->cap : d);
 }
 
-/* The q-quantile of the digits ("lower": the element of rank floor(q (numel - 1)) in ascending
- * order) from the merged histogram. */
-static double ext_quantile(const ext_t *e, const params_t *p, int64_t numel, double q) {
+/* The q-quantile of the sampled digits ("lower": the element of rank floor(q (count - 1)) in
+ * ascending order) from the merged histogram. */
+static double ext_quantile(const ext_t *e, const params_t *p, double q) {
+    const int64_t numel = e->sampled;
     if (numel <= 0) return p->cap;
-    int64_t r = (int64_t)floor(q * (double)(numel - 1)), cum = e->zero_cls;
+    int64_t r = (int64_t)floor(q * (double)(numel - 1)), cum = HIST(e, p->nbins);
     if (r < cum) return 0.0;
     for (int64_t b = p->nbins - 1; b >= 0; b--) {
-        cum += e->hist[b];
+        cum += HIST(e, b);
         if (r < cum) return bin_digits(p, b);
     }
     return p->cap;
@@ -1012,7 +1088,9 @@ DEFINE_PERTURB_GROUP(perturb_group_f64, double)
         int want_stats = stats != NULL || dig != NULL || zm != NULL;                            \
         const int want_ext = stats != NULL;                                                     \
         ext_t total;                                                                            \
-        if (want_ext) memset(&total, 0, sizeof total);                                          \
+        if (want_ext) memset(&total, 0, offsetof(ext_t, hist) + 16 * (size_t)(p->nbins + 2));   \
+        /* the quantiles sample every qstride-th group: all of them up to QGROUPS groups */     \
+        const int64_t qstride = groups > QGROUPS ? (groups + QGROUPS - 1) / QGROUPS : 1;        \
         const int fuse = fused != NULL && mode != MODE_NONE;                                   \
         const FT eta = fuse ? (FT)fused->eta : (FT)0;                                           \
         int64_t n_close = 0;                                                                    \
@@ -1026,7 +1104,7 @@ DEFINE_PERTURB_GROUP(perturb_group_f64, double)
         acc8_t acc;                                                                             \
         acc8_init(&acc);                                                                        \
         ext_t ext; /* the header and the bins in use */                                       \
-        if (want_ext) memset(&ext, 0, offsetof(ext_t, hist) + sizeof(uint32_t) * p->nbins);     \
+        if (want_ext) memset(&ext, 0, offsetof(ext_t, hist) + 16 * (size_t)(p->nbins + 2));      \
         _Pragma("omp for schedule(static)")                                                     \
         for (int64_t sbk = 0; sbk < n_sb; sbk++) {                                              \
             uint32_t dwords[MAX_SAMPLES][4]; /* group g, draw d: dwords[(g - g0) n_free + d] */ \
@@ -1068,7 +1146,7 @@ DEFINE_PERTURB_GROUP(perturb_group_f64, double)
                            &s_sum, &s_min, &s_max, &s_zero, &s_nf, normal[g - g0]);             \
                 if (want_ext)                                                                   \
                     EXTRAS(rows, n, cnt, p, flag_uf && !normal[g - g0] ? ufb + (g - g0) * BLK   \
-                           : NULL, &ext);                                                       \
+                           : NULL, g % qstride == 0, &ext);                                     \
                 if (fuse) { /* the consumer GEMM's surrogate, on the rows just rounded */       \
                     FT mean[BLK];                                                               \
                     int close[BLK];                                                             \
@@ -1087,8 +1165,8 @@ DEFINE_PERTURB_GROUP(perturb_group_f64, double)
             _Pragma("omp critical")                                                             \
             {                                                                                   \
                 total.msq += ext.msq; total.vsq += ext.vsq; total.under += ext.under;           \
-                total.zero_cls += ext.zero_cls; total.cap_cls += ext.cap_cls;                   \
-                for (int64_t b = 0; b < p->nbins; b++) total.hist[b] += ext.hist[b];            \
+                total.sampled += ext.sampled;                                                   \
+                for (int64_t b = 0; b < 4 * (p->nbins + 2); b++) total.hist[b] += ext.hist[b];  \
             }                                                                                   \
         }                                                                                       \
         }                                                                                       \
@@ -1103,8 +1181,8 @@ DEFINE_PERTURB_GROUP(perturb_group_f64, double)
             stats[6] = total.msq;                                                               \
             stats[7] = total.vsq;                                                               \
             stats[8] = total.under;                                                             \
-            stats[9] = ext_quantile(&total, p, numel, 0.1);                                     \
-            stats[10] = ext_quantile(&total, p, numel, 0.5);                                    \
+            stats[9] = ext_quantile(&total, p, 0.1);                                            \
+            stats[10] = ext_quantile(&total, p, 0.5);                                           \
         }                                                                                       \
     }
 
