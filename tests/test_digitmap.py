@@ -415,11 +415,7 @@ def test_graph_has_edges_and_digit_attributes():
     assert g.nodes["cancel/linear#0"]["kind"] == "linear"
 
 
-# --------------------------------------------------------------------------- plots
-def _is_png(path: Path) -> bool:
-    return path.stat().st_size > 0 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
+# --------------------------------------------------------------------------- time series (TensorBoard)
 def series_map() -> DigitMap:
     reports = []
     for step in range(4):
@@ -431,42 +427,6 @@ def series_map() -> DigitMap:
     return DigitMap.from_reports(reports)
 
 
-def test_plots_are_written_and_non_empty(tmp_path):
-    from fxstab import plots
-
-    dm = series_map()
-    assert _is_png(plots.plot_digits(dm, tmp_path / "bars.png"))
-    assert _is_png(plots.plot_digits(chain_map(), tmp_path / "bars_min.png", metric="min",
-                                     top=2))
-    assert _is_png(plots.plot_graph(chain_map(), tmp_path / "graph.png"))
-    svg = plots.plot_graph(chain_map(), tmp_path / "graph.svg")
-    assert svg.read_text().lstrip().startswith("<?xml") and "cancel/linear#0" in svg.read_text()
-    assert _is_png(plots.plot_series(dm, tmp_path / "series.png", top=2))
-
-
-def test_plot_errors(tmp_path):
-    from fxstab import plots
-
-    with pytest.raises(ValueError, match="no per-step"):
-        plots.plot_series(chain_map(), tmp_path / "s.png")
-    with pytest.raises(ValueError, match="no operators"):
-        plots.plot_digits(DigitMap(metadata={}), tmp_path / "e.png")
-    with pytest.raises(ValueError, match=r"\.png, \.svg"):
-        plots.plot_digits(chain_map(), tmp_path / "x.jpg")
-    assert not list(tmp_path.iterdir())
-
-
-def test_severity_bands():
-    from fxstab.plots import severity
-
-    assert severity(0.0, BF16_CAP)[0] == "lost"
-    assert severity(1.0, BF16_CAP)[0] == "poor"
-    assert severity(1.5, BF16_CAP)[0] == "fair"
-    assert severity(BF16_CAP, BF16_CAP)[0] == "good"
-    assert severity(math.nan, BF16_CAP)[0] == "lost"
-
-
-# --------------------------------------------------------------------------- TensorBoard
 def _has_tensorboard() -> bool:
     try:
         import torch.utils.tensorboard  # noqa: F401
