@@ -48,3 +48,38 @@ def save_json(path: "str | Path", payload: dict) -> Path:
     tmp.write_text(json.dumps({"environment": environment(), **payload}, indent=1, default=str))
     tmp.replace(path)
     return path
+
+
+class Progress:
+    """A progress bar on stderr: one line redrawn in place on a terminal; elsewhere (a CI log, a
+    file) a plain line every ``every`` of the way and at the end, never a carriage return.
+
+    ``Progress(total, label).update(info)`` once per step.
+    """
+
+    def __init__(self, total: int, label: str, stream=None, every: float = 0.05) -> None:
+        import time
+
+        self.total, self.label, self.n, self.t0 = max(int(total), 1), label, 0, time.time()
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.every, self._next = every, every
+
+    def update(self, info: str = "") -> None:
+        import time
+
+        self.n += 1
+        frac = self.n / self.total
+        elapsed = time.time() - self.t0
+        if self.tty:
+            fill = int(30 * frac)
+            self.stream.write(f"\r{self.label:<34} [{'#' * fill}{'.' * (30 - fill)}] "
+                              f"{self.n}/{self.total} {elapsed:5.0f}s {info:<24}")
+            if self.n >= self.total:
+                self.stream.write("\n")
+        elif frac + 1e-12 >= self._next or self.n >= self.total:
+            while self._next <= frac + 1e-12:
+                self._next += self.every
+            self.stream.write(f"{self.label}: {self.n}/{self.total} ({100 * frac:.0f}%) "
+                              f"{elapsed:.0f}s {info}".rstrip() + "\n")
+        self.stream.flush()

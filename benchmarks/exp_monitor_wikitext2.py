@@ -49,6 +49,9 @@ import fxstab
 from fxstab import inject
 from fxstab.monitor import Mode, StabilityMonitor
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import Progress  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 # The data sets ship beside the clone, in <clone>/../shared/data (DESIGN.md §10); FXSTAB_DATA
 # names another copy of that folder, --data the wikitext-2 folder itself. Nothing is downloaded.
@@ -169,21 +172,7 @@ class LM(nn.Module):
 
 
 # -- training --------------------------------------------------------------------------------
-class Bar:
-    """A one-line progress bar (stderr)."""
-
-    def __init__(self, total: int, label: str) -> None:
-        self.total, self.label, self.n, self.t0 = total, label, 0, time.time()
-
-    def update(self, info: str = "") -> None:
-        self.n += 1
-        frac = self.n / self.total
-        fill = int(30 * frac)
-        sys.stderr.write(f"\r{self.label:<34} [{'#' * fill}{'.' * (30 - fill)}] "
-                         f"{self.n}/{self.total} {time.time() - self.t0:5.0f}s {info:<24}")
-        if self.n == self.total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+Bar = Progress  # a line redrawn on a terminal, a line every 5% in a log (benchmarks/common.py)
 
 
 def batches(data: torch.Tensor, seq: int, batch: int, steps: int, seed: int):
