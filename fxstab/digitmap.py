@@ -76,8 +76,16 @@ class DigitMapError(ValueError):
 
 
 # --------------------------------------------------------------------------- records
+class _Metrics:
+    """The metric accessor of the records that carry per-operator statistics."""
+
+    def digits(self, metric: Optional[str] = None) -> float:
+        """The digits under ``metric`` (default :data:`DEFAULT_METRIC`)."""
+        return getattr(self, _METRIC_FIELDS[_check_metric(metric)])
+
+
 @dataclass
-class OperatorDigits:
+class OperatorDigits(_Metrics):
     """One operator of a digit map, aggregated over all its analysed calls.
 
     ``numel`` is the total number of output elements analysed over those calls (the weight of
@@ -107,10 +115,6 @@ class OperatorDigits:
     p50_digits: float = math.nan
     underflow: int = 0
 
-    def digits(self, metric: Optional[str] = None) -> float:
-        """The digits of this operator under ``metric`` (default :data:`DEFAULT_METRIC`)."""
-        return getattr(self, _METRIC_FIELDS[_check_metric(metric)])
-
     def as_dict(self) -> dict:
         return {
             "name": self.name, "kind": self.kind, "module_path": self.module_path,
@@ -127,7 +131,7 @@ class OperatorDigits:
 
 
 @dataclass
-class StepDigits:
+class StepDigits(_Metrics):
     """Digits of one operator at one (phase, step): a point of the time series."""
 
     phase: str
@@ -144,9 +148,6 @@ class StepDigits:
     p10_digits: float = math.nan
     p50_digits: float = math.nan
     underflow: int = 0
-
-    def digits(self, metric: Optional[str] = None) -> float:
-        return getattr(self, _METRIC_FIELDS[_check_metric(metric)])
 
 
 @dataclass

@@ -430,6 +430,19 @@ DEFINE_DIGITS_BLOCK(digits_block_f64_plain, double, 2.2250738585072014e-308, log
  * zero mean with spread, r >= rv_zero; the cap's: identical samples, r <= rv_cap). The element
  * loops are branch-free and vectorise. `uf` (or NULL) holds the underflow flags.
  */
+/* One element's moments from its 3 samples (in the extras' element loops): declares ss, m2 and
+ * finite, and adds to msq and vsq. */
+#define EXTRAS_MOMENTS3(FT, A, B, C)                                                            \
+    const FT a = (A), b = (B), c = (C);                                                         \
+    const FT m = (a * inv_n + b * inv_n) + c * inv_n;                                           \
+    const double md = (double)m;                                                                \
+    const double da = (double)a - md, db = (double)b - md, dc = (double)c - md;                 \
+    const double ss = ((0.0 + da * da) + db * db + dc * dc) * inv_n1;                           \
+    const double m2 = md * md;                                                                  \
+    const int finite = (m2 - m2 == 0) & (ss - ss == 0);                                         \
+    msq += finite ? m2 : 0.0;                                                                   \
+    vsq += finite ? ss : 0.0;
+
 #define DEFINE_EXTRAS_BLOCK(NAME, FT)                                                           \
     ALWAYS_INLINE void NAME(const FT *const *rows, int64_t n, int64_t cnt, const params_t *p,  \
                             const uint8_t *restrict uf, int bins, ext_t *e) {                   \
@@ -438,35 +451,21 @@ DEFINE_DIGITS_BLOCK(digits_block_f64_plain, double, 2.2250738585072014e-308, log
         double msq = 0, vsq = 0;                                                                \
         double var[BLK], mean2[BLK];                                                            \
         int32_t fin_[BLK], same_[BLK];                                                          \
-        if (n == 3 && !bins) { /* the norms alone: nothing stored */                          \
+        /* straight-line code for N = 3: the element loop vectorises; without bins nothing is \
+         * stored */                                                                            \
+        if (n == 3 && !bins) {                                                                  \
             const FT *restrict r0 = rows[0], *restrict r1 = rows[1], *restrict r2 = rows[2];    \
             _Pragma("omp simd reduction(+:msq, vsq)")                                           \
             for (int64_t el = 0; el < cnt; el++) {                                              \
-                const FT a = r0[el], b = r1[el], c = r2[el];                                    \
-                const FT m = (a * inv_n + b * inv_n) + c * inv_n;                               \
-                const double md = (double)m;                                                    \
-                const double da = (double)a - md, db = (double)b - md, dc = (double)c - md;     \
-                const double ss = ((0.0 + da * da) + db * db + dc * dc) * inv_n1;               \
-                const double m2 = md * md;                                                      \
-                const int finite = (m2 - m2 == 0) & (ss - ss == 0);                             \
-                msq += finite ? m2 : 0.0;                                                       \
-                vsq += finite ? ss : 0.0;                                                       \
+                EXTRAS_MOMENTS3(FT, r0[el], r1[el], r2[el])                                     \
             }                                                                                   \
-        } else if (n == 3) { /* straight-line code: the element loop vectorises */             \
+        } else if (n == 3) {                                                                    \
             const FT *restrict r0 = rows[0], *restrict r1 = rows[1], *restrict r2 = rows[2];    \
             _Pragma("omp simd reduction(+:msq, vsq)")                                           \
             for (int64_t el = 0; el < cnt; el++) {                                              \
-                const FT a = r0[el], b = r1[el], c = r2[el];                                    \
-                const FT m = (a * inv_n + b * inv_n) + c * inv_n;                               \
-                const double md = (double)m;                                                    \
-                const double da = (double)a - md, db = (double)b - md, dc = (double)c - md;     \
-                const double ss = ((0.0 + da * da) + db * db + dc * dc) * inv_n1;               \
-                const double m2 = md * md;                                                      \
-                const int finite = (m2 - m2 == 0) & (ss - ss == 0);                             \
-                msq += finite ? m2 : 0.0;                                                       \
-                vsq += finite ? ss : 0.0;                                                       \
+                EXTRAS_MOMENTS3(FT, r0[el], r1[el], r2[el])                                     \
                 var[el] = ss; mean2[el] = m2; fin_[el] = finite;                                \
-                same_[el] = (b == a) & (c == a);                                                \
+                same_[el] = (r1[el] == r0[el]) & (r2[el] == r0[el]);                            \
             }                                                                                   \
         } else {                                                                                \
             for (int64_t el = 0; el < cnt; el++) {                                              \
