@@ -14,6 +14,7 @@ from .digits import (
 )
 from .formats import FORMATS, Format, get_format
 from .monitor import Mode, MonitorConfig, StabilityMonitor
+from .operator import operator
 from .report import OpReport
 from .rounding import Rounding, quantize, round_samples
 from .stochastic import AnalysisResult, StochasticTensor, analyze, stochastic
@@ -26,5 +27,6 @@ __all__ = [
     "student_t", "backend", "FxstabBackend", "get_default_backend", "OpReport", "DigitMap",
     "DigitMapError",
     "DiffResult", "diff", "instability_counters", "stochastic", "StochasticTensor", "analyze",
-    "AnalysisResult", "StabilityMonitor", "MonitorConfig", "Mode", "inject", "__version__",
+    "AnalysisResult", "StabilityMonitor", "MonitorConfig", "Mode", "inject", "operator",
+    "__version__",
 ]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import operator
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
@@ -33,6 +34,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from . import alloc, native, randbits
+from . import operator as user_operator
 from .config import AnalysisConfig
 from .digits import (
     digits_cap, empty_stats, extra_stats, merge_stats, stats_from_list, stats_vector, student_t,
@@ -40,10 +42,16 @@ from .digits import (
 )
 from .formats import working_dtype_for
 from .naming import NameRegistry, module_path, qualified_name, source_location
+from .coverage import ANALYSED, SKIPPED, UNROUNDED, Coverage, CoverageEntry
 from .opsets import (
-    DEFAULT_KINDS, DROPOUT_KINDS, FAMILIES, RANDOM_KINDS, is_gemm, node_kind,
+    COMPOSITE_KINDS, DEFAULT_KINDS, DROPOUT_KINDS, EXACT_KINDS, FAMILIES, RANDOM_KINDS,
+    RNN_KINDS, is_custom, is_gemm, node_kind,
 )
 from .report import ROUNDED, UNLIFTED, OpReport, empty_counters
+
+# Status of an operator that has no vmap rule: it ran once per sample, and was rounded and
+# recorded like any other (DESIGN.md §3: unknown operators never crash, and are analysed).
+PER_SAMPLE = "per_sample"
 from .rounding import round_samples
 from .surrogate import perturb_samples
 
@@ -54,6 +62,17 @@ __all__ = ["backend", "FxstabBackend", "GraphAnalysis", "GraphInfo", "default_ba
 _METADATA_KINDS = frozenset({"size", "dim", "numel", "stride", "is_floating_point", "is_contiguous",
                              "getattr", "sym_size", "sym_numel", "sym_stride", "nelement",
                              "element_size", "get_device", "is_complex"})
+# Attributes that are tensors computed from the tensor (x.T, x.mT, x.real...): operators, not
+# metadata, when dynamo records them as getattr nodes.
+_TENSOR_ATTRS = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+
+
+def _metadata(node: torch.fx.Node, kind: str) -> bool:
+    if kind != "getattr":
+        return kind in _METADATA_KINDS
+    return not (len(node.args) > 1 and node.args[1] in _TENSOR_ATTRS)
+
+
 # Floating dtype conversions keep the working dtype on the stochastic path: the simulated format
 # is what rounds, not the dtype the model happens to cast to.
 _CAST_METHODS = frozenset({"to", "type", "float", "half", "bfloat16", "double", "type_as"})
@@ -62,6 +81,10 @@ _VIEW_KINDS = frozenset({"view", "reshape", "transpose", "permute", "getitem", "
 # Run per sample: BatchNorm/InstanceNorm in training mode must not mix the samples' statistics,
 # and their in-place running-stat updates cannot be batched.
 _PER_SAMPLE_KINDS = frozenset({"batch_norm", "instance_norm"})
+
+# Dropout that multiplies by a mask (scaled by 1/(1-p)): the mask is drawn once. Alpha dropout
+# is affine in the mask and runs per sample, each sample with the deterministic pass's draws.
+_MASK_DROPOUT_KINDS = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d"})
 
 # Operators that take stacked samples directly in their leading arguments (count): SDPA batches
 # over leading dims, and linear with a plain weight runs as one addmm over N * batch rows
@@ -96,6 +119,7 @@ class NodePlan:
     gemm: bool = False
     inputs: tuple = ()
     index: int = 0
+    custom: bool = False  # a custom operator (torch.library, @fxstab.operator)
     # (consumer GEMM's plan, operand's leaf index): this output's only consumer is that GEMM,
     # whose surrogate then runs in this output's rounding pass (native.round_perturb)
     fuse: Optional[tuple["NodePlan", int]] = None
@@ -109,38 +133,66 @@ class GraphInfo:
     n_nodes: int
     instrumented: list = field(default_factory=list)  # (name, kind, node name)
     unlifted: dict = field(default_factory=dict)  # name or node name -> reason
+    # operators whose samples run in the model's dtype (the working dtype raised): -> reason
+    in_model_dtype: dict = field(default_factory=dict)
     failures: list = field(default_factory=list)  # exceptions swallowed on the stochastic path
     calls: int = 0
     analysed_calls: int = 0
+    # node name -> how it ran in the latest analysed call (fxstab.coverage)
+    coverage: dict = field(default_factory=dict)
+    # fused node name -> the kinds of the composite its samples ran as
+    composites: dict = field(default_factory=dict)
 
 
 def _selector(select: Any) -> Callable[[torch.fx.Node, str, str], bool]:
     """Build ``pred(node, kind, qualified_name)`` from the ``select`` option."""
-    if select is None:
-        return lambda node, kind, qn: kind in DEFAULT_KINDS
+    if select is None:  # the default families, and custom operators (DESIGN.md §3)
+        return lambda node, kind, qn: kind in DEFAULT_KINDS or is_custom(node)
     if callable(select) and not isinstance(select, str):
         return lambda node, kind, qn: bool(select(node, qn))
     items = [select] if isinstance(select, str) else list(select)
     kinds: set[str] = set()
     globs: list[str] = []
+    custom = False
     for item in items:
         if item in FAMILIES:
             kinds |= FAMILIES[item]
-        elif item == "all":
-            kinds |= DEFAULT_KINDS
+        elif item in ("all", "custom"):
+            kinds |= DEFAULT_KINDS if item == "all" else set()
+            custom = True
         elif any(ch in item for ch in "*?[/.") :
             globs.append(item)
         else:
             kinds.add(item)
 
     def pred(node: torch.fx.Node, kind: str, qn: str) -> bool:
-        if kind in kinds:
+        if kind in kinds or (custom and is_custom(node)):
             return True
         return any(fnmatch.fnmatchcase(qn, g) or
                    (kind in DEFAULT_KINDS and fnmatch.fnmatchcase(qn.rsplit("/", 1)[0], g))
                    for g in globs)
 
     return pred
+
+
+_INPLACE_OPERATORS = frozenset({
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+    operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor,
+    operator.ilshift, operator.irshift, operator.setitem,
+})
+
+
+def _is_inplace(node: torch.fx.Node) -> bool:
+    """Whether a node writes into its first argument (``x += y``, ``x.add_(y)``,
+    ``torch.relu_(x)``, ``x[i] = y``, ``inplace=True``, ``out=``)."""
+    if node.op not in ("call_function", "call_method") or not node.args:
+        return False
+    if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
+        return True
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if isinstance(name, str) and name.endswith("_") and not name.endswith("__"):
+        return True
+    return node.kwargs.get("inplace") is True
 
 
 def _chase_placeholder(node: Any) -> Optional[torch.fx.Node]:
@@ -165,8 +217,10 @@ def _mutated_placeholders(graph: torch.fx.Graph) -> set:
             continue
         kind = node_kind(node)
         targets = []
-        if kind.endswith("_") or node.kwargs.get("inplace") is True:
+        if _is_inplace(node) or kind.endswith("_"):
             targets.append(node.args[0] if node.args else None)
+        if isinstance(node.kwargs.get("out"), torch.fx.Node):
+            targets.append(node.kwargs["out"])
         if kind == "batch_norm":
             targets += [node.args[i] if len(node.args) > i else None for i in (1, 2)]
             targets += [node.kwargs.get("running_mean"), node.kwargs.get("running_var")]
@@ -177,6 +231,109 @@ def _mutated_placeholders(graph: torch.fx.Graph) -> set:
             if ph is not None:
                 out.add(ph)
     return out
+
+
+def _arg(node: torch.fx.Node, i: int, name: str, default: Any) -> Any:
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def _identity_dropout(node: torch.fx.Node, kind: str) -> bool:
+    """A dropout that is the identity (``training=False`` or ``p=0`` as constants, as in eval):
+    there is no scaling to round."""
+    if kind not in DROPOUT_KINDS:
+        return False
+    training = _arg(node, 2, "training", _arg(node, 2, "train", True))
+    return training is False or _arg(node, 1, "p", 0.5) == 0
+
+
+class _SubGraph:
+    """Emits the composite of one fused node into a graph: each operator carries the fused
+    node's metadata with the submodule it belongs to (``layers.0`` + ``.self_attn``), so its
+    stable name is the one the unfused module gives it (``layers.0.self_attn/...#0``)."""
+
+    def __init__(self, graph: torch.fx.Graph, fused: torch.fx.Node) -> None:
+        self.graph, self.fused, self.kinds = graph, fused, []
+        stack = dict(fused.meta.get("nn_module_stack") or {})
+        self.stack = stack
+        self.raw = str(list(stack.values())[-1][0]) if stack else ""
+
+    def call(self, sub: str, fn: Callable, *args: Any, **kwargs: Any) -> torch.fx.Node:
+        node = self.graph.call_function(fn, args, kwargs)
+        node.meta = {k: v for k, v in self.fused.meta.items() if k != "example_value"}
+        if sub:
+            path = f"{self.raw}.{sub}" if self.raw else sub
+            node.meta["nn_module_stack"] = {**self.stack, f"fxstab.{sub}": (path, torch.nn.Module)}
+        self.kinds.append(node_kind(node))
+        return node
+
+
+def _encoder_layer_composite(b: _SubGraph, src, embed_dim, num_heads, qkv_weight, qkv_bias,
+                             proj_weight, proj_bias, use_gelu, norm_first, eps, norm_weight_1,
+                             norm_bias_1, norm_weight_2, norm_bias_2, ffn_weight_1, ffn_bias_1,
+                             ffn_weight_2, ffn_bias_2, mask=None, mask_type=None):
+    """``torch._transformer_encoder_layer_fwd`` (the eval fast path of
+    ``nn.TransformerEncoderLayer``, batch first) as the operators the module runs without the
+    fast path: self-attention (``F.multi_head_attention_forward``), residual adds, layer
+    norms, the feed-forward linears and activation. Dropout is the identity there (eval)."""
+    import torch.nn.functional as F
+
+    def attention(x):
+        q = b.call("self_attn", torch.transpose, x, 1, 0)
+        kw: dict = {}
+        if mask is not None:
+            if mask_type == 1:
+                kw["key_padding_mask"] = mask
+            elif mask_type == 2:  # merged [B, H, T, S] -> [B * H, T, S]
+                kw["attn_mask"] = b.call("self_attn", torch.flatten, mask, 0, 1)
+            else:
+                kw["attn_mask"] = mask
+        out = b.call("self_attn", F.multi_head_attention_forward, q, q, q, embed_dim, num_heads,
+                     qkv_weight, qkv_bias, None, None, False, 0.0, proj_weight, proj_bias,
+                     training=False, need_weights=False, **kw)
+        out = b.call("self_attn", operator.getitem, out, 0)
+        return b.call("self_attn", torch.transpose, out, 1, 0)
+
+    def feed_forward(x):
+        h = b.call("linear1", F.linear, x, ffn_weight_1, ffn_bias_1)
+        h = b.call("", F.gelu if use_gelu else F.relu, h)
+        return b.call("linear2", F.linear, h, ffn_weight_2, ffn_bias_2)
+
+    def norm(sub, x, w, bias):
+        return b.call(sub, F.layer_norm, x, (embed_dim,), w, bias, eps)
+
+    x = src
+    if norm_first:
+        x = b.call("", operator.add, x, attention(norm("norm1", x, norm_weight_1, norm_bias_1)))
+        return b.call("", operator.add, x, feed_forward(norm("norm2", x, norm_weight_2,
+                                                              norm_bias_2)))
+    x = norm("norm1", b.call("", operator.add, x, attention(x)), norm_weight_1, norm_bias_1)
+    return norm("norm2", b.call("", operator.add, x, feed_forward(x)), norm_weight_2, norm_bias_2)
+
+
+_COMPOSITES = {"transformer_encoder_layer_fwd": _encoder_layer_composite}
+
+
+def _expand_composites(graph: torch.fx.Graph, info: "GraphInfo") -> torch.fx.Graph:
+    """The graph the stochastic path runs: ``graph`` itself, or a copy in which each fused
+    operator of :data:`fxstab.opsets.COMPOSITE_KINDS` is replaced by its composite."""
+    if not any(n.op == "call_function" and node_kind(n) in COMPOSITE_KINDS for n in graph.nodes):
+        return graph
+    new = torch.fx.Graph()
+    env: dict = {}
+    for node in graph.nodes:
+        kind = node_kind(node)
+        if node.op == "call_function" and kind in COMPOSITE_KINDS:
+            b = _SubGraph(new, node)
+            args = torch.fx.node.map_arg(node.args, lambda m: env[m])
+            kwargs = torch.fx.node.map_arg(node.kwargs, lambda m: env[m])
+            env[node] = _COMPOSITES[kind](b, *args, **kwargs)
+            info.composites[node.name] = (kind, tuple(b.kinds),
+                                          qualified_name(module_path(node), kind))
+        else:
+            env[node] = new.node_copy(node, lambda m: env[m])
+    return new
 
 
 class GraphAnalysis:
@@ -215,9 +372,15 @@ class GraphAnalysis:
         pred = _selector(self.cfg.select)
         repeats: dict[tuple, int] = {}
         frontier: dict[torch.fx.Node, frozenset] = {}
-        for i, node in enumerate(self.gm.graph.nodes):
+        # the graph the samples run: the captured one, fused operators expanded (the
+        # deterministic path keeps calling self.gm)
+        self.sgraph = _expand_composites(self.gm.graph, self.info)
+        if self.sgraph is not self.gm.graph:
+            self.mutated = _mutated_placeholders(self.sgraph)
+            self.free_after = self._last_uses(self.sgraph)
+        for i, node in enumerate(self.sgraph.nodes):
             kind = node_kind(node)
-            plan = NodePlan(node=node, kind=kind, index=i)
+            plan = NodePlan(node=node, kind=kind, index=i, custom=is_custom(node))
             ins: set = set()
             for m in node.all_input_nodes:
                 ins |= frontier.get(m, frozenset())
@@ -225,7 +388,10 @@ class GraphAnalysis:
                 path = module_path(node)
                 self.owner.modules.add(path)
                 qn = qualified_name(path, kind)
-                if kind not in RANDOM_KINDS and kind not in _METADATA_KINDS and pred(node, kind, qn):
+                plan.module_path = path
+                if (not _metadata(node, kind) and not _identity_dropout(node, kind)
+                        and (kind in DROPOUT_KINDS or kind not in RANDOM_KINDS or
+                             self.cfg.select is not None) and pred(node, kind, qn)):
                     src = source_location(node)
                     key = (path, kind, src)
                     rep = repeats.get(key, 0)
@@ -269,6 +435,7 @@ class GraphAnalysis:
         if call % self.cfg.every != 0 or not self.owner.enabled:
             return self.gm(*args)
         info.analysed_calls += 1
+        info.coverage.clear()
         alloc.tune()  # once per process: see fxstab/alloc.py
         states = _rng_states(args)
         out = self.gm(*args)
@@ -279,6 +446,7 @@ class GraphAnalysis:
                 sample_out = self.run_samples(args, call, states)
         except Exception as exc:  # the user's model never crashes because of fxstab
             info.failures.append(f"{type(exc).__name__}: {exc}")
+            self._coverage_failed(exc)
             warnings.warn(f"fxstab: stochastic path of graph {self.index} failed "
                           f"({type(exc).__name__}: {exc}); the model's output is unaffected",
                           RuntimeWarning, stacklevel=2)
@@ -288,6 +456,36 @@ class GraphAnalysis:
         if self.cfg.output == "mean" and sample_out is not None:
             return _straight_through_mean(out, sample_out)
         return out
+
+    def _coverage_failed(self, exc: Exception) -> None:
+        """Every operator of a graph whose stochastic path failed: skipped, with the reason."""
+        graph = getattr(self, "sgraph", self.gm.graph)
+        why = f"the graph's stochastic path failed ({type(exc).__name__}: " \
+              f"{(str(exc).splitlines() or [''])[0][:160]})"
+        by_node = {p.node: p for p in self.plans if isinstance(p, NodePlan)}
+        cov = self.info.coverage
+        cov.clear()
+        for node in graph.nodes:
+            if node.op not in ("call_function", "call_method", "call_module"):
+                continue
+            plan = by_node.get(node)
+            kind = node_kind(node)
+            floating = _has_floating(node.meta.get("example_value"))
+            name = plan.name if plan is not None and plan.name else \
+                qualified_name(module_path(node), kind)
+            cov[node.name] = CoverageEntry(operator=name, kind=kind, how=SKIPPED, reason=why,
+                                           graph=self.index, node=node.name, floating=floating,
+                                           counted=floating)
+
+    def coverage_entries(self) -> list:
+        """How each operator ran in the latest analysed call (graph order)."""
+        out = []
+        for fused, (kind, parts, qn) in self.info.composites.items():
+            out.append(CoverageEntry(
+                operator=qn, kind=kind, how=SKIPPED,
+                reason=f"fused: its composite ran on the samples ({', '.join(dict.fromkeys(parts))})",
+                graph=self.index, node=fused, floating=True, counted=False))
+        return out + list(self.info.coverage.values())
 
     def run_samples(self, args: tuple, call: int, rng_states: dict) -> Any:
         """The stochastic path of one analysed call; returns the outputs' samples."""
@@ -331,6 +529,7 @@ class SampleInterpreter:
         self.n = self.cfg.n_samples
         self.fmt = self.cfg.format
         self.wdtype = working_dtype_for(self.fmt)
+        self.cdtype = torch.complex128 if self.wdtype == torch.float64 else torch.complex64
         self.pending: list[tuple[NodePlan, list, bool, str, tuple]] = []
         # consumer GEMM's plan index -> (its operand, already perturbed; perturbed count)
         self.preperturbed: dict[int, tuple["Stacked", int]] = {}
@@ -342,7 +541,11 @@ class SampleInterpreter:
         return randbits.derive_seed(self.cfg.seed, self.a.index, plan.index, self.call, purpose)
 
     def _to_working(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.wdtype) if t.is_floating_point() and t.dtype != self.wdtype else t
+        if t.is_floating_point():
+            return t.to(self.wdtype) if t.dtype != self.wdtype else t
+        if t.is_complex():
+            return t.to(self.cdtype) if t.dtype != self.cdtype else t
+        return t
 
     def _stack(self, v: Any) -> torch.Tensor:
         """Samples of a leaf: stacked as is, or N identical copies of a plain tensor."""
@@ -389,9 +592,21 @@ class SampleInterpreter:
         args = torch.fx.node.map_arg(node.args, lambda m: env[m])
         kwargs = torch.fx.node.map_arg(node.kwargs, lambda m: env[m])
         fn = _callable(self.a.gm, node)
+        if plan.custom:
+            fn = user_operator.implementation(node.target) or fn
         leaves, spec = _flatten(args, kwargs)
         stacked = [i for i, v in enumerate(leaves) if isinstance(v, Stacked)]
         kind = plan.kind
+
+        if stacked and _is_inplace(node) and isinstance(args[0], torch.Tensor):
+            # x += f(samples) into a plain tensor (a T5-style relative bias): the target
+            # becomes N copies that the operator updates in place, and every later reader of
+            # the target sees the samples
+            target = Stacked(self._stack(self._to_working(args[0])).clone())
+            leaves[0] = target
+            if isinstance(node.args[0], torch.fx.Node):
+                env[node.args[0]] = target
+            stacked = [0] + stacked
 
         if plan.gemm and plan.name is not None:
             leaves, fired = self._perturb(plan, leaves)
@@ -399,63 +614,156 @@ class SampleInterpreter:
         else:
             fired = False
 
-        if not stacked:
+        if kind in RANDOM_KINDS and kind not in _MASK_DROPOUT_KINDS:
+            # every sample draws what the deterministic pass drew (its RNG state, its dtype)
+            out, status = self._per_sample(fn, leaves, spec, plan), ROUNDED
+            how = "random: the deterministic pass's draws in every sample"
+        elif not stacked:
             a, k = _unflatten(leaves, spec)
             out = fn(*a, **k)
             out = self._to_working(out) if isinstance(out, torch.Tensor) else pytree.tree_map(
                 lambda t: self._to_working(t) if isinstance(t, torch.Tensor) else t, out)
-            status = ROUNDED
-        elif kind in DROPOUT_KINDS:
-            out, status = self._dropout(fn, leaves, spec), ROUNDED
-        elif kind in RANDOM_KINDS or kind in _METADATA_KINDS:
+            status, how = ROUNDED, "once: no operand carries samples"
+        elif kind in _MASK_DROPOUT_KINDS:
+            out, status = self._dropout(fn, leaves, spec, plan), ROUNDED
+            how = "dropout: the deterministic pass's mask on every sample"
+        elif _metadata(node, kind):
             first = [v.t[0] if isinstance(v, Stacked) else v for v in leaves]
             a, k = _unflatten(first, spec)
-            out = fn(*a, **k)
-            status = ROUNDED
+            out, status, how = fn(*a, **k), ROUNDED, "metadata: read on the first sample"
         elif node.op == "call_method" and kind in _CAST_METHODS and _is_float_cast(node, leaves):
-            out, status = leaves[0], ROUNDED
+            out, status, how = leaves[0], ROUNDED, "floating cast: kept in the working dtype"
         elif kind == "getitem" and isinstance(args[0], (tuple, list)):
-            out, status = args[0][args[1]], ROUNDED
+            out, status, how = args[0][args[1]], ROUNDED, "item of a tuple"
         elif kind in _ELEMENTWISE_KINDS and _broadcasts_directly(leaves):
             a, k = _unflatten([v.t if isinstance(v, Stacked) else v for v in leaves], spec)
-            out, status = self._wrap_out(fn(*a, **k)), ROUNDED
+            out, status, how = self._wrap_out(fn(*a, **k)), ROUNDED, "elementwise on the samples"
         elif kind in _BATCHED_KINDS and all(i < _BATCHED_KINDS[kind] for i in stacked):
-            out, status = self._batched(fn, leaves, spec, _BATCHED_KINDS[kind]), ROUNDED
+            out = self._batched(fn, leaves, spec, _BATCHED_KINDS[kind])
+            status, how = ROUNDED, "batched over the samples"
         else:
-            out, status = self._lifted(plan, fn, leaves, spec, stacked)
+            out, status, how = self._lifted(plan, fn, leaves, spec, stacked)
 
         if plan.name is not None:
-            out = self._round_and_record(plan, out, fired, status, leaves)
+            out, measured = self._round_and_record(plan, out, fired, status, leaves)
+            if measured:
+                self._note(plan, ANALYSED, how, True)
+            else:
+                self._note(plan, SKIPPED, "no floating output", False)
+        else:
+            floating = _has_floating(out)
+            if not floating:
+                self._note(plan, SKIPPED, "no floating output", False)
+            elif _identity_dropout(node, kind):
+                self._note(plan, SKIPPED, "identity: dropout with training=False or p=0", True)
+            else:
+                why = "not selected" + (f"; {how}" if how.startswith("per sample") else "")
+                self._note(plan, UNROUNDED, why, True)
         return out
+
+    def _note(self, plan: NodePlan, how: str, reason: str, floating: bool) -> None:
+        """Record how the node ran (fxstab.coverage)."""
+        kind = plan.kind
+        exact = kind in EXACT_KINDS or (kind in RANDOM_KINDS and kind not in DROPOUT_KINDS)
+        if plan.name is None and exact and floating:
+            reason = ("exact (data movement or selection), " if kind in EXACT_KINDS else
+                      "random draws, ") + reason
+        counted = floating and not (exact and how != ANALYSED) and how != SKIPPED
+        self.a.info.coverage[plan.node.name] = CoverageEntry(
+            operator=plan.name or qualified_name(plan.module_path, kind), kind=kind, how=how,
+            reason=reason, graph=self.a.index, node=plan.node.name, floating=floating,
+            counted=counted)
 
     # -- lifting --------------------------------------------------------------------------
     def _lifted(self, plan: NodePlan, fn: Callable, leaves: list, spec, stacked: list):
+        """vmap over the samples, else once per sample: (output, status, how it ran)."""
         info = self.a.info
         key = plan.name or plan.node.name
-        if plan.kind not in _PER_SAMPLE_KINDS and key not in info.unlifted:
+        kind = plan.kind
+        if kind in _PER_SAMPLE_KINDS:
+            return self._per_sample(fn, leaves, spec, plan), ROUNDED, \
+                "per sample: samples must not share batch statistics"
+        if kind in RNN_KINDS:
+            return self._per_sample(fn, leaves, spec, plan), ROUNDED, \
+                "per sample: no vmap rule for recurrent layers (deterministic pass's dropout)"
+        if plan.custom and key not in info.unlifted and not _has_vmap_rule(plan.node.target):
+            info.unlifted[key] = "custom operator without a vmap rule"
+        if key not in info.unlifted:
             def call(*ts):
                 new = list(leaves)
                 for i, t in zip(stacked, ts):
                     new[i] = t
                 a, k = _unflatten(new, spec)
-                return fn(*a, **k)
+                # vmap returns tensors only: the other leaves (None, numbers) go around it
+                flat, out_spec = pytree.tree_flatten(fn(*a, **k))
+                where = [j for j, v in enumerate(flat) if isinstance(v, torch.Tensor)]
+                holder[:] = [flat, out_spec, where]
+                return tuple(flat[j] for j in where)
 
+            holder: list = []
+            states = _rng_states(())
             try:
-                out = torch.vmap(call, randomness="error")(*[leaves[i].t for i in stacked])
-                return self._wrap_out(out), ROUNDED
+                outs = torch.vmap(call, randomness="error")(*[leaves[i].t for i in stacked])
+                flat, out_spec, where = holder
+                flat = list(flat)
+                for j, t in zip(where, outs):
+                    flat[j] = t
+                return self._wrap_out(pytree.tree_unflatten(flat, out_spec)), ROUNDED, "vmap"
             except Exception as exc:  # not batch-transparent: fall back to per-sample
-                if plan.kind not in _PER_SAMPLE_KINDS:
-                    info.unlifted[key] = f"vmap: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-        status = ROUNDED if plan.kind in _PER_SAMPLE_KINDS else UNLIFTED
-        return self._per_sample(fn, leaves, spec), status
+                _set_rng_states(states)  # a random operator may have drawn before failing
+                info.unlifted[key] = (f"vmap: {type(exc).__name__}: "
+                                      f"{(str(exc).splitlines() or [''])[0][:200]}")
+        status = PER_SAMPLE if plan.name is not None else UNLIFTED
+        det = self._det_dtype(plan)
+        if key not in info.in_model_dtype:
+            try:
+                return (self._per_sample(fn, leaves, spec, plan), status,
+                        f"per sample ({info.unlifted[key]})")
+            except Exception as exc:
+                if det is None or det == self.wdtype:
+                    raise
+                info.in_model_dtype[key] = f"{type(exc).__name__}: {str(exc)[:160]}"
+        # the operator refuses the working dtype (fp64 for an fp32 format, say): its samples
+        # run in the model's dtype, then return to the working dtype
+        return (self._per_sample(fn, leaves, spec, plan, dtype=det), status,
+                f"per sample in {str(det).replace('torch.', '')} ({info.unlifted[key]}; the "
+                f"working dtype: {info.in_model_dtype[key]})")
 
-    def _per_sample(self, fn: Callable, leaves: list, spec) -> Any:
+    def _det_dtype(self, plan: NodePlan) -> Optional[torch.dtype]:
+        """The floating dtype of the node's output in the deterministic pass (dynamo's
+        example value), if known: random draws depend on it (rand of fp64 consumes twice the
+        bits of fp32's)."""
+        ev = plan.node.meta.get("example_value")
+        leaf = next((t for t in pytree.tree_leaves(ev) if isinstance(t, torch.Tensor)), None)
+        if leaf is not None and leaf.is_floating_point():
+            return leaf.dtype
+        return None
+
+    def _per_sample(self, fn: Callable, leaves: list, spec, plan: Optional[NodePlan] = None,
+                    dtype: Optional[torch.dtype] = None) -> Any:
         """Run ``fn`` once per sample and stack the results as they come: each sample's output
-        is copied into its slot and freed, so the peak holds one stacked output, not two."""
+        is copied into its slot and freed, so the peak holds one stacked output, not two.
+
+        Every sample starts from the RNG state the operator found, so an operator that draws
+        random numbers (inter-layer dropout of an LSTM, a custom kernel) draws the same ones in
+        every sample, those of the deterministic pass; the state afterwards is the one a single
+        call leaves. Random operators run in the deterministic pass's dtype."""
         merged: list = []
         out_spec = None
+        states = _rng_states(())
+        random = plan is not None and plan.kind in RANDOM_KINDS
+        det = dtype or (self._det_dtype(plan) if random else None)
+        if not any(isinstance(v, Stacked) for v in leaves):  # a random draw from plain values
+            a, kw = _unflatten([v.to(det) if det is not None and isinstance(v, torch.Tensor)
+                                and v.is_floating_point() else v for v in leaves], spec)
+            return pytree.tree_map(lambda t: self._to_working(t) if isinstance(t, torch.Tensor)
+                                   else t, fn(*a, **kw))
         for k in range(self.n):
+            _set_rng_states(states)
             sample = [v.t[k] if isinstance(v, Stacked) else v for v in leaves]
+            if det is not None:
+                sample = [v.to(det) if isinstance(v, torch.Tensor) and v.is_floating_point()
+                          else v for v in sample]
             a, kw = _unflatten(sample, spec)
             flat, out_spec = pytree.tree_flatten(fn(*a, **kw))
             if k == 0:
@@ -482,43 +790,44 @@ class SampleInterpreter:
         a = [v.t if isinstance(v, Stacked) else v for v in a]
         return Stacked(self._to_working(fn(*a, **kw)))
 
-    def _dropout(self, fn: Callable, leaves: list, spec) -> Any:
-        # The mask of the deterministic pass: same RNG state, same shape, ones as input.
-        first = [torch.ones_like(v.t[0]) if isinstance(v, Stacked) else v for v in leaves]
+    def _dropout(self, fn: Callable, leaves: list, spec, plan: NodePlan) -> Any:
+        # The mask of the deterministic pass: same RNG state, same shape and dtype, ones as
+        # input; the samples are multiplied by it (the 1/(1-p) scaling then rounds).
+        det = self._det_dtype(plan)
+        first = [torch.ones_like(v.t[0], dtype=det or v.t.dtype) if isinstance(v, Stacked) else v
+                 for v in leaves]
         a, k = _unflatten(first, spec)
         k = dict(k)
         if "inplace" in k:
             k["inplace"] = False
         mask = fn(*a, **k)
         x = next(v for v in leaves if isinstance(v, Stacked))
-        return Stacked(x.t * mask)
+        return Stacked(x.t * mask.to(x.t.dtype))
 
     # -- surrogate, rounding, recording ----------------------------------------------------
     def _perturb(self, plan: NodePlan, leaves: list) -> tuple[list, bool]:
         """The GEMM surrogate (DESIGN.md §4) on the operands that carry samples.
 
-        Plain operands (weights, constants: identical in every sample) are not perturbed:
-        perturbing one factor of a product by a relative eta already moves each output by eta
-        times its condition-weighted magnitude, which is what the surrogate must expose, and
-        copying every weight N times per call would cost more than the product. When no operand
-        carries samples yet (the model's inputs meet it), every floating operand that is data is
-        perturbed: which of them is ill-conditioned (a near tie among keys, a cancelling input)
-        is unknown. Weights (the module's parameters and buffers) are not data: perturbing the
-        data already moves every term x_k * w_k of a dot product by its own relative eta, and the
-        product then runs against one weight instead of N copies (the arithmetic level does the
-        same: its inputs carry samples, its weights do not). Only a product of weights alone has
-        its weights perturbed.
+        Weights (the module's parameters and buffers: identical in every sample) are not
+        perturbed: perturbing the data already moves every term x_k * w_k of a dot product by
+        its own relative eta, which is what the surrogate must expose, and the product then runs
+        against one weight instead of N copies (the arithmetic level does the same: its inputs
+        carry samples, its weights do not). Every floating operand that is data is perturbed,
+        carrying samples or not (the model's inputs meeting a product, near-tie keys beside
+        rounded queries): which of them is ill-conditioned is unknown. Only a product of
+        weights alone has its weights perturbed.
         """
         eta = self.cfg.data_perturbation_threshold
         fired = False
         new = list(leaves)
         floats = [i for i, v in enumerate(leaves)
                   if isinstance(v, Stacked) and v.t.is_floating_point()]
-        if not floats:
-            floats = [i for i, v in enumerate(leaves)
-                      if isinstance(v, torch.Tensor) and v.is_floating_point()]
-            data = [i for i in floats if id(leaves[i]) not in self.weights]
-            floats = data or floats
+        plain = [i for i, v in enumerate(leaves)
+                 if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        data = [i for i in plain if id(leaves[i]) not in self.weights]
+        # plain data (an input meeting a product with samples: near-tie keys beside rounded
+        # queries) is perturbed too; weights only in a product of weights alone
+        floats = sorted(floats + data) if floats else (data or plain)
         owner = self.a.owner
         pre = self.preperturbed.pop(plan.index, None)
         for i in floats:
@@ -562,11 +871,21 @@ class SampleInterpreter:
         fuse = plan.fuse if status == ROUNDED and len(flat) == 1 else None
         for j, v in enumerate(flat):
             t = v.t if isinstance(v, Stacked) else v
-            if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
+            if not (isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())):
                 new.append(v)
                 continue
             samples = self._stack(v) if isinstance(v, Stacked) else self._stack(t)
             own = isinstance(v, Stacked) and _storage(t) not in taken
+            if samples.is_complex():
+                # real and imaginary parts round (and are measured) as two real values each
+                parts, vec = self._round_stats(torch.view_as_real(samples.resolve_conj()
+                                                                  .contiguous()),
+                                               status != UNLIFTED, self._seed(plan, j), False)
+                if not shape:
+                    shape = tuple(samples.shape[1:])
+                stats.append(vec)
+                new.append(Stacked(torch.view_as_complex(parts)))
+                continue
             if fuse is not None and self.a.owner.uses_native(samples):
                 user, leaf = fuse
                 cfg = self.cfg
@@ -578,8 +897,8 @@ class SampleInterpreter:
                 out = Stacked(samples)
                 self.preperturbed[user.index] = (out, count)
             else:
-                samples, vec = self._round_stats(samples, status == ROUNDED, self._seed(plan, j),
-                                                 own)
+                samples, vec = self._round_stats(samples, status != UNLIFTED,
+                                                 self._seed(plan, j), own)
                 out = Stacked(samples)
             if not shape:
                 shape = tuple(samples.shape[1:])
@@ -587,7 +906,7 @@ class SampleInterpreter:
             new.append(out)
         if stats:
             self.pending.append((plan, stats, fired, status, shape))
-        return new[0] if single else pytree.tree_unflatten(new, spec)
+        return (new[0] if single else pytree.tree_unflatten(new, spec)), bool(stats)
 
     def _round_stats(self, samples: torch.Tensor, rounded: bool, seed: int,
                      in_place: bool = False):
@@ -706,6 +1025,25 @@ def _broadcasts_directly(leaves: list) -> bool:
     return nd > 0
 
 
+def _has_vmap_rule(target: Any) -> bool:
+    """Whether a custom operator batches under vmap (a FuncTorchBatched kernel, or a composite
+    that decomposes into operators that do); an @fxstab.operator is lifted as its function."""
+    if user_operator.implementation(target) is not None:
+        return True
+    name = target.name()
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    return has(name, "FuncTorchBatched") or has(name, "CompositeImplicitAutograd")
+
+
+def _has_floating(out: Any) -> bool:
+    """Whether an output holds a floating or complex tensor (stacked or plain)."""
+    for v in pytree.tree_leaves(out, is_leaf=lambda x: isinstance(x, Stacked)):
+        t = v.t if isinstance(v, Stacked) else v
+        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
+            return True
+    return False
+
+
 def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
@@ -819,13 +1157,25 @@ class FxstabBackend:
         finally:
             self.enabled = old
 
+    def coverage(self) -> Coverage:
+        """How every operator of the captured graphs ran in its latest analysed call:
+        analysed (rounded and recorded; how: vmap, per sample, ...), run unrounded, or
+        skipped, each with its reason (:mod:`fxstab.coverage`)."""
+        entries: list = []
+        for g in self.graphs:
+            if hasattr(g, "op_names"):  # the arithmetic level: operators by their primitives
+                entries += _aten_coverage(g, self.reports)
+            else:
+                entries += g.coverage_entries()
+        return Coverage(entries)
+
     def metadata(self) -> dict:
         c = self.config
         return {
             "format": c.format.name, "n_samples": c.n_samples, "seed": c.seed,
             "granularity": c.granularity, "confidence": c.confidence,
             "rounding": c.rounding.value, "output": c.output, "every": c.every,
-            "modules": sorted(self.modules),
+            "modules": sorted(self.modules), "coverage": self.coverage().as_dict(),
         }
 
     def digit_map(self, target: str = ""):
@@ -839,6 +1189,27 @@ class FxstabBackend:
 
     def table(self, top: Optional[int] = None) -> str:
         return self.digit_map().table(top) if top is not None else self.digit_map().table()
+
+
+def _aten_coverage(g: Any, reports: list) -> list:
+    """Coverage of an arithmetic-level graph from its reports: an operator is analysed when
+    primitives named within it were recorded, all of them on the samples."""
+    seen: dict = {}
+    for r in reports:
+        op = r.name.split("/aten.", 1)[0]
+        seen.setdefault(op, set()).add(r.status)
+    out = []
+    for node, (name, _path, kind) in g.op_names.items():
+        st = seen.get(name)
+        if not st:
+            how, reason = SKIPPED, "no primitive recorded"
+        elif UNLIFTED in st:
+            how, reason = UNROUNDED, "aten level: a primitive ran per sample unrounded"
+        else:
+            how, reason = ANALYSED, "aten level: its primitives"
+        out.append(CoverageEntry(operator=name, kind=kind, how=how, reason=reason, graph=g.index,
+                                 node=node, floating=bool(st), counted=bool(st)))
+    return out
 
 
 def backend(

@@ -151,10 +151,7 @@ def _cmd_record(args: argparse.Namespace) -> int:
                        f"or none of its operators is floating or selected): no digit map "
                        f"written to {args.output}")
     dm.save(args.output)
-    n_float = _floating_operators(be)
-    if n_float and len(dm) < 0.25 * n_float:
-        print(f"fxstab record: warning: only {len(dm)} of the model's {n_float} floating "
-              f"operators were analysed; the others are not in the map", file=sys.stderr)
+    _warn_coverage(dm.metadata.get("coverage"))
     for line in dm.findings():
         print(f"- {line}")
     print(dm.table(top=args.top))
@@ -162,17 +159,20 @@ def _cmd_record(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _floating_operators(be: Any) -> int:
-    """Operators with a floating output in the graphs the backend compiled."""
-    import torch
+def _warn_coverage(cov: Any) -> None:
+    """Warn (stderr) when less than 90% of the model's floating operators were analysed,
+    saying which were not and why (fxstab.coverage)."""
+    from .coverage import WARN_BELOW, coverage_lines
 
-    n = 0
-    for g in getattr(be, "graphs", ()):
-        for node in g.gm.graph.nodes:
-            v = node.meta.get("example_value") if node.op.startswith("call") else None
-            if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()):
-                n += 1
-    return n
+    if not isinstance(cov, dict) or cov.get("fraction") is None:
+        return
+    if cov["fraction"] < WARN_BELOW:
+        n = round(cov["fraction"] * cov["counted"])
+        print(f"fxstab record: warning: only {n} of the model's {cov['counted']} floating "
+              f"operators ({100 * cov['fraction']:.0f}%) were analysed; the others are not in "
+              f"the map:", file=sys.stderr)
+        for line in coverage_lines(cov)[1:]:
+            print(line, file=sys.stderr)
 
 
 # --------------------------------------------------------------------------- diff / show
@@ -216,6 +216,7 @@ def _write_text(path: str, text: str) -> None:
 
 def _cmd_show(args: argparse.Namespace) -> int:
     from . import plots
+    from .coverage import coverage_lines
 
     dm = _load(args.digits)
     if args.top < 1:
@@ -234,6 +235,10 @@ def _cmd_show(args: argparse.Namespace) -> int:
         print(f"({extras})")
     print()
     print(dm.localize_table(top=args.top, metric=args.metric))
+    cov = coverage_lines(meta.get("coverage"), limit=args.top)
+    if cov:
+        print()
+        print("\n".join(cov))
     for flag, fn, kw in (("plot", plots.plot_digits, {"top": args.top, "metric": args.metric}),
                          ("graph", plots.plot_graph, {"metric": args.metric}),
                          ("series", plots.plot_series, {"top": min(args.top, 8),

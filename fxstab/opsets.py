@@ -19,7 +19,10 @@ FAMILIES: dict[str, frozenset[str]] = {
     "conv": frozenset({"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
                        "conv_transpose3d"}),
     "matmul": frozenset({"matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "einsum"}),
-    "attention": frozenset({"scaled_dot_product_attention"}),
+    # multi_head_attention_forward is one torch-level call (in-projection, attention,
+    # out-projection): one trusted operator like SDPA; the fused encoder-layer fast path runs
+    # on the samples as its composite (COMPOSITE_KINDS), with these operators inside.
+    "attention": frozenset({"scaled_dot_product_attention", "multi_head_attention_forward"}),
     "softmax": frozenset({"softmax", "log_softmax"}),
     "norm": frozenset({"layer_norm", "rms_norm", "group_norm", "batch_norm", "instance_norm"}),
     "activation": frozenset({
@@ -39,11 +42,14 @@ FAMILIES: dict[str, frozenset[str]] = {
                           "adaptive_max_pool3d", "lp_pool1d", "lp_pool2d"}),
     "rnn": frozenset({"lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell",
                       "rnn_tanh_cell", "rnn_relu_cell"}),
-    "elementwise": frozenset({"exp", "log", "sqrt", "rsqrt", "pow", "div", "reciprocal",
+    "elementwise": frozenset({"exp", "log", "sqrt", "rsqrt", "pow", "div", "mul", "reciprocal",
                               "log1p", "expm1", "log2", "log10", "exp2"}),
     # Additions and subtractions are where cancellation happens, and residual connections merge
     # branches there: without them, localization would blame the next operator.
     "addsub": frozenset({"add", "sub"}),
+    # dropout's 1/(1-p) scaling rounds (in training; identity in eval is not instrumented)
+    "dropout": frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
+                          "feature_alpha_dropout"}),
 }
 
 DEFAULT_FAMILIES = frozenset(FAMILIES)
@@ -53,13 +59,69 @@ DEFAULT_KINDS = frozenset(KIND_TO_FAMILY)
 
 # Operators whose results depend on the global RNG: the stochastic path replays them once with
 # the deterministic pass's RNG state so every sample sees the same randomness (DESIGN.md §6).
-DROPOUT_KINDS = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
-                           "feature_alpha_dropout"})
+DROPOUT_KINDS = FAMILIES["dropout"]
 RANDOM_KINDS = DROPOUT_KINDS | frozenset({
     "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "bernoulli",
     "multinomial", "normal", "randperm", "uniform_", "normal_", "bernoulli_", "exponential_",
     "random_", "geometric_", "cauchy_", "log_normal_",
 })
+
+# Recurrent layers run once per sample (no vmap rule for aten::lstm & co.), each sample with
+# the RNG state the deterministic pass had, so inter-layer dropout masks are the same.
+RNN_KINDS = frozenset({"lstm", "gru", "rnn_tanh", "rnn_relu"})
+
+# Exact operators: data movement (copies or views of input values) and selections, exact in
+# any format. Unselected, they are not counted against the coverage (nothing there can lose
+# digits).
+EXACT_KINDS = frozenset({
+    "view", "reshape", "transpose", "permute", "getitem", "unsqueeze", "squeeze", "flatten",
+    "unflatten", "expand", "expand_as", "narrow", "select", "t", "contiguous", "clone", "detach",
+    "cat", "concat", "concatenate", "stack", "hstack", "vstack", "dstack", "split", "chunk",
+    "unbind", "tensor_split", "split_with_sizes", "flip", "fliplr", "flipud", "roll", "repeat",
+    "tile", "repeat_interleave", "index_select", "gather", "take", "take_along_dim", "movedim",
+    "moveaxis", "swapaxes", "swapdims", "view_as", "reshape_as", "to", "type", "float", "half",
+    "bfloat16", "double", "type_as", "masked_select", "tril", "triu", "diag", "diagonal",
+    "diag_embed", "zeros_like", "ones_like", "empty_like", "full_like", "zeros", "ones", "empty",
+    "full", "arange", "linspace", "logspace", "eye", "tensor", "as_strided", "real", "imag",
+    "view_as_real", "view_as_complex", "conj", "resolve_conj", "resolve_neg", "atleast_1d",
+    "atleast_2d", "atleast_3d", "broadcast_to", "broadcast_tensors", "new_zeros", "new_ones",
+    "new_empty", "new_full", "new_tensor", "fill_", "zero_", "copy_", "setitem", "unfold",
+    "getattr",
+    # selections and sign changes: every output is an input value, a bound or an integer
+    "abs", "neg", "positive", "sign", "sgn", "max", "min", "maximum", "minimum", "fmax", "fmin",
+    "amax", "amin", "clamp", "clamp_min", "clamp_max", "clip", "where", "masked_fill",
+    "masked_scatter", "index_put", "scatter", "sort", "topk", "kthvalue", "median", "nanmedian",
+    "cummax", "cummin", "floor", "ceil", "trunc", "round", "threshold",
+})
+
+# Fused operators the stochastic path runs as their composite of torch-level operators
+# (GraphAnalysis expands them; the deterministic path keeps the fused call).
+COMPOSITE_KINDS = frozenset({"transformer_encoder_layer_fwd"})
+
+# torch.library namespaces of PyTorch itself: an OpOverload from any other namespace is a
+# custom operator (torch.library.custom_op, a registered Triton kernel, @fxstab.operator).
+_TORCH_NAMESPACES = frozenset({"aten", "prims", "prim", "quantized", "_quantized", "rngprims",
+                               "higher_order", "profiler", "inductor", "mkldnn", "mkl",
+                               "_c10d_functional", "c10d", "_dtensor", "onednn", "debugprims",
+                               "fxstab"})
+
+
+def custom_namespace(target: Any) -> str | None:
+    """The namespace of a custom operator (``mylib`` of ``torch.ops.mylib.f.default``), else
+    None (PyTorch's own operators, fxstab's kernels, plain Python callables)."""
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        ns = getattr(target, "namespace", None)
+        if ns is None:
+            ns = target.name().split("::", 1)[0] if hasattr(target, "name") else None
+        if ns and ns not in _TORCH_NAMESPACES:
+            return ns
+    return None
+
+
+def is_custom(node: torch.fx.Node) -> bool:
+    """Whether a node calls a custom operator (always selected by default: DESIGN.md §3)."""
+    return node.op == "call_function" and custom_namespace(node.target) is not None
+
 
 _OPERATOR_NAMES = {
     operator.add: "add", operator.sub: "sub", operator.mul: "mul", operator.truediv: "div",
@@ -72,6 +134,8 @@ _OPERATOR_NAMES = {
 _ALIASES = {
     "true_divide": "div", "divide": "div", "multiply": "mul", "subtract": "sub",
     "_scaled_dot_product_attention": "scaled_dot_product_attention", "absolute": "abs",
+    # the fast path of nn.MultiheadAttention: the same operator as the composite's
+    "native_multi_head_attention": "multi_head_attention_forward",
     "dropout_": "dropout", "feature_dropout": "dropout2d", "relu_": "relu",
     "sigmoid_": "sigmoid", "tanh_": "tanh",
 }
@@ -111,4 +175,5 @@ def family_of(kind: str) -> str | None:
 
 
 __all__ = ["FAMILIES", "DEFAULT_FAMILIES", "GEMM_KINDS", "DEFAULT_KINDS", "RANDOM_KINDS",
-           "DROPOUT_KINDS", "target_kind", "node_kind", "is_gemm", "family_of", "F"]
+           "DROPOUT_KINDS", "RNN_KINDS", "EXACT_KINDS", "COMPOSITE_KINDS", "target_kind",
+           "node_kind", "is_gemm", "family_of", "custom_namespace", "is_custom", "F"]

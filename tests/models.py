@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -159,3 +161,72 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(q * self.scale, k, v)
+
+
+class T5RelativeBias(nn.Module):
+    """Attention scores plus a T5-style relative position bias: the bucket index tensor is
+    built from plain tensors and then updated in place (``buckets += torch.where(...)``) with
+    values computed in floating point (log of the distances)."""
+
+    def __init__(self, d: int = 8, heads: int = 2, buckets: int = 8, max_distance: int = 16) -> None:
+        super().__init__()
+        self.q = nn.Linear(d, d)
+        self.bias = nn.Embedding(buckets, heads)
+        self.buckets, self.max_distance = buckets, max_distance
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        rel = torch.arange(t)[None, :] - torch.arange(t)[:, None]
+        half = self.buckets // 2
+        buckets = (rel > 0).to(torch.long) * half
+        rel = torch.abs(rel)
+        exact = half // 2
+        large = exact + (torch.log(rel.float() / exact) / math.log(self.max_distance / exact)
+                         * (half - exact)).to(torch.long)
+        large = torch.min(large, torch.full_like(large, half - 1))
+        buckets += torch.where(rel < exact, rel, large)
+        bias = self.bias(buckets).permute(2, 0, 1)  # [heads, T, T]
+        h = self.q(x)
+        return (h @ h.transpose(-1, -2)).unsqueeze(1) + bias
+
+
+class RecurrentStack(nn.Module):
+    """Linear, then a 2-layer LSTM/GRU/RNN with inter-layer dropout, then a head."""
+
+    def __init__(self, cell: type = nn.LSTM, dropout: float = 0.0, d: int = 8,
+                 hidden: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.rnn = cell(d, hidden, num_layers=2, dropout=dropout, batch_first=True)
+        self.head = nn.Linear(hidden, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        o, _ = self.rnn(self.fc(x))
+        return self.head(o)
+
+
+class SpectralFilter(nn.Module):
+    """A linear layer, then a filter in the frequency domain (rfft, a complex gain from
+    torch.polar, irfft) and the spectrum's magnitude."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.register_buffer("phase", torch.linspace(0.0, 1.0, d // 2 + 1))
+
+    def forward(self, x: torch.Tensor):
+        f = torch.fft.rfft(self.fc(x), dim=-1)
+        f = f * torch.polar(torch.ones_like(self.phase), self.phase)
+        return torch.fft.irfft(f, n=x.shape[-1], dim=-1), f.abs()
+
+
+class ExpandUp(nn.Module):
+    """A stacked [3, 4] value expanded to rank 4 and 3, then reduced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return h.expand(2, 5, 3, 4).sum((0, 1)) + h[None].expand(6, -1, -1).mean(0)

@@ -133,8 +133,9 @@ def test_near_tie_attention_loses_digits_and_separated_attention_keeps_them():
     torch.manual_seed(0)
     q, v = torch.randn(2, 2, 8, 16), torch.randn(2, 2, 8, 16)
     k_tie = torch.randn(2, 2, 1, 16).expand(2, 2, 8, 16) + 1e-3 * torch.randn(2, 2, 8, 16)
-    tie = analyse(Attention(100.0), q, k_tie, v)[0].reports[0]
-    sep = analyse(Attention(0.25), q, torch.randn(2, 2, 8, 16), v)[0].reports[0]
+    tie = by_name(analyse(Attention(100.0), q, k_tie, v)[0])["scaled_dot_product_attention#0"]
+    sep = by_name(analyse(Attention(0.25), q, torch.randn(2, 2, 8, 16), v)[0])[
+        "scaled_dot_product_attention#0"]
     assert tie.kind == "scaled_dot_product_attention" and tie.surrogate
     assert tie.avg_digits < 1.0
     assert sep.avg_digits > 1.5
