@@ -14,10 +14,14 @@ the edges between them, decided once at compile time. At run time an analysed ca
    per operator and call) and measured;
 3. restores the RNG state, so the user's next random numbers are the ones they would have had.
 
-Random operators (dropout, rand_like...) run once on the first sample's shape with the
-deterministic pass's RNG state, so every sample sees the deterministic path's masks. Buffers the
-graph mutates (BatchNorm running statistics) are cloned for the stochastic path, and BatchNorm
-in training mode runs per sample so samples never mix statistics.
+Random operators see the deterministic pass's RNG state and dtype: dropout draws its mask once
+(on ones) and multiplies every sample by it; other random operators, and every operator that
+runs once per sample (no vmap rule: LSTM/GRU, custom kernels), start each sample from the state
+the operator found, so all samples draw what the deterministic pass drew. Buffers the graph
+mutates (BatchNorm running statistics, inputs updated in place) are cloned for the stochastic
+path, and BatchNorm in training mode runs per sample so samples never mix statistics. Fused
+fast paths (``torch._transformer_encoder_layer_fwd``) run their composite on the samples; how
+each operator ran is :meth:`FxstabBackend.coverage` (``fxstab/coverage.py``).
 """
 
 from __future__ import annotations
