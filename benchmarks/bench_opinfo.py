@@ -238,17 +238,20 @@ def sweep(granularity: str = "op", stride: int = 1, offset: int = 0,
            or f"{op.name}.{op.variant_test_name}" in names]
     if names is None:
         ops = ops[offset::stride]
-    for op in ops:
-        t0 = time.perf_counter()
-        row = check_operator(op, granularity)
-        row["seconds"] = round(time.perf_counter() - t0, 3)
-        rows.append(row)
-        if verbose:
-            print(f"{row['op']:<40} {row['status']:<22} {row['reason'][:110]}", flush=True)
-    for mod, fn in patched:
-        mod.wrapper_set_seed = fn
-    dynamo_config.capture_dynamic_output_shape_ops = False
-    dynamo_config.capture_scalar_outputs = False
+    try:
+        for op in ops:
+            t0 = time.perf_counter()
+            row = check_operator(op, granularity)
+            row["seconds"] = round(time.perf_counter() - t0, 3)
+            rows.append(row)
+            if verbose:
+                print(f"{row['op']:<40} {row['status']:<22} {row['reason'][:110]}", flush=True)
+    finally:
+        for mod, fn in patched:
+            mod.wrapper_set_seed = fn
+        dynamo_config.capture_dynamic_output_shape_ops = False
+        dynamo_config.capture_scalar_outputs = False
+        torch._dynamo.reset()
     return rows
 
 

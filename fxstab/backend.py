@@ -1203,8 +1203,10 @@ def _aten_coverage(g: Any, reports: list) -> list:
         op = r.name.split("/aten.", 1)[0]
         seen.setdefault(op, set()).add(r.status)
     out = []
+    values = {n.name: n.meta.get("example_value") for n in g.gm.graph.nodes}
     for node, (name, _path, kind) in g.op_names.items():
         st = seen.get(name)
+        floating = bool(st) or _has_floating(values.get(node))
         if not st:
             how, reason = SKIPPED, "no primitive recorded"
         elif UNLIFTED in st:
@@ -1212,7 +1214,7 @@ def _aten_coverage(g: Any, reports: list) -> list:
         else:
             how, reason = ANALYSED, "aten level: its primitives"
         out.append(CoverageEntry(operator=name, kind=kind, how=how, reason=reason, graph=g.index,
-                                 node=node, floating=bool(st), counted=bool(st)))
+                                 node=node, floating=floating, counted=floating))
     return out
 
 
