@@ -253,7 +253,8 @@ def test_backend_cpu_kernels_match_the_torch_path():
         assert abs(r.avg_digits - t.avg_digits) < 1e-5, name
         assert abs(r.min_digits - t.min_digits) < 1e-4, name
         assert r.zero_fraction == t.zero_fraction, name
-        assert abs(r.normwise_digits - t.normwise_digits) < 1e-9, name
+        # fp32 relative spreads in the kernel's digit loops, fp64 deviations in the reference
+        assert abs(r.normwise_digits - t.normwise_digits) < 1e-6, name
         assert (r.p10_digits, r.p50_digits, r.underflow) == \
             (t.p10_digits, t.p50_digits, t.underflow), name
 
@@ -470,5 +471,7 @@ def test_underflow_norms_and_quantiles_match_the_reference(dtype, fmt, in_place)
                                     in_place=in_place, as_list=True)
     assert _same_bits(out, ref)
     assert st[8] == want_under
-    assert st[6] == pytest.approx(want[6], rel=1e-12) and st[7] == pytest.approx(want[7], rel=1e-12)
+    # the norms: mean^2 from the same fp32 means; s^2 from the digit loops' fp32 relative spread
+    # (the reference: fp64 deviations) wherever the kernel measured a group in vectors
+    assert st[6] == pytest.approx(want[6], rel=1e-12) and st[7] == pytest.approx(want[7], rel=1e-6)
     assert st[9:] == want[9:]

@@ -62,8 +62,9 @@ typedef struct {
  * 16 bins per octave, at most 0.013 digits wide), between the cap's and 0 digits' variances;
  * the elements with 0 digits and with the cap's are counted apart. */
 #define HBINS 2048
-/* The quantiles sample at most about this many groups of 128 elements (fxstab.digits). */
-#define QGROUPS 32
+/* The quantiles sample at most about this many groups of 128 elements (fxstab.digits): 512-1024
+ * elements put a p10 within about 1% of its rank, at a histogram increment per element. */
+#define QGROUPS 8
 typedef struct {
     double msq, vsq, under;
     int64_t sampled; /* elements in the histogram */
@@ -431,8 +432,8 @@ DEFINE_DIGITS_BLOCK(digits_block_f64_plain, double, 2.2250738585072014e-308, log
  * loops are branch-free and vectorise. `uf` (or NULL) holds the underflow flags.
  */
 /* One element's moments from its 3 samples (in the extras' element loops): declares ss, m2 and
- * finite, and adds to msq and vsq. */
-#define EXTRAS_MOMENTS3(FT, A, B, C)                                                            \
+ * finite, and adds to msq and vsq when COUNT (the elements the digit loops did not cover). */
+#define EXTRAS_MOMENTS3(FT, A, B, C, COUNT)                                                     \
     const FT a = (A), b = (B), c = (C);                                                         \
     const FT m = (a * inv_n + b * inv_n) + c * inv_n;                                           \
     const double md = (double)m;                                                                \
@@ -440,12 +441,12 @@ DEFINE_DIGITS_BLOCK(digits_block_f64_plain, double, 2.2250738585072014e-308, log
     const double ss = ((0.0 + da * da) + db * db + dc * dc) * inv_n1;                           \
     const double m2 = md * md;                                                                  \
     const int finite = (m2 - m2 == 0) & (ss - ss == 0);                                         \
-    msq += finite ? m2 : 0.0;                                                                   \
-    vsq += finite ? ss : 0.0;
+    msq += finite && (COUNT) ? m2 : 0.0;                                                        \
+    vsq += finite && (COUNT) ? ss : 0.0;
 
 #define DEFINE_EXTRAS_BLOCK(NAME, FT)                                                           \
     ALWAYS_INLINE void NAME(const FT *const *rows, int64_t n, int64_t cnt, const params_t *p,  \
-                            const uint8_t *restrict uf, int bins, ext_t *e) {                   \
+                            const uint8_t *restrict uf, int bins, int64_t start, ext_t *e) {    \
         const FT inv_n = (FT)1 / (FT)n;                                                         \
         const double inv_n1 = 1.0 / (double)(n - 1);                                            \
         double msq = 0, vsq = 0;                                                                \
@@ -456,14 +457,14 @@ DEFINE_DIGITS_BLOCK(digits_block_f64_plain, double, 2.2250738585072014e-308, log
         if (n == 3 && !bins) {                                                                  \
             const FT *restrict r0 = rows[0], *restrict r1 = rows[1], *restrict r2 = rows[2];    \
             _Pragma("omp simd reduction(+:msq, vsq)")                                           \
-            for (int64_t el = 0; el < cnt; el++) {                                              \
-                EXTRAS_MOMENTS3(FT, r0[el], r1[el], r2[el])                                     \
+            for (int64_t el = start; el < cnt; el++) {                                          \
+                EXTRAS_MOMENTS3(FT, r0[el], r1[el], r2[el], 1)                                  \
             }                                                                                   \
         } else if (n == 3) {                                                                    \
             const FT *restrict r0 = rows[0], *restrict r1 = rows[1], *restrict r2 = rows[2];    \
             _Pragma("omp simd reduction(+:msq, vsq)")                                           \
             for (int64_t el = 0; el < cnt; el++) {                                              \
-                EXTRAS_MOMENTS3(FT, r0[el], r1[el], r2[el])                                     \
+                EXTRAS_MOMENTS3(FT, r0[el], r1[el], r2[el], el >= start)                        \
                 var[el] = ss; mean2[el] = m2; fin_[el] = finite;                                \
                 same_[el] = (r1[el] == r0[el]) & (r2[el] == r0[el]);                            \
             }                                                                                   \
@@ -484,8 +485,8 @@ DEFINE_DIGITS_BLOCK(digits_block_f64_plain, double, 2.2250738585072014e-308, log
                 }                                                                               \
                 ss = ss * inv_n1;                                                               \
                 const int finite = (md * md - md * md == 0) & (ss - ss == 0);                   \
-                msq += finite ? md * md : 0.0;                                                  \
-                vsq += finite ? ss : 0.0;                                                       \
+                msq += finite && el >= start ? md * md : 0.0;                                   \
+                vsq += finite && el >= start ? ss : 0.0;                                        \
                 var[el] = ss; mean2[el] = md * md; fin_[el] = finite; same_[el] = same;        \
             }                                                                                   \
         }                                                                                       \
@@ -527,16 +528,18 @@ DEFINE_EXTRAS_BLOCK(extras_block_f64_n, double)
  * copy for the seven mode bodies, as digits_block_f32 */
 static __attribute__((noinline)) void extras_block_f32(const float *const *rows, int64_t n,
                                                        int64_t cnt, const params_t *p,
-                                                       const uint8_t *uf, int bins, ext_t *e) {
-    if (n == 3) extras_block_f32_n(rows, 3, cnt, p, uf, bins, e);
-    else extras_block_f32_n(rows, n, cnt, p, uf, bins, e);
+                                                       const uint8_t *uf, int bins,
+                                                       int64_t start, ext_t *e) {
+    if (n == 3) extras_block_f32_n(rows, 3, cnt, p, uf, bins, start, e);
+    else extras_block_f32_n(rows, n, cnt, p, uf, bins, start, e);
 }
 
 static __attribute__((noinline)) void extras_block_f64(const double *const *rows, int64_t n,
                                                        int64_t cnt, const params_t *p,
-                                                       const uint8_t *uf, int bins, ext_t *e) {
-    if (n == 3) extras_block_f64_n(rows, 3, cnt, p, uf, bins, e);
-    else extras_block_f64_n(rows, n, cnt, p, uf, bins, e);
+                                                       const uint8_t *uf, int bins,
+                                                       int64_t start, ext_t *e) {
+    if (n == 3) extras_block_f64_n(rows, 3, cnt, p, uf, bins, start, e);
+    else extras_block_f64_n(rows, n, cnt, p, uf, bins, start, e);
 }
 
 /* The digits of histogram bin b: those of the relative variance at the bin's middle. */
@@ -700,8 +703,10 @@ ALWAYS_INLINE void moments_pass8(const float *const *rows, int64_t n, int64_t fu
  * zero (what may be a computational zero). */
 ALWAYS_INLINE void clamped_pass8(const float *const *rows, int64_t n, int64_t full, float inv_n,
                                  vf8 vcap, vf8 vzero, float *restrict vbuf,
-                                 vi8 *restrict fbuf, const int finite_known) {
+                                 vi8 *restrict fbuf, const int finite_known,
+                                 float *restrict mbuf, float *restrict rbuf, vi8 *zspread) {
     const vf8 zero = vsplat8(0.0f);
+    vi8 zsp = (vi8){0};
     for (int64_t el = 0; el < full; el += 8) {
         vf8 mean, var;
         vi8 finite, identical, exact_zero;
@@ -711,9 +716,15 @@ ALWAYS_INLINE void clamped_pass8(const float *const *rows, int64_t n, int64_t fu
         vf8 v = vsel8(measured, vmin8(vmax8(var, vcap), vzero),
                       vsel8(finite & identical, vcap, vzero));
         vstore8(vbuf + el, v);
+        if (mbuf) { /* the norms' terms (extras): a finite mean; the measured spread */
+            vstore8(mbuf + el, vsel8(finite, mean, zero));
+            vstore8(rbuf + el, vsel8(measured, var, zero));
+            zsp |= finite & ~identical & (mean == zero); /* spread without a relative one */
+        }
         fbuf[(el >> 3) * 2] = finite;
         fbuf[(el >> 3) * 2 + 1] = finite & ~exact_zero;
     }
+    if (zspread) *zspread = zsp;
 }
 
 /* The flags of moments_pass8 for the 8 elements at el, as lane masks: finite, identical,
@@ -815,6 +826,11 @@ typedef struct {
     vi8 esum, zeros, nf;
     double esum_d[8], zeros_d[8], nf_d[8];
     int64_t iters, since_flush;  /* 8-element vectors per lane: in all, since the last flush */
+    /* the extras' norms of the elements measured here (want_norms): their sums, and how many
+     * leading elements of the last group they cover (the extras block does the rest) */
+    int want_norms;
+    double nmsq, nvsq;
+    int64_t normed;
 } acc8_t;
 
 static void acc8_init(acc8_t *a) {
@@ -876,9 +892,28 @@ ALWAYS_INLINE void stats_block_f32_n(const float *const *rows, int64_t n, int64_
     int64_t full = (float)p->vcap > tiny_f ? cnt & ~(int64_t)7 : 0;
     /* two loops over the group, each with few live vectors (no spilled accumulators): the
      * clamped variances and masks, kept in L1, then the sums */
-    float vbuf[BLK];
+    float vbuf[BLK], mbuf[BLK], rbuf[BLK];
     vi8 fbuf[BLK / 4]; /* 2 masks per 8 elements */
-    clamped_pass8(rows, n, full, inv_n, vcap, vzero, vbuf, fbuf, finite_known);
+    const int norms = acc->want_norms;
+    vi8 zsp = (vi8){0};
+    clamped_pass8(rows, n, full, inv_n, vcap, vzero, vbuf, fbuf, finite_known,
+                  norms ? mbuf : NULL, norms ? rbuf : NULL, &zsp);
+    /* the extras' norms of these elements from their moments (fp64 products): mean^2, and
+     * s^2 = (relative spread, times n - 1) mean^2 / (n - 1); an element with a zero mean and a
+     * spread has no relative spread to give its s^2: the extras block measures such a (rare)
+     * group whole. 10% off round_stats against a pass of its own. */
+    if (norms && full && !any8(zsp)) {
+        double msq = 0, vsq = 0;
+        _Pragma("omp simd reduction(+:msq, vsq)")
+        for (int64_t el = 0; el < full; el++) {
+            const double md = (double)mbuf[el], m2 = md * md;
+            msq += m2;
+            vsq += (double)rbuf[el] * m2;
+        }
+        acc->nmsq += msq;
+        acc->nvsq += vsq / (double)(n - 1);
+        acc->normed = full;
+    }
     for (int64_t el = 0; el < full; el += 8) {
         vf8 v = vload8(vbuf + el);
         vi8 finite = fbuf[(el >> 3) * 2], maybe_zero = fbuf[(el >> 3) * 2 + 1];
@@ -1102,6 +1137,7 @@ DEFINE_PERTURB_GROUP(perturb_group_f64, double)
         {                                                                                       \
         acc8_t acc;                                                                             \
         acc8_init(&acc);                                                                        \
+        acc.want_norms = want_ext;                                                              \
         ext_t ext; /* the header and the bins in use */                                       \
         if (want_ext) memset(&ext, 0, offsetof(ext_t, hist) + 16 * (size_t)(p->nbins + 2));      \
         _Pragma("omp for schedule(static)")                                                     \
@@ -1140,12 +1176,13 @@ DEFINE_PERTURB_GROUP(perturb_group_f64, double)
                 int64_t e0 = g * BLK, cnt = e0 + BLK < numel ? BLK : numel - e0;                \
                 for (int64_t i = 0; i < n; i++)                                                 \
                     rows[i] = mode != MODE_NONE ? out + i * numel + e0 : x + i * xs + e0;       \
+                acc.normed = 0;                                                                 \
                 if (want_stats)                                                                 \
                     DIGITS(rows, n, cnt, p, K, dig ? dig + e0 : NULL, zm ? zm + e0 : NULL, &acc, \
                            &s_sum, &s_min, &s_max, &s_zero, &s_nf, normal[g - g0]);             \
                 if (want_ext)                                                                   \
                     EXTRAS(rows, n, cnt, p, flag_uf && !normal[g - g0] ? ufb + (g - g0) * BLK   \
-                           : NULL, g % qstride == 0, &ext);                                     \
+                           : NULL, g % qstride == 0, acc.normed, &ext);                         \
                 if (fuse) { /* the consumer GEMM's surrogate, on the rows just rounded */       \
                     FT mean[BLK];                                                               \
                     int close[BLK];                                                             \
@@ -1161,6 +1198,8 @@ DEFINE_PERTURB_GROUP(perturb_group_f64, double)
         if (want_stats) acc8_finish(&acc, p, (float)p->vcap, (float)p->vzero, &s_sum, &s_min,  \
                                     &s_max, &s_zero, &s_nf);                                   \
         if (want_ext) {                                                                         \
+            ext.msq += acc.nmsq;                                                                \
+            ext.vsq += acc.nvsq;                                                                \
             _Pragma("omp critical")                                                             \
             {                                                                                   \
                 total.msq += ext.msq; total.vsq += ext.vsq; total.under += ext.under;           \
