@@ -439,7 +439,6 @@ class GraphAnalysis:
         if call % self.cfg.every != 0 or not self.owner.enabled:
             return self.gm(*args)
         info.analysed_calls += 1
-        info.coverage.clear()
         alloc.tune()  # once per process: see fxstab/alloc.py
         states = _rng_states(args)
         out = self.gm(*args)
@@ -673,7 +672,11 @@ class SampleInterpreter:
             reason = ("exact (data movement or selection), " if kind in EXACT_KINDS else
                       "random draws, ") + reason
         counted = floating and not (exact and how != ANALYSED) and how != SKIPPED
-        self.a.info.coverage[plan.node.name] = CoverageEntry(
+        cov = self.a.info.coverage
+        old = cov.get(plan.node.name)
+        if old is not None and (old.how, old.reason, old.floating) == (how, reason, floating):
+            return  # as in the previous call (the usual case): no new entry
+        cov[plan.node.name] = CoverageEntry(
             operator=plan.name or qualified_name(plan.module_path, kind), kind=kind, how=how,
             reason=reason, graph=self.a.index, node=plan.node.name, floating=floating,
             counted=counted)
@@ -1207,7 +1210,10 @@ def _aten_coverage(g: Any, reports: list) -> list:
     for node, (name, _path, kind) in g.op_names.items():
         st = seen.get(name)
         floating = bool(st) or _has_floating(values.get(node))
-        if not st:
+        if not st and kind in EXACT_KINDS:
+            how, reason = SKIPPED, "exact: no primitive to round"
+            floating = False
+        elif not st:
             how, reason = SKIPPED, "no primitive recorded"
         elif UNLIFTED in st:
             how, reason = UNROUNDED, "aten level: a primitive ran per sample unrounded"

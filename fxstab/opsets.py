@@ -91,7 +91,8 @@ EXACT_KINDS = frozenset({
     "abs", "neg", "positive", "sign", "sgn", "max", "min", "maximum", "minimum", "fmax", "fmin",
     "amax", "amin", "clamp", "clamp_min", "clamp_max", "clip", "where", "masked_fill",
     "masked_scatter", "index_put", "scatter", "sort", "topk", "kthvalue", "median", "nanmedian",
-    "cummax", "cummin", "floor", "ceil", "trunc", "round", "threshold",
+    "cummax", "cummin", "floor", "ceil", "trunc", "round", "threshold", "relu", "relu6",
+    "hardtanh",
 })
 
 # Fused operators the stochastic path runs as their composite of torch-level operators

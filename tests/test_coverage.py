@@ -603,3 +603,15 @@ def test_record_warns_when_less_than_90_percent_was_analysed(tmp_path, monkeypat
     dm = fxstab.DigitMap.load(tmp_path / "c.json")
     assert dm.metadata["coverage"]["fraction"] == pytest.approx(1 / 3)
     assert main(["record", "t.py:clamped", "-o", "c.json", "--format", "fp16"]) == 0
+
+
+def test_arithmetic_level_coverage_comes_from_the_primitives_recorded():
+    torch.manual_seed(0)
+    be, _ = analyse(MLP(), torch.randn(4, 16), granularity="aten")
+    cov = be.coverage()
+    assert cov.fraction == 1.0
+    assert {e.kind for e in cov.analysed} == {"linear", "gelu"}
+    assert all(e.reason.startswith("aten level") for e in cov.analysed)
+    relu = next(e for e in cov.entries if e.kind == "relu")  # max(x, 0): nothing to round
+    assert relu.how == "skipped" and relu.reason.startswith("exact") and not relu.counted
+    assert be.digit_map().metadata["coverage"]["counted"] == len(cov.counted) > 0
