@@ -11,7 +11,7 @@ import torch.nn as nn
 import fxstab
 from models import (
     CNN, GPT, MLP, Attention, CancellingLinear, DropoutMLP, LSTMClassifier, NaiveSoftmax,
-    OffsetLayerNorm,
+    OffsetLayerNorm, RecurrentStack, T5RelativeBias,
 )
 
 
@@ -172,6 +172,12 @@ def _train_step(model, x, compiled):
     (lambda: GPT(layers=2), torch.randint(0, 50, (2, 12)), "train"),
     (LSTMClassifier, torch.randn(3, 5, 8), "train"),
     (DropoutMLP, torch.randn(8, 16), "train"),
+    (lambda: RecurrentStack(nn.GRU, dropout=0.3), torch.randn(3, 5, 8), "train"),
+    (lambda: nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.2,
+                                                              batch_first=True), 2,
+                                   enable_nested_tensor=False),
+     torch.randn(2, 5, 16), "train"),
+    (T5RelativeBias, torch.randn(2, 16, 8), "train"),
 ])
 def test_deterministic_output_is_bit_identical_to_eager(make, x, mode):
     torch.manual_seed(0)
