@@ -10,13 +10,20 @@ and recorded, GEMM-like primitives get the data-perturbation surrogate, CADNA's 
 
 Names keep the operator context: ``blocks.3.attn/softmax#0/aten.exp#0`` is the first ``exp``
 primitive of the operator ``blocks.3.attn/softmax#0``. Lowering happens on the first analysed
-call for each input signature (shapes, dtypes), with the RNG state saved and restored around it.
+call for each input signature (shapes, dtypes, and the values of the scalars the graph reads
+with ``.item()``: under ``dynamic=True`` dynamo passes LayerNorm's eps or Embedding's norm_type
+as 0-d tensors, which the lowering takes as constants), with the RNG state saved and restored
+around it. A lowering that fails is remembered: the graph's stochastic path is off from then on
+(its coverage says why), and no later call traces it again. Fused fast paths
+(``torch._transformer_encoder_layer_fwd``) are lowered from their composite (the operators the
+unfused module runs, with its names), as at the operator level.
 """
 
 from __future__ import annotations
 
+import collections
 import operator
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx
@@ -25,8 +32,12 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from . import randbits
-from .backend import GraphAnalysis, _callable, _fetch_attr, _rng_states, _set_rng_states
+from .backend import (GraphAnalysis, _callable, _expand_composites, _fetch_attr,
+                      _mutated_placeholders, _rng_states, _set_rng_states)
+from .coverage import ANALYSED, SKIPPED, UNROUNDED, CoverageEntry
 from .naming import module_path, qualified_name, source_location
+from .report import OBSERVED, UNLIFTED
+from .aten_rules import PER_SAMPLE
 from .opsets import node_kind
 
 aten = torch.ops.aten
@@ -40,6 +51,9 @@ _EXTRA_DECOMPOSITIONS = [
     aten.mse_loss, aten.nll_loss_forward, aten.huber_loss, aten.smooth_l1_loss, aten.addcmul,
     aten.addcdiv, aten.lerp, aten.rsub, aten.norm, aten.linalg_vector_norm, aten._log_softmax,
     aten.rms_norm if hasattr(aten, "rms_norm") else aten.native_layer_norm,
+    # BatchNorm's entry points of torch >= 2.4 (training and eval)
+    aten._batch_norm_with_update, aten._batch_norm_with_update_functional,
+    aten._batch_norm_no_update,
 ]
 _RANDOM_PRIMITIVES = frozenset({
     "rand", "randn", "rand_like", "randn_like", "randint", "randint_like", "bernoulli",
@@ -48,6 +62,9 @@ _RANDOM_PRIMITIVES = frozenset({
     "log_normal_",
 })
 _SYMBOLIC = frozenset({"sym_size", "sym_stride", "sym_numel", "sym_storage_offset"})
+# Lowerings kept per graph (input signatures: shapes, dtypes, scalars read with .item()); the
+# least recently used one goes first (a dynamic-shape model called with ever new lengths).
+_MAX_LOWERINGS = 16
 
 
 def _decompositions() -> dict:
@@ -62,9 +79,14 @@ class AtenGraphAnalysis(GraphAnalysis):
     """One dynamo graph analysed at the arithmetic level."""
 
     def __init__(self, gm: torch.fx.GraphModule, owner: Any, index: int) -> None:
-        self._lowered: dict[tuple, _Lowered] = {}
+        self._lowered: "collections.OrderedDict[tuple, _Lowered]" = collections.OrderedDict()
         self._context = None
+        self.lowerings = 0  # make_fx traces of this graph (each signature once)
+        self.lowering_error: Optional[Exception] = None  # a failed lowering, remembered
         super().__init__(gm, owner, index)
+
+    def _placeholders(self) -> list:
+        return [n for n in self.sgraph.nodes if n.op == "placeholder"]
 
     def _plan(self) -> None:
         """Name every torch-level operator (the context of its primitives)."""
@@ -73,10 +95,19 @@ class AtenGraphAnalysis(GraphAnalysis):
             from .backend import _selector
 
             pred = _selector(self.cfg.select)
+        # the graph the samples run: fused fast paths replaced by their composite
+        self.sgraph = _expand_composites(self.gm.graph, self.info)
+        if self.sgraph is self.gm.graph:
+            self.sgm = self.gm
+        else:
+            self.sgm = torch.fx.GraphModule(self.gm, self.sgraph)
+            self.mutated = _mutated_placeholders(self.sgraph)
+            self.free_after = self._last_uses(self.sgraph)
         repeats: dict[tuple, int] = {}
-        self.op_names: dict[str, tuple[str, str, str]] = {}
+        # dynamo node name -> (stable name, module path, kind); the operators of coverage()
+        self.operators: dict[str, tuple[str, str, str]] = {}
         self.recorded_ops: set[str] = set()
-        for node in self.gm.graph.nodes:
+        for node in self.sgraph.nodes:
             if node.op not in ("call_function", "call_method", "call_module"):
                 continue
             kind = node_kind(node)
@@ -87,47 +118,76 @@ class AtenGraphAnalysis(GraphAnalysis):
             rep = repeats.get(key, 0)
             repeats[key] = rep + 1
             name = self.owner.names.name(path, kind, src, rep)
-            self.op_names[node.name] = (name, path, kind)
+            self.operators[node.name] = (name, path, kind)
             if pred is None or pred(node, kind, qualified_name(path, kind)):
                 self.recorded_ops.add(node.name)
                 self.info.instrumented.append((name, kind, node.name))
+        # placeholders read with .item() (dynamic=True: floats of modules as 0-d tensors)
+        self._item_inputs = [i for i, n in enumerate(self._placeholders())
+                             if any(u.op == "call_method" and u.target == "item"
+                                    for u in n.users)]
 
     # -- lowering -------------------------------------------------------------------------
-    def _lower(self, args: tuple) -> "_Lowered":
+    def _signature(self, args: tuple) -> tuple:
         key = tuple((tuple(a.shape), a.dtype, a.device.type) if isinstance(a, torch.Tensor) else
                     (type(a).__name__, a) for a in args)
+        items = tuple(args[i].item() if isinstance(args[i], torch.Tensor) and
+                      args[i].numel() == 1 else None for i in self._item_inputs)
+        return key + (items,) if items else key
+
+    def _lower(self, args: tuple) -> "_Lowered":
+        if self.lowering_error is not None:
+            err = self.lowering_error
+            raise RuntimeError(f"the lowering to aten primitives failed on an earlier call and "
+                               f"is not retried ({type(err).__name__}: "
+                               f"{(str(err).splitlines() or [''])[0][:200]})") from err
+        key = self._signature(args)
         found = self._lowered.get(key)
         if found is not None:
+            self._lowered.move_to_end(key)
             return found
         states = _rng_states(args)
+        self.lowerings += 1
+        values = dict(zip(self._placeholders(), args))
         try:
+            # "real" tracing runs the primitives: on copies, so that an in-place update the
+            # graph makes (BatchNorm's running statistics) never reaches the user's tensors
             with fx_traceback.preserve_node_meta():
-                lowered = make_fx(torch.fx.Interpreter(self.gm).run,
+                lowered = make_fx(_Specializing(self.sgm, values).run,
                                   decomposition_table=_decompositions(),
-                                  tracing_mode="real")(*[a.detach() if isinstance(a, torch.Tensor)
-                                                         else a for a in args])
+                                  tracing_mode="real")(*[a.detach().clone()
+                                                         if isinstance(a, torch.Tensor) else a
+                                                         for a in args])
+        except Exception as exc:
+            self.lowering_error = exc  # never traced again: every call would fail the same way
+            raise
         finally:
             _set_rng_states(states)
         mutates = any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
                       and n.target._schema.is_mutable for n in lowered.graph.nodes)
-        self._lowered[key] = _Lowered(lowered, self._node_plans(lowered),
-                                      self._last_uses(lowered.graph), mutates)
-        return self._lowered[key]
+        plans, origins = self._node_plans(lowered)
+        low = self._lowered[key] = _Lowered(lowered, plans, self._last_uses(lowered.graph),
+                                            mutates, origins, _written_inputs(lowered.graph))
+        while len(self._lowered) > _MAX_LOWERINGS:
+            self._lowered.popitem(last=False)
+        return low
 
-    def _node_plans(self, lowered: torch.fx.GraphModule) -> list:
+    def _node_plans(self, lowered: torch.fx.GraphModule) -> tuple[list, dict]:
         """What each node of the lowered graph does, decided once per lowering: a
-        :class:`_NodePlan` (primitive, stable name, record?, digits needed?) or None."""
+        :class:`_NodePlan` (primitive, stable name, record?, digits needed?) or None; and per
+        operator (dynamo node name) what its primitives are (:class:`_Origin`)."""
         from .aten_rules import op_info, operand_needs
 
         counts: dict[tuple[str, str], int] = {}
         plans: list = []
         by_node: dict = {}
+        origins: dict[str, _Origin] = {}
         for i, node in enumerate(lowered.graph.nodes):
             plan = None
             if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
                 info = op_info(node.target)
-                origin = _origin(node, self.op_names)
-                op_name, path, _ = self.op_names.get(origin, ("", module_path(node), ""))
+                origin = _origin(node, self.operators)
+                op_name, path, _ = self.operators.get(origin, ("", module_path(node), ""))
                 k = counts.get((op_name, info.kind), 0)
                 counts[(op_name, info.kind)] = k + 1
                 prim = f"aten.{info.kind}#{k}"
@@ -135,9 +195,27 @@ class AtenGraphAnalysis(GraphAnalysis):
                 record = origin in self.recorded_ops if self.cfg.select is not None else True
                 action = ("plain" if info.kind in _SYMBOLIC else
                           "random" if info.kind in _RANDOM_PRIMITIVES else "rule")
-                plan = _NodePlan(i, action, node.target, name, path, record, False, False)
+                plan = _NodePlan(i, action, node.target, name, path, record, False, False,
+                                 origin, info.inplace)
                 by_node[node] = plan
+                if origin is not None and action != "plain":
+                    o = origins.setdefault(origin, _Origin())
+                    floating = _floating(node.meta.get("val"))
+                    o.floating |= floating
+                    if floating and action == "rule" and not (info.exact or info.factory):
+                        o.exact = False
+                    o.random |= action == "random"
+                    o.nodes.append(plan)
             plans.append(plan)
+        # An operator made only of exact primitives (views, selections, max/abs/clamp) or
+        # random draws has nothing to round; selected explicitly (select="*"), its primitives
+        # are recorded as observed (measured, not rounded), as the operator level rounds (the
+        # identity) and records an exact operator it is asked for.
+        if self.cfg.select is not None:
+            for name, o in origins.items():
+                if o.exact and o.floating and name in self.recorded_ops:
+                    for plan in o.nodes:
+                        plan.observe = True
         # Per-element digits of an output are worth writing in the rounding pass only when a
         # consumer's counters read them (add/sub operands, sums), and its zero mask only when
         # a consumer's counters read that (divisors, factors, math arguments...), also through
@@ -155,11 +233,11 @@ class AtenGraphAnalysis(GraphAnalysis):
                 layout = uinfo.layout
                 plan.need_digits |= digits or (layout and up.need_digits)
                 plan.need_zeros |= zeros or (layout and up.need_zeros)
-        return plans
+        return plans, origins
 
     # -- the stochastic path ----------------------------------------------------------------
     def run_samples(self, args: tuple, call: int, rng_states: dict) -> Any:
-        from .aten_rules import AtenContext, Stacked, apply_primitive, to_op_report
+        from .aten_rules import AtenContext, Stacked, apply_primitive, observe, to_op_report
 
         cfg = self.cfg
         owner = self.owner
@@ -167,6 +245,10 @@ class AtenGraphAnalysis(GraphAnalysis):
         args = tuple(a.detach().clone() if (isinstance(a, torch.Tensor) and node in self.mutated)
                      else a for a, node in zip(args, placeholders))
         low = self._lower(args)
+        if low.written:  # inputs its primitives write into (found in the lowered graph)
+            args = tuple(a.detach().clone() if i in low.written and isinstance(a, torch.Tensor)
+                         and placeholders[i] not in self.mutated else a
+                         for i, a in enumerate(args))
         lowered, plans, free_after = low.gm, low.plans, low.free_after
         _set_rng_states(rng_states)  # the deterministic pass's random numbers, again
 
@@ -177,11 +259,13 @@ class AtenGraphAnalysis(GraphAnalysis):
                                         diagnostics=cfg.diagnostics,
                                         cancel_digits=cfg.cancel_digits,
                                         zero_threshold=cfg.zero_threshold, kernels=cfg.kernels,
-                                        saturate=cfg.saturate)
+                                        saturate=cfg.saturate, round_per_sample=True)
         ctx = self._context.for_call(randbits.derive_seed(cfg.seed, self.index, call),
                                      records.append, low.salts)
         env: dict[torch.fx.Node, Any] = {}
         frontier: dict[torch.fx.Node, frozenset] = {}
+        # per operator: the statuses of its recorded primitives in this call
+        statuses: dict[str, set] = {}
         inputs = iter(args)
         # Samples of inputs are expanded views of one value; a graph that updates values in
         # place (BatchNorm's running statistics) gets N real copies instead.
@@ -202,8 +286,8 @@ class AtenGraphAnalysis(GraphAnalysis):
                 # Inputs and buffers enter as N identical samples (an expanded view: no copy
                 # unless the graph updates them in place); parameters stay plain (the rules
                 # broadcast plain operands) so weights are never copied N times.
-                if isinstance(v, torch.Tensor) and v.is_floating_point() and \
-                        not isinstance(v, torch.nn.Parameter):
+                if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) \
+                        and not isinstance(v, torch.nn.Parameter):
                     v = ctx.stack(v, materialize=copy)
                 env[node] = v
                 continue
@@ -219,13 +303,22 @@ class AtenGraphAnalysis(GraphAnalysis):
                 # Python operators on sizes, getitem on tuples, symbolic sizes: plain values.
                 env[node] = _plain_call(_callable(lowered, node), a, kw, Stacked)
                 continue
-            if plan.action == "random":
-                env[node] = _random_call(plan.target, a, kw, Stacked)
-                continue
             before = len(records)
-            env[node] = apply_primitive(plan.target, a, kw, ctx, name=plan.name, salt=plan.index,
-                                        need_digits=plan.need_digits,
-                                        need_zeros=plan.need_zeros)
+            if plan.action == "random":
+                out = _random_call(plan.target, a, kw, Stacked)
+            else:
+                out = apply_primitive(plan.target, a, kw, ctx, name=plan.name, salt=plan.index,
+                                      need_digits=plan.need_digits,
+                                      need_zeros=plan.need_zeros)
+                if plan.inplace and isinstance(out, Stacked) and a and \
+                        isinstance(node.args[0], torch.fx.Node) and \
+                        not isinstance(a[0], Stacked):
+                    # a plain tensor updated in place from samples now holds samples: later
+                    # readers of the target see them
+                    env[node.args[0]] = out
+            env[node] = out
+            if plan.observe and len(records) == before and plan.record:
+                observe(out, plan.target, ctx, plan.name)
             if len(records) > before:
                 for rec in records[before:]:
                     if not plan.record:
@@ -235,32 +328,176 @@ class AtenGraphAnalysis(GraphAnalysis):
                     rep.module_path = plan.path
                     owner.reports.append(rep)
                     frontier[node] = frozenset({rec.name})
+                    if plan.origin is not None:
+                        statuses.setdefault(plan.origin, {}).setdefault(rec.status, rec.name)
                 del records[before:]
             for dead in free_after.get(node, ()):
                 env.pop(dead, None)
+        self._note_coverage(low, statuses)
         return result
+
+    # -- coverage ---------------------------------------------------------------------------
+    def _floating(self, node: torch.fx.Node, low: Optional["_Lowered"]) -> bool:
+        """Whether an operator's output holds a floating or complex tensor: dynamo's example
+        value, else (the nodes of a fused operator's composite have none) its primitives'."""
+        ev = node.meta.get("example_value")
+        if ev is not None:
+            return _floating(ev)
+        o = low.origins.get(node.name) if low is not None else None
+        return o is not None and o.floating
+
+    def _note_coverage(self, low: "_Lowered", statuses: dict) -> None:
+        """How each operator ran in this call (``be.coverage()``), from its primitives."""
+        cov = self.info.coverage
+        cov.clear()
+        selected = self.cfg.select is None
+        for node in self.sgraph.nodes:
+            entry = self.operators.get(node.name)
+            if entry is None:
+                continue
+            name, _path, kind = entry
+            floating = self._floating(node, low)
+            o = low.origins.get(node.name)
+            st = statuses.get(node.name, {})
+            counted = floating
+            if not floating:
+                how, reason, counted = SKIPPED, "no floating output", False
+            elif o is None:
+                how, reason, counted = SKIPPED, "identity: no primitive after lowering", False
+            elif not (selected or node.name in self.recorded_ops):
+                how, reason = UNROUNDED, "not selected (its primitives ran on the samples, " \
+                    "not recorded)"
+            elif UNLIFTED in st:
+                how, reason = UNROUNDED, "aten level: a primitive ran per sample unrounded " \
+                    f"(no vmap rule: {st[UNLIFTED].rsplit('/', 1)[-1]})"
+            elif PER_SAMPLE in st:
+                how, reason = ANALYSED, "per sample: no vmap rule " \
+                    f"({st[PER_SAMPLE].rsplit('/', 1)[-1]}), rounded"
+            elif st and set(st) <= {OBSERVED}:
+                how, reason = ANALYSED, "aten level: its primitives observed (" + \
+                    ("random draws" if o.random else "exact") + ": measured, not rounded)"
+            elif st:
+                how, reason = ANALYSED, "aten level: its primitives"
+            elif o.random:
+                how, reason, counted = SKIPPED, "random draws: the deterministic pass's in " \
+                    "every sample", False
+            elif o.exact:
+                how, reason, counted = SKIPPED, "exact (data movement or selection): its " \
+                    "primitives ran on the samples, not rounded", False
+            else:
+                how, reason = SKIPPED, "no primitive recorded (no operand carries samples)"
+            cov[node.name] = CoverageEntry(operator=name, kind=kind, how=how, reason=reason,
+                                           graph=self.index, node=node.name, floating=floating,
+                                           counted=counted)
+
+    def _coverage_failed(self, exc: Exception) -> None:
+        """Every operator of a graph whose stochastic path failed: skipped, with the reason."""
+        why = f"the graph's stochastic path failed ({type(exc).__name__}: " \
+              f"{(str(exc).splitlines() or [''])[0][:160]})"
+        low = next(reversed(self._lowered.values()), None) if self._lowered else None
+        cov = self.info.coverage
+        cov.clear()
+        for node in self.sgraph.nodes:
+            entry = self.operators.get(node.name)
+            if entry is None:
+                continue
+            name, _path, kind = entry
+            floating = self._floating(node, low) if low is not None or \
+                node.meta.get("example_value") is not None else True
+            cov[node.name] = CoverageEntry(operator=name, kind=kind, how=SKIPPED, reason=why,
+                                           graph=self.index, node=node.name, floating=floating,
+                                           counted=floating)
+
+
+class _Specializing(torch.fx.Interpreter):
+    """The dynamo graph run under ``make_fx``, with the scalars it reads from its inputs with
+    ``.item()`` (``dynamic=True`` passes LayerNorm's eps, Embedding's max_norm as 0-d tensors)
+    taken as the constants they are in this call: a traced tensor has no value to read, and
+    the lowering would fail. The signature of a lowering holds those values
+    (:meth:`AtenGraphAnalysis._signature`), so another value lowers again."""
+
+    def __init__(self, gm: torch.fx.GraphModule, values: dict) -> None:
+        super().__init__(gm)
+        self.values = values
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        if n.op == "call_method" and n.target == "item" and n.args and \
+                isinstance(n.args[0], torch.fx.Node) and n.args[0] in self.values:
+            v = self.values[n.args[0]]
+            if isinstance(v, torch.Tensor) and v.numel() == 1:
+                return v.item()
+        return super().run_node(n)
+
+
+class _Origin:
+    """The primitives of one torch-level operator in a lowered graph."""
+
+    __slots__ = ("floating", "exact", "random", "nodes")
+
+    def __init__(self) -> None:
+        self.floating = False  # some primitive has a floating or complex output
+        self.exact = True  # every primitive with a floating output is exact (or random)
+        self.random = False
+        self.nodes: list = []
+
+
+def _written_inputs(graph: torch.fx.Graph) -> frozenset:
+    """Indices of the placeholders that a primitive of a lowered graph writes into (its
+    schema's ``Tensor(a!)`` arguments), directly or through views of them."""
+    index = {n: i for i, n in enumerate(n for n in graph.nodes if n.op == "placeholder")}
+    out = set()
+    for node in graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or \
+                not target._schema.is_mutable:
+            continue
+        for arg, value in zip(target._schema.arguments, node.args):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            seen = 0
+            while isinstance(value, torch.fx.Node) and value.op == "call_function" and \
+                    value.args and seen < 16:  # through views (aliasing, not writing)
+                schema = getattr(value.target, "_schema", None)
+                if schema is None or not schema.arguments or \
+                        schema.arguments[0].alias_info is None:
+                    break
+                value, seen = value.args[0], seen + 1
+            if value in index:
+                out.add(index[value])
+    return frozenset(out)
+
+
+def _floating(v: Any) -> bool:
+    return any(isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+               for t in pytree.tree_leaves(v))
 
 
 class _NodePlan:
     """One lowered node's decisions, made once per lowering (see ``_node_plans``)."""
 
     __slots__ = ("index", "action", "target", "name", "path", "record", "need_digits",
-                 "need_zeros")
+                 "need_zeros", "origin", "inplace", "observe")
 
-    def __init__(self, index, action, target, name, path, record, need_digits, need_zeros):
+    def __init__(self, index, action, target, name, path, record, need_digits, need_zeros,
+                 origin=None, inplace=False):
         self.index, self.action, self.target, self.name = index, action, target, name
         self.path, self.record = path, record
         self.need_digits, self.need_zeros = need_digits, need_zeros
+        self.origin, self.inplace = origin, inplace  # the dynamo node it came from
+        self.observe = False  # record it as observed when the rules did not record it
 
 
 class _Lowered:
     """A lowered graph with its node plans, each node's input nodes and the values each node
     frees."""
 
-    __slots__ = ("gm", "plans", "free_after", "mutates", "input_nodes", "salts")
+    __slots__ = ("gm", "plans", "free_after", "mutates", "input_nodes", "salts", "origins",
+                 "written")
 
-    def __init__(self, gm, plans, free_after, mutates):
+    def __init__(self, gm, plans, free_after, mutates, origins, written=frozenset()):
         self.gm, self.plans, self.free_after, self.mutates = gm, plans, free_after, mutates
+        self.origins = origins  # dynamo node name -> _Origin
+        self.written = written  # indices of the inputs a primitive writes into
         self.input_nodes = [tuple(node.all_input_nodes) for node in gm.graph.nodes]
         # the seed salts of the primitives, derived together once per call
         self.salts = [p.index for p in plans if p is not None and p.action == "rule"]

@@ -60,9 +60,12 @@ from .rounding import Rounding, round_samples, sample_draws
 from .surrogate import perturb_samples
 
 aten = torch.ops.aten
+# Status of a primitive that ran once per sample (no vmap rule) and was rounded (the backend's
+# round_per_sample; the operator level's status of the same name).
+PER_SAMPLE = "per_sample"
 
 __all__ = ["Stacked", "AtenContext", "PrimitiveRecord", "apply_primitive", "round_stacked",
-           "primitive_kind", "op_info", "OpInfo", "GEMM_PRIMITIVES", "EXACT_PRIMITIVES",
+           "primitive_kind", "op_info", "OpInfo", "GEMM_PRIMITIVES", "EXACT_PRIMITIVES", "observe",
            "operand_needs", "OUTPUT_DIGITS_KINDS", "to_op_report"]
 
 
@@ -95,7 +98,12 @@ EXACT_PRIMITIVES = frozenset({
     "_reshape_alias", "view_as", "expand_as", "movedim", "squeeze_copy", "unsqueeze_copy",
     "view_copy", "permute_copy", "t_copy", "transpose_copy", "expand_copy", "detach_copy",
     "pixel_shuffle", "broadcast_in_dim", "collapse_view", "split_dim", "squeeze_copy", "max_pool2d_with_indices", "max_pool1d", "max_pool2d", "repeat_interleave",
+    # complex values: views of their parts, and the parts put together
+    "view_as_real", "view_as_complex", "real", "imag", "conj", "_conj", "conj_physical",
+    "_conj_physical", "resolve_conj", "resolve_neg", "_neg_view", "complex",
 })
+# Exact on real values, arithmetic on complex ones (|z| = sqrt(re^2 + im^2), z / |z|).
+_COMPLEX_ARITHMETIC = frozenset({"abs", "sgn"})
 _ADD = frozenset({"add", "sub", "rsub"})
 _DIV = frozenset({"div", "reciprocal", "remainder", "fmod", "floor_divide"})
 _POW = frozenset({"pow", "float_power"})
@@ -132,6 +140,7 @@ class OpInfo:
     plain: Any = None  # faster equivalent of a prims op on plain (unstacked) values
     call: Any = None  # what runs it on aligned samples: ``prim`` or ``op``, without the
     # Python frame of OpOverload.__call__
+    inplace: bool = False  # writes into its first argument (``add_``, ``copy_``...)
 
 
 # Exact primitives whose per-element digits are the same rearrangement of their operand's
@@ -185,7 +194,16 @@ def _compute_op_info(op: Any) -> OpInfo:
         factory=kind.startswith(_FACTORY_PREFIXES), layout=kind in _LAYOUT,
         compare=kind in _COMPARE, prim=prim, text=str(op),
         plain=_PRIMS_PLAIN.get(kind) if is_prim else None,
-        call=getattr(run, "_op", run))
+        call=getattr(run, "_op", run), inplace=_writes_first(op))
+
+
+def _writes_first(op: Any) -> bool:
+    """Whether an overload's schema writes into its first argument (``Tensor(a!) self``)."""
+    schema = getattr(op, "_schema", None)
+    if schema is None or not schema.arguments:
+        return False
+    alias = schema.arguments[0].alias_info
+    return alias is not None and alias.is_write
 
 
 _OP_INFO: dict = {}
@@ -430,6 +448,9 @@ class AtenContext:
             bits either way.
         saturate: Clamp overflow to the format's largest finite value instead of inf/NaN.
         record_exact: Also record digit statistics of exact primitives (views, selections).
+        round_per_sample: Round the results of a primitive that vmap cannot batch (it runs once
+            per sample; status ``per_sample``) like any other, as the backend does (DESIGN.md
+            §3); ``False`` (the eager driver) leaves them unrounded (status ``unlifted``).
     """
 
     format: FormatLike = "fp32"
@@ -444,6 +465,7 @@ class AtenContext:
     kernels: str = "auto"
     saturate: bool = False
     record_exact: bool = False
+    round_per_sample: bool = False
     counters: Counters = field(init=False)
     calls: int = field(default=0, init=False)
 
@@ -463,6 +485,9 @@ class AtenContext:
         if not self.cancel_digits > 0:
             raise ValueError(f"cancel_digits must be > 0, got {self.cancel_digits!r}")
         self.working_dtype = working_dtype_for(self.fmt)
+        # complex samples: real and imaginary parts in the working dtype
+        self.complex_dtype = torch.complex128 if self.working_dtype == torch.float64 else \
+            torch.complex64
         # fp64 format in fp64: rounding needs the exact result's side (error-free transforms)
         self.eft = (self.working_dtype == torch.float64 and self.fmt.man_bits == 52
                     and self.rounding is Rounding.RANDOM)
@@ -545,6 +570,8 @@ class AtenContext:
         """
         if x.is_floating_point() and x.dtype != self.working_dtype:
             x = x.to(self.working_dtype)
+        elif x.is_complex() and x.dtype != self.complex_dtype:
+            x = x.to(self.complex_dtype)
         s = x.expand(self.n_samples, *x.shape)
         return Stacked(s.contiguous() if materialize else s)
 
@@ -806,7 +833,11 @@ def _special(op, kind: str, args: tuple, kwargs: dict):
     rest = args[1:]
     if kind in ("view", "_unsafe_view", "reshape", "expand") and len(rest) == 1 and not isinstance(rest[0], Stacked):
         size = list(rest[0])
-        return op(s, [s.shape[0]] + size) if kind != "expand" else s.expand([s.shape[0]] + size)
+        if kind != "expand":
+            return op(s, [s.shape[0]] + size)
+        if len(size) > nd:  # to a higher rank (pos.expand(B, -1, -1)): new dims after dim 0
+            s = s.reshape(s.shape[:1] + (1,) * (len(size) - nd) + s.shape[1:])
+        return s.expand([s.shape[0]] + size)
     if kind == "permute":
         return s.permute([0] + [_norm_dim(d, nd) for d in rest[0]])
     if kind == "transpose":
@@ -825,6 +856,9 @@ def _special(op, kind: str, args: tuple, kwargs: dict):
         end = rest[2] if len(rest) > 2 else None
         step = rest[3] if len(rest) > 3 else 1
         return op(s, dim, start, end, step)
+    if nd == 0 and kind in _DIM_KINDS:
+        # a 0-d value: its only dim (0 or -1) is the value itself; run on [N, 1] over dim 1
+        return _on_scalar(op, kind, s, rest, kwargs)
     if kind in ("sum", "mean", "amax", "amin") and not any(isinstance(r, Stacked) for r in rest) \
             and not kwargs.get("output_dtype"):
         dim = rest[0] if rest else kwargs.get("dim", None)
@@ -849,11 +883,45 @@ def _special(op, kind: str, args: tuple, kwargs: dict):
     return NotImplemented
 
 
+# Primitives of _special with a dim argument (reductions, softmax, cumsum), which a 0-d
+# value reaches with dim 0 or -1 (torch wraps a scalar's dims), not a dim of its samples.
+_DIM_KINDS = frozenset({"sum", "mean", "amax", "amin", "var", "_softmax", "_log_softmax",
+                        "cumsum"})
+
+
+def _on_scalar(op, kind: str, s: torch.Tensor, rest: tuple, kwargs: dict):
+    """``op`` over the only dim of 0-d samples ``s`` ([N]): on ``s[:, None]`` over dim 1, then
+    back to [N] (torch's own arithmetic: a sum of one value, a softmax of one value is 1)."""
+    if any(isinstance(r, Stacked) for r in rest):
+        return NotImplemented
+    col = s.unsqueeze(1)
+    if kind in ("_softmax", "_log_softmax", "cumsum"):
+        if not rest:
+            return NotImplemented
+        return op(col, 1, *rest[1:], **kwargs).squeeze(1)
+    if kind == "var":
+        if getattr(op, "namespace", None) != "prims" or kwargs.get("output_dtype"):
+            return NotImplemented
+        correction = rest[1] if len(rest) > 1 else kwargs.get("correction", 1)
+        return _prims_var(col, [1], correction).reshape(s.shape)
+    if kwargs.get("output_dtype"):
+        return NotImplemented
+    extra = {k: v for k, v in kwargs.items() if k == "dtype"}
+    if kind in ("amax", "amin"):
+        return getattr(torch, kind)(col, [1], False)
+    return getattr(torch, kind)(col, [1], False, **extra)
+
+
 def _run_per_sample(op, args, kwargs, n):
     def pick(k):
         return lambda x: x.samples[k] if isinstance(x, Stacked) else x
+    # a random primitive (rrelu's noise) draws in every sample what the first sample drew
+    seeded = torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
+    state = torch.random.get_rng_state() if seeded else None
     results = []
     for k in range(n):
+        if seeded:
+            torch.random.set_rng_state(state)
         a, kw = pytree.tree_map(pick(k), (args, kwargs), is_leaf=lambda x: isinstance(x, Stacked))
         results.append(op(*a, **kw))
     flat0, spec = pytree.tree_flatten(results[0])
@@ -1102,18 +1170,22 @@ def _fix_dtype_kwargs(kind: str, kwargs: dict, ctx: AtenContext) -> dict:
     dt = kwargs.get("dtype")
     if isinstance(dt, torch.dtype) and dt.is_floating_point:
         kwargs = dict(kwargs)
-        if kind in ("_to_copy", "to"):
-            kwargs.pop("dtype")
-        else:
-            kwargs["dtype"] = ctx.working_dtype
+        kwargs["dtype"] = ctx.working_dtype  # an int (or complex) source still converts
+    elif isinstance(dt, torch.dtype) and dt.is_complex:
+        kwargs = dict(kwargs)
+        kwargs["dtype"] = ctx.complex_dtype
     return kwargs
 
 
 def _to_working(x, ctx):
-    if isinstance(x, torch.dtype) and x.is_floating_point:
-        return ctx.working_dtype
-    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != ctx.working_dtype:
-        return x.to(ctx.working_dtype)
+    if isinstance(x, torch.dtype):
+        return ctx.working_dtype if x.is_floating_point else \
+            ctx.complex_dtype if x.is_complex else x
+    if isinstance(x, torch.Tensor):
+        if x.is_floating_point() and x.dtype != ctx.working_dtype:
+            return x.to(ctx.working_dtype)
+        if x.is_complex() and x.dtype != ctx.complex_dtype:
+            return x.to(ctx.complex_dtype)
     return x
 
 
@@ -1129,13 +1201,15 @@ def _working_args(args: tuple, ctx: AtenContext) -> tuple:
         if type(a) in _PASS_THROUGH:  # samples are in the working dtype already
             continue
         if isinstance(a, torch.Tensor):
-            if a.dtype != wd and a.is_floating_point():
-                new = list(args) if new is None else new
-                new[i] = a.to(wd)
+            if a.dtype != wd and (a.is_floating_point() or a.is_complex()):
+                conv = _to_working(a, ctx)
+                if conv is not a:
+                    new = list(args) if new is None else new
+                    new[i] = conv
         elif isinstance(a, torch.dtype):
-            if a.is_floating_point and a != wd:
+            if (a.is_floating_point or a.is_complex) and a not in (wd, ctx.complex_dtype):
                 new = list(args) if new is None else new
-                new[i] = wd
+                new[i] = _to_working(a, ctx)
         elif isinstance(a, (list, tuple)) and any(isinstance(b, (torch.Tensor, torch.dtype)) for b in a):
             conv = pytree.tree_map(lambda x: _to_working(x, ctx), a)
             new = list(args) if new is None else new
@@ -1202,6 +1276,12 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
     stacked, identical, other = _scan(args)
     if kwargs and not stacked:
         stacked = _has_stacked((), kwargs)
+    if stacked and info.inplace and args and isinstance(args[0], torch.Tensor):
+        # x += f(samples) into a plain tensor (a T5-style relative position bias): the target
+        # becomes N copies of itself that the primitive updates, and the result carries samples
+        t = _to_working(args[0], ctx)
+        args = (Stacked(t.unsqueeze(0).expand(n, *t.shape).clone()),) + tuple(args[1:])
+        identical = False
     from_plain = not stacked
     if from_plain:
         # Only plain operands (parameters, constants): run once. An arithmetic result is still
@@ -1210,7 +1290,7 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
         # embeddings) would otherwise never be analysed.
         out = (info.plain or op)(*args, **kwargs)
         if info.exact or info.factory or not any(
-                isinstance(v, torch.Tensor) and v.is_floating_point()
+                isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
                 for v in ((out,) if isinstance(out, torch.Tensor) else pytree.tree_leaves(out))):
             return out
     if other:
@@ -1250,7 +1330,8 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
     if from_plain:
         raw = pytree.tree_map(
             lambda v: _to_working(v, ctx).unsqueeze(0).expand(n, *v.shape)
-            if isinstance(v, torch.Tensor) and v.is_floating_point() else v, out)
+            if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
+            else v, out)
         lifted = True
     elif not info.gemm and identical and not (kwargs and _has_stacked((), kwargs)):
         # Every operand is N identical samples (data entering the analysis, or exact
@@ -1272,7 +1353,10 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
         else:
             raw, lifted = _run_batched(op, info, args, kwargs, n)
     exact = info.exact
-    do_round = lifted and not exact
+    if exact and kind in _COMPLEX_ARITHMETIC and type(args[0]) is Stacked and \
+            args[0].samples.is_complex():
+        exact = False  # |z|, z / |z|: arithmetic on the parts
+    do_round = (lifted or ctx.round_per_sample) and not exact
     want_record = ctx.recorder is not None and (
         not exact or ctx.record_exact or _writes_nonfinite(kind, args, kwargs))
     # Per-element digits now, in the rounding pass, when a counter will read them: a
@@ -1290,7 +1374,17 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
     for v in flat:
         if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == n:
             is_first = first is None
-            if v.is_floating_point() and do_round:
+            if v.is_complex() and do_round:
+                # real and imaginary parts round (and are measured) as two real values each,
+                # as at the operator level
+                seed_j = ctx.rounding_seed(seed, j)
+                j += 1
+                v, st = _round_complex(v, ctx, seed_j, is_first and (want_record or counting),
+                                       _owned(v, args))
+                st_v = Stacked(v)
+                if is_first:
+                    first_stats = st
+            elif v.is_floating_point() and do_round:
                 seed_j = ctx.rounding_seed(seed, j)
                 j += 1
                 if ctx.eft:
@@ -1318,7 +1412,8 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
             outs.append(v)
     result = outs[0] if single else pytree.tree_unflatten(outs, spec)
 
-    want_record = want_record and first is not None and first.samples.is_floating_point()
+    want_record = want_record and first is not None and (first.samples.is_floating_point()
+                                                         or first.samples.is_complex())
     rec_name = name or ctx.name_for(op) if (want_record or counting) else None
     if counting:
         diff = None
@@ -1333,7 +1428,8 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
         ctx._last_events = []
     if want_record:
         stats = _record_stats(first, first_stats, ctx)
-        status = ROUNDED if do_round else (UNLIFTED if not lifted else OBSERVED)
+        status = (PER_SAMPLE if not lifted else ROUNDED) if do_round else \
+            (UNLIFTED if not lifted else OBSERVED)
         ctx.recorder(PrimitiveRecord(rec_name, info.text, kind, stats, counts, surrogate, status,
                                      tuple(first.shape), list(ctx._last_events)))
     return result
@@ -1377,7 +1473,43 @@ def _limit_diff(kind: str, args: tuple, kwargs: dict, ctx: AtenContext) -> Optio
     return both
 
 
+def _round_complex(v: torch.Tensor, ctx: AtenContext, seed: Optional[int], want_stats: bool,
+                   own: bool):
+    """Round complex samples ``v`` (unless ``seed`` is None: measure only) part by part: their
+    real view ``[N, ..., 2]`` is rounded and measured like real samples (statistics over
+    2 x numel values: the digits of each part). Returns (complex samples, stats or None)."""
+    r = torch.view_as_real(v.resolve_conj().resolve_neg())
+    own = own and r.is_contiguous() and not v.is_conj() and not v.is_neg()
+    r = r.contiguous()
+    if seed is not None and ctx.eft:  # the fp64 format: one shared random side per part
+        r = _round_fp64("complex", None, (), {}, r, seed, ctx)
+        seed = None
+    out, st, _ = _round_measure(r, ctx, seed, want_stats, False, False, own)
+    return torch.view_as_complex(out.contiguous()), st
+
+
+def observe(value: Any, op: Any, ctx: AtenContext, name: Optional[str] = None) -> bool:
+    """Record the first floating (or complex) tensor of ``value`` as observed: measured, not
+    rounded (an exact primitive or a random draw that a driver was asked to report; a plain
+    tensor is N identical samples). Returns whether a record was made."""
+    if ctx.recorder is None:
+        return False
+    is_s = lambda v: isinstance(v, Stacked)  # noqa: E731
+    for v in pytree.tree_leaves(value, is_leaf=is_s):
+        if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()):
+            v = ctx.stack(v)
+        if not is_s(v) or not (v.samples.is_floating_point() or v.samples.is_complex()):
+            continue
+        ctx.recorder(PrimitiveRecord(name or ctx.name_for(op), str(op), primitive_kind(op),
+                                     _record_stats(v, None, ctx), empty_counters(), False,
+                                     OBSERVED, tuple(v.shape)))
+        return True
+    return False
+
+
 def _record_stats(first: Stacked, st: Optional[list], ctx: AtenContext) -> DigitStats:
+    if st is None and first.samples.is_complex():  # observed complex values: their parts
+        _, st = _round_complex(first.samples, ctx, None, True, False)
     if st is None:  # not rounded here (exact, observed, unlifted): measure only
         _, st, an = _round_measure(first.samples, ctx, None, True, first._an is None)
         if first._an is None:
