@@ -156,6 +156,42 @@ def test_in_place_update_of_a_plain_float_tensor():
     assert div and div[0].avg_digits < cap  # the samples reached the division
 
 
+# --------------------------------------------------------------------------- per sample
+def test_a_primitive_without_a_vmap_rule_runs_per_sample_and_is_rounded():
+    def f(x, src):
+        return torch.as_strided_scatter(x * 3, src * 0.1, (2, 2), (1, 2)).sin()
+
+    torch.manual_seed(0)
+    x, src = torch.randn(4, 4), torch.randn(2, 2)
+    be, y = analyse(f, x, src, select="*")
+    no_failures(be)
+    assert torch.equal(y, f(x, src))
+    r = [r for r in be.reports if r.name.startswith("as_strided_scatter#0/")][0]
+    cap = fxstab.get_format("bf16").digit_cap
+    assert r.status == "per_sample" and 0.5 < r.avg_digits < cap  # rounded: below the cap
+    entry = next(e for e in be.coverage().entries if e.kind == "as_strided_scatter")
+    assert entry.how == "analysed" and entry.reason.startswith("per sample")
+
+
+def test_random_primitive_per_sample_draws_the_deterministic_noise():
+    """rrelu in training draws a slope per element (no vmap rule for its noise): every sample
+    runs from the RNG state the deterministic pass had, so all draw its slopes."""
+    def f(x):
+        return F.rrelu(x * 1.0, training=True) * 2
+
+    x = torch.randn(64, 32)
+    torch.manual_seed(5)
+    want = f(x)
+    after = torch.rand(3)
+    torch.manual_seed(5)
+    be, y = analyse(f, x, output="mean", format="fp32")
+    assert torch.equal(torch.rand(3), after)  # the user's RNG stream is unchanged
+    no_failures(be)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-6)  # other slopes: off by ~0.1
+    r = [r for r in be.reports if r.name.startswith("rrelu#0/")][0]
+    assert r.status == "per_sample"
+
+
 # --------------------------------------------------------------------------- complex
 def test_complex_operators_round_their_real_and_imaginary_parts():
     torch.manual_seed(0)
