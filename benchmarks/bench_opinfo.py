@@ -204,9 +204,10 @@ def check_operator(op: Any, granularity: str = "op") -> dict:
     per_sample = [e for e in counted if e.how == ANALYSED and e.reason.startswith("per sample")]
     row["operators"] = [(e.operator, e.how, e.reason) for e in entries]
     del caught
-    if not counted and any(e.reason.startswith("identity") for e in entries):
-        return {**row, "status": "skipped", "reason": "the identity in this sample (dropout "
-                "with training=False or p=0): nothing to round"}
+    identity = [e for e in entries if e.reason.startswith("identity")]
+    if not counted and identity:
+        return {**row, "status": "skipped", "reason": f"nothing to round in this sample "
+                f"({identity[0].reason})"}
     if not counted:
         breaks = list(counters.get("graph_break", {}))
         if breaks:

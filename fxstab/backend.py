@@ -1169,11 +1169,8 @@ class FxstabBackend:
         analysed (rounded and recorded; how: vmap, per sample, ...), run unrounded, or
         skipped, each with its reason (:mod:`fxstab.coverage`)."""
         entries: list = []
-        for g in self.graphs:
-            if hasattr(g, "op_names"):  # the arithmetic level: operators by their primitives
-                entries += _aten_coverage(g, self.reports)
-            else:
-                entries += g.coverage_entries()
+        for g in self.graphs:  # both levels fill GraphInfo.coverage
+            entries += g.coverage_entries()
         return Coverage(entries)
 
     def metadata(self) -> dict:
@@ -1196,32 +1193,6 @@ class FxstabBackend:
 
     def table(self, top: Optional[int] = None) -> str:
         return self.digit_map().table(top) if top is not None else self.digit_map().table()
-
-
-def _aten_coverage(g: Any, reports: list) -> list:
-    """Coverage of an arithmetic-level graph from its reports: an operator is analysed when
-    primitives named within it were recorded, all of them on the samples."""
-    seen: dict = {}
-    for r in reports:
-        op = r.name.split("/aten.", 1)[0]
-        seen.setdefault(op, set()).add(r.status)
-    out = []
-    values = {n.name: n.meta.get("example_value") for n in g.gm.graph.nodes}
-    for node, (name, _path, kind) in g.op_names.items():
-        st = seen.get(name)
-        floating = bool(st) or _has_floating(values.get(node))
-        if not st and kind in EXACT_KINDS:
-            how, reason = SKIPPED, "exact: no primitive to round"
-            floating = False
-        elif not st:
-            how, reason = SKIPPED, "no primitive recorded"
-        elif UNLIFTED in st:
-            how, reason = UNROUNDED, "aten level: a primitive ran per sample unrounded"
-        else:
-            how, reason = ANALYSED, "aten level: its primitives"
-        out.append(CoverageEntry(operator=name, kind=kind, how=how, reason=reason, graph=g.index,
-                                 node=node, floating=floating, counted=floating))
-    return out
 
 
 def backend(
