@@ -13,7 +13,8 @@ primitive of the operator ``blocks.3.attn/softmax#0``. Lowering happens on the f
 call for each input signature (shapes, dtypes, and the values of the scalars the graph reads
 with ``.item()``: under ``dynamic=True`` dynamo passes LayerNorm's eps or Embedding's norm_type
 as 0-d tensors, which the lowering takes as constants), with the RNG state saved and restored
-around it. A lowering that fails is remembered: the graph's stochastic path is off from then on
+around it; a graph captured with dynamic shapes is lowered with symbolic shapes once, for
+every shape its guards accept. A lowering that fails is remembered: the graph's stochastic path is off from then on
 (its coverage says why), and no later call traces it again. Fused fast paths
 (``torch._transformer_encoder_layer_fwd``) are lowered from their composite (the operators the
 unfused module runs, with its names), as at the operator level.
@@ -126,11 +127,21 @@ class AtenGraphAnalysis(GraphAnalysis):
         self._item_inputs = [i for i, n in enumerate(self._placeholders())
                              if any(u.op == "call_method" and u.target == "item"
                                     for u in n.users)]
+        # captured with dynamic shapes (SymInt inputs, symbolic sizes): lowered symbolically
+        self._symbolic: Optional[dict] = {} if any(
+            _is_symbolic(n.meta.get("example_value")) for n in self._placeholders()) else None
 
     # -- lowering -------------------------------------------------------------------------
-    def _signature(self, args: tuple) -> tuple:
-        key = tuple((tuple(a.shape), a.dtype, a.device.type) if isinstance(a, torch.Tensor) else
-                    (type(a).__name__, a) for a in args)
+    def _signature(self, args: tuple, symbolic: bool = False) -> tuple:
+        """What a lowering depends on: shapes (ranks only for a symbolic one: its guards say
+        which shapes it serves), dtypes, devices, Python scalars, the values read with
+        ``.item()``."""
+        if symbolic:
+            key = tuple((a.dim(), a.dtype, a.device.type) if isinstance(a, torch.Tensor) else
+                        (type(a).__name__,) for a in args)
+        else:
+            key = tuple((tuple(a.shape), a.dtype, a.device.type) if isinstance(a, torch.Tensor)
+                        else (type(a).__name__, a) for a in args)
         items = tuple(args[i].item() if isinstance(args[i], torch.Tensor) and
                       args[i].numel() == 1 else None for i in self._item_inputs)
         return key + (items,) if items else key
@@ -141,6 +152,10 @@ class AtenGraphAnalysis(GraphAnalysis):
             raise RuntimeError(f"the lowering to aten primitives failed on an earlier call and "
                                f"is not retried ({type(err).__name__}: "
                                f"{(str(err).splitlines() or [''])[0][:200]})") from err
+        if self._symbolic is not None:
+            low = self._lower_symbolic(args)
+            if low is not None:
+                return low
         key = self._signature(args)
         found = self._lowered.get(key)
         if found is not None:
@@ -168,6 +183,57 @@ class AtenGraphAnalysis(GraphAnalysis):
         plans, origins = self._node_plans(lowered)
         low = self._lowered[key] = _Lowered(lowered, plans, self._last_uses(lowered.graph),
                                             mutates, origins, _written_inputs(lowered.graph))
+        while len(self._lowered) > _MAX_LOWERINGS:
+            self._lowered.popitem(last=False)
+        return low
+
+    def _lower_symbolic(self, args: tuple) -> Optional["_Lowered"]:
+        """A graph dynamo captured with dynamic shapes is lowered with symbolic shapes: one
+        lowering serves every shape its guards accept (the decompositions' own conditions on
+        sizes: 0/1 specialisation, equal sizes...), checked on each call. None when symbolic
+        tracing fails: the graph then lowers per concrete signature (``tracing_mode="real"``)."""
+        key = self._signature(args, symbolic=True)
+        entries = self._symbolic.setdefault(key, [])
+        for i, (code, low) in enumerate(entries):
+            try:
+                ok = code is None or low.shape_env.evaluate_guards_expression(code, list(args))
+            except Exception:  # noqa: BLE001 - an unusual guard: lower again
+                ok = False
+            if ok:
+                if i:
+                    entries.insert(0, entries.pop(i))
+                return low
+        states = _rng_states(args)
+        self.lowerings += 1
+        values = dict(zip(self._placeholders(), args))
+        try:
+            with fx_traceback.preserve_node_meta():
+                lowered = make_fx(_Specializing(self.sgm, values).run,
+                                  decomposition_table=_decompositions(),
+                                  tracing_mode="symbolic")(*[a.detach() if isinstance(
+                                      a, torch.Tensor) else a for a in args])
+            fakes = [n.meta.get("val") for n in lowered.graph.nodes if n.op == "placeholder"]
+            env = next((_shape_env(v) for v in fakes if _shape_env(v) is not None), None)
+            if env is None or len(fakes) != len(args):
+                raise RuntimeError("no shape environment in the symbolic lowering")
+            code = env.produce_guards_expression(fakes, ignore_static=False)
+            if code is not None and not env.evaluate_guards_expression(code, list(args)):
+                raise RuntimeError("the symbolic lowering's guards refuse its own inputs")
+        except Exception:  # noqa: BLE001 - lower per signature instead, as before
+            self._symbolic = None
+            return None
+        finally:
+            _set_rng_states(states)
+        mutates = any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+                      and n.target._schema.is_mutable for n in lowered.graph.nodes)
+        plans, origins = self._node_plans(lowered)
+        low = _Lowered(lowered, plans, self._last_uses(lowered.graph), mutates, origins,
+                       _written_inputs(lowered.graph))
+        low.shape_env = env
+        entries.insert(0, (code, low))
+        del entries[_MAX_LOWERINGS:]
+        self._lowered[("symbolic",) + key] = low  # the latest, for coverage
+        self._lowered.move_to_end(("symbolic",) + key)
         while len(self._lowered) > _MAX_LOWERINGS:
             self._lowered.popitem(last=False)
         return low
@@ -467,6 +533,20 @@ def _written_inputs(graph: torch.fx.Graph) -> frozenset:
     return frozenset(out)
 
 
+def _is_symbolic(v: Any) -> bool:
+    """Whether a dynamo example value is a symbolic size or a tensor with symbolic sizes."""
+    if isinstance(v, torch.SymInt):
+        return True
+    return isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape)
+
+
+def _shape_env(v: Any):
+    if isinstance(v, torch.SymInt):
+        return v.node.shape_env
+    mode = getattr(v, "fake_mode", None)
+    return getattr(mode, "shape_env", None)
+
+
 def _floating(v: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
                for t in pytree.tree_leaves(v))
@@ -492,12 +572,13 @@ class _Lowered:
     frees."""
 
     __slots__ = ("gm", "plans", "free_after", "mutates", "input_nodes", "salts", "origins",
-                 "written")
+                 "written", "shape_env")
 
     def __init__(self, gm, plans, free_after, mutates, origins, written=frozenset()):
         self.gm, self.plans, self.free_after, self.mutates = gm, plans, free_after, mutates
         self.origins = origins  # dynamo node name -> _Origin
         self.written = written  # indices of the inputs a primitive writes into
+        self.shape_env = None  # a symbolic lowering's shape environment (its guards)
         self.input_nodes = [tuple(node.all_input_nodes) for node in gm.graph.nodes]
         # the seed salts of the primitives, derived together once per call
         self.salts = [p.index for p in plans if p is not None and p.action == "rule"]

@@ -1106,7 +1106,7 @@ def _compute_counters(kind: str, args: tuple, kwargs: dict, out: Optional[Stacke
     elif kind == "abs" and isinstance(args[0], Stacked) and args[0].samples.is_floating_point():
         s = args[0].samples
         found.append(("intrinsic", (s > 0).any(0) & (s < 0).any(0)))
-    elif kind in _ROUNDING_INTRINSICS and out is not None:
+    elif kind in _ROUNDING_INTRINSICS and out is not None and not kwargs.get("decimals"):
         found.append(("intrinsic", ~out.analysis(ctx).identical))
     elif kind in ("_to_copy", "to") and out is not None and not out.samples.is_floating_point() \
             and isinstance(args[0], Stacked) and args[0].samples.is_floating_point():
@@ -1356,6 +1356,8 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
     if exact and kind in _COMPLEX_ARITHMETIC and type(args[0]) is Stacked and \
             args[0].samples.is_complex():
         exact = False  # |z|, z / |z|: arithmetic on the parts
+    elif exact and kind == "round" and kwargs.get("decimals"):
+        exact = False  # round(x * 10**d) / 10**d: not a value of the format in general
     do_round = (lifted or ctx.round_per_sample) and not exact
     want_record = ctx.recorder is not None and (
         not exact or ctx.record_exact or _writes_nonfinite(kind, args, kwargs))

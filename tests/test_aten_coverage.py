@@ -117,6 +117,24 @@ def test_batch_norm_with_update_is_decomposed_and_rounded():
     assert be.coverage().fraction == 1.0
 
 
+def test_round_to_decimals_is_arithmetic():
+    """round(x, 2) is round(x * 100) / 100, not a value of the format: rounded (and no
+    intrinsic instability: its samples differ by the rounding); round(x) stays exact (an
+    integer of the format)."""
+    torch.manual_seed(0)
+    x = torch.randn(64) * 10
+
+    be, y = analyse(lambda t: torch.round(t * 1.0, decimals=2), x, diagnostics="summary")
+    no_failures(be)
+    assert torch.equal(y, torch.round(x * 1.0, decimals=2))
+    r = [r for r in be.reports if "/aten.round#" in r.name][0]
+    cap = fxstab.get_format("bf16").digit_cap
+    assert r.status == "rounded" and r.avg_digits < cap and r.counters["intrinsic"] == 0
+    torch._dynamo.reset()
+    be, _ = analyse(lambda t: torch.round(t * 1.01), x, diagnostics="summary")
+    assert not [r for r in be.reports if "/aten.round#" in r.name]  # exact: not recorded
+
+
 # --------------------------------------------------------------------------- in place
 def test_in_place_update_of_a_plain_tensor_with_samples_keeps_the_graph():
     torch.manual_seed(0)
@@ -306,10 +324,36 @@ def test_dynamic_model_is_lowered_once_and_analysed():
     assert g.lowerings == 1 and g.info.analysed_calls == 3
     assert {"ln/layer_norm#0", "fc/linear#0"} <= operators(be)
     assert len({r.call for r in be.reports}) == 3
-    with torch.no_grad():  # a new length: one more lowering, the same graph (dynamic)
-        y = cm(torch.randint(0, 10, (2, 9)))
-    assert y.shape == (2, 9, 4) and len(be.graphs) == 1 and g.lowerings == 2
+    # lowered with symbolic shapes: other lengths reuse it (its guards accept them)
+    for t in (9, 4, 13):
+        x = torch.randint(0, 10, (3, t))
+        with torch.no_grad():
+            assert torch.equal(cm(x), m(x))
+    assert len(be.graphs) == 1 and g.lowerings == 1 and g.info.analysed_calls == 6
+    last = [r for r in be.reports if r.call == 5]
+    assert {r.shape for r in last if r.name.startswith("fc/linear#0/aten.addmm")} == {(39, 4)}
     no_failures(be)
+    # its guards are checked on every call: a length of 1 (0/1 specialisation) is refused
+    seen = []
+    lower = g._lower
+    g._lower = lambda args: seen.append(args) or lower(args)
+    with torch.no_grad():
+        cm(torch.randint(0, 10, (3, 5)))
+    (code, low), = next(iter(g._symbolic.values()))
+    args = list(seen[0])
+    assert code and low.shape_env.evaluate_guards_expression(code, args)
+    i = next(i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.dtype == torch.long)
+    args[i] = args[i][:, :1]
+    args = [1 if isinstance(a, int) and a == 5 else a for a in args]
+    assert not low.shape_env.evaluate_guards_expression(code, args)
+    assert g.lowerings == 1
+    # the same names (and about the same digits) as a graph compiled for one shape
+    torch._dynamo.reset()
+    static, _ = analyse(m, torch.randint(0, 10, (3, 13)))
+    want = {r.name: r.avg_digits for r in static.reports}
+    got = {r.name: r.avg_digits for r in be.reports if r.call == 5}
+    assert got.keys() == want.keys()
+    assert all(abs(got[k] - want[k]) < 0.5 for k in want), (got, want)
 
 
 def test_a_failed_lowering_is_not_retried():
