@@ -15,8 +15,10 @@ not fail, and the compiled call returned exactly the eager output (bit for bit, 
 
 Prints the coverage table (analysed / per sample / not analysed / failed, with the reasons) and
 writes ``results/bench_opinfo.json`` (machine, versions, commit, rows). The aten level's rows
-use its reports: an operator is analysed there when primitives named within it were recorded on
-the samples.
+use its coverage (``fxstab/aten_backend.py``): an operator is analysed there when primitives
+named within it were rounded and recorded on the samples, or, for an operator made only of exact
+primitives (views, selections) or random draws, recorded as observed (``select="*"`` asks for
+every operator); the reason of each coverage entry says which.
 """
 
 from __future__ import annotations
