@@ -19,10 +19,12 @@ FAMILIES: dict[str, frozenset[str]] = {
     "conv": frozenset({"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
                        "conv_transpose3d"}),
     "matmul": frozenset({"matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "einsum"}),
-    # multi_head_attention_forward is one torch-level call (in-projection, attention,
-    # out-projection): one trusted operator like SDPA; the fused encoder-layer fast path runs
-    # on the samples as its composite (COMPOSITE_KINDS), with these operators inside.
-    "attention": frozenset({"scaled_dot_product_attention", "multi_head_attention_forward"}),
+    "attention": frozenset({"scaled_dot_product_attention"}),
+    # F.multi_head_attention_forward is one torch-level call (in-projection, attention,
+    # out-projection): one trusted operator like SDPA (GEMM_KINDS); the fused encoder-layer
+    # fast path runs on the samples as its composite (COMPOSITE_KINDS), with it inside. A
+    # family of its own: the monitor's "attention" family means SDPA's signature.
+    "multihead_attention": frozenset({"multi_head_attention_forward"}),
     "softmax": frozenset({"softmax", "log_softmax"}),
     "norm": frozenset({"layer_norm", "rms_norm", "group_norm", "batch_norm", "instance_norm"}),
     "activation": frozenset({
@@ -53,7 +55,8 @@ FAMILIES: dict[str, frozenset[str]] = {
 }
 
 DEFAULT_FAMILIES = frozenset(FAMILIES)
-GEMM_KINDS = FAMILIES["linear"] | FAMILIES["conv"] | FAMILIES["matmul"] | FAMILIES["attention"]
+GEMM_KINDS = (FAMILIES["linear"] | FAMILIES["conv"] | FAMILIES["matmul"] | FAMILIES["attention"]
+              | FAMILIES["multihead_attention"])
 KIND_TO_FAMILY = {k: fam for fam, kinds in FAMILIES.items() for k in kinds}
 DEFAULT_KINDS = frozenset(KIND_TO_FAMILY)
 
