@@ -84,6 +84,7 @@ class AtenGraphAnalysis(GraphAnalysis):
         self._context = None
         self.lowerings = 0  # make_fx traces of this graph (each signature once)
         self.lowering_error: Optional[Exception] = None  # a failed lowering, remembered
+        self._last_coverage: Optional[tuple] = None  # (lowering, statuses, entries)
         super().__init__(gm, owner, index)
 
     def _placeholders(self) -> list:
@@ -416,6 +417,10 @@ class AtenGraphAnalysis(GraphAnalysis):
         """How each operator ran in this call (``be.coverage()``), from its primitives."""
         cov = self.info.coverage
         cov.clear()
+        last = self._last_coverage
+        if last is not None and last[0] is low and last[1] == statuses:
+            cov.update(last[2])  # as in the previous call (the usual case): no new entries
+            return
         selected = self.cfg.select is None
         for node in self.sgraph.nodes:
             entry = self.operators.get(node.name)
@@ -455,6 +460,7 @@ class AtenGraphAnalysis(GraphAnalysis):
             cov[node.name] = CoverageEntry(operator=name, kind=kind, how=how, reason=reason,
                                            graph=self.index, node=node.name, floating=floating,
                                            counted=counted)
+        self._last_coverage = (low, statuses, dict(cov))
 
     def _coverage_failed(self, exc: Exception) -> None:
         """Every operator of a graph whose stochastic path failed: skipped, with the reason."""

@@ -400,7 +400,9 @@ def test_coverage_says_how_each_operator_ran():
     torch.manual_seed(0)
     m = Mixed()
     x = torch.randn(3, 4)
-    be, y = analyse(m, x)
+    be = fxstab.backend(granularity="aten")
+    cm = torch.compile(m, backend=be)
+    y = cm(x)
     assert torch.equal(y, m(x))
     entries = {e.kind: e for e in be.coverage().entries}
     assert entries["linear"].how == "analysed" and entries["exp"].how == "analysed"
@@ -408,6 +410,11 @@ def test_coverage_says_how_each_operator_ran():
         assert entries[kind].how == "skipped" and entries[kind].reason.startswith("exact")
         assert entries[kind].floating and not entries[kind].counted
     assert be.coverage().fraction == 1.0
+    first = be.coverage().entries
+    cm(x)  # the next call: the same entries (reused, not rebuilt)
+    assert len(be.graphs) == 1 and be.infos[0].analysed_calls == 2
+    again = be.coverage().entries
+    assert len(again) == len(first) and all(a is b for a, b in zip(again, first))
     # asked for by name, exact operators are observed: measured and recorded, not rounded
     torch._dynamo.reset()
     be, _ = analyse(m, x, select="*")
