@@ -56,7 +56,7 @@ def build(norm: str, seed: int) -> NormMLP:
 
 @dataclass
 class Settings:
-    train: int = 16384       # 128 steps per epoch
+    train: int = 60000       # the whole training set: 468 steps per epoch
     eval: int = 2000
     batch: int = 128
     epochs: int = 3
