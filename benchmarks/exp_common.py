@@ -422,15 +422,20 @@ def mean(values: Iterable[float]) -> float:
     return sum(v) / len(v) if v else math.nan
 
 
-def plot_series(path: Path, series: dict, ylabel: str, title: str, xlabel: str = "step") -> Path:
-    """One line per label of ``series`` ({label: [y per step]}); saved as a PNG."""
+def plot_series(path: Path, series: dict, ylabel: str, title: str, xlabel: str = "step",
+                dashed: Iterable[str] = ()) -> Path:
+    """One line per label of ``series`` ({label: [y per step]}), the labels in ``dashed``
+    dashed; saved as a PNG."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    for label, ys in series.items():
-        ax.plot(range(len(ys)), ys, label=label, linewidth=1.0)
+    colours = plt.get_cmap("tab20" if len(series) > 10 else "tab10").colors
+    dashed = set(dashed)
+    for i, (label, ys) in enumerate(series.items()):
+        ax.plot(range(len(ys)), ys, label=label, linewidth=1.0, color=colours[i % len(colours)],
+                linestyle="--" if label in dashed else "-")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)

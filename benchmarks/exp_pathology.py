@@ -415,7 +415,9 @@ def plots(rows: Sequence[dict], out: Path) -> list[Path]:
             out / f"pathology_digits_{fmt}.png",
             {f"{r['task']} {r['variant']}": r["series"]["default"] for r in sel},
             f"{xc.metric()} digits of the pathology operator",
-            f"pathology operators per step ({fmt}, N=3, {sel[0]['level']} level)"))
+            f"pathology operators per step ({fmt}, N=3, {sel[0]['level']} level; "
+            f"dashed: controls)",
+            dashed=[f"{r['task']} {r['variant']}" for r in sel if not r["hazard"]]))
         # the paper's panel (d): min digits against A_t; beside it the default metric, since
         # min saturates at 0 wherever one element is a computational zero
         fig, axes = plt.subplots(1, 2, figsize=(10.0, 4.2), sharey=True)
