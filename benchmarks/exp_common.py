@@ -31,7 +31,7 @@ import re
 import struct
 import sys
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
@@ -291,7 +291,8 @@ def train_with_shadow(model: nn.Module, forward: Callable[[nn.Module, torch.Tens
         on_step: called after each step (a progress bar).
 
     Returns:
-        (the backend, the list of ``select`` results).
+        ((the backend, the compiled model, its :class:`OutputSamples`): the shadow, for
+        :func:`representative_accuracy`; the list of ``select`` results, one per step).
     """
     torch._dynamo.reset()
     be = shadow_backend(fmt, level, seed)
