@@ -98,7 +98,7 @@ def run_one(name: str, fmt: str, level: str, st: Settings, data: tuple, seed: in
     def keep(r: xc.StepResult) -> dict:
         op = xc.module_output(r.dm, "act")
         return {"epoch": r.epoch, "operator": op, **xc.op_numbers(r.dm, op),
-                "agreement": r.agreement, "loss": r.loss}
+                "agreement": r.agreement, "batch_accuracy": r.batch_accuracy, "loss": r.loss}
 
     shadow, steps = xc.train_with_shadow(
         model, fwd, xtr, ytr, fmt=fmt, level=level, batch=st.batch, epochs=st.epochs,
@@ -114,7 +114,8 @@ def run_one(name: str, fmt: str, level: str, st: Settings, data: tuple, seed: in
         "last_avg_digits": steps[-1]["avg"],
         "agreement": xc.mean(s["agreement"] for s in steps),
         "accuracy": det, "representative_accuracy": rep, "steps": len(steps),
-        "series": {k: [s[k] for s in steps] for k in ("avg", "min", "agreement", "loss")},
+        "series": {k: [s[k] for s in steps] for k in ("avg", "min", "agreement", "batch_accuracy",
+                                                   "loss")},
     }
 
 

@@ -247,13 +247,15 @@ def agreement(det: torch.Tensor, samples: torch.Tensor) -> float:
 # ============================================================================= the loop
 @dataclass
 class StepResult:
-    """One training step: loss, A_t, the step's digit map."""
+    """One training step: loss, A_t, the accuracy of the deterministic prediction on the
+    step's batch (after the update), the step's digit map."""
 
     epoch: int
     step: int
     loss: float
     agreement: float
     dm: Any
+    batch_accuracy: float = float("nan")
 
 
 def restore_buffers(model: nn.Module) -> Callable[[], None]:
@@ -317,7 +319,8 @@ def train_with_shadow(model: nn.Module, forward: Callable[[nn.Module, torch.Tens
         restore()
         a_t = agreement(det, samples)
         dm = _digitmap.DigitMap.from_reports(be.reports, metadata={"format": fmt})
-        kept.append(select(StepResult(epoch, s, float(loss.detach()), a_t, dm)))
+        acc = float((det.argmax(-1) == yb).float().mean())
+        kept.append(select(StepResult(epoch, s, float(loss.detach()), a_t, dm, acc)))
         if on_step is not None:
             on_step()
     return (be, compiled, rec), kept

@@ -78,7 +78,7 @@ def run_one(norm: str, fmt: str, level: str, st: Settings, data: tuple, seed: in
         pre, post = xc.module_output(r.dm, "fc1"), xc.module_output(r.dm, "norm")
         return {"epoch": r.epoch, "pre_op": pre, "post_op": post,
                 "pre": xc.op_numbers(r.dm, pre), "post": xc.op_numbers(r.dm, post),
-                "agreement": r.agreement, "loss": r.loss}
+                "agreement": r.agreement, "batch_accuracy": r.batch_accuracy, "loss": r.loss}
 
     _, steps = xc.train_with_shadow(
         model, fwd, xtr, ytr, fmt=fmt, level=level, batch=st.batch, epochs=st.epochs,
@@ -97,6 +97,7 @@ def run_one(norm: str, fmt: str, level: str, st: Settings, data: tuple, seed: in
         "series": {"pre": [s["pre"]["avg"] for s in steps],
                    "post": [s["post"]["avg"] for s in steps],
                    "agreement": [s["agreement"] for s in steps],
+                   "batch_accuracy": [s["batch_accuracy"] for s in steps],
                    "loss": [s["loss"] for s in steps]},
     }
 

@@ -7,8 +7,9 @@ their rounding differs. Training follows Section 4.1 (``benchmarks/exp_common.py
 loss and the optimizer on the deterministic fp32 path, after every step a shadow analysis of
 the updated parameters on the same batch (N = 3, confidence 0.95, the arithmetic level by
 default). Per step: the pathology operator's avg / min / default-metric digits, its rank among
-all operators of the model (1 = the fewest digits), and A_t (all N samples predict the
-deterministic class).
+all operators of the model (1 = the fewest digits), A_t (all N samples predict the
+deterministic class) and the deterministic accuracy on the step's batch; at the end, the
+held-out accuracy.
 
 Tasks and pathologies (hidden width 128; the hazard sits between ``fc1`` and the ReLU):
   fmnist_mlp / fmnist_cnn (Fashion-MNIST; a CNN where the paper uses CIFAR-10):
@@ -305,7 +306,7 @@ def run_model(task: str, model_key: str, readers: list[Variant], fmt: str, level
 
     def keep(r: xc.StepResult) -> dict:
         out = {"epoch": r.epoch, "step": r.step, "loss": r.loss, "agreement": r.agreement,
-               "operators": len(r.dm)}
+               "batch_accuracy": r.batch_accuracy, "operators": len(r.dm)}
         for v in readers:  # every operator inside the pathology module, for the final pick
             out[v.variant] = {name: {**xc.op_numbers(r.dm, name),
                                      "rank": xc.rank_lowest(r.dm, name),
@@ -341,6 +342,7 @@ def run_model(task: str, model_key: str, readers: list[Variant], fmt: str, level
             "series": {"avg": [p["avg"] for p in per], "min": [p["min"] for p in per],
                        "default": [p["default"] for p in per], "rank": [p["rank"] for p in per],
                        "agreement": [s["agreement"] for s in steps],
+                       "batch_accuracy": [s["batch_accuracy"] for s in steps],
                        "loss": [s["loss"] for s in steps]},
         })
     return rows

@@ -108,6 +108,7 @@ def test_pathology_quick_path(tmp_path):
         assert 0.0 <= r["min_digits"] <= r["avg_digits"] <= 7.23
         assert 0.0 <= r["agreement"] <= 1.0 and 0.0 <= r["accuracy"] <= 1.0
         assert len(r["series"]["avg"]) == r["steps"] == 1
+        assert 0.0 <= r["series"]["batch_accuracy"][0] <= 1.0
     # the localization criterion holds even after one step (digits are arithmetic, not
     # accuracy): every hazard among the 3 lowest and below its control
     assert doc["criteria_failures"] == []
