@@ -33,13 +33,12 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from . import randbits
-from .aten_rules import PER_SAMPLE
 from .backend import (GraphAnalysis, _callable, _expand_composites, _fetch_attr,
                       _mutated_placeholders, _rng_states, _set_rng_states)
 from .coverage import ANALYSED, SKIPPED, UNROUNDED, CoverageEntry
 from .naming import module_path, qualified_name, source_location
 from .opsets import node_kind
-from .report import OBSERVED, UNLIFTED
+from .report import OBSERVED, PER_SAMPLE, UNLIFTED
 
 aten = torch.ops.aten
 

@@ -55,14 +55,11 @@ from .digits import (
     underflow_count,
 )
 from .formats import Format, FormatLike, get_format, working_dtype_for
-from .report import OBSERVED, ROUNDED, UNLIFTED, OpReport, empty_counters
+from .report import OBSERVED, PER_SAMPLE, ROUNDED, UNLIFTED, OpReport, empty_counters
 from .rounding import Rounding, round_samples, sample_draws
 from .surrogate import perturb_samples
 
 aten = torch.ops.aten
-# Status of a primitive that ran once per sample (no vmap rule) and was rounded (the backend's
-# round_per_sample; the operator level's status of the same name).
-PER_SAMPLE = "per_sample"
 
 __all__ = ["Stacked", "AtenContext", "PrimitiveRecord", "apply_primitive", "round_stacked",
            "primitive_kind", "op_info", "OpInfo", "GEMM_PRIMITIVES", "EXACT_PRIMITIVES", "observe",

@@ -51,11 +51,7 @@ from .opsets import (
     COMPOSITE_KINDS, DEFAULT_KINDS, DROPOUT_KINDS, EXACT_KINDS, FAMILIES, RANDOM_KINDS,
     RNN_KINDS, is_custom, is_gemm, node_kind,
 )
-from .report import ROUNDED, UNLIFTED, OpReport, empty_counters
-
-# Status of an operator that has no vmap rule: it ran once per sample, and was rounded and
-# recorded like any other (DESIGN.md §3: unknown operators never crash, and are analysed).
-PER_SAMPLE = "per_sample"
+from .report import PER_SAMPLE, ROUNDED, UNLIFTED, OpReport, empty_counters
 from .rounding import round_samples
 from .surrogate import perturb_samples
 

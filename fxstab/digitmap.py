@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence, Union
 
-from .report import COUNTER_KEYS, OBSERVED, ROUNDED, UNLIFTED, OpReport
+from .report import COUNTER_KEYS, OBSERVED, PER_SAMPLE, ROUNDED, UNLIFTED, OpReport
 
 SCHEMA_NAME = "fxstab-digit-map"
 SCHEMA_VERSION = 2
@@ -36,7 +36,7 @@ _READABLE_VERSIONS = (1, 2)
 
 # An operator aggregated over calls takes its most severe status: a single call that could not
 # be lifted onto the samples means its digits are incomplete for the whole map.
-_STATUS_SEVERITY = {ROUNDED: 0, OBSERVED: 1, UNLIFTED: 2}
+_STATUS_SEVERITY = {ROUNDED: 0, PER_SAMPLE: 1, OBSERVED: 2, UNLIFTED: 3}
 # Per-operator statistics a metric can name, and the OperatorDigits/StepDigits field of each.
 _METRIC_FIELDS = {"normwise": "normwise_digits", "p10": "p10_digits", "p50": "p50_digits",
                   "avg": "avg_digits", "min": "min_digits"}
@@ -366,7 +366,7 @@ class DigitMap:
                 for i in r.inputs:
                     if i not in inputs:
                         inputs.append(i)
-            status = max((r.status for r in rs), key=lambda s: _STATUS_SEVERITY.get(s, 3))
+            status = max((r.status for r in rs), key=lambda s: _STATUS_SEVERITY.get(s, 4))
             ops.append(OperatorDigits(
                 name=name, kind=first.kind, module_path=first.module_path, source=first.source,
                 shape=tuple(first.shape), status=status, surrogate=any(r.surrogate for r in rs),

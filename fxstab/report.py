@@ -25,6 +25,7 @@ COUNTER_KEYS = (
 ROUNDED = "rounded"  # output rounded into the format and recorded
 OBSERVED = "observed"  # recorded without rounding (an exact primitive, recorded on request)
 UNLIFTED = "unlifted"  # could not run on stacked samples: ran per sample, unrounded
+PER_SAMPLE = "per_sample"  # no batching rule: ran once per sample, rounded and recorded
 
 
 def empty_counters() -> dict[str, int]:
