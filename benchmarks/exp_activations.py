@@ -25,7 +25,6 @@ Writes ``DIR/activations.json`` (rows: one per format x activation) and
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from dataclasses import dataclass
@@ -142,37 +141,15 @@ def table(rows: Sequence[dict]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="fewer steps and examples, same code")
-    p.add_argument("--format", default="fp32",
-                   help="simulated format(s), comma-separated (default fp32, the paper's "
-                        "setting; fp32,fp64,bf16 runs the three of docs/experiments.md)")
-    p.add_argument("--level", default="op", choices=("op", "aten"),
-                   help="granularity (default op: see the module docstring)")
+    p = xc.study_parser(__doc__, "op")
     p.add_argument("--activations", default=",".join(ACTIVATIONS))
-    p.add_argument("--out", default="results")
-    p.add_argument("--data", default=None, help="folder holding fashion-mnist/")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--train", type=int, default=None)
-    p.add_argument("--eval", type=int, default=None)
-    p.add_argument("--epochs", type=int, default=None)
-    p.add_argument("--max-steps", type=int, default=None, help="steps per epoch cap")
     a = p.parse_args(argv)
-    st = quick_settings() if a.quick else Settings()
-    for k in ("train", "eval", "epochs", "max_steps"):
-        if getattr(a, k) is not None:
-            setattr(st, k, getattr(a, k))
-    names = [n.strip() for n in a.activations.split(",") if n.strip()]
-    unknown = set(names) - set(ACTIVATIONS)
-    if unknown:
-        p.error(f"unknown activation(s) {sorted(unknown)}; known: {', '.join(ACTIVATIONS)}")
+    st = xc.study_settings(a, quick_settings, Settings)
+    names = xc.choose(p, a.activations, ACTIVATIONS, "activation")
     formats = xc.format_list(a.format)
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     t0 = time.time()
-    xtr, ytr = xc.load_fmnist("train", st.train, a.data)
-    xte, yte = xc.load_fmnist("test", st.eval, a.data)
-    per_epoch = len(ytr) // st.batch if st.max_steps is None else \
-        min(st.max_steps, len(ytr) // st.batch)
+    xtr, ytr, xte, yte, per_epoch = xc.fmnist_study_data(st, a.data)
     bar = Progress(len(formats) * len(names) * st.epochs * per_epoch, "activations")
     rows = [run_one(n, f, a.level, st, (xtr, ytr, xte, yte), a.seed, bar)
             for f in formats for n in names]

@@ -411,6 +411,59 @@ def op_numbers(dm: Any, name: str) -> dict:
             "non_finite": int(op.non_finite)}
 
 
+def study_parser(doc: str, level: str, data_help: str = "folder holding fashion-mnist/"
+                 ) -> "argparse.ArgumentParser":
+    """The options every study script takes: --quick, --format, --level, --out, --data,
+    --seed and the settings' overrides (--train, --eval, --epochs, --max-steps)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="fewer steps and examples, same code")
+    p.add_argument("--format", default="fp32",
+                   help="simulated format(s), comma-separated (default fp32, the paper's "
+                        "setting; fp32,fp64,bf16 runs the three of docs/experiments.md)")
+    p.add_argument("--level", default=level, choices=("aten", "op"),
+                   help=f"granularity of the analysis (default {level}: see the module "
+                        f"docstring)")
+    p.add_argument("--out", default="results", help="output folder (default results/)")
+    p.add_argument("--data", default=None, help=data_help)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--train", type=int, default=None, help="training examples (override)")
+    p.add_argument("--eval", type=int, default=None, help="held-out examples (override)")
+    p.add_argument("--epochs", type=int, default=None, help="epochs (override)")
+    p.add_argument("--max-steps", type=int, default=None, help="steps per epoch (override)")
+    return p
+
+
+def study_settings(args: Any, quick: Callable[[], Any], full: Callable[[], Any]) -> Any:
+    """The quick or full settings with the command line's overrides."""
+    st = quick() if args.quick else full()
+    for k in ("train", "eval", "epochs", "max_steps"):
+        if getattr(args, k) is not None:
+            setattr(st, k, getattr(args, k))
+    return st
+
+
+def choose(parser: Any, text: str, known: Sequence[str], what: str) -> list[str]:
+    """The comma-separated names of ``text``, each one of ``known`` (a parser error if not)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = set(names) - set(known)
+    if unknown:
+        parser.error(f"unknown {what}(s) {sorted(unknown)}; known: {', '.join(known)}")
+    return names
+
+
+def fmnist_study_data(st: Any, data: Any) -> tuple:
+    """(train images, train labels, test images, test labels, steps per epoch) of a
+    Fashion-MNIST study's settings."""
+    xtr, ytr = load_fmnist("train", st.train, data)
+    xte, yte = load_fmnist("test", st.eval, data)
+    per_epoch = len(ytr) // st.batch
+    if st.max_steps is not None:
+        per_epoch = min(st.max_steps, per_epoch)
+    return xtr, ytr, xte, yte, per_epoch
+
+
 def format_list(text: str) -> list[str]:
     """``--format fp32,bf16`` as a list (each checked by ``fxstab.backend``)."""
     out = [f.strip() for f in text.split(",") if f.strip()]

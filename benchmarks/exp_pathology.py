@@ -38,7 +38,6 @@ paper's panel (d)).
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
@@ -445,36 +444,16 @@ def plots(rows: Sequence[dict], out: Path) -> list[Path]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="fewer steps and examples, same code")
-    p.add_argument("--format", default="fp32",
-                   help="simulated format(s), comma-separated (default fp32, the paper's "
-                        "setting; fp32,fp64,bf16 runs the three of docs/experiments.md)")
-    p.add_argument("--level", default="aten", choices=("aten", "op"),
-                   help="granularity of the analysis (default: aten, the paper's arithmetic level)")
+    p = xc.study_parser(__doc__, "aten", data_help="folder holding fashion-mnist/ and ag_news/")
     p.add_argument("--tasks", default="fmnist_mlp,fmnist_cnn,agnews")
-    p.add_argument("--out", default="results", help="output folder (default results/)")
-    p.add_argument("--data", default=None, help="folder holding fashion-mnist/ and ag_news/")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--train", type=int, default=None, help="training examples (override)")
-    p.add_argument("--max-steps", type=int, default=None, help="steps per epoch (override)")
-    p.add_argument("--epochs", type=int, default=None, help="epochs (override)")
-    p.add_argument("--eval", type=int, default=None, help="held-out examples (override)")
     a = p.parse_args(argv)
-    st = quick_settings() if a.quick else Settings()
-    for k in ("train", "max_steps", "epochs", "eval"):
+    st = xc.study_settings(a, quick_settings, Settings)
+    # the overrides reach the AG News task's own settings too
+    for k, ag in (("train", "agnews_train"), ("eval", "agnews_eval"),
+                  ("max_steps", "agnews_max_steps")):
         if getattr(a, k) is not None:
-            setattr(st, k, getattr(a, k))
-            if k == "train":
-                st.agnews_train = a.train
-            if k == "eval":
-                st.agnews_eval = a.eval
-            if k == "max_steps":
-                st.agnews_max_steps = a.max_steps
-    tasks = [t.strip() for t in a.tasks.split(",") if t.strip()]
-    unknown = set(tasks) - {"fmnist_mlp", "fmnist_cnn", "agnews"}
-    if unknown:
-        p.error(f"unknown task(s) {sorted(unknown)}; known: fmnist_mlp, fmnist_cnn, agnews")
+            setattr(st, ag, getattr(a, k))
+    tasks = xc.choose(p, a.tasks, ("fmnist_mlp", "fmnist_cnn", "agnews"), "task")
     formats = xc.format_list(a.format)
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     t0 = time.time()
