@@ -3,10 +3,7 @@ crash and the deterministic path bit-identical (fxstab/aten_backend.py, fxstab/a
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -423,37 +420,4 @@ def test_coverage_says_how_each_operator_ran():
     assert {e.kind: e for e in be.coverage().entries}["flip"].how == "analysed"
 
 
-# --------------------------------------------------------------------------- OpInfo sweep
-def _bench():
-    bench = Path(__file__).resolve().parents[1] / "benchmarks"
-    sys.path.insert(0, str(bench))
-    try:
-        import bench_opinfo
-    finally:
-        sys.path.remove(str(bench))
-    return bench_opinfo
-
-
-@pytest.mark.parametrize("offset", [0, 1])
-def test_opinfo_sweep_stride(offset):
-    """Every 40th OpInfo entry (two offsets) at the aten level: no crash, the deterministic
-    path bit-identical, every captured operator analysed (the whole sweep: the slow test below
-    and ``benchmarks/bench_opinfo.py --levels aten``)."""
-    bench = _bench()
-    rows = bench.sweep("aten", stride=40, offset=offset)
-    bad = [(r["op"], r["status"], r["reason"]) for r in rows
-           if r["status"] in (bench.FAILED, bench.MISMATCH, bench.NOT_ANALYSED)]
-    assert not bad, bad
-    assert bench.summary(rows)["analysed"] >= 10
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("FXSTAB_SLOW") != "1",
-                    reason="the whole OpInfo sweep at the aten level (~6 min on 2 cores): set "
-                           "FXSTAB_SLOW=1, or run benchmarks/bench_opinfo.py --levels aten")
-def test_opinfo_sweep_analyses_99_percent_of_the_operators():
-    bench = _bench()
-    rows = bench.sweep("aten")
-    s = bench.summary(rows)
-    assert not [r for r in rows if r["status"] == bench.MISMATCH], bench.table(rows, "aten")
-    assert s["fraction"] >= 0.99, bench.table(rows, "aten")
+# The OpInfo sweep at this level: tests/test_coverage.py (both levels).

@@ -519,13 +519,14 @@ def _sweep():
     return bench_opinfo
 
 
+@pytest.mark.parametrize("level", ["op", "aten"])
 @pytest.mark.parametrize("offset", [0, 1])
-def test_opinfo_sweep_stride(offset):
-    """Every 40th OpInfo entry (two offsets): no crash, the deterministic path bit-identical,
-    every captured operator analysed (the whole sweep: the slow test below and
+def test_opinfo_sweep_stride(offset, level):
+    """Every 40th OpInfo entry (two offsets), at both levels: no crash, the deterministic path
+    bit-identical, every captured operator analysed (the whole sweep: the slow test below and
     benchmarks/bench_opinfo.py)."""
     bench = _sweep()
-    rows = bench.sweep("op", stride=40, offset=offset)
+    rows = bench.sweep(level, stride=40, offset=offset)
     bad = [(r["op"], r["status"], r["reason"]) for r in rows
            if r["status"] in (bench.FAILED, bench.MISMATCH, bench.NOT_ANALYSED)]
     assert not bad, bad
@@ -534,14 +535,15 @@ def test_opinfo_sweep_stride(offset):
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("FXSTAB_SLOW") != "1",
-                    reason="the whole OpInfo sweep (~5 min on 2 cores): set FXSTAB_SLOW=1, or run "
-                           "benchmarks/bench_opinfo.py")
-def test_opinfo_sweep_analyses_99_percent_of_the_operators():
+                    reason="the whole OpInfo sweep (~5 min a level on 2 cores): set FXSTAB_SLOW=1, "
+                           "or run benchmarks/bench_opinfo.py")
+@pytest.mark.parametrize("level", ["op", "aten"])
+def test_opinfo_sweep_analyses_99_percent_of_the_operators(level):
     bench = _sweep()
-    rows = bench.sweep("op")
+    rows = bench.sweep(level)
     s = bench.summary(rows)
-    assert not [r for r in rows if r["status"] == bench.MISMATCH]
-    assert s["fraction"] >= 0.99, bench.table(rows, "op")
+    assert not [r for r in rows if r["status"] == bench.MISMATCH], bench.table(rows, level)
+    assert s["fraction"] >= 0.99, bench.table(rows, level)
 
 
 # --------------------------------------------------------------------------- command line
