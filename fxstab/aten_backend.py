@@ -162,27 +162,14 @@ class AtenGraphAnalysis(GraphAnalysis):
             self._lowered.move_to_end(key)
             return found
         states = _rng_states(args)
-        self.lowerings += 1
-        values = dict(zip(self._placeholders(), args))
         try:
-            # "real" tracing runs the primitives: on copies, so that an in-place update the
-            # graph makes (BatchNorm's running statistics) never reaches the user's tensors
-            with fx_traceback.preserve_node_meta():
-                lowered = make_fx(_Specializing(self.sgm, values).run,
-                                  decomposition_table=_decompositions(),
-                                  tracing_mode="real")(*[a.detach().clone()
-                                                         if isinstance(a, torch.Tensor) else a
-                                                         for a in args])
+            lowered = self._trace(args, "real")
         except Exception as exc:
             self.lowering_error = exc  # never traced again: every call would fail the same way
             raise
         finally:
             _set_rng_states(states)
-        mutates = any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-                      and n.target._schema.is_mutable for n in lowered.graph.nodes)
-        plans, origins = self._node_plans(lowered)
-        low = self._lowered[key] = _Lowered(lowered, plans, self._last_uses(lowered.graph),
-                                            mutates, origins, _written_inputs(lowered.graph))
+        low = self._lowered[key] = self._plan_lowering(lowered)
         while len(self._lowered) > _MAX_LOWERINGS:
             self._lowered.popitem(last=False)
         return low
@@ -204,14 +191,8 @@ class AtenGraphAnalysis(GraphAnalysis):
                     entries.insert(0, entries.pop(i))
                 return low
         states = _rng_states(args)
-        self.lowerings += 1
-        values = dict(zip(self._placeholders(), args))
         try:
-            with fx_traceback.preserve_node_meta():
-                lowered = make_fx(_Specializing(self.sgm, values).run,
-                                  decomposition_table=_decompositions(),
-                                  tracing_mode="symbolic")(*[a.detach() if isinstance(
-                                      a, torch.Tensor) else a for a in args])
+            lowered = self._trace(args, "symbolic")
             fakes = [n.meta.get("val") for n in lowered.graph.nodes if n.op == "placeholder"]
             env = next((_shape_env(v) for v in fakes if _shape_env(v) is not None), None)
             if env is None or len(fakes) != len(args):
@@ -224,11 +205,7 @@ class AtenGraphAnalysis(GraphAnalysis):
             return None
         finally:
             _set_rng_states(states)
-        mutates = any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-                      and n.target._schema.is_mutable for n in lowered.graph.nodes)
-        plans, origins = self._node_plans(lowered)
-        low = _Lowered(lowered, plans, self._last_uses(lowered.graph), mutates, origins,
-                       _written_inputs(lowered.graph))
+        low = self._plan_lowering(lowered)
         low.shape_env = env
         entries.insert(0, (code, low))
         del entries[_MAX_LOWERINGS:]
@@ -237,6 +214,27 @@ class AtenGraphAnalysis(GraphAnalysis):
         while len(self._lowered) > _MAX_LOWERINGS:
             self._lowered.popitem(last=False)
         return low
+
+    def _trace(self, args: tuple, mode: str) -> torch.fx.GraphModule:
+        """The graph lowered to aten primitives by ``make_fx`` (``mode``: "real" or
+        "symbolic"); the caller keeps the RNG state."""
+        self.lowerings += 1
+        values = dict(zip(self._placeholders(), args))
+        # "real" tracing runs the primitives: on copies, so that an in-place update the graph
+        # makes (BatchNorm's running statistics) never reaches the user's tensors
+        inputs = [(a.detach().clone() if mode == "real" else a.detach())
+                  if isinstance(a, torch.Tensor) else a for a in args]
+        with fx_traceback.preserve_node_meta():
+            return make_fx(_Specializing(self.sgm, values).run,
+                           decomposition_table=_decompositions(), tracing_mode=mode)(*inputs)
+
+    def _plan_lowering(self, lowered: torch.fx.GraphModule) -> "_Lowered":
+        """A lowering with its node plans, decided once."""
+        mutates = any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+                      and n.target._schema.is_mutable for n in lowered.graph.nodes)
+        plans, origins = self._node_plans(lowered)
+        return _Lowered(lowered, plans, self._last_uses(lowered.graph), mutates, origins,
+                        _written_inputs(lowered.graph))
 
     def _node_plans(self, lowered: torch.fx.GraphModule) -> tuple[list, dict]:
         """What each node of the lowered graph does, decided once per lowering: a
