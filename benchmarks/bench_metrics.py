@@ -61,10 +61,14 @@ def evaluate(cases: Sequence[bl.Case], log=print) -> dict:
     """Analyse every case once and score every metric on the same digit maps."""
     per = {m: {"zeros": 0, "ops": 0, "h_zeros": 0, "h_ops": 0, "damaged": [], "healthy": [],
                "hit1": 0, "hit3": 0, "scored": 0} for m in METRICS}
+    # the healthy controls first: a hazard case did damage when something is non-finite or its
+    # culprit keeps fewer avg digits than its control's lowest minus bench_localization's margin
+    cases = sorted(cases, key=lambda c: c.hazard is not None)
+    floor: dict[tuple, float] = {}
     for i, case in enumerate(cases, 1):
         t0 = time.perf_counter()
         dm, _ = bl.analyse(case)
-        cap = dm.cap
+        key = (case.arch, case.format, case.level)
         culprits: list[str] = []
         if case.hazard is not None:
             hz = bl.HAZARDS_BY_NAME[case.hazard]
@@ -78,6 +82,8 @@ def evaluate(cases: Sequence[bl.Case], log=print) -> dict:
             p["zeros"] += sum(v < ZERO for v in vals)
             p["ops"] += len(vals)
             if case.hazard is None:
+                if m == "avg":
+                    floor[key] = min(vals)
                 p["h_zeros"] += sum(v < ZERO for v in vals)
                 p["h_ops"] += len(vals)
                 p["healthy"] += vals
@@ -86,8 +92,10 @@ def evaluate(cases: Sequence[bl.Case], log=print) -> dict:
                 continue
             worst = min(_digits(dm[n], m) for n in culprits)
             # damage is judged on avg digits for every metric, so all metrics score one set
-            damaged = any_nf or min(_digits(dm[n], "avg") for n in culprits) < cap - \
-                bl.DAMAGE_DIGITS
+            if key not in floor:
+                raise ValueError(f"{case.id}: its healthy control ({key}) is not selected")
+            damaged = any_nf or min(_digits(dm[n], "avg") for n in culprits) < \
+                floor[key] - bl.DAMAGE_MARGIN
             if not damaged:
                 continue
             p["damaged"].append(worst)
@@ -133,7 +141,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--cases", help="comma-separated globs over hazard/arch/format/level")
     ap.add_argument("--out", default="results", help="folder of metrics.json")
     args = ap.parse_args(argv)
-    cases = bl.select(bl.all_cases(args.quick) + bl.control_cases(list(bl.ARCHS)), args.cases)
+    cases = bl.select(bl.all_cases(args.quick), args.cases)
+    archs = sorted({c.arch for c in cases})
+    cases += [c for c in bl.control_cases(archs)
+              if any((c.arch, c.format, c.level) == (h.arch, h.format, h.level) for h in cases)
+              or not args.cases]
     result = evaluate(cases, log=lambda s: print(s, file=sys.stderr))
     print(table(result["rows"]))
     save_json(Path(args.out) / "metrics.json", {"settings": {"quick": args.quick,
