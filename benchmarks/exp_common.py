@@ -10,12 +10,8 @@ returns. Per step it yields the step's digit map and the decision-level metric A
 fraction of the batch for which all N stochastic samples predict the class the deterministic
 model predicts.
 
-The samples of the model's output come from the backend's graph analyses: each
-``GraphAnalysis.run_samples`` returns the samples of its graph's outputs (``Stacked``: ``.t`` at
-the op level, ``.samples`` at the arithmetic level). :class:`OutputSamples` wraps that method
-on the backend's graphs (per instance; fxstab itself is not changed) and keeps the last call's
-samples. fxstab has no public hook for this yet: a ``keep_output_samples`` option of the
-backend would replace this wrapper.
+The samples of the model's output come from the backend's ``capture_samples()`` (the samples
+of the outputs of the graphs analysed inside the block).
 
 Data: ``--data DIR`` (the folder holding ``fashion-mnist/`` and ``ag_news/``), else
 ``$FXSTAB_DATA``, else ``../shared/data`` beside the repository root. Nothing is downloaded.
@@ -170,37 +166,12 @@ def batches(n: int, batch: int, epochs: int, max_steps: Optional[int], seed: int
 
 # ============================================================================= samples, A_t
 class OutputSamples:
-    """Keeps the samples of the model's output from the last analysed call of a backend.
-
-    ``GraphAnalysis.run_samples`` (op level) and its arithmetic-level override return the
-    samples of the graph's outputs; this wraps that method on every graph analysis of ``be``
-    and stores what the graphs analysed since :meth:`reset` returned. A call that compiles a
-    new graph runs that graph's samples before it can be wrapped: :meth:`call` then calls
-    again (the backend's reports of the first call are cleared). The model must run as one
-    graph per call (no graph breaks; checked) whose first output is the model's output.
-    """
+    """The deterministic output and the samples of the model's output of one call, through
+    the backend's :meth:`~fxstab.backend.FxstabBackend.capture_samples`. The model must run as
+    one analysed graph per call (no graph breaks: checked) returning one tensor."""
 
     def __init__(self, be: Any) -> None:
         self.be = be
-        self.outputs: list = []
-        self._wrapped: set = set()
-
-    def _attach(self) -> bool:
-        new = False
-        for g in self.be.graphs:
-            if id(g) in self._wrapped:
-                continue
-            inner = g.run_samples
-
-            def run(*a: Any, _inner: Callable = inner, **k: Any) -> Any:
-                out = _inner(*a, **k)
-                self.outputs.append(out)
-                return out
-
-            g.run_samples = run
-            self._wrapped.add(id(g))
-            new = True
-        return new
 
     def call(self, fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Run ``fn()`` (a call of the compiled model) on a cleared backend; returns the
@@ -208,34 +179,19 @@ class OutputSamples:
 
         Raises:
             RuntimeError: the call ran several graphs (graph breaks: the last graph's output
-                need not be the model's) or none, or no sample output has the output's shape.
+                need not be the model's) or none, or its output is not one tensor.
         """
-        self._attach()
         self.be.clear()
-        self.outputs = []
-        det = fn()
-        if self._attach():  # compiled during the call: analyse it again, wrapped
-            self.be.clear()
-            self.outputs = []
+        with self.be.capture_samples() as cap:
             det = fn()
-        if len(self.outputs) != 1:
+        if len(cap.graphs) != 1:
             raise RuntimeError(f"A_t needs the model to run as one analysed graph per call; "
-                               f"this call ran {len(self.outputs)} (graph breaks?)")
-        return det, self.samples_of(det, self.outputs[0])
-
-    @staticmethod
-    def samples_of(det: torch.Tensor, out: Any) -> torch.Tensor:
-        """The samples ``[N, *det.shape]`` in a graph's sample outputs ``out``."""
-        flat = out if isinstance(out, (tuple, list)) else (out,)
-        for v in flat:
-            t = getattr(v, "t", getattr(v, "samples", v))
-            if isinstance(t, torch.Tensor):
-                if t.dim() == det.dim() + 1 and tuple(t.shape[1:]) == tuple(det.shape):
-                    return t
-                if tuple(t.shape) == tuple(det.shape):  # not stochastic: N equal samples
-                    return t.unsqueeze(0).expand(N_SAMPLES, *t.shape)
-        raise RuntimeError(f"no output sample of shape {tuple(det.shape)} in the graph's "
-                           f"outputs {[type(v).__name__ for v in flat]}")
+                               f"this call ran {len(cap.graphs)} (graph breaks?)")
+        samples = cap.output
+        if not (isinstance(samples, torch.Tensor) and samples.shape[1:] == det.shape):
+            raise RuntimeError(f"the graph's output is not the model's one tensor of shape "
+                               f"{tuple(det.shape)}")
+        return det, samples
 
 
 def agreement(det: torch.Tensor, samples: torch.Tensor) -> float:

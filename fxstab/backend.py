@@ -56,7 +56,8 @@ from .rounding import round_samples
 from .surrogate import perturb_samples
 
 
-__all__ = ["backend", "FxstabBackend", "GraphAnalysis", "GraphInfo", "default_backend"]
+__all__ = ["backend", "FxstabBackend", "GraphAnalysis", "GraphInfo", "default_backend",
+           "SampleCapture"]
 
 # Operators that only read metadata: run once, on the first sample.
 _METADATA_KINDS = frozenset({"size", "dim", "numel", "stride", "is_floating_point", "is_contiguous",
@@ -452,6 +453,10 @@ class GraphAnalysis:
             sample_out = None
         finally:
             _set_rng_states(after)
+        if self.owner._captures and sample_out is not None:
+            captured = SampleCapture.as_tensors(out, sample_out, self.cfg.n_samples)
+            for cap in self.owner._captures:
+                cap.graphs.append(captured)
         if self.cfg.output == "mean" and sample_out is not None:
             return _straight_through_mean(out, sample_out)
         return out
@@ -489,6 +494,47 @@ class GraphAnalysis:
     def run_samples(self, args: tuple, call: int, rng_states: dict) -> Any:
         """The stochastic path of one analysed call; returns the outputs' samples."""
         return SampleInterpreter(self, call).run(args)
+
+
+class SampleCapture:
+    """The output samples of the graphs analysed inside ``with be.capture_samples() as cap``.
+
+    ``cap.graphs`` holds one entry per analysed graph call, in call order: the graph's outputs
+    (a tuple: dynamo flattens the model's return value into them), each floating tensor as its
+    samples ``[N, *shape]`` (an output the stochastic path did not vary: N equal copies), every
+    other leaf as the deterministic value. ``cap.output`` is the last graph's outputs, the one
+    tensor itself when there is one: the model's output when it runs as one graph. What a
+    decision-level metric needs: whether the N samples' predictions agree with the
+    deterministic one.
+    """
+
+    def __init__(self) -> None:
+        self.graphs: list = []
+
+    @property
+    def output(self) -> Any:
+        if not self.graphs:
+            raise RuntimeError("no graph was analysed inside capture_samples() (a call skipped "
+                               "by every=k, a paused backend, or a failed stochastic path)")
+        last = self.graphs[-1]
+        return last[0] if isinstance(last, (tuple, list)) and len(last) == 1 else last
+
+    @staticmethod
+    def as_tensors(det: Any, samples: Any, n: int) -> Any:
+        det_flat, spec = pytree.tree_flatten(det)
+        s_flat, _ = pytree.tree_flatten(samples)
+        out = []
+        for d, s in zip(det_flat, s_flat):
+            t = getattr(s, "t", getattr(s, "samples", s))  # op-level or aten-level samples
+            if isinstance(d, torch.Tensor) and d.is_floating_point() and \
+                    isinstance(t, torch.Tensor):
+                if t.dim() == d.dim() + 1 and t.shape[1:] == d.shape:
+                    out.append(t.detach())
+                else:  # not stochastic: N equal samples
+                    out.append(t.detach().unsqueeze(0).expand(n, *t.shape))
+            else:
+                out.append(d)
+        return pytree.tree_unflatten(out, spec)
 
 
 def _straight_through_mean(det: Any, samples: Any) -> Any:
@@ -1103,6 +1149,7 @@ class FxstabBackend:
         self.graphs: list[GraphAnalysis] = []
         self.names = NameRegistry()
         self.modules: set[str] = set()  # module paths of the captured graphs' operators
+        self._captures: list = []  # active capture_samples() blocks
         self.enabled = True
         self._phase = "default"
         self._step: Optional[int] = None
@@ -1149,6 +1196,18 @@ class FxstabBackend:
             yield self
         finally:
             self._phase, self._step = old
+
+    @contextlib.contextmanager
+    def capture_samples(self) -> Iterator[SampleCapture]:
+        """Keep the output samples of the calls analysed inside the block (see
+        :class:`SampleCapture`): ``with be.capture_samples() as cap: y = model(x)``, then
+        ``cap.output`` is ``y``'s samples ``[N, *y.shape]``. Nothing is kept outside a block."""
+        cap = SampleCapture()
+        self._captures.append(cap)
+        try:
+            yield cap
+        finally:
+            self._captures.remove(cap)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator["FxstabBackend"]:

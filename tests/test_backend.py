@@ -525,3 +525,30 @@ def test_compile_by_name_accepts_options():
     assert be.config.format.name == "fp16" and be.reports
     assert be is not fxstab.get_default_backend()
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("granularity", ["op", "aten"])
+def test_capture_samples_gives_the_outputs_samples(granularity):
+    """capture_samples(): the samples of the model's output, whose mean is what output="mean"
+    returns; nothing kept outside the block; a clear error when nothing was analysed."""
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(8, 16)
+    results = {}
+    for output in ("deterministic", "mean"):
+        torch._dynamo.reset()
+        be = fxstab.backend(granularity=granularity, format="bf16", seed=3, output=output)
+        f = torch.compile(model, backend=be)
+        with torch.no_grad(), be.capture_samples() as cap:
+            y = f(x)
+        results[output] = (y, cap)
+    y, cap = results["deterministic"]
+    assert torch.equal(y, model(x))
+    s = cap.output
+    assert s.shape == (3, *y.shape) and len(cap.graphs) == 1
+    assert not torch.equal(s[0], s[1])  # the samples differ
+    assert torch.equal(s.mean(0).to(y.dtype), results["mean"][0])
+    assert not be._captures
+    with pytest.raises(RuntimeError, match="no graph was analysed"):
+        with be.capture_samples() as empty, be.paused():
+            f(x)
+        empty.output
