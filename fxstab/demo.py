@@ -115,7 +115,7 @@ def run_demo(seed: int = 0, format: str = "fp16", output: Optional[str] = None) 
     """Train, analyse and print the demo's digit map; save it to ``output`` when given."""
     import fxstab
 
-    from .digitmap import DEFAULT_METRIC
+    from .digitmap import DEFAULT_METRIC, hint
 
     t0 = time.perf_counter()
     model, batch = build(seed)
@@ -140,6 +140,16 @@ def run_demo(seed: int = 0, format: str = "fp16", output: Optional[str] = None) 
     if output:
         dm.save(output)
         print(f"\nsaved {len(dm)} operators to {output}")
+    # the verdict last, where a reader's eye lands: what to fix first, and how
+    ranked = dm.localize()
+    if ranked:
+        first = ranked[0]
+        what = "NaN/inf first appear" if first.nonfinite_origin else "digits are lost first"
+        print(f"\n=> {what} at {first.name}: {hint(dm[first.name], first.nonfinite_origin)}.")
+        lost = next((r for r in ranked if not r.nonfinite_origin and r.local_loss > 0), None)
+        if lost is not None and first.nonfinite_origin:
+            print(f"=> then {lost.name} loses {lost.local_loss:.2f} {DEFAULT_METRIC} digits "
+                  f"against its input: {hint(dm[lost.name])}.")
     print(f"\nThe model's own output was unchanged; {DEFAULT_METRIC} digits rank the operators "
           f"[{time.perf_counter() - t0:.1f}s].")
     return 0

@@ -662,3 +662,15 @@ def test_show_of_the_demo_recorded_in_fp16_names_the_nan_origin_first(tmp_path, 
     assert lines[1].startswith("  - NaN/inf first appear at blocks.1.attn/exp#0"), lines[:3]
     # the finite, subtle loss: the first block's layer norm cancels the embeddings' offset
     assert "digits are lost at blocks.0.ln1/layer_norm#0" in lines[2]
+
+
+def test_demo_ends_with_what_to_fix_first(tmp_path, capsys):
+    out = tmp_path / "demo.json"
+    assert main(["demo", "-o", str(out)]) == 0
+    torch._dynamo.reset()
+    lines = capsys.readouterr().out.strip().splitlines()
+    verdict = [ln for ln in lines if ln.startswith("=> ")]
+    assert verdict[0].startswith("=> NaN/inf first appear at blocks.1.attn/exp#0: overflow")
+    assert verdict[1].startswith("=> then blocks.0.ln1/layer_norm#0 loses")
+    assert "near-constant normalization" in verdict[1]
+    assert DigitMap.load(out).metadata["format"] == "fp16"
