@@ -7,7 +7,8 @@ the edges between them, decided once at compile time. At run time an analysed ca
 1. runs the captured graph as is (the *deterministic path*: bit-identical to eager, autograd
    and optimizer unchanged), remembering the RNG state before and after;
 2. runs the same graph on N stacked samples ``[N, ...]`` in the working dtype, without autograd
-   (the *stochastic path*, :class:`SampleInterpreter`): each operator is lifted to the samples
+   (the *stochastic path*: the rules of :class:`SampleTracer`, traced once per input signature
+   into generated code, :mod:`fxstab.passes`): each operator is lifted to the samples
    with ``torch.vmap`` (per sample where it cannot be), GEMM-like operators get the
    data-perturbation surrogate when their input samples are insufficiently separated, and the
    selected operators' outputs are rounded into the format (random rounding, one Philox stream
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import operator
 import warnings
 from dataclasses import dataclass, field
@@ -35,18 +37,21 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.fx
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.utils import _pytree as pytree
 
 from . import alloc, native, randbits
 from . import operator as user_operator
 from .config import AnalysisConfig
 from .digits import (
-    digits_cap, empty_stats, extra_stats, merge_stats, stats_from_list, stats_vector, student_t,
+    digits_cap, empty_stats, extra_stats, merge_stats, normwise_digits, stats_vector, student_t,
     underflow_count,
 )
 from .formats import working_dtype_for
 from .naming import NameRegistry, module_path, qualified_name, source_location
 from .coverage import ANALYSED, SKIPPED, UNROUNDED, Coverage, CoverageEntry
+from .passes import steps
+from .passes.sample import SampledGraph, SampledGraphs, signature
 from .opsets import (
     COMPOSITE_KINDS, DEFAULT_KINDS, DROPOUT_KINDS, EXACT_KINDS, FAMILIES, RANDOM_KINDS,
     RNN_KINDS, is_custom, is_gemm, node_kind,
@@ -124,6 +129,7 @@ class NodePlan:
     # (consumer GEMM's plan, operand's leaf index): this output's only consumer is that GEMM,
     # whose surrogate then runs in this output's rounding pass (native.round_perturb)
     fuse: Optional[tuple["NodePlan", int]] = None
+    report: dict = field(default_factory=dict)  # the fields of its reports fixed at compile time
 
 
 @dataclass
@@ -143,6 +149,8 @@ class GraphInfo:
     coverage: dict = field(default_factory=dict)
     # fused node name -> the kinds of the composite its samples ran as
     composites: dict = field(default_factory=dict)
+    # signature -> why its stochastic path could not be traced (its rules then run untraced)
+    untraced: dict = field(default_factory=dict)
 
 
 def _selector(select: Any) -> Callable[[torch.fx.Node, str, str], bool]:
@@ -349,6 +357,7 @@ class GraphAnalysis:
         self.mutated = _mutated_placeholders(gm.graph)
         self.plans: list[NodePlan] = []
         self.free_after = self._last_uses(gm.graph)
+        self.sampled = SampledGraphs()  # the generated stochastic paths, by signature
         self._plan()
 
     # -- compile time -------------------------------------------------------------------
@@ -402,6 +411,8 @@ class GraphAnalysis:
                     plan.source = src
                     plan.gemm = is_gemm(kind)
                     plan.inputs = tuple(sorted(ins))
+                    plan.report = {"name": plan.name, "kind": kind, "module_path": path,
+                                   "source": src, "inputs": plan.inputs}
                     self.info.instrumented.append((plan.name, kind, node.name))
                     frontier[node] = frozenset({plan.name})
                 else:
@@ -409,6 +420,10 @@ class GraphAnalysis:
             else:
                 frontier[node] = frozenset(ins)
             self.plans.append(plan)
+        # placeholders read with .item() (dynamo passes a module's float as a 0-d tensor):
+        # their values are part of a trace's signature
+        self._item_inputs = [i for i, n in enumerate(self._placeholders())
+                             if any(_reads_item(u) for u in n.users)]
         self._plan_fusion()
 
     def _plan_fusion(self) -> None:
@@ -467,8 +482,7 @@ class GraphAnalysis:
         why = f"the graph's stochastic path failed ({type(exc).__name__}: " \
               f"{(str(exc).splitlines() or [''])[0][:160]})"
         by_node = {p.node: p for p in self.plans if isinstance(p, NodePlan)}
-        cov = self.info.coverage
-        cov.clear()
+        cov = self.info.coverage = {}  # a sampled graph's own notes stay as they are
         for node in graph.nodes:
             if node.op not in ("call_function", "call_method", "call_module"):
                 continue
@@ -492,8 +506,50 @@ class GraphAnalysis:
         return out + list(self.info.coverage.values())
 
     def run_samples(self, args: tuple, call: int, rng_states: dict) -> Any:
-        """The stochastic path of one analysed call; returns the outputs' samples."""
-        return SampleInterpreter(self, call).run(args)
+        """The stochastic path of one analysed call; returns the outputs' samples.
+
+        The first call with a signature traces the rules into a :class:`SampledGraph` (that
+        trace is the call's stochastic path); later calls run the generated graph. Where the
+        trace fails, the rules run as they are, not traced, on every call with that
+        signature (``info.untraced`` says why)."""
+        key = signature(args)
+        if self._item_inputs:  # scalars of the module read with .item(): constants of a trace
+            key += tuple(args[i].item() if isinstance(args[i], torch.Tensor) and
+                         args[i].numel() == 1 else None for i in self._item_inputs)
+        sg = self.sampled.get(key)
+        if sg is not None:
+            if self.info.coverage is not sg.coverage:
+                self.info.coverage = sg.coverage
+            out = sg(args, call)
+            sg.tracer.finish()
+            return out
+        if key in self.info.untraced:
+            tracer = SampleTracer(self, call)
+            out = tracer.run(args)
+            tracer.finish()
+            return out
+        tracer = SampleTracer(self, call)
+        self.info.coverage = {}
+        try:
+            sg = SampledGraph.trace(tracer, args, Stacked)
+        except Exception as exc:  # noqa: BLE001 - the rules, untraced, for this signature
+            self.info.untraced[key] = f"{type(exc).__name__}: " \
+                f"{(str(exc).splitlines() or [''])[0][:200]}"
+            warnings.warn(f"fxstab: the stochastic path of graph {self.index} could not be "
+                          f"traced ({self.info.untraced[key]}); its rules run untraced, which "
+                          "is slower", RuntimeWarning, stacklevel=3)
+            _set_rng_states(rng_states)
+            self.info.coverage = {}
+            return self.run_samples(args, call, rng_states)
+        sg.coverage = self.info.coverage
+        self.sampled.add(key, sg)
+        tracer.finish()
+        out, sg.first = sg.first, None
+        return out
+
+    def sampled_graphs(self) -> list:
+        """The generated stochastic paths of this graph (the latest signatures first)."""
+        return list(reversed(self.sampled.by_signature.values()))
 
 
 class SampleCapture:
@@ -564,26 +620,49 @@ def _set_rng_states(states: dict) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
-class SampleInterpreter:
-    """Runs one graph on stacked samples (the stochastic path of one analysed call)."""
+class SampleTracer:
+    """The stochastic rules of one graph: what each operator becomes on N stacked samples.
+
+    :meth:`run` walks the graph once per input signature, under ``make_fx``
+    (:class:`fxstab.passes.sample.SampledGraph`): what it computes with torch operators (lifted
+    with ``vmap``, batched, elementwise on the samples) is recorded as aten nodes, and what
+    must run as fxstab's code at every call (rounding and recording, the GEMM surrogate,
+    operators run once per sample with the deterministic pass's random numbers) as
+    :class:`~fxstab.passes.steps.Step` nodes, which read the per-call state here (``call``,
+    ``pending``, ``fired``) when the generated graph runs. Every decision :meth:`run` takes
+    depends on shapes, dtypes and the graph, never on values, so one trace serves every call
+    with the same signature.
+    """
 
     def __init__(self, analysis: GraphAnalysis, call: int) -> None:
         self.a = analysis
         self.cfg = analysis.cfg
-        self.call = call
         self.n = self.cfg.n_samples
         self.fmt = self.cfg.format
         self.wdtype = working_dtype_for(self.fmt)
         self.cdtype = torch.complex128 if self.wdtype == torch.float64 else torch.complex64
-        self.pending: list[tuple[NodePlan, list, bool, str, tuple]] = []
-        # consumer GEMM's plan index -> (its operand, already perturbed; perturbed count)
-        self.preperturbed: dict[int, tuple["Stacked", int]] = {}
+        # consumer GEMM's plan index -> its operand, perturbed in its producer's rounding step
+        self.preperturbed: dict[int, "Stacked"] = {}
         # ids of the working copies of the module's parameters and buffers (GEMM surrogate)
         self.weights: set[int] = set()
+        # plan index -> derive_seed(seed, graph, plan): a step's seed is that and (call, purpose)
+        self._seeds: dict[int, int] = {}
+        self.begin(call)
+
+    def begin(self, call: int) -> None:
+        """The state of one analysed call, which the steps fill."""
+        self.call = call
+        self.pending: list[tuple[NodePlan, list, bool, str, tuple]] = []
+        self.fired: dict[int, bool] = {}  # GEMM plan index -> its surrogate perturbed something
 
     # -- helpers --------------------------------------------------------------------------
     def _seed(self, plan: NodePlan, purpose: int) -> int:
-        return randbits.derive_seed(self.cfg.seed, self.a.index, plan.index, self.call, purpose)
+        """``derive_seed(seed, graph, operator, call, purpose)``: the first three salts once."""
+        base = self._seeds.get(plan.index)
+        if base is None:
+            base = self._seeds[plan.index] = randbits.derive_seed(self.cfg.seed, self.a.index,
+                                                                  plan.index)
+        return randbits.derive_seed(base, self.call, purpose)
 
     def _to_working(self, t: torch.Tensor) -> torch.Tensor:
         if t.is_floating_point():
@@ -598,8 +677,41 @@ class SampleInterpreter:
             return v.t
         return v.unsqueeze(0).expand(self.n, *v.shape)
 
+    def _step(self, what: str, plan: NodePlan, fn: Callable[[list], Any], leaves: list) -> Any:
+        """``fn(leaves)`` as one step of the generated graph: the tensors among ``leaves``
+        (stacked or plain) are its inputs at run time, the other leaves are constants of the
+        trace, and the tensors of its result its outputs. ``fn`` returns a value built like
+        the operator's output (Stacked where it carries samples)."""
+        pos = [i for i, v in enumerate(leaves) if isinstance(v, (Stacked, torch.Tensor))]
+        stacked = [isinstance(leaves[i], Stacked) for i in pos]
+        template = [None if isinstance(v, (Stacked, torch.Tensor)) else v for v in leaves]
+        layout: list = []
+
+        def run(ts: list) -> list:
+            new = list(template)
+            for i, s, t in zip(pos, stacked, ts):
+                new[i] = Stacked(t) if s else t
+            flat, spec = pytree.tree_flatten(fn(new), is_leaf=lambda x: isinstance(x, Stacked))
+            where = [(j, isinstance(v, Stacked)) for j, v in enumerate(flat)
+                     if isinstance(v, (Stacked, torch.Tensor))]
+            if not layout:  # the trace: how to rebuild the output (no tensor kept)
+                layout[:] = [[None if isinstance(v, (Stacked, torch.Tensor)) else v
+                              for v in flat], spec, where]
+            return [flat[j].t if s else flat[j] for j, s in where]
+
+        label = plan.name or f"{plan.module_path}/{plan.kind}"
+        outs = steps.emit(steps.Step(what, label, run),
+                          [leaves[i].t if s else leaves[i] for i, s in zip(pos, stacked)])
+        flat, spec, where = layout
+        flat = list(flat)
+        for (j, s), t in zip(where, outs):
+            flat[j] = Stacked(t) if s else t
+        return pytree.tree_unflatten(flat, spec)
+
     # -- main loop ------------------------------------------------------------------------
     def run(self, args: tuple) -> Any:
+        """Walk the graph on ``args`` (under ``make_fx``: the trace); returns the outputs'
+        samples. :meth:`finish` then turns the steps' statistics into reports."""
         env: dict[torch.fx.Node, Any] = {}
         placeholders = iter(args)
         result = None
@@ -629,7 +741,6 @@ class SampleInterpreter:
                 v = env.pop(dead, None)
                 if isinstance(v, torch.Tensor):  # a freed id may be reused by a data tensor
                     self.weights.discard(id(v))
-        self._finish()
         return result
 
     def _run_node(self, plan: NodePlan, env: dict) -> Any:
@@ -654,23 +765,33 @@ class SampleInterpreter:
             stacked = [0] + stacked
 
         if plan.gemm and plan.name is not None:
-            leaves, fired = self._perturb(plan, leaves)
+            leaves = self._perturb(plan, leaves)
             stacked = [i for i, v in enumerate(leaves) if isinstance(v, Stacked)]
-        else:
-            fired = False
 
         if kind in RANDOM_KINDS and kind not in _MASK_DROPOUT_KINDS:
             # every sample draws what the deterministic pass drew (its RNG state, its dtype)
-            out, status = self._per_sample(fn, leaves, spec, plan), ROUNDED
+            out = self._step("random", plan, lambda lv: self._per_sample(fn, lv, spec, plan),
+                             leaves)
+            status = ROUNDED
             how = "random: the deterministic pass's draws in every sample"
+        elif kind == "item" and not stacked and _reads_item(node) and \
+                getattr(node.args[0], "op", "") == "placeholder":
+            # the value of an input scalar (in the trace's signature): a constant of the trace
+            with disable_proxy_modes_tracing():
+                out = args[0].item()
+            status, how = ROUNDED, "once: no operand carries samples"
         elif not stacked:
             a, k = _unflatten(leaves, spec)
             out = fn(*a, **k)
             out = self._to_working(out) if isinstance(out, torch.Tensor) else pytree.tree_map(
                 lambda t: self._to_working(t) if isinstance(t, torch.Tensor) else t, out)
             status, how = ROUNDED, "once: no operand carries samples"
+        elif _identity_dropout(node, kind) and isinstance(leaves[0], Stacked):
+            out, status, how = leaves[0], ROUNDED, "identity: dropout with training=False or p=0"
         elif kind in _MASK_DROPOUT_KINDS:
-            out, status = self._dropout(fn, leaves, spec, plan), ROUNDED
+            out = self._step("dropout", plan, lambda lv: self._dropout(fn, lv, spec, plan),
+                             leaves)
+            status = ROUNDED
             how = "dropout: the deterministic pass's mask on every sample"
         elif _metadata(node, kind):
             first = [v.t[0] if isinstance(v, Stacked) else v for v in leaves]
@@ -690,7 +811,7 @@ class SampleInterpreter:
             out, status, how = self._lifted(plan, fn, leaves, spec, stacked)
 
         if plan.name is not None:
-            out, measured = self._round_and_record(plan, out, fired, status, leaves)
+            out, measured = self._round_and_record(plan, out, status, leaves)
             if measured:
                 self._note(plan, ANALYSED, how, True)
             else:
@@ -729,11 +850,14 @@ class SampleInterpreter:
         info = self.a.info
         key = plan.name or plan.node.name
         kind = plan.kind
+        def per_sample(dtype: Optional[torch.dtype] = None) -> Any:
+            return self._step("per_sample", plan,
+                              lambda lv: self._per_sample(fn, lv, spec, plan, dtype=dtype), leaves)
+
         if kind in _PER_SAMPLE_KINDS:
-            return self._per_sample(fn, leaves, spec, plan), ROUNDED, \
-                "per sample: samples must not share batch statistics"
+            return per_sample(), ROUNDED, "per sample: samples must not share batch statistics"
         if kind in RNN_KINDS:
-            return self._per_sample(fn, leaves, spec, plan), ROUNDED, \
+            return per_sample(), ROUNDED, \
                 "per sample: no vmap rule for recurrent layers (deterministic pass's dropout)"
         if plan.custom and key not in info.unlifted and not _has_vmap_rule(plan.node.target):
             info.unlifted[key] = "custom operator without a vmap rule"
@@ -766,15 +890,14 @@ class SampleInterpreter:
         det = self._det_dtype(plan)
         if key not in info.in_model_dtype:
             try:
-                return (self._per_sample(fn, leaves, spec, plan), status,
-                        f"per sample ({info.unlifted[key]})")
+                return per_sample(), status, f"per sample ({info.unlifted[key]})"
             except Exception as exc:
                 if det is None or det == self.wdtype:
                     raise
                 info.in_model_dtype[key] = f"{type(exc).__name__}: {str(exc)[:160]}"
         # the operator refuses the working dtype (fp64 for an fp32 format, say): its samples
         # run in the model's dtype, then return to the working dtype
-        return (self._per_sample(fn, leaves, spec, plan, dtype=det), status,
+        return (per_sample(det), status,
                 f"per sample in {str(det).replace('torch.', '')} ({info.unlifted[key]}; the "
                 f"working dtype: {info.in_model_dtype[key]})")
 
@@ -854,7 +977,7 @@ class SampleInterpreter:
         return Stacked(x.t * mask.to(x.t.dtype))
 
     # -- surrogate, rounding, recording ----------------------------------------------------
-    def _perturb(self, plan: NodePlan, leaves: list) -> tuple[list, bool]:
+    def _perturb(self, plan: NodePlan, leaves: list) -> list:
         """The GEMM surrogate (DESIGN.md §4) on the operands that carry samples.
 
         Weights (the module's parameters and buffers: identical in every sample) are not
@@ -864,10 +987,10 @@ class SampleInterpreter:
         carry samples, its weights do not). Every floating operand that is data is perturbed,
         carrying samples or not (the model's inputs meeting a product, near-tie keys beside
         rounded queries): which of them is ill-conditioned is unknown. Only a product of
-        weights alone has its weights perturbed.
+        weights alone has its weights perturbed. A plain operand always comes out as samples
+        (all its elements are insufficiently separated); one step per operand, which notes in
+        ``fired`` whether it perturbed anything.
         """
-        eta = self.cfg.data_perturbation_threshold
-        fired = False
         new = list(leaves)
         floats = [i for i, v in enumerate(leaves)
                   if isinstance(v, Stacked) and v.t.is_floating_point()]
@@ -877,92 +1000,122 @@ class SampleInterpreter:
         # plain data (an input meeting a product with samples: near-tie keys beside rounded
         # queries) is perturbed too; weights only in a product of weights alone
         floats = sorted(floats + data) if floats else (data or plain)
-        owner = self.a.owner
         pre = self.preperturbed.pop(plan.index, None)
         for i in floats:
             v = leaves[i]
-            if pre is not None and v is pre[0]:  # perturbed in its producer's rounding pass
-                fired |= pre[1] > 0
+            if pre is not None and v is pre:  # perturbed in its producer's rounding step
                 continue
-            if owner.uses_native(v.t if isinstance(v, Stacked) else self._to_working(v)):
-                # a plain operand is read N times, never copied into N samples first
-                out, count = native.perturb(*((v.t,) if isinstance(v, Stacked) else
-                                              (self._to_working(v),)), eta,
-                                            self._seed(plan, 1000 + i),
-                                            n_samples=None if isinstance(v, Stacked) else self.n)
-                if count:
-                    fired = True
-                    new[i] = Stacked(out)
-                continue
-            samples = (v.t if isinstance(v, Stacked) else self._stack(self._to_working(v))).contiguous()
-            if owner.uses_triton(samples):
+            x = v.t if isinstance(v, Stacked) else self._to_working(v)
+            step = steps.Step("perturb", f"{plan.name}_{i}", functools.partial(
+                self._perturb_step, plan, 1000 + i, isinstance(v, Stacked)))
+            new[i] = Stacked(steps.emit(step, [x])[0])
+        return new
+
+    def _perturb_step(self, plan: NodePlan, purpose: int, stacked: bool, xs: list) -> list:
+        x = xs[0]
+        eta = self.cfg.data_perturbation_threshold
+        seed = self._seed(plan, purpose)
+        if self.a.owner.uses_native(x):  # a plain operand is read N times, never copied
+            out, count = native.perturb(x, eta, seed, n_samples=None if stacked else self.n)
+        else:
+            samples = (x if stacked else x.unsqueeze(0).expand(self.n, *x.shape)).contiguous()
+            if self.a.owner.uses_triton(samples):
                 from .kernels.dispatch import perturb
 
-                out, count = perturb(samples, eta, self._seed(plan, 1000 + i), kernels=self.cfg.kernels)
+                out, count = perturb(samples, eta, seed, kernels=self.cfg.kernels)
             else:
-                out, count = perturb_samples(samples, eta, self._seed(plan, 1000 + i))
-            if count:
-                fired = True
-                new[i] = Stacked(out)
-        return new, fired
+                out, count = perturb_samples(samples, eta, seed)
+        if count:
+            self.fired[plan.index] = True
+        return [out]
 
-    def _round_and_record(self, plan: NodePlan, out: Any, fired: bool, status: str,
-                          inputs: list) -> Any:
+    def _round_and_record(self, plan: NodePlan, out: Any, status: str, inputs: list) -> Any:
+        """Round and measure the operator's floating outputs: one step, which appends the
+        statistics to ``pending`` at every call. Decided here, once: which outputs are
+        rounded in place (an output that shares no memory with the operator's inputs; a view
+        of an input is not: other consumers of that input would see its rounding), which one
+        carries its GEMM consumer's surrogate in the same pass."""
         single = isinstance(out, (Stacked, torch.Tensor))
         flat, spec = ([out], None) if single else pytree.tree_flatten(out)
-        stats = []
-        new = []
-        shape: tuple = ()
-        # An output that shares no memory with the operator's inputs is rounded in place (a
-        # view of an input is not: other consumers of that input would see its rounding).
         taken = {_storage(v.t if isinstance(v, Stacked) else v) for v in inputs
                  if isinstance(v, (Stacked, torch.Tensor))}
         fuse = plan.fuse if status == ROUNDED and len(flat) == 1 else None
+        todo: list = []  # (leaf index, stacked, in place, complex, fused, prepared kernel)
+        shape: tuple = ()
+        cfg = self.cfg
         for j, v in enumerate(flat):
             t = v.t if isinstance(v, Stacked) else v
             if not (isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())):
-                new.append(v)
                 continue
-            samples = self._stack(v) if isinstance(v, Stacked) else self._stack(t)
-            own = isinstance(v, Stacked) and _storage(t) not in taken
-            if samples.is_complex():
+            stacked = isinstance(v, Stacked)
+            if not shape:
+                shape = tuple(t.shape[1:] if stacked else t.shape)
+            samples = self._stack(v)
+            native_ok = not t.is_complex() and self.a.owner.uses_native(samples)
+            fused = fuse is not None and native_ok
+            own = stacked and _storage(t) not in taken
+            prepared = None
+            if native_ok and not fused and samples[0].numel():
+                # the kernel's settings bound once: a call sets the seed and runs it
+                prepared = native.Prepared(native.rounder(
+                    self.fmt, cfg.rounding if status != UNLIFTED else None, samples.dtype,
+                    self.n, saturate=cfg.saturate, confidence=cfg.confidence,
+                    zero_threshold=cfg.zero_threshold), own)
+            todo.append((j, stacked, own, t.is_complex(), fused, prepared))
+        if not todo:
+            return out, False
+        step = steps.Step("round", plan.name, functools.partial(
+            self._round_step, plan, tuple(todo), status, shape))
+        rounded = steps.emit(step, [flat[j].t if s else flat[j] for j, s, *_ in todo])
+        new = list(flat)
+        for (j, *_rest, fused, _prepared), r in zip(todo, rounded):
+            new[j] = Stacked(r)
+            if fused:
+                self.preperturbed[fuse[0].index] = new[j]
+        return (new[0] if single else pytree.tree_unflatten(new, spec)), True
+
+    def _round_step(self, plan: NodePlan, todo: tuple, status: str, shape: tuple,
+                    xs: list) -> list:
+        cfg = self.cfg
+        stats, outs = [], []
+        for (j, stacked, own, cplx, fused, prepared), t in zip(todo, xs):
+            samples = t if stacked else t.unsqueeze(0).expand(self.n, *t.shape)
+            if prepared is not None:
+                out = prepared(samples, self._seed(plan, j))
+                if out is not None:
+                    outs.append(out)
+                    stats.append(prepared.stats)  # read by finish, before the next call
+                    continue
+            if cplx:
                 # real and imaginary parts round (and are measured) as two real values each
                 parts, vec = self._round_stats(torch.view_as_real(samples.resolve_conj()
                                                                   .contiguous()),
                                                status != UNLIFTED, self._seed(plan, j), False)
-                if not shape:
-                    shape = tuple(samples.shape[1:])
-                stats.append(vec)
-                new.append(Stacked(torch.view_as_complex(parts)))
-                continue
-            if fuse is not None and self.a.owner.uses_native(samples):
-                user, leaf = fuse
-                cfg = self.cfg
+                outs.append(torch.view_as_complex(parts))
+            elif fused:
+                user, leaf = plan.fuse
                 samples, vec, count = native.round_perturb(
                     samples, self.fmt, cfg.rounding, self._seed(plan, j),
                     cfg.data_perturbation_threshold, self._seed(user, 1000 + leaf),
                     saturate=cfg.saturate, confidence=cfg.confidence,
                     zero_threshold=cfg.zero_threshold, in_place=own, as_list=True)
-                out = Stacked(samples)
-                self.preperturbed[user.index] = (out, count)
+                if count:
+                    self.fired[user.index] = True
+                outs.append(samples)
             else:
                 samples, vec = self._round_stats(samples, status != UNLIFTED,
                                                  self._seed(plan, j), own)
-                out = Stacked(samples)
-            if not shape:
-                shape = tuple(samples.shape[1:])
+                outs.append(samples)
             stats.append(vec)
-            new.append(out)
-        if stats:
-            self.pending.append((plan, stats, fired, status, shape))
-        return (new[0] if single else pytree.tree_unflatten(new, spec)), bool(stats)
+        self.pending.append((plan, stats, self.fired.pop(plan.index, False), status, shape))
+        return outs
 
     def _round_stats(self, samples: torch.Tensor, rounded: bool, seed: int,
                      in_place: bool = False):
         """Round (unless ``rounded`` is False) and measure one output's samples.
 
         Returns the samples and [sum of digits, min, max, zeros, non-finite, numel] (a list
-        from the CPU kernels, a tensor from the others: ``_finish`` reads both);
+        from the CPU kernels, a tensor from the others: ``finish`` reads both);
         ``in_place`` lets the fused CPU kernels overwrite ``samples`` (an output nothing else
         holds), which saves one copy of every output at the peak. The fused
         Triton kernel does both in one pass where ``kernels`` selects it (CUDA by default);
@@ -997,11 +1150,13 @@ class SampleInterpreter:
                                     saturate=cfg.saturate)
         return samples, stats_vector(samples, t, cap, cfg.zero_threshold, under)
 
-    def _finish(self) -> None:
+    def finish(self) -> None:
+        """The reports of this call, from what its steps recorded."""
         if not self.pending:
             return
         owner = self.a.owner
-        # the CPU kernels return lists; tensors (Triton, references): one stack, one transfer
+        # the CPU kernels give lists or their own buffers; tensors (Triton, references): one
+        # stack, one transfer
         rows = [v for _, stats, _, _, _ in self.pending for v in stats]
         at = [i for i, v in enumerate(rows) if isinstance(v, torch.Tensor)]
         if at:
@@ -1012,22 +1167,31 @@ class SampleInterpreter:
             for i, v in zip(at, values):
                 rows[i] = v
         i = 0
-        t = student_t(self.n, self.cfg.confidence)
+        n = self.n
+        t = student_t(n, self.cfg.confidence)
         cap = digits_cap(self.fmt, self.wdtype)
+        common = {"phase": owner._phase, "step": owner._step, "format": self.fmt.name,
+                  "n_samples": n, "call": self.call}
+        append = owner.reports.append
         for plan, stats, fired, status, shape in self.pending:
             k = len(stats)
-            part = rows[i:i + k]
+            v = rows[i][:] if k == 1 else merge_stats([r[:] for r in rows[i:i + k]])
             i += k
-            st = stats_from_list(part[0] if k == 1 else merge_stats(part), self.n, t, cap)
-            owner.reports.append(OpReport(
-                name=plan.name, kind=plan.kind, module_path=plan.module_path, source=plan.source,
-                phase=owner._phase, step=owner._step, format=self.fmt.name, n_samples=self.n,
-                avg_digits=st.avg, min_digits=st.min, max_digits=st.max, numel=st.numel,
-                zero_fraction=st.zero_fraction, non_finite=st.non_finite,
-                normwise_digits=st.normwise, p10_digits=st.p10, p50_digits=st.p50,
-                underflow=st.underflow, surrogate=fired, status=status,
-                shape=shape, counters=empty_counters(), inputs=plan.inputs, call=self.call,
-            ))
+            total, mn, mx, zeros, nf, numel, msq, vsq, under, p10, p50 = v
+            if numel == 0:
+                fields = {"avg_digits": cap, "min_digits": cap, "max_digits": cap, "numel": 0,
+                          "zero_fraction": 0.0, "non_finite": 0, "normwise_digits": cap,
+                          "p10_digits": cap, "p50_digits": cap, "underflow": 0}
+            else:
+                fields = {"avg_digits": total / numel, "min_digits": mn, "max_digits": mx,
+                          "numel": int(numel), "zero_fraction": zeros / numel,
+                          "non_finite": int(nf),
+                          "normwise_digits": normwise_digits(msq, vsq, nf, n, t, cap),
+                          "p10_digits": p10, "p50_digits": p50, "underflow": int(under)}
+            fields.update(common)
+            fields.update(plan.report, surrogate=fired, status=status, shape=shape,
+                          counters=empty_counters())
+            append(OpReport.of(fields))
 
 
 class _FlatSpec:
@@ -1072,6 +1236,10 @@ def _broadcasts_directly(leaves: list) -> bool:
         if v is True or (isinstance(v, torch.Tensor) and v.dim() >= nd):
             return False
     return nd > 0
+
+
+def _reads_item(node: torch.fx.Node) -> bool:
+    return node.op == "call_method" and node.target == "item"
 
 
 def _has_vmap_rule(target: Any) -> bool:
@@ -1227,6 +1395,16 @@ class FxstabBackend:
         for g in self.graphs:  # both levels fill GraphInfo.coverage
             entries += g.coverage_entries()
         return Coverage(entries)
+
+    def sampled_graphs(self) -> list:
+        """The generated stochastic paths (:class:`fxstab.passes.sample.SampledGraph`), the
+        latest signature of each captured graph first: ``print(be.sampled_graphs()[0].code)``
+        shows the rewritten graph (operator level)."""
+        out: list = []
+        for g in self.graphs:
+            if self.config.granularity == "op":
+                out += g.sampled_graphs()
+        return out
 
     def metadata(self) -> dict:
         c = self.config

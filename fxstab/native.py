@@ -382,6 +382,40 @@ class Rounder:
         return stats, digits, zeros
 
 
+class Prepared:
+    """A :class:`Rounder` bound to one output of a generated stochastic graph: its parameters
+    and its statistics buffer are allocated once, so a call sets the seed, allocates the
+    rounded samples (unless ``in_place``) and makes the C call. ``stats`` holds the latest
+    call's statistics (read them before the next call). Returns None for a layout the kernel
+    does not read (the caller takes the general path)."""
+
+    __slots__ = ("_fn", "_p", "_pref", "stats", "n", "rounds", "in_place")
+
+    def __init__(self, r: Rounder, in_place: bool) -> None:
+        self._fn, self.n, self.rounds, self.in_place = r._fn, r.n, r.mode is not None, in_place
+        self._p = _Params.from_buffer_copy(r._base)
+        self._pref = ctypes.byref(self._p)
+        self.stats = _Stats()
+
+    def __call__(self, x: torch.Tensor, seed: int) -> Optional[torch.Tensor]:
+        n = self.n
+        if x.is_contiguous():
+            xs = numel = x.numel() // n
+            out = x if self.in_place or not self.rounds else torch.empty_like(x)
+        elif x.stride(0) == 0 and x[0].is_contiguous():  # identical samples: read N times
+            out = torch.empty(x.shape, dtype=x.dtype) if self.rounds else x
+            x = x[0]
+            xs, numel = 0, x.numel()
+        else:
+            return None
+        p = self._p
+        p.seed = seed & _M64
+        p.nthreads = torch.get_num_threads()
+        self._fn(x.data_ptr(), xs, out.data_ptr() if self.rounds else None, n, numel,
+                 self._pref, self.stats, None, None)
+        return out
+
+
 @functools.lru_cache(maxsize=256)
 def rounder(fmt: Format, mode: Optional[Rounding], dtype: torch.dtype, n: int, *,
             saturate: bool = False, confidence: float = 0.95,

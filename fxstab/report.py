@@ -28,8 +28,11 @@ UNLIFTED = "unlifted"  # could not run on stacked samples: ran per sample, unrou
 PER_SAMPLE = "per_sample"  # no batching rule: ran once per sample, rounded and recorded
 
 
+_NO_COUNTS = {k: 0 for k in COUNTER_KEYS}
+
+
 def empty_counters() -> dict[str, int]:
-    return {k: 0 for k in COUNTER_KEYS}
+    return dict(_NO_COUNTS)
 
 
 @dataclass
@@ -65,6 +68,14 @@ class OpReport:
     counters: dict = field(default_factory=empty_counters)
     inputs: tuple = ()
     call: int = 0
+
+    @classmethod
+    def of(cls, fields: dict) -> "OpReport":
+        """An OpReport from a dict that holds every field, without the keyword parsing of
+        ``__init__`` (the generated stochastic graph builds one per operator and call)."""
+        rep = object.__new__(cls)
+        rep.__dict__.update(fields)
+        return rep
 
     def as_dict(self) -> dict:
         d = asdict(self)

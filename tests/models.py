@@ -230,3 +230,61 @@ class ExpandUp(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x)
         return h.expand(2, 5, 3, 4).sum((0, 1)) + h[None].expand(6, -1, -1).mean(0)
+
+
+class GPT2Block(nn.Module):
+    """The usual GPT-2 block (as in nanoGPT without flash attention): pre-norm, one fused
+    qkv projection, heads split by view/transpose, explicit attention with a causal mask
+    (``masked_fill(-inf)``), softmax, attention dropout, tanh-GELU MLP, residual adds."""
+
+    def __init__(self, d: int, heads: int, ctx: int, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1 = nn.LayerNorm(d)
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.c_proj = nn.Linear(d, d)
+        self.attn_dropout = nn.Dropout(dropout)
+        self.resid_dropout = nn.Dropout(dropout)
+        self.ln_2 = nn.LayerNorm(d)
+        self.c_fc = nn.Linear(d, 4 * d)
+        self.mlp_proj = nn.Linear(4 * d, d)
+        self.register_buffer("bias", torch.tril(torch.ones(ctx, ctx)).view(1, 1, ctx, ctx))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        hd = d // self.heads
+        q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=2)
+        q = q.view(b, t, self.heads, hd).transpose(1, 2)
+        k = k.view(b, t, self.heads, hd).transpose(1, 2)
+        v = v.view(b, t, self.heads, hd).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
+        att = att.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf"))
+        att = self.attn_dropout(F.softmax(att, dim=-1))
+        y = (att @ v).transpose(1, 2).contiguous().view(b, t, d)
+        x = x + self.resid_dropout(self.c_proj(y))
+        h = F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh")
+        return x + self.resid_dropout(self.mlp_proj(h))
+
+
+class GPT2(nn.Module):
+    """A GPT-2-style LM (token + position embeddings, GPT2Block x layers, final LayerNorm, a
+    head tied to the token embedding). Defaults: the issue's "GPT-2-sized" benchmark shape
+    (2 layers, d=64, 4 heads); call it on [batch 4, seq 64] token ids."""
+
+    def __init__(self, vocab: int = 256, d: int = 64, heads: int = 4, layers: int = 2,
+                 ctx: int = 64, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(ctx, d)
+        self.drop = nn.Dropout(dropout)
+        self.h = nn.ModuleList(GPT2Block(d, heads, ctx, dropout) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.drop(self.wte(idx) + self.wpe(torch.arange(t, device=idx.device)))
+        for blk in self.h:
+            x = blk(x)
+        return self.lm_head(self.ln_f(x))

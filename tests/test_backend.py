@@ -342,8 +342,7 @@ def test_a_failing_stochastic_path_never_breaks_the_model(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("simulated failure inside the stochastic path")
 
-    monkeypatch.setattr(backend_module, "round_samples", broken)
-    monkeypatch.setattr(backend_module.native, "round_stats", broken)  # the fused CPU path
+    monkeypatch.setattr(backend_module.SampleTracer, "_round_step", broken)  # every rounding
     torch.manual_seed(0)
     m, x = MLP(), torch.randn(4, 16)
     be = fxstab.backend()

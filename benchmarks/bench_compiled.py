@@ -1,0 +1,173 @@
+"""The compiled stochastic path against a reference revision, in one process (issue 16).
+
+For each model: the time of one analysed call divided by the plain eager call, for this
+checkout and for ``--ref`` (a git revision or a directory holding ``fxstab/``: by default the
+last revision with the node-by-node interpreter), both measured interleaved in the same process
+(``bench_overhead.timed_interleaved``), at every thread count of ``--threads``; and whether the
+two produce the same digit map (the largest difference of any statistic of any operator over a
+few calls, same seed). The per-node row is a long chain of tiny elementwise operators: its
+(analysed - eager) time divided by the number of graph nodes is the overhead per node.
+
+    python benchmarks/bench_compiled.py                    # the table, results/bench_compiled.json
+    python benchmarks/bench_compiled.py --quick --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from benchmarks.bench_ab import extract_ref, load_ref  # noqa: E402
+from benchmarks.bench_overhead import LayerNormSoftmax, timed_interleaved  # noqa: E402
+
+INTERPRETER = "fe9f1ae"  # the last revision whose stochastic path was an interpreter
+MODELS = ("mlp", "gpt", "gpt2", "chain", "lnsoftmax", "lnsoftmax-fp32")
+FIELDS = ("avg_digits", "min_digits", "max_digits", "normwise_digits", "p10_digits",
+          "p50_digits", "zero_fraction", "non_finite", "underflow")
+
+
+class Chain(nn.Module):
+    """``length`` tiny elementwise operators in a row (per-node overhead)."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__()
+        self.length = length
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.length // 3):
+            x = torch.tanh(x * 1.01 + 0.1)
+        return x
+
+
+def make(name: str, quick: bool):
+    """(model, inputs, backend options, granularity, what it stands for)."""
+    from models import GPT, GPT2
+
+    torch.manual_seed(0)
+    if name == "mlp":
+        d, h = (128, 256) if quick else (512, 1024)
+        m = nn.Sequential(nn.Linear(d, h), nn.GELU(), nn.Linear(h, h), nn.GELU(),
+                          nn.Linear(h, h), nn.GELU(), nn.Linear(h, d))
+        return m, (torch.randn(64, d),), {}, f"4-layer {d}-{h} MLP, batch 64"
+    if name == "gpt":
+        m = GPT(vocab=256, d=64 if quick else 128, heads=4, layers=2, ctx=64)
+        return m, (torch.randint(0, 256, (2 if quick else 8, 64)),), {}, \
+            "tests/models.py GPT, 2 layers, d=128, seq 64, batch 8"
+    if name == "gpt2":
+        m = GPT2(vocab=256, d=64, heads=4, layers=2, ctx=64)
+        return m, (torch.randint(0, 256, (4, 64)),), {}, \
+            "GPT-2-style LM (tests/models.py GPT2), 2 layers, d=64, seq 64, batch 4"
+    if name == "chain":
+        length = 100 if quick else 400
+        return Chain(length), (torch.randn(8),), {}, f"{length} elementwise operators on 8 elements"
+    if name.startswith("lnsoftmax"):
+        fmt = "fp32" if name.endswith("fp32") else "bf16"
+        return LayerNormSoftmax(1024), (torch.randn(64 if quick else 256, 1024),), \
+            {"granularity": "aten", "format": fmt}, f"aten, LayerNorm+softmax 256x1024, {fmt}"
+    raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+
+
+def digit_map_difference(a, b) -> float:
+    """Largest difference of any statistic between two digit maps (inf: not the same
+    operators, statuses or surrogate flags)."""
+    ka = {o["name"]: o for o in a.as_dict()["operators"]}
+    kb = {o["name"]: o for o in b.as_dict()["operators"]}
+    if set(ka) != set(kb):
+        return math.inf
+    worst = 0.0
+    for name, x in ka.items():
+        y = kb[name]
+        if any(x.get(f) != y.get(f) for f in ("status", "surrogate", "calls")):
+            return math.inf
+        for f in FIELDS:
+            u, v = x.get(f), y.get(f)
+            if u is None or v is None or u == v or (u != u and v != v):
+                continue
+            worst = max(worst, abs(u - v))
+    return worst
+
+
+def main(argv=None) -> int:
+    import fxstab
+    from benchmarks.common import save_json
+
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ref", default=INTERPRETER,
+                    help="git revision or directory holding fxstab/ (default: the interpreter)")
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--samples", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "results"))
+    args = ap.parse_args(argv)
+    rows = []
+    print(f"{'model':<16}{'thr':>4}{'eager ms':>10}{args.ref + ' x':>14}{'checkout x':>12}"
+          f"{'speed-up':>10}{'max|dmap|':>11}  what")
+    with tempfile.TemporaryDirectory() as tmp:
+        ref = load_ref(extract_ref(args.ref, Path(tmp)))
+        for name in args.models.split(","):
+            model, x, opts, what = make(name, args.quick)
+            model.eval()
+            opts = dict(n_samples=args.samples, **opts)
+            # the same digit map? three calls each, same seed, fresh compilation
+            maps = []
+            for lib in (ref, fxstab):
+                torch._dynamo.reset()
+                be = lib.backend(**opts)
+                f = torch.compile(model, backend=be)
+                with torch.no_grad():
+                    for _ in range(3):
+                        f(*x)
+                maps.append(be.digit_map())
+            diff = digit_map_difference(*maps)
+            for threads in [int(t) for t in args.threads.split(",")]:
+                torch.set_num_threads(threads)
+                torch._dynamo.reset()
+                be_ref, be_new = ref.backend(**opts), fxstab.backend(**opts)
+                f_ref = torch.compile(model, backend=be_ref)
+                f_new = torch.compile(model, backend=be_new)
+
+                def call(f, be):
+                    f(*x)
+                    be.reports.clear()
+
+                with torch.no_grad():
+                    t_eager, t_ref, t_new = timed_interleaved(
+                        [lambda: model(*x), lambda: call(f_ref, be_ref),
+                         lambda: call(f_new, be_new)], args.repeats, time.perf_counter)
+                nodes = sum(len(g.gm.graph.nodes) for g in be_new.graphs)
+                row = {"model": name, "what": what, "threads": threads,
+                       "eager_ms": t_eager * 1e3, "ref_ratio": t_ref / t_eager,
+                       "new_ratio": t_new / t_eager, "speedup": t_ref / t_new,
+                       "digit_map_max_difference": diff, "graph_nodes": nodes,
+                       "us_per_node_new": (t_new - t_eager) / nodes * 1e6,
+                       "us_per_node_ref": (t_ref - t_eager) / nodes * 1e6}
+                rows.append(row)
+                extra = (f"  ({row['us_per_node_new']:.1f} vs {row['us_per_node_ref']:.1f} "
+                         f"us/node, {nodes} nodes)" if name == "chain" else "")
+                print(f"{name:<16}{threads:>4}{row['eager_ms']:>10.3f}{row['ref_ratio']:>14.2f}"
+                      f"{row['new_ratio']:>12.2f}{row['speedup']:>10.2f}{diff:>11.2g}  "
+                      f"{what}{extra}", flush=True)
+    path = save_json(Path(args.out) / "bench_compiled.json",
+                     {"benchmark": "bench_compiled", "ref": args.ref, "n_samples": args.samples,
+                      "repeats": args.repeats, "quick": args.quick, "rows": rows})
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""The sampled graph: the stochastic path of one captured graph, emitted once per signature.
+
+:class:`SampledGraph` traces the operator level's stochastic rules
+(:class:`fxstab.backend.SampleTracer`) with ``make_fx`` on the first analysed call with a given
+input signature. The trace runs the rules for real, so it is that call's stochastic path; the
+graph it leaves, cleaned by :class:`~fxstab.passes.steps.EliminateDeadCode` and
+:class:`~fxstab.passes.steps.DropDetach`, its steps lowered by
+:class:`~fxstab.passes.steps.LowerSteps`, is every later call's: one call of
+generated code, whose cost follows the work, not the number of nodes. ``print(sg.code)``
+shows it (``be.sampled_graphs()``).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Optional
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
+
+from . import steps
+
+__all__ = ["SampledGraph", "signature", "SampledGraphs"]
+
+MAX_SIGNATURES = 8
+
+
+def signature(args: tuple) -> tuple:
+    """What a trace depends on: each tensor's shape, strides, dtype, device and whether it is a
+    parameter (weights are not perturbed), each other argument's type and value."""
+    key = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((a.shape, a.stride(), a.dtype, a.device, isinstance(a, torch.nn.Parameter)))
+        else:
+            try:
+                hash(a)
+                key.append((type(a), a))
+            except TypeError:
+                key.append((type(a), id(a)))
+    return tuple(key)
+
+
+class SampledGraph:
+    """The generated stochastic path of one graph for one input signature.
+
+    Built by :meth:`trace` (which is also the traced call's own stochastic path: ``first``
+    holds its result); called with the graph's arguments, it runs the generated code and
+    returns the outputs' samples, built as the rules return them.
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, tracer: Any, positions: list, layout: tuple,
+                 stacked_type: type) -> None:
+        self.gm = gm
+        self.tracer = tracer
+        self.positions = positions  # which arguments are tensors (the graph's inputs)
+        self.layout = layout  # (output leaves without tensors, spec, [(leaf, stacked)])
+        self.stacked_type = stacked_type
+        self.first: Any = None
+        self.coverage: dict = {}  # how each operator ran, noted by the trace
+
+    @property
+    def code(self) -> str:
+        return self.gm.code
+
+    @property
+    def n_nodes(self) -> int:
+        return len(self.gm.graph.nodes)
+
+    @classmethod
+    def trace(cls, tracer: Any, args: tuple, stacked_type: type) -> "SampledGraph":
+        positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        template = [None if isinstance(a, torch.Tensor) else a for a in args]
+        held: dict = {}
+        is_stacked = lambda x: isinstance(x, stacked_type)  # noqa: E731
+
+        def rules(*tensors: torch.Tensor) -> list:
+            full = list(template)
+            for i, t in zip(positions, tensors):
+                full[i] = t
+            result = tracer.run(tuple(full))
+            flat, spec = pytree.tree_flatten(result, is_leaf=is_stacked)
+            where = [(j, is_stacked(v)) for j, v in enumerate(flat)
+                     if is_stacked(v) or isinstance(v, torch.Tensor)]
+            held["layout"] = ([None if is_stacked(v) or isinstance(v, torch.Tensor) else v
+                               for v in flat], spec, where)
+            held["first"] = result
+            return [flat[j].t if s else flat[j] for j, s in where]
+
+        with steps.tracing():
+            gm = make_fx(rules, tracing_mode="real")(*[args[i] for i in positions])
+            for p in (steps.EliminateDeadCode(), steps.DropDetach(), steps.LowerSteps()):
+                p(gm)
+        sg = cls(gm, tracer, positions, held["layout"], stacked_type)
+        sg.first = held["first"]
+        return sg
+
+    def __call__(self, args: tuple, call: int) -> Any:
+        self.tracer.begin(call)
+        outs = self.gm(*[args[i] for i in self.positions])
+        leaves, spec, where = self.layout
+        flat = list(leaves)
+        for (j, s), t in zip(where, outs):
+            flat[j] = self.stacked_type(t) if s else t
+        return pytree.tree_unflatten(flat, spec)
+
+
+class SampledGraphs:
+    """The sampled graphs of one captured graph, by signature (the latest few)."""
+
+    def __init__(self) -> None:
+        self.by_signature: "collections.OrderedDict[tuple, SampledGraph]" = \
+            collections.OrderedDict()
+        self.traces = 0
+        self.latest: Optional[SampledGraph] = None
+
+    def get(self, key: tuple) -> Optional[SampledGraph]:
+        sg = self.by_signature.get(key)
+        if sg is not None:
+            self.by_signature.move_to_end(key)
+            self.latest = sg
+        return sg
+
+    def add(self, key: tuple, sg: SampledGraph) -> None:
+        self.traces += 1
+        self.by_signature[key] = self.latest = sg
+        while len(self.by_signature) > MAX_SIGNATURES:
+            self.by_signature.popitem(last=False)

@@ -1,0 +1,176 @@
+"""Steps: the nodes of a generated stochastic graph that run fxstab's own code.
+
+While the stochastic rules are traced (``make_fx`` over the rules, :mod:`fxstab.passes.sample`),
+everything they compute with torch operators becomes aten nodes; what must run as Python at
+every call (rounding and recording the statistics, the GEMM surrogate, operators that run once
+per sample with the deterministic pass's random numbers) goes through :func:`emit`: one
+``fxstab_step::step`` node per call site, opaque to the tracer. After tracing,
+:class:`LowerSteps` turns each into a direct call of its Python function (no dispatcher on the
+way), named after what it does, so the generated code reads
+``round_fc1_linear_0 = fxstab_round_fc1_linear_0([addmm])``.
+
+A step is ``fn(tensors: list) -> list[Tensor]``; the tensors it receives are the values at run
+time. It must not hold tensors of the call that traced it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from typing import Callable
+
+import torch
+import torch.fx
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+__all__ = ["Step", "emit", "is_step", "LowerSteps", "EliminateDeadCode", "DropDetach", "tracing",
+           "registered"]
+
+
+
+def _library() -> tuple:
+    """The step operator's library: one namespace per copy of the package imported (a
+    benchmark may import a reference copy beside this one, and reload it)."""
+    base = __name__.split(".")[0] + "_step"
+    for i in itertools.count():
+        namespace = base if i == 0 else f"{base}{i}"
+        try:
+            lib = torch.library.Library(namespace, "DEF")
+        except RuntimeError:  # taken by an earlier copy
+            continue
+        lib.define("step(int key, Tensor?[] xs) -> Tensor[]")
+        return lib, getattr(torch.ops, namespace).step
+
+
+_LIB, _STEP_OP = _library()
+_REGISTRY: dict[int, "Step"] = {}
+_KEYS = itertools.count()
+_ACTIVE: list = []  # the open tracing() blocks
+
+
+class Step:
+    """A Python function that a generated graph calls as one node."""
+
+    def __init__(self, what: str, label: str, fn: Callable[[list], list]) -> None:
+        self.fn = fn
+        self.what = what  # round, perturb, per_sample, random, dropout
+        name = re.sub(r"\W+", "_", f"{what}_{label}").strip("_").lower() or what
+        self.__name__ = self.__qualname__ = name[:80]
+        self.__module__ = "fxstab"
+
+    def __call__(self, xs: list) -> list:
+        return self.fn(xs)
+
+    def __repr__(self) -> str:  # pragma: no cover
+        return f"Step({self.__name__})"
+
+
+_FAILED: set = set()  # steps that raised while traced: a rule caught it and did otherwise
+
+
+def _run_step(key: int, xs: list) -> list:
+    try:
+        return _REGISTRY[key].fn(list(xs))
+    except Exception:
+        _FAILED.add(key)
+        raise
+
+
+_LIB.impl("step", _run_step, "CompositeExplicitAutograd")
+
+
+class tracing:
+    """Inside the block, :func:`emit` records steps as graph nodes (``make_fx`` is tracing);
+    :class:`LowerSteps` must run inside it too: at its end the registry forgets the block's
+    steps (lowered or dead by then)."""
+
+    def __init__(self) -> None:
+        self.keys: list[int] = []
+
+    def __enter__(self) -> "tracing":
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        _ACTIVE.remove(self)
+        for k in self.keys:  # lowered by now, or dead
+            _FAILED.discard(k)
+            _REGISTRY.pop(k, None)
+
+
+def emit(step: Step, xs: list) -> list:
+    """Run ``step`` on ``xs``: as one node of the graph being traced, or directly."""
+    if not _ACTIVE:
+        return step.fn(xs)
+    key = next(_KEYS)
+    _REGISTRY[key] = step
+    _ACTIVE[-1].keys.append(key)
+    return list(_STEP_OP(key, xs))
+
+
+def is_step(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target is _STEP_OP.default
+
+
+class EliminateDeadCode(PassBase):
+    """Dead-code elimination that keeps the steps (they record) and mutations: what a traced
+    rule computed and then abandoned (a ``vmap`` that failed half-way, then ran per sample)
+    goes."""
+
+    def call(self, gm: torch.fx.GraphModule) -> PassResult:
+        def impure(node: torch.fx.Node) -> bool:
+            if is_step(node):
+                return node.args[0] not in _FAILED
+            return isinstance(node.target, Step) or node.is_impure()
+
+        modified = gm.graph.eliminate_dead_code(is_impure_node=impure)
+        if modified:
+            gm.recompile()
+        return PassResult(gm, modified)
+
+
+class LowerSteps(PassBase):
+    """Each ``fxstab_step::step`` node becomes a direct call of its :class:`Step` (and the
+    registry forgets it): the generated code calls fxstab's functions without the
+    dispatcher."""
+
+    def call(self, gm: torch.fx.GraphModule) -> PassResult:
+        modified = False
+        for node in list(gm.graph.nodes):
+            if not is_step(node):
+                continue
+            key, xs = node.args
+            step = _REGISTRY.pop(key)
+            if node.args[0] in _FAILED and not node.users:
+                gm.graph.erase_node(node)
+                continue
+            with gm.graph.inserting_after(node):
+                new = gm.graph.call_function(step, (xs,))
+            new.meta = dict(node.meta)
+            node.replace_all_uses_with(new)
+            gm.graph.erase_node(node)
+            modified = True
+        if modified:
+            gm.recompile()
+        return PassResult(gm, modified)
+
+
+def registered() -> int:
+    """Steps traced and not lowered yet (0 between traces: nothing leaks)."""
+    return len(_REGISTRY)
+
+
+class DropDetach(PassBase):
+    """``aten.detach`` nodes become their input: the generated graph runs without autograd,
+    where a detach is only a new alias (one per parameter and input, every call)."""
+
+    def call(self, gm: torch.fx.GraphModule) -> PassResult:
+        modified = False
+        for node in list(gm.graph.nodes):
+            if node.op == "call_function" and node.target is torch.ops.aten.detach.default:
+                node.replace_all_uses_with(node.args[0])
+                gm.graph.erase_node(node)
+                modified = True
+        if modified:
+            gm.recompile()
+        return PassResult(gm, modified)

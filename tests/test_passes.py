@@ -1,0 +1,256 @@
+"""The compiled stochastic path (fxstab/passes): each pass alone, then the sampled graph
+against the same rules run untraced, on the test models."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import fxstab
+from fxstab.backend import SampleTracer
+from fxstab.passes import DropDetach, EliminateDeadCode, LowerSteps, Step, emit, is_step, tracing
+from fxstab.passes import steps as steps_mod
+
+from models import (CNN, GPT, GPT2, MLP, DropoutMLP, RecurrentStack, SpectralFilter,
+                    T5RelativeBias)
+
+
+# --------------------------------------------------------------------------- the passes alone
+def _double(xs):
+    return [xs[0] * 2]
+
+
+def test_a_step_is_one_opaque_node_and_lowers_to_a_direct_call():
+    calls = []
+
+    def body(xs):
+        calls.append(len(xs))
+        return [torch.exp(xs[0]) + xs[1]]  # not traced: inside the step
+
+    def fn(x, y):
+        return emit(Step("round", "fc/linear#0", body), [x + 1, y])[0].sum()
+
+    x, y = torch.randn(4), torch.randn(4)
+    with tracing():
+        gm = make_fx(fn)(x, y)
+        targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        assert sum(is_step(n) for n in gm.graph.nodes) == 1
+        assert torch.ops.aten.exp.default not in targets  # the step's insides stay opaque
+        assert LowerSteps()(gm).modified
+    assert steps_mod.registered() == 0  # nothing kept by the registry once lowered
+    step = next(n for n in gm.graph.nodes if isinstance(n.target, Step))
+    assert step.name.startswith("round_fc_linear_0")
+    assert "round_fc_linear_0" in gm.code
+    calls.clear()
+    want = (torch.exp(x + 1) + y).sum()
+    assert torch.equal(gm(x, y), want) and calls == [2]
+
+
+def test_without_tracing_a_step_runs_directly():
+    assert torch.equal(emit(Step("round", "a", _double), [torch.ones(2)])[0], torch.full((2,), 2.))
+
+
+def test_dead_code_goes_and_steps_stay_even_unused():
+    def fn(x):
+        dead = torch.sin(x)  # noqa: F841 - abandoned by a rule
+        emit(Step("round", "kept", _double), [x])  # result unused: it records, so it stays
+        return x + 1
+
+    with tracing():
+        gm = make_fx(fn)(torch.randn(3))
+        assert EliminateDeadCode()(gm).modified
+        kinds = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        assert torch.ops.aten.sin.default not in kinds
+        assert sum(is_step(n) for n in gm.graph.nodes) == 1
+        LowerSteps()(gm)
+
+
+def test_a_step_that_raised_while_traced_is_removed():
+    def failing(xs):
+        raise RuntimeError("no batching rule")
+
+    def fn(x):
+        try:
+            emit(Step("per_sample", "op", failing), [x])
+        except RuntimeError:
+            pass  # the rule does otherwise
+        return emit(Step("round", "op", _double), [x])[0]
+
+    with tracing():
+        gm = make_fx(fn)(torch.randn(3))
+        EliminateDeadCode()(gm)
+        LowerSteps()(gm)
+    names = [n.target.__name__ for n in gm.graph.nodes if isinstance(n.target, Step)]
+    assert names == ["round_op"]
+    assert steps_mod.registered() == 0
+
+
+def test_drop_detach_alone():
+    gm = make_fx(lambda x: x.detach() * 2)(torch.randn(3))
+    assert any(n.target is torch.ops.aten.detach.default for n in gm.graph.nodes)
+    assert DropDetach()(gm).modified
+    assert not any(n.target is torch.ops.aten.detach.default for n in gm.graph.nodes)
+    x = torch.randn(3)
+    assert torch.equal(gm(x), x * 2)
+
+
+# --------------------------------------------------------------------------- the sampled graph
+def _compiled(model, *inputs, calls=3, **options):
+    be = fxstab.backend(**options)
+    f = torch.compile(model, backend=be)
+    outs = []
+    for _ in range(calls):
+        torch.manual_seed(5)
+        outs.append(f(*inputs))
+    return be, outs
+
+
+def _untraced(model, *inputs, calls=3, **options):
+    """The same rules, run without tracing on every call (what the stochastic path was
+    before it was compiled)."""
+    be = fxstab.backend(**options)
+    f = torch.compile(model, backend=be)
+    torch.manual_seed(5)
+    f(*inputs)  # compiles (and traces once: those reports are dropped)
+    be.clear()
+    for g in be.graphs:
+        g.sampled.by_signature.clear()
+
+        def untraced(args, call, states, g=g):
+            tracer = SampleTracer(g, call)
+            out = tracer.run(args)
+            tracer.finish()
+            return out
+
+        g.run_samples = untraced
+    for g in be.graphs:
+        g.info.calls = 0
+    outs = []
+    for _ in range(calls):
+        torch.manual_seed(5)
+        outs.append(f(*inputs))
+    return be, outs
+
+
+def _difference(a, b) -> float:
+    ka, kb = dict(a.operators), dict(b.operators)
+    assert set(ka) == set(kb)
+    worst = 0.0
+    for name, x in ka.items():
+        y = kb[name]
+        assert (x.status, x.surrogate, x.calls) == (y.status, y.surrogate, y.calls), name
+        for f in ("avg_digits", "min_digits", "normwise_digits", "p10_digits", "p50_digits",
+                  "zero_fraction", "non_finite", "underflow"):
+            u, v = getattr(x, f), getattr(y, f)
+            if not (u == v or (math.isnan(u) and math.isnan(v))):
+                worst = max(worst, abs(u - v))
+    return worst
+
+
+CASES = {
+    "mlp": (lambda: MLP(), lambda: (torch.randn(16, 16),), {}),
+    "cnn-train": (lambda: CNN().train(), lambda: (torch.randn(4, 3, 12, 12),), {}),
+    "gpt-train": (lambda: GPT().train(), lambda: (torch.randint(0, 50, (2, 16)),), {}),
+    "gpt2": (lambda: GPT2(layers=1).eval(), lambda: (torch.randint(0, 256, (2, 32)),), {}),
+    "gpt2-fp16-train": (lambda: GPT2(layers=1).train(), lambda: (torch.randint(0, 256, (2, 32)),),
+                        {"format": "fp16"}),
+    "dropout-mlp": (lambda: DropoutMLP().train(), lambda: (torch.randn(64, 16),), {}),
+    "t5-bias": (lambda: T5RelativeBias(), lambda: (torch.randn(2, 16, 8),), {}),
+    "lstm-dropout": (lambda: RecurrentStack(nn.LSTM, dropout=0.3).train(),
+                     lambda: (torch.randn(4, 6, 8),), {}),
+    "complex": (lambda: SpectralFilter(), lambda: (torch.randn(3, 16),), {"select": "*"}),
+    "mlp-fp32-torch": (lambda: MLP(), lambda: (torch.randn(16, 16),),
+                       {"format": "fp32", "kernels": "torch"}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_sampled_graph_gives_the_digit_map_of_the_untraced_rules(case):
+    make_model, make_inputs, options = CASES[case]
+    torch.manual_seed(0)
+    model, inputs = make_model(), make_inputs()
+    be_c, out_c = _compiled(model, *inputs, **options)
+    be_u, out_u = _untraced(model, *inputs, **options)
+    for be in (be_c, be_u):
+        assert not any(g.info.failures for g in be.graphs)
+    assert all(g.sampled.traces == 1 for g in be_c.graphs)  # traced once, replayed twice
+    assert not any(g.info.untraced for g in be_c.graphs)
+    assert _difference(be_c.digit_map(), be_u.digit_map()) == 0.0
+    for a, b in zip(torch.utils._pytree.tree_leaves(out_c), torch.utils._pytree.tree_leaves(out_u)):
+        assert torch.equal(a, b)  # and the deterministic outputs are the model's
+
+
+def test_a_new_signature_is_traced_and_the_old_one_replayed():
+    torch._dynamo.reset()
+    be = fxstab.backend()
+    f = torch.compile(MLP(), backend=be, dynamic=True)  # one graph for every batch size
+    f(torch.randn(8, 16))
+    f(torch.randn(8, 16))
+    assert [g.sampled.traces for g in be.graphs] == [1]
+    f(torch.randn(12, 16))
+    assert [g.sampled.traces for g in be.graphs] == [2]
+    f(torch.randn(8, 16))
+    assert [g.sampled.traces for g in be.graphs] == [2]
+    assert len(be.reports) == 4 * 5
+    assert {r.shape for r in be.reports if r.name == "head/linear#0"} == {(8, 4), (12, 4)}
+
+
+def test_the_generated_graph_can_be_printed():
+    be = fxstab.backend()
+    torch.compile(MLP(), backend=be)(torch.randn(8, 16))
+    sg = be.sampled_graphs()[0]
+    code = sg.code
+    for name in ("round_fc1_linear_0", "perturb_fc1_linear_0", "addmm", "gelu"):
+        assert name in code, code
+    assert "fxstab_step" not in code  # every step lowered to a direct call
+    assert 0 < sg.n_nodes < 80
+
+
+def test_an_untraceable_graph_runs_its_rules_untraced_with_a_warning():
+    class DataDependent(nn.Module):
+        def forward(self, x):
+            return F.gelu(x) * x.abs().max().item()  # a value the trace cannot keep
+
+    torch._dynamo.reset()
+    torch._dynamo.config.capture_scalar_outputs = True
+    try:
+        be = fxstab.backend()
+        f = torch.compile(DataDependent(), backend=be)
+        x = torch.randn(8)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            y = f(x)
+            f(x)
+    finally:
+        torch._dynamo.config.capture_scalar_outputs = False
+        torch._dynamo.reset()
+    assert torch.equal(y, DataDependent()(x))
+    assert any("could not be traced" in str(w.message) for w in caught)
+    assert any(g.info.untraced for g in be.graphs)
+    assert not any(g.info.failures for g in be.graphs)
+    assert {r.kind for r in be.reports} >= {"gelu"} and len(be.reports) >= 4
+
+
+def test_replay_keeps_the_rng_stream_and_dropout_masks():
+    torch.manual_seed(0)
+    m = DropoutMLP().train()
+    x = torch.randn(64, 16)
+    be = fxstab.backend(output="mean")
+    f = torch.compile(m, backend=be)
+    for _ in range(3):  # the first call traces, the others replay
+        torch.manual_seed(7)
+        got = f(x)
+        after = torch.rand(3)
+        torch.manual_seed(7)
+        want = m(x)
+        assert torch.equal(after, torch.rand(3))  # the user's next numbers are unchanged
+        # the samples used the deterministic pass's masks: their mean is that output, within
+        # rounding noise (fresh masks would move it by O(1))
+        assert (got - want).abs().max() < 0.1
+    assert be.graphs[0].sampled.traces == 1
