@@ -103,6 +103,15 @@ _ELEMENTWISE_KINDS = ((FAMILIES["activation"] - {"glu", "prelu"}) | FAMILIES["el
                       | FAMILIES["addsub"] | {"mul", "neg", "abs"})
 
 
+# Views whose samples may have to be copied (reshape): the deterministic pass's strides allowed
+# the view, the samples' need not.
+_RESHAPE_VIEWS = frozenset({"view", "unsafe_view"})
+
+
+def _reshape(x: torch.Tensor, *shape: Any) -> torch.Tensor:
+    return x.reshape(*shape)
+
+
 class Stacked:
     """N samples of one value, stacked on dim 0. A pytree leaf."""
 
@@ -358,6 +367,10 @@ class GraphAnalysis:
         self.plans: list[NodePlan] = []
         self.free_after = self._last_uses(gm.graph)
         self.sampled = SampledGraphs()  # the generated stochastic paths, by signature
+        # what the model runs: the captured graph (backward=True: through AOTAutograd, whose
+        # backward graph fxstab.backward analyses)
+        self.deterministic: Callable = gm
+        self.last_tracer: Optional["SampleTracer"] = None  # of the latest analysed call
         self._plan()
 
     # -- compile time -------------------------------------------------------------------
@@ -378,8 +391,27 @@ class GraphAnalysis:
     def _placeholders(self) -> list:
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
 
+    direction = "forward"  # of this graph's operators (fxstab.backward: "backward")
+
+    def _selected(self, node: torch.fx.Node, kind: str, qn: str) -> bool:
+        """Whether the node is an instrumented operator (rounded and recorded)."""
+        if self._pred is None:
+            self._pred = _selector(self.cfg.select)
+        return (not _metadata(node, kind) and not _identity_dropout(node, kind)
+                and (kind in DROPOUT_KINDS or kind not in RANDOM_KINDS or
+                     self.cfg.select is not None) and self._pred(node, kind, qn))
+
+    def _operator(self, node: torch.fx.Node, kind: str, repeats: dict) -> tuple[str, str, str]:
+        """(stable name, module path, source location) of an instrumented node."""
+        path = module_path(node)
+        src = source_location(node)
+        key = (path, kind, src)
+        rep = repeats.get(key, 0)
+        repeats[key] = rep + 1
+        return self.owner.names.name(path, kind, src, rep), path, src
+
     def _plan(self) -> None:
-        pred = _selector(self.cfg.select)
+        self._pred = None
         repeats: dict[tuple, int] = {}
         frontier: dict[torch.fx.Node, frozenset] = {}
         # the graph the samples run: the captured one, fused operators expanded (the
@@ -397,22 +429,16 @@ class GraphAnalysis:
             if node.op in ("call_function", "call_method", "call_module"):
                 path = module_path(node)
                 self.owner.modules.add(path)
-                qn = qualified_name(path, kind)
                 plan.module_path = path
-                if (not _metadata(node, kind) and not _identity_dropout(node, kind)
-                        and (kind in DROPOUT_KINDS or kind not in RANDOM_KINDS or
-                             self.cfg.select is not None) and pred(node, kind, qn)):
-                    src = source_location(node)
-                    key = (path, kind, src)
-                    rep = repeats.get(key, 0)
-                    repeats[key] = rep + 1
-                    plan.name = self.owner.names.name(path, kind, src, rep)
+                if self._selected(node, kind, qualified_name(path, kind)):
+                    plan.name, path, src = self._operator(node, kind, repeats)
                     plan.module_path = path
                     plan.source = src
                     plan.gemm = is_gemm(kind)
                     plan.inputs = tuple(sorted(ins))
                     plan.report = {"name": plan.name, "kind": kind, "module_path": path,
-                                   "source": src, "inputs": plan.inputs}
+                                   "source": src, "inputs": plan.inputs,
+                                   "direction": self.direction}
                     self.info.instrumented.append((plan.name, kind, node.name))
                     frontier[node] = frozenset({plan.name})
                 else:
@@ -420,6 +446,7 @@ class GraphAnalysis:
             else:
                 frontier[node] = frozenset(ins)
             self.plans.append(plan)
+        self.frontier = frontier
         # placeholders read with .item() (dynamo passes a module's float as a 0-d tensor):
         # their values are part of a trace's signature
         self._item_inputs = [i for i, n in enumerate(self._placeholders())
@@ -449,11 +476,11 @@ class GraphAnalysis:
         call = info.calls
         info.calls += 1
         if call % self.cfg.every != 0 or not self.owner.enabled:
-            return self.gm(*args)
+            return self.deterministic(*args)
         info.analysed_calls += 1
         alloc.tune()  # once per process: see fxstab/alloc.py
         states = _rng_states(args)
-        out = self.gm(*args)
+        out = self.deterministic(*args)
         after = _rng_states(args)
         try:
             _set_rng_states(states)
@@ -468,11 +495,12 @@ class GraphAnalysis:
             sample_out = None
         finally:
             _set_rng_states(after)
-        if self.owner._captures and sample_out is not None:
+        forward = self.direction == "forward"  # a backward graph returns gradients as they are
+        if self.owner._captures and sample_out is not None and forward:
             captured = SampleCapture.as_tensors(out, sample_out, self.cfg.n_samples)
             for cap in self.owner._captures:
                 cap.graphs.append(captured)
-        if self.cfg.output == "mean" and sample_out is not None:
+        if self.cfg.output == "mean" and sample_out is not None and forward:
             return _straight_through_mean(out, sample_out)
         return out
 
@@ -522,11 +550,13 @@ class GraphAnalysis:
                 self.info.coverage = sg.coverage
             out = sg(args, call)
             sg.tracer.finish()
+            self.last_tracer = sg.tracer
             return out
         if key in self.info.untraced:
             tracer = SampleTracer(self, call)
             out = tracer.run(args)
             tracer.finish()
+            self.last_tracer = tracer
             return out
         tracer = SampleTracer(self, call)
         self.info.coverage = {}
@@ -544,6 +574,7 @@ class GraphAnalysis:
         sg.coverage = self.info.coverage
         self.sampled.add(key, sg)
         tracer.finish()
+        self.last_tracer = tracer
         out, sg.first = sg.first, None
         return out
 
@@ -561,11 +592,15 @@ class SampleCapture:
     other leaf as the deterministic value. ``cap.output`` is the last graph's outputs, the one
     tensor itself when there is one: the model's output when it runs as one graph. What a
     decision-level metric needs: whether the N samples' predictions agree with the
-    deterministic one.
+    deterministic one. With ``backward=True``, ``cap.gradients`` maps each parameter to the
+    samples of its gradient (a backward run inside the block).
     """
 
     def __init__(self) -> None:
         self.graphs: list = []
+        # backward=True: parameter name -> the samples [N, *shape] of its gradient in the
+        # latest backward analysed inside the block
+        self.gradients: dict = {}
 
     @property
     def output(self) -> Any:
@@ -741,6 +776,7 @@ class SampleTracer:
                 v = env.pop(dead, None)
                 if isinstance(v, torch.Tensor):  # a freed id may be reused by a data tensor
                     self.weights.discard(id(v))
+        self.preperturbed.clear()  # holds samples of the trace otherwise
         return result
 
     def _run_node(self, plan: NodePlan, env: dict) -> Any:
@@ -753,6 +789,11 @@ class SampleTracer:
         leaves, spec = _flatten(args, kwargs)
         stacked = [i for i, v in enumerate(leaves) if isinstance(v, Stacked)]
         kind = plan.kind
+        if stacked and kind in _RESHAPE_VIEWS and not any(isinstance(v, torch.dtype)
+                                                           for v in leaves):
+            # the samples' memory layout is not the deterministic pass's (a rounded output is
+            # contiguous, a per-sample one stacked): a view of it may need a copy
+            fn = _reshape
 
         if stacked and _is_inplace(node) and isinstance(args[0], torch.Tensor):
             # x += f(samples) into a plain tensor (a T5-style relative bias): the target
@@ -1339,6 +1380,10 @@ class FxstabBackend:
             return compile_aten(self, gm, example_inputs)
         analysis = GraphAnalysis(gm, self, len(self.graphs))
         self.graphs.append(analysis)
+        if self.config.backward:
+            from .backward import through_autograd
+
+            through_autograd(analysis, example_inputs)
         return analysis
 
     # -- reporting ------------------------------------------------------------------------

@@ -37,6 +37,7 @@ class AnalysisConfig:
     data_perturbation_threshold: Optional[float] = None
     saturate: bool = False
     trace_rnn: bool = True
+    backward: bool = False
 
     def __post_init__(self) -> None:
         def choice(name: str, value: Any, options: tuple) -> None:
@@ -47,6 +48,9 @@ class AnalysisConfig:
         choice("output", self.output, OUTPUTS)
         choice("kernels", self.kernels, KERNELS)
         choice("diagnostics", self.diagnostics, DIAGNOSTICS)
+        if not isinstance(self.backward, bool):
+            raise ValueError(f"backward must be True or False (analyse the backward graph too), "
+                             f"got {self.backward!r}")
         object.__setattr__(self, "format", get_format(self.format))
         object.__setattr__(self, "rounding", Rounding.parse(self.rounding))
         n = self.n_samples

@@ -114,10 +114,12 @@ class OperatorDigits(_Metrics):
     p10_digits: float = math.nan
     p50_digits: float = math.nan
     underflow: int = 0
+    direction: str = "forward"  # or "backward": an operator of the backward graph, a gradient
 
     def as_dict(self) -> dict:
         return {
             "name": self.name, "kind": self.kind, "module_path": self.module_path,
+            "direction": self.direction,
             "source": self.source, "shape": list(self.shape), "status": self.status,
             "calls": self.calls, "numel": self.numel, "avg_digits": self.avg_digits,
             "min_digits": self.min_digits, "max_digits": self.max_digits,
@@ -369,6 +371,7 @@ class DigitMap:
             status = max((r.status for r in rs), key=lambda s: _STATUS_SEVERITY.get(s, 4))
             ops.append(OperatorDigits(
                 name=name, kind=first.kind, module_path=first.module_path, source=first.source,
+                direction=getattr(first, "direction", "forward"),
                 shape=tuple(first.shape), status=status, surrogate=any(r.surrogate for r in rs),
                 counters=counters, inputs=tuple(inputs), **_aggregate(rs)))
         known = set(by_name)
@@ -892,6 +895,7 @@ def _validate(doc: Any, source: str) -> DigitMap:
             surrogate=c.get(o, "surrogate", "a boolean", where, False, False),
             status=c.get(o, "status", "a string", where, False, ROUNDED),
             source=c.get(o, "source", "a string", where, False, ""),
+            direction=_direction(c, o, where),
             shape=tuple(shape), counters=counters, inputs=tuple(inputs)))
     for i, op in enumerate(ops):
         for x in op.inputs:
@@ -921,6 +925,13 @@ def _validate(doc: Any, source: str) -> DigitMap:
                 non_finite=c.get(e, "non_finite", "a non-negative integer", w, False, 0),
                 **_extras(c, e, w)))
     return DigitMap(ops, meta, steps)
+
+
+def _direction(c, o: dict, where: str) -> str:
+    d = c.get(o, "direction", "a string", where, False, "forward")
+    if d not in ("forward", "backward"):
+        raise c.fail(f"direction must be 'forward' or 'backward', got {d!r}", where, "direction")
+    return d
 
 
 def _extras(c: "_Checker", o: dict, where: str) -> dict:

@@ -68,6 +68,9 @@ class OpReport:
     counters: dict = field(default_factory=empty_counters)
     inputs: tuple = ()
     call: int = 0
+    # "forward", or "backward": an operator of the backward graph (its name says the forward
+    # operator it belongs to) or a parameter's gradient (kind "param_grad")
+    direction: str = "forward"
 
     @classmethod
     def of(cls, fields: dict) -> "OpReport":

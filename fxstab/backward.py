@@ -1,0 +1,184 @@
+"""Gradient digit maps: the backward graph analysed like the forward one (``backward=True``).
+
+With ``fxstab.backend(..., backward=True)`` each captured graph runs through AOTAutograd
+(:func:`through_autograd`): the forward graph AOTAutograd makes is what the model runs, and its
+backward graph, when autograd first needs it, becomes a :class:`BackwardAnalysis`, the same
+:class:`~fxstab.backend.GraphAnalysis` (the same rules, traced into a sampled graph per
+signature) over the backward's aten operators. On each analysed backward call:
+
+* the backward graph runs as is: the gradients that reach the model are the deterministic
+  ones, bit for bit;
+* beside it, its operators run on N samples, each floating output rounded into the format and
+  measured. The backward graph's inputs (saved activations, incoming gradients) are exact
+  values: what is measured is the error the backward arithmetic itself makes. Exact operators
+  (views, transposes, copies, selections) are not instrumented, as at the arithmetic level.
+
+Names. A backward operator is named after the forward operator it belongs to (AOTAutograd
+keeps the forward node in ``fwd_source_fn_stack``), then ``grad``, then its aten kind and an
+occurrence index within that forward operator: ``fc1/linear#0/grad/mm#1``; its module path is
+the forward operator's. Each trainable parameter's gradient is one more entry,
+``kind="param_grad"``, named ``"<parameter>/grad"`` (``fc1.weight/grad``), measured (not rounded
+again) with the statistics of every entry; its ``underflow`` is that of the operator that
+produced it. Every backward entry has ``direction="backward"``.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from typing import Any, Optional
+
+import torch
+import torch.fx
+from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+
+from .backend import GraphAnalysis, NodePlan, SampleTracer, Stacked
+from .naming import qualified_name, source_location
+from .report import OBSERVED
+
+__all__ = ["through_autograd", "BackwardAnalysis", "parameter_name"]
+
+_PART = re.compile(r"\._(?:modules|parameters|buffers)\['([^']*)'\]")
+
+
+def parameter_name(placeholder: torch.fx.Node) -> Optional[str]:
+    """``fc1.weight`` for the dynamo placeholder of a module parameter (its source
+    ``L['self']._modules['fc1']._parameters['weight']``); None for anything else."""
+    arg = placeholder.meta.get("grapharg")
+    source = getattr(arg, "source", None)
+    text = source.name if isinstance(getattr(source, "name", None), str) else \
+        (source.name() if source is not None and callable(getattr(source, "name", None)) else "")
+    if "._parameters[" not in text:
+        return None
+    return ".".join(_PART.findall(text)) or None
+
+
+def through_autograd(forward: GraphAnalysis, example_inputs: list) -> None:
+    """Make ``forward`` run its graph through AOTAutograd, whose backward graph becomes a
+    :class:`BackwardAnalysis` of the same backend."""
+    owner = forward.owner
+    params = [parameter_name(n) for n in forward.gm.graph.nodes if n.op == "placeholder"]
+
+    def fw_compiler(gm: torch.fx.GraphModule, example: list) -> Any:
+        return make_boxed_func(gm)
+
+    def bw_compiler(gm: torch.fx.GraphModule, example: list) -> Any:
+        analysis = BackwardAnalysis(gm, owner, len(owner.graphs), forward, params)
+        owner.graphs.append(analysis)
+        return make_boxed_func(analysis)
+
+    forward.deterministic = aot_module_simplified(forward.gm, example_inputs,
+                                                  fw_compiler=fw_compiler,
+                                                  bw_compiler=bw_compiler)
+
+
+def _floating(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
+
+
+class BackwardAnalysis(GraphAnalysis):
+    """The backward graph of one captured graph, analysed (see the module docstring)."""
+
+    direction = "backward"
+
+    def __init__(self, gm: torch.fx.GraphModule, owner: Any, index: int,
+                 forward: GraphAnalysis, params: list) -> None:
+        self.forward = forward
+        self.params = params  # per backward output: the parameter whose gradient it is, or None
+        # AOTAutograd names a backward node's forward operator by the first entry of that
+        # operator's source_fn_stack
+        self._forward_ops = {}
+        for p in forward.plans:
+            stack = p.node.meta.get("source_fn_stack") or []
+            if p.node.op in ("call_function", "call_method", "call_module") and stack:
+                self._forward_ops.setdefault(stack[-1][0], p)
+        super().__init__(gm, owner, index)
+
+    # -- compile time -------------------------------------------------------------------
+    def _selected(self, node: torch.fx.Node, kind: str, qn: str) -> bool:
+        from .aten_rules import op_info
+
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            return False
+        info = op_info(node.target)
+        return not (info.exact or info.factory or info.compare) and _floating(
+            node.meta.get("val"))
+
+    def _forward_op(self, node: torch.fx.Node) -> tuple[str, str]:
+        """(name, module path) of the forward operator a backward node belongs to."""
+        stack = node.meta.get("fwd_source_fn_stack") or []
+        plan = self._forward_ops.get(stack[-1][0]) if stack else None
+        if plan is None:  # autograd's own (gradient accumulation of a value used twice)
+            return "", ""
+        return plan.name or qualified_name(plan.module_path, plan.kind), plan.module_path
+
+    def _operator(self, node: torch.fx.Node, kind: str, repeats: dict) -> tuple[str, str, str]:
+        fwd, path = self._forward_op(node)
+        k = repeats.get((fwd, kind), 0)
+        repeats[(fwd, kind)] = k + 1
+        name = f"{fwd}/grad/{kind}#{k}" if fwd else f"grad/{kind}#{k}"
+        return name, path, source_location(node)
+
+    def _underflow(self, node: Any) -> int:
+        """The underflow of the rounded output a backward output is (through getitem and
+        exact views): from the per-output statistics of its producer's step."""
+        from .aten_rules import op_info
+
+        pending = {p.node: stats for p, stats, *_ in getattr(self.last_tracer, "pending", [])}
+        j = 0
+        for _ in range(32):
+            if not isinstance(node, torch.fx.Node):
+                return 0
+            if node in pending:
+                stats = pending[node]
+                v = stats[j] if j < len(stats) else stats[0]
+                return int(float(v[8]))
+            if node.op == "call_function" and node.target is operator.getitem:
+                node, j = node.args[0], int(node.args[1])
+            elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+                    and op_info(node.target).exact and node.args:
+                node = node.args[0]
+            else:
+                return 0
+        return 0
+
+    # -- run time -----------------------------------------------------------------------
+    def run_samples(self, args: tuple, call: int, rng_states: dict) -> Any:
+        out = super().run_samples(args, call, rng_states)
+        self._record_param_grads(out, call)
+        return out
+
+    def _record_param_grads(self, out: Any, call: int) -> None:
+        """One ``param_grad`` entry per parameter gradient among the backward's outputs."""
+        output = next(n for n in self.gm.graph.nodes if n.op == "output")
+        nodes = list(output.args[0])
+        flat = list(out)
+        tracer = SampleTracer(self, call)
+        under: dict = {}
+        for i, name in enumerate(self.params):
+            if name is None or i >= len(flat) or flat[i] is None or \
+                    not isinstance(nodes[i], torch.fx.Node):
+                continue
+            v = flat[i]
+            t = v.t if isinstance(v, Stacked) else v
+            if not _floating(t):
+                continue
+            samples = t if isinstance(v, Stacked) else t.unsqueeze(0).expand(self.cfg.n_samples,
+                                                                             *t.shape)
+            _, vec = tracer._round_stats(samples.contiguous(), False, 0)
+            for cap in self.owner._captures:
+                cap.gradients[name] = samples.detach().clone()
+            inputs = tuple(sorted(self.frontier.get(nodes[i], frozenset())))
+            pname = f"{name}/grad"
+            plan = NodePlan(node=nodes[i], kind="param_grad", name=pname,
+                            module_path=name.rsplit(".", 1)[0] if "." in name else "")
+            plan.report = {"name": pname, "kind": "param_grad",
+                           "module_path": plan.module_path, "source": "", "inputs": inputs,
+                           "direction": "backward"}
+            tracer.pending.append((plan, [vec], False, OBSERVED, tuple(t.shape[1:] if
+                                   isinstance(v, Stacked) else t.shape)))
+            # the underflow is the producing rounding's (this entry is not rounded again)
+            under[pname] = self._underflow(nodes[i])
+        tracer.finish()
+        for r in self.owner.reports[len(self.owner.reports) - len(under):]:
+            r.underflow = under.get(r.name, r.underflow)

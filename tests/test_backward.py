@@ -1,0 +1,157 @@
+"""Gradient digit maps (backward=True, fxstab/backward.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxstab
+from fxstab.digitmap import DigitMap
+from fxstab.digits import cestac_digits
+
+from models import GPT, MLP
+
+
+def _steps(model, x, backend, steps=2):
+    """SGD steps; returns the outputs and the gradients of each step."""
+    f = torch.compile(model, backend=backend) if backend is not None else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outs, grads = [], []
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.manual_seed(11)
+        y = f(x)
+        y.float().pow(2).mean().backward()
+        outs.append(y.detach().clone())
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+    return outs, grads
+
+
+@pytest.mark.parametrize("make,x", [
+    (lambda: MLP(), torch.randn(8, 16)),
+    (lambda: GPT().train(), torch.randint(0, 50, (2, 16))),
+])
+def test_training_is_unchanged_bit_for_bit(make, x):
+    torch.manual_seed(0)
+    a, b = make(), make()
+    b.load_state_dict(a.state_dict())
+    be = fxstab.backend(backward=True)
+    out_a, grads_a = _steps(a, x, be)
+    out_b, grads_b = _steps(b, x, None)
+    for ya, yb in zip(out_a, out_b):
+        assert torch.equal(ya, yb)
+    for ga, gb in zip(grads_a, grads_b):
+        assert all(torch.equal(u, v) for u, v in zip(ga, gb))
+    assert not any(g.info.failures or g.info.untraced for g in be.graphs)
+    backward = [r for r in be.reports if r.direction == "backward"]
+    assert backward and {r.call for r in backward} == {0, 1}
+
+
+def test_backward_operators_are_named_after_their_forward_operator():
+    torch.manual_seed(0)
+    m = MLP()
+    be = fxstab.backend(backward=True)
+    _steps(m, torch.randn(8, 16), be, steps=1)
+    dm = be.digit_map()
+    ops = dm.operators
+    forward = {n for n, o in ops.items() if o.direction == "forward"}
+    assert forward == {"fc1/linear#0", "gelu#0", "fc2/linear#0", "relu#0", "head/linear#0"}
+    for name in ("fc1/linear#0/grad/mm#0", "gelu#0/grad/gelu_backward#0",
+                 "relu#0/grad/threshold_backward#0", "head/linear#0/grad/mm#1",
+                 "head/linear#0/grad/sum#0"):
+        assert ops[name].direction == "backward", name
+    assert ops["fc2/linear#0/grad/mm#0"].module_path == "fc2"
+    # one entry per trainable parameter, measured as its gradient
+    grads = {n: o for n, o in ops.items() if o.kind == "param_grad"}
+    assert set(grads) == {f"{n}/grad" for n, _ in m.named_parameters()}
+    for n, p in m.named_parameters():
+        g = grads[f"{n}/grad"]
+        assert g.numel == p.numel() and g.direction == "backward" and g.status == "observed"
+    # the localization follows the backward graph's edges
+    assert "fc1/linear#0/grad/mm#0" in grads["fc1.weight/grad"].inputs
+    assert "gelu#0/grad/gelu_backward#0" in ops["fc1/linear#0/grad/mm#0"].inputs
+    # and the map keeps the direction through JSON
+    again = DigitMap.from_json(dm.to_json())
+    assert again.operators["fc1.weight/grad"].direction == "backward"
+    assert again.operators["fc1/linear#0"].direction == "forward"
+
+
+def _fp16_first_layer(scale: float):
+    torch.manual_seed(0)
+    model = MLP(64, 128, 8)
+    x = torch.randn(256, 64)
+    target = model(x).detach() + 1e-3 * torch.randn(256, 8)
+    be = fxstab.backend(format="fp16", backward=True)
+    loss = ((torch.compile(model, backend=be)(x) - target) ** 2).mean()
+    (loss * scale).backward()
+    return be.digit_map().operators["fc1.weight/grad"]
+
+
+def test_fp16_gradients_underflow_without_loss_scaling_and_not_with_it():
+    plain = _fp16_first_layer(1.0)
+    scaled = _fp16_first_layer(2.0 ** 12)  # what torch.amp.GradScaler starts with
+    assert plain.underflow >= 0.9 * plain.numel and plain.avg_digits < 0.5
+    assert scaled.underflow <= 0.05 * scaled.numel and scaled.avg_digits > 2.0
+
+
+class LayerNormModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 32)
+        self.ln = nn.LayerNorm(32)
+
+    def forward(self, x):
+        return self.ln(self.fc(x))
+
+
+class SoftmaxAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        a = torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2) / 4.0, dim=-1)
+        return a @ self.v(x)
+
+
+@pytest.mark.parametrize("make,x", [
+    (lambda: MLP(), lambda: torch.randn(32, 16)),
+    (lambda: LayerNormModel(), lambda: torch.randn(32, 16)),
+    (lambda: SoftmaxAttention(), lambda: torch.randn(4, 8, 16)),
+])
+def test_gradient_digits_against_exact_fp64_gradients(make, x):
+    """The digits the samples claim against the digits their mean shares with the fp64
+    gradient: overestimates by a digit or more in at most 2% of the elements."""
+    torch.manual_seed(0)
+    model, inputs = make(), x()
+    exact_model = make().double()
+    exact_model.load_state_dict(model.state_dict())
+    target = torch.randn_like(model(inputs))
+    be = fxstab.backend(format="bf16", backward=True, n_samples=3)
+    f = torch.compile(model, backend=be)
+    with be.capture_samples() as cap:
+        F.mse_loss(f(inputs), target).backward()
+    F.mse_loss(exact_model(inputs.double()), target.double()).backward()
+    exact = dict(exact_model.named_parameters())
+    over = total = 0
+    for name, samples in cap.gradients.items():
+        est = cestac_digits(samples.double(), "bf16")
+        ref = exact[name].grad
+        mean = samples.double().mean(0)
+        keep = ref != 0
+        actual = (-torch.log10((mean - ref).abs() / ref.abs())).clamp(min=0.0)
+        actual = torch.where(torch.isfinite(actual), actual, torch.full_like(actual, 99.0))
+        over += int(((est - actual >= 1.0) & keep).sum())
+        total += int(keep.sum())
+    assert set(cap.gradients) == {n for n, _ in model.named_parameters()}
+    assert total > 0 and over / total <= 0.02, (over, total)
+
+
+def test_backward_option_is_validated():
+    with pytest.raises(ValueError, match="backward must be True or False"):
+        fxstab.backend(backward="yes")
