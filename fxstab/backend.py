@@ -1377,9 +1377,10 @@ class FxstabBackend:
         if self.config.granularity == "aten":
             from .aten_backend import compile_aten  # arithmetic level
 
-            return compile_aten(self, gm, example_inputs)
-        analysis = GraphAnalysis(gm, self, len(self.graphs))
-        self.graphs.append(analysis)
+            analysis = compile_aten(self, gm, example_inputs)
+        else:
+            analysis = GraphAnalysis(gm, self, len(self.graphs))
+            self.graphs.append(analysis)
         if self.config.backward:
             from .backward import through_autograd
 
@@ -1460,14 +1461,39 @@ class FxstabBackend:
             "modules": sorted(self.modules), "coverage": self.coverage().as_dict(),
         }
 
-    def digit_map(self, target: str = ""):
-        """The reports aggregated per operator (a :class:`fxstab.digitmap.DigitMap`)."""
+    def digit_map(self, target: str = "", gather: bool = False):
+        """The reports aggregated per operator (a :class:`fxstab.digitmap.DigitMap`).
+
+        ``gather=True`` (every rank of an initialised ``torch.distributed`` process group must
+        call it): one map of every rank's reports, merged as calls are merged, the same on
+        every rank; ``metadata["world_size"]``, and ``metadata["provenance"]``: per operator,
+        the ranks that reported it and their calls (``{"fc1/linear#0": {"0": 2, "1": 2}}``).
+        """
         from .digitmap import DigitMap
 
         meta = self.metadata()
         if target:
             meta["target"] = target
-        return DigitMap.from_reports(self.reports, metadata=meta)
+        if not gather:
+            return DigitMap.from_reports(self.reports, metadata=meta)
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("digit_map(gather=True) needs an initialised torch.distributed "
+                             "process group (torch.distributed.init_process_group); without "
+                             "one, call digit_map()")
+        world = dist.get_world_size()
+        per_rank: list = [None] * world
+        dist.all_gather_object(per_rank, list(self.reports))
+        provenance: dict = {}
+        calls = 0
+        for rank, reports in enumerate(per_rank):
+            calls += len({(r.phase, r.step, r.call) for r in reports})
+            for r in reports:
+                where = provenance.setdefault(r.name, {})
+                where[str(rank)] = where.get(str(rank), 0) + 1
+        meta.update(world_size=world, provenance=provenance, analysed_calls=calls)
+        return DigitMap.from_reports([r for reports in per_rank for r in reports], metadata=meta)
 
     def table(self, top: Optional[int] = None) -> str:
         return self.digit_map().table(top) if top is not None else self.digit_map().table()

@@ -17,9 +17,9 @@ Names. A backward operator is named after the forward operator it belongs to (AO
 keeps the forward node in ``fwd_source_fn_stack``), then ``grad``, then its aten kind and an
 occurrence index within that forward operator: ``fc1/linear#0/grad/mm#1``; its module path is
 the forward operator's. Each trainable parameter's gradient is one more entry,
-``kind="param_grad"``, named ``"<parameter>/grad"`` (``fc1.weight/grad``), measured (not rounded
-again) with the statistics of every entry; its ``underflow`` is that of the operator that
-produced it. Every backward entry has ``direction="backward"``.
+``kind="param_grad"``, named ``"<parameter>/grad"`` (``fc1.weight/grad``), with the statistics
+of the rounded output it is (the operator that produced it, through views: its ``underflow``
+included), status ``observed``. Every backward entry has ``direction="backward"``.
 """
 
 from __future__ import annotations
@@ -85,13 +85,23 @@ class BackwardAnalysis(GraphAnalysis):
                  forward: GraphAnalysis, params: list) -> None:
         self.forward = forward
         self.params = params  # per backward output: the parameter whose gradient it is, or None
-        # AOTAutograd names a backward node's forward operator by the first entry of that
-        # operator's source_fn_stack
-        self._forward_ops = {}
-        for p in forward.plans:
-            stack = p.node.meta.get("source_fn_stack") or []
-            if p.node.op in ("call_function", "call_method", "call_module") and stack:
-                self._forward_ops.setdefault(stack[-1][0], p)
+        # AOTAutograd names a backward node's forward operator by the last entry of that
+        # operator's source_fn_stack: -> (stable name, module path)
+        self._forward_ops: dict = {}
+        names = getattr(forward, "operators", {})  # the arithmetic level's, by node name
+        plans = {p.node: p for p in forward.plans}
+        for node in forward.sgraph.nodes:
+            stack = node.meta.get("source_fn_stack")
+            if not stack or node.op not in ("call_function", "call_method", "call_module"):
+                continue
+            if node.name in names:
+                name, path, _ = names[node.name]
+            elif node in plans:
+                p = plans[node]
+                name, path = p.name or qualified_name(p.module_path, p.kind), p.module_path
+            else:
+                continue
+            self._forward_ops.setdefault(stack[-1][0], (name, path))
         super().__init__(gm, owner, index)
 
     # -- compile time -------------------------------------------------------------------
@@ -107,10 +117,9 @@ class BackwardAnalysis(GraphAnalysis):
     def _forward_op(self, node: torch.fx.Node) -> tuple[str, str]:
         """(name, module path) of the forward operator a backward node belongs to."""
         stack = node.meta.get("fwd_source_fn_stack") or []
-        plan = self._forward_ops.get(stack[-1][0]) if stack else None
-        if plan is None:  # autograd's own (gradient accumulation of a value used twice)
-            return "", ""
-        return plan.name or qualified_name(plan.module_path, plan.kind), plan.module_path
+        found = self._forward_ops.get(stack[-1][0]) if stack else None
+        # none: autograd's own (the gradient accumulation of a value used twice)
+        return found or ("", "")
 
     def _operator(self, node: torch.fx.Node, kind: str, repeats: dict) -> tuple[str, str, str]:
         fwd, path = self._forward_op(node)
@@ -119,28 +128,27 @@ class BackwardAnalysis(GraphAnalysis):
         name = f"{fwd}/grad/{kind}#{k}" if fwd else f"grad/{kind}#{k}"
         return name, path, source_location(node)
 
-    def _underflow(self, node: Any) -> int:
-        """The underflow of the rounded output a backward output is (through getitem and
-        exact views): from the per-output statistics of its producer's step."""
+    def _producer_stats(self, node: Any) -> Any:
+        """The statistics of the rounded output a backward output is (through getitem and
+        exact views), from its producer's step in this call; None if there is none."""
         from .aten_rules import op_info
 
         pending = {p.node: stats for p, stats, *_ in getattr(self.last_tracer, "pending", [])}
         j = 0
         for _ in range(32):
             if not isinstance(node, torch.fx.Node):
-                return 0
+                return None
             if node in pending:
                 stats = pending[node]
-                v = stats[j] if j < len(stats) else stats[0]
-                return int(float(v[8]))
+                return stats[j] if j < len(stats) else None
             if node.op == "call_function" and node.target is operator.getitem:
                 node, j = node.args[0], int(node.args[1])
             elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
                     and op_info(node.target).exact and node.args:
                 node = node.args[0]
             else:
-                return 0
-        return 0
+                return None
+        return None
 
     # -- run time -----------------------------------------------------------------------
     def run_samples(self, args: tuple, call: int, rng_states: dict) -> Any:
@@ -149,12 +157,13 @@ class BackwardAnalysis(GraphAnalysis):
         return out
 
     def _record_param_grads(self, out: Any, call: int) -> None:
-        """One ``param_grad`` entry per parameter gradient among the backward's outputs."""
+        """One ``param_grad`` entry per parameter gradient among the backward's outputs: the
+        statistics of the rounded output it is (a view of), measured again only where it is
+        none (a gradient no instrumented operator produced)."""
         output = next(n for n in self.gm.graph.nodes if n.op == "output")
         nodes = list(output.args[0])
         flat = list(out)
         tracer = SampleTracer(self, call)
-        under: dict = {}
         for i, name in enumerate(self.params):
             if name is None or i >= len(flat) or flat[i] is None or \
                     not isinstance(nodes[i], torch.fx.Node):
@@ -165,20 +174,17 @@ class BackwardAnalysis(GraphAnalysis):
                 continue
             samples = t if isinstance(v, Stacked) else t.unsqueeze(0).expand(self.cfg.n_samples,
                                                                              *t.shape)
-            _, vec = tracer._round_stats(samples.contiguous(), False, 0)
             for cap in self.owner._captures:
                 cap.gradients[name] = samples.detach().clone()
-            inputs = tuple(sorted(self.frontier.get(nodes[i], frozenset())))
+            vec = self._producer_stats(nodes[i])
+            if vec is None:
+                _, vec = tracer._round_stats(samples.contiguous(), False, 0)
             pname = f"{name}/grad"
             plan = NodePlan(node=nodes[i], kind="param_grad", name=pname,
                             module_path=name.rsplit(".", 1)[0] if "." in name else "")
             plan.report = {"name": pname, "kind": "param_grad",
-                           "module_path": plan.module_path, "source": "", "inputs": inputs,
+                           "module_path": plan.module_path, "source": "",
+                           "inputs": tuple(sorted(self.frontier.get(nodes[i], frozenset()))),
                            "direction": "backward"}
-            tracer.pending.append((plan, [vec], False, OBSERVED, tuple(t.shape[1:] if
-                                   isinstance(v, Stacked) else t.shape)))
-            # the underflow is the producing rounding's (this entry is not rounded again)
-            under[pname] = self._underflow(nodes[i])
+            tracer.pending.append((plan, [vec], False, OBSERVED, tuple(samples.shape[1:])))
         tracer.finish()
-        for r in self.owner.reports[len(self.owner.reports) - len(under):]:
-            r.underflow = under.get(r.name, r.underflow)

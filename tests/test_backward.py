@@ -155,3 +155,18 @@ def test_gradient_digits_against_exact_fp64_gradients(make, x):
 def test_backward_option_is_validated():
     with pytest.raises(ValueError, match="backward must be True or False"):
         fxstab.backend(backward="yes")
+
+
+def test_arithmetic_level_backward_is_analysed_with_the_same_names():
+    torch.manual_seed(0)
+    a, b = MLP(), MLP()
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(8, 16)
+    be = fxstab.backend(granularity="aten", backward=True)
+    out_a, grads_a = _steps(a, x, be, steps=1)
+    out_b, grads_b = _steps(b, x, None, steps=1)
+    assert torch.equal(out_a[0], out_b[0])
+    assert all(torch.equal(u, v) for u, v in zip(grads_a[0], grads_b[0]))
+    ops = be.digit_map().operators
+    assert {"fc1.weight/grad", "fc1/linear#0/grad/mm#0", "gelu#0/grad/gelu_backward#0"} <= set(ops)
+    assert all(o.direction == "backward" for n, o in ops.items() if "/grad" in n)
