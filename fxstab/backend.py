@@ -139,6 +139,7 @@ class NodePlan:
     # whose surrogate then runs in this output's rounding pass (native.round_perturb)
     fuse: Optional[tuple["NodePlan", int]] = None
     report: dict = field(default_factory=dict)  # the fields of its reports fixed at compile time
+    format: Any = None  # format="auto": the format its output rounds into (its dtype's)
 
 
 @dataclass
@@ -401,6 +402,23 @@ class GraphAnalysis:
                 and (kind in DROPOUT_KINDS or kind not in RANDOM_KINDS or
                      self.cfg.select is not None) and self._pred(node, kind, qn))
 
+    def _format_of(self, node: torch.fx.Node) -> Any:
+        """The format an instrumented node's output rounds into: the configured one, or with
+        ``format="auto"`` its floating dtype in the program (dynamo's example value, the
+        lowered graph's value)."""
+        if not self.cfg.auto_format:
+            return self.cfg.format
+        from .formats import get_format
+
+        value = node.meta.get("example_value", node.meta.get("val"))
+        for leaf in pytree.tree_leaves(value):
+            if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+                try:
+                    return get_format(leaf.dtype)
+                except ValueError:
+                    break
+        return self.cfg.format
+
     def _operator(self, node: torch.fx.Node, kind: str, repeats: dict) -> tuple[str, str, str]:
         """(stable name, module path, source location) of an instrumented node."""
         path = module_path(node)
@@ -436,9 +454,10 @@ class GraphAnalysis:
                     plan.source = src
                     plan.gemm = is_gemm(kind)
                     plan.inputs = tuple(sorted(ins))
+                    plan.format = self._format_of(node)
                     plan.report = {"name": plan.name, "kind": kind, "module_path": path,
                                    "source": src, "inputs": plan.inputs,
-                                   "direction": self.direction}
+                                   "direction": self.direction, "format": plan.format.name}
                     self.info.instrumented.append((plan.name, kind, node.name))
                     frontier[node] = frozenset({plan.name})
                 else:
@@ -484,7 +503,9 @@ class GraphAnalysis:
         after = _rng_states(args)
         try:
             _set_rng_states(states)
-            with torch.no_grad():
+            # the samples run in the working dtype, rounded into the format: an autocast around
+            # the call would cast them to its own dtype (round to nearest) first
+            with torch.no_grad(), _autocast_off():
                 sample_out = self.run_samples(args, call, states)
         except Exception as exc:  # the user's model never crashes because of fxstab
             info.failures.append(f"{type(exc).__name__}: {exc}")
@@ -640,6 +661,18 @@ def _straight_through_mean(det: Any, samples: Any) -> Any:
         else:
             out.append(d)
     return pytree.tree_unflatten(out, spec)
+
+
+@contextlib.contextmanager
+def _autocast_off() -> Iterator[None]:
+    if not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for device in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
 
 
 def _rng_states(args: tuple) -> dict:
@@ -1052,9 +1085,15 @@ class SampleTracer:
             new[i] = Stacked(steps.emit(step, [x])[0])
         return new
 
+    def _eta(self, plan: NodePlan) -> float:
+        """The surrogate's threshold for a GEMM: the configured one, else (format="auto") the
+        unit roundoff of the format the GEMM rounds into."""
+        eta = self.cfg.data_perturbation_threshold
+        return eta if eta is not None else (plan.format or self.fmt).unit_roundoff
+
     def _perturb_step(self, plan: NodePlan, purpose: int, stacked: bool, xs: list) -> list:
         x = xs[0]
-        eta = self.cfg.data_perturbation_threshold
+        eta = self._eta(plan)
         seed = self._seed(plan, purpose)
         if self.a.owner.uses_native(x):  # a plain operand is read N times, never copied
             out, count = native.perturb(x, eta, seed, n_samples=None if stacked else self.n)
@@ -1099,7 +1138,8 @@ class SampleTracer:
             if native_ok and not fused and samples[0].numel():
                 # the kernel's settings bound once: a call sets the seed and runs it
                 prepared = native.Prepared(native.rounder(
-                    self.fmt, cfg.rounding if status != UNLIFTED else None, samples.dtype,
+                    plan.format or self.fmt, cfg.rounding if status != UNLIFTED else None,
+                    samples.dtype,
                     self.n, saturate=cfg.saturate, confidence=cfg.confidence,
                     zero_threshold=cfg.zero_threshold), own)
             todo.append((j, stacked, own, t.is_complex(), fused, prepared))
@@ -1131,13 +1171,14 @@ class SampleTracer:
                 # real and imaginary parts round (and are measured) as two real values each
                 parts, vec = self._round_stats(torch.view_as_real(samples.resolve_conj()
                                                                   .contiguous()),
-                                               status != UNLIFTED, self._seed(plan, j), False)
+                                               status != UNLIFTED, self._seed(plan, j), False,
+                                               plan.format)
                 outs.append(torch.view_as_complex(parts))
             elif fused:
                 user, leaf = plan.fuse
                 samples, vec, count = native.round_perturb(
-                    samples, self.fmt, cfg.rounding, self._seed(plan, j),
-                    cfg.data_perturbation_threshold, self._seed(user, 1000 + leaf),
+                    samples, plan.format or self.fmt, cfg.rounding, self._seed(plan, j),
+                    self._eta(user), self._seed(user, 1000 + leaf),
                     saturate=cfg.saturate, confidence=cfg.confidence,
                     zero_threshold=cfg.zero_threshold, in_place=own, as_list=True)
                 if count:
@@ -1145,14 +1186,14 @@ class SampleTracer:
                 outs.append(samples)
             else:
                 samples, vec = self._round_stats(samples, status != UNLIFTED,
-                                                 self._seed(plan, j), own)
+                                                 self._seed(plan, j), own, plan.format)
                 outs.append(samples)
             stats.append(vec)
         self.pending.append((plan, stats, self.fired.pop(plan.index, False), status, shape))
         return outs
 
     def _round_stats(self, samples: torch.Tensor, rounded: bool, seed: int,
-                     in_place: bool = False):
+                     in_place: bool = False, fmt: Any = None):
         """Round (unless ``rounded`` is False) and measure one output's samples.
 
         Returns the samples and [sum of digits, min, max, zeros, non-finite, numel] (a list
@@ -1163,31 +1204,32 @@ class SampleTracer:
         the plain-torch path computes the same bits.
         """
         cfg = self.cfg
+        fmt = fmt or self.fmt
         n = samples.shape[0]
-        cap = digits_cap(self.fmt, samples.dtype)
+        cap = digits_cap(fmt, samples.dtype)
         numel = samples[0].numel()
         if numel == 0:
             return samples, empty_stats(cap)
         if self.a.owner.uses_native(samples):
-            out, vec, _ = native.round_stats(samples, self.fmt, cfg.rounding if rounded else None,
+            out, vec, _ = native.round_stats(samples, fmt, cfg.rounding if rounded else None,
                                              seed, saturate=cfg.saturate,
                                              confidence=cfg.confidence,
                                              zero_threshold=cfg.zero_threshold,
                                              in_place=in_place, as_list=True)
             return out, vec
         t = student_t(n, cfg.confidence)
-        under = underflow_count(samples, self.fmt) if rounded else 0
+        under = underflow_count(samples, fmt) if rounded else 0
         if rounded and self.a.owner.uses_triton(samples):
             from .kernels.dispatch import round_and_stats
 
-            out, st = round_and_stats(samples, self.fmt, cfg.rounding, seed,
+            out, st = round_and_stats(samples, fmt, cfg.rounding, seed,
                                       saturate=cfg.saturate, confidence=cfg.confidence,
                                       zero_threshold=cfg.zero_threshold, kernels=cfg.kernels)
             # the extras (norms, underflow, quantiles) with torch operations on the device
             return out, [st.avg * numel, st.min, st.max, st.zero_fraction * numel,
                          float(st.non_finite), float(numel)] + extra_stats(out, t, cap, under)
         if rounded:
-            samples = round_samples(samples, self.fmt, cfg.rounding, seed=seed,
+            samples = round_samples(samples, fmt, cfg.rounding, seed=seed,
                                     saturate=cfg.saturate)
         return samples, stats_vector(samples, t, cap, cfg.zero_threshold, under)
 
@@ -1210,7 +1252,7 @@ class SampleTracer:
         i = 0
         n = self.n
         t = student_t(n, self.cfg.confidence)
-        cap = digits_cap(self.fmt, self.wdtype)
+        caps: dict = {}  # format -> digit cap (format="auto": one per operator's format)
         common = {"phase": owner._phase, "step": owner._step, "format": self.fmt.name,
                   "n_samples": n, "call": self.call}
         append = owner.reports.append
@@ -1219,6 +1261,10 @@ class SampleTracer:
             v = rows[i][:] if k == 1 else merge_stats([r[:] for r in rows[i:i + k]])
             i += k
             total, mn, mx, zeros, nf, numel, msq, vsq, under, p10, p50 = v
+            fmt = plan.format or self.fmt
+            cap = caps.get(fmt)
+            if cap is None:
+                cap = caps[fmt] = digits_cap(fmt, self.wdtype)
             if numel == 0:
                 fields = {"avg_digits": cap, "min_digits": cap, "max_digits": cap, "numel": 0,
                           "zero_fraction": 0.0, "non_finite": 0, "normwise_digits": cap,
@@ -1455,7 +1501,8 @@ class FxstabBackend:
     def metadata(self) -> dict:
         c = self.config
         return {
-            "format": c.format.name, "n_samples": c.n_samples, "seed": c.seed,
+            "format": "auto" if c.auto_format else c.format.name, "n_samples": c.n_samples,
+            "seed": c.seed,
             "granularity": c.granularity, "confidence": c.confidence,
             "rounding": c.rounding.value, "output": c.output, "every": c.every,
             "modules": sorted(self.modules), "coverage": self.coverage().as_dict(),

@@ -178,13 +178,15 @@ class BackwardAnalysis(GraphAnalysis):
                 cap.gradients[name] = samples.detach().clone()
             vec = self._producer_stats(nodes[i])
             if vec is None:
-                _, vec = tracer._round_stats(samples.contiguous(), False, 0)
+                _, vec = tracer._round_stats(samples.contiguous(), False, 0, False,
+                                             self._format_of(nodes[i]))
             pname = f"{name}/grad"
             plan = NodePlan(node=nodes[i], kind="param_grad", name=pname,
-                            module_path=name.rsplit(".", 1)[0] if "." in name else "")
+                            module_path=name.rsplit(".", 1)[0] if "." in name else "",
+                            format=self._format_of(nodes[i]))
             plan.report = {"name": pname, "kind": "param_grad",
                            "module_path": plan.module_path, "source": "",
                            "inputs": tuple(sorted(self.frontier.get(nodes[i], frozenset()))),
-                           "direction": "backward"}
+                           "direction": "backward", "format": plan.format.name}
             tracer.pending.append((plan, [vec], False, OBSERVED, tuple(samples.shape[1:])))
         tracer.finish()

@@ -45,6 +45,8 @@ def _format_arg(text: str) -> Any:
     """A --format value: a format name, or ``E,M`` (exponent and significand bits)."""
     from .formats import get_format
 
+    if text.strip().lower() == "auto":  # each operator in its dtype in the program
+        return "auto"
     parts = text.replace(" ", "").split(",")
     fmt: Any = text
     if len(parts) == 2 and all(p.isdigit() for p in parts):
@@ -137,7 +139,8 @@ def _cmd_record(args: argparse.Namespace) -> int:
         for step in range(args.calls):
             with be.phase(args.phase, step=step):
                 compiled(*inputs)
-    meta = {"target": args.target, "format": fxstab.get_format(fmt).name,
+    meta = {"target": args.target, "format": "auto" if fmt == "auto" else
+            fxstab.get_format(fmt).name,
             "n_samples": args.n_samples,
             "seed": args.seed, "granularity": args.granularity,
             "confidence": args.confidence, "rounding": args.rounding}
@@ -300,8 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--granularity", default="op", choices=("op", "aten"),
                    help="operator level or aten arithmetic level (default op)")
     p.add_argument("--format", default="bf16",
-                   help="simulated format: bf16, fp16, fp8_e4m3, tf32, ..., or E,M bit counts "
-                        "such as 5,2 (default bf16)")
+                   help="simulated format: bf16, fp16, fp8_e4m3, tf32, ..., E,M bit counts "
+                        "such as 5,2, or auto (each operator in its dtype in the program; "
+                        "operator level) (default bf16)")
     p.add_argument("--n-samples", type=int, default=3, help="stochastic samples N (default 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of rounding and model (default 0)")
     p.add_argument("--confidence", type=float, default=0.95,

@@ -51,7 +51,15 @@ class AnalysisConfig:
         if not isinstance(self.backward, bool):
             raise ValueError(f"backward must be True or False (analyse the backward graph too), "
                              f"got {self.backward!r}")
-        object.__setattr__(self, "format", get_format(self.format))
+        # format="auto": each operator rounds into the dtype its output has in the program
+        # (fxstab/backend.py); fp32 is the widest a model computes in, so the working dtype
+        # is fp64 and the surrogate's threshold each GEMM's own format's unit roundoff
+        auto = isinstance(self.format, str) and self.format.strip().lower() == "auto"
+        object.__setattr__(self, "auto_format", auto)
+        object.__setattr__(self, "format", get_format("fp32" if auto else self.format))
+        if self.auto_format and self.granularity != "op":
+            raise ValueError("format='auto' is supported at granularity='op' (the arithmetic "
+                             "level rounds every primitive into one format)")
         object.__setattr__(self, "rounding", Rounding.parse(self.rounding))
         n = self.n_samples
         if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= 64:
@@ -71,7 +79,9 @@ class AnalysisConfig:
             raise ValueError(f"zero_threshold must be >= 0, got {self.zero_threshold!r}")
         eta = self.data_perturbation_threshold
         if eta is None:
-            object.__setattr__(self, "data_perturbation_threshold", self.format.unit_roundoff)
+            if not auto:
+                object.__setattr__(self, "data_perturbation_threshold",
+                                   self.format.unit_roundoff)
         elif not isinstance(eta, (int, float)) or not 0 < eta < 1 or math.log2(eta) != int(math.log2(eta)):
             raise ValueError(f"data_perturbation_threshold must be a power of two in (0, 1) "
                              f"(default: the format's unit roundoff 2**-p), got {eta!r}")

@@ -115,11 +115,12 @@ class OperatorDigits(_Metrics):
     p50_digits: float = math.nan
     underflow: int = 0
     direction: str = "forward"  # or "backward": an operator of the backward graph, a gradient
+    format: str = ""  # the format its output rounded into (format="auto"); "": the map's
 
     def as_dict(self) -> dict:
         return {
             "name": self.name, "kind": self.kind, "module_path": self.module_path,
-            "direction": self.direction,
+            "direction": self.direction, **({"format": self.format} if self.format else {}),
             "source": self.source, "shape": list(self.shape), "status": self.status,
             "calls": self.calls, "numel": self.numel, "avg_digits": self.avg_digits,
             "min_digits": self.min_digits, "max_digits": self.max_digits,
@@ -372,6 +373,7 @@ class DigitMap:
             ops.append(OperatorDigits(
                 name=name, kind=first.kind, module_path=first.module_path, source=first.source,
                 direction=getattr(first, "direction", "forward"),
+                format=first.format if (metadata or {}).get("format") == "auto" else "",
                 shape=tuple(first.shape), status=status, surrogate=any(r.surrogate for r in rs),
                 counters=counters, inputs=tuple(inputs), **_aggregate(rs)))
         known = set(by_name)
@@ -385,9 +387,12 @@ class DigitMap:
                  for (phase, step), per_op in groups.items() for name, rs in per_op.items()]
 
         meta = _default_metadata()
-        fmt = _unique((r.format for r in reports), "format")
-        if fmt is not None:
-            meta["format"] = fmt
+        if (metadata or {}).get("format") == "auto":  # format="auto": each operator its own
+            meta["format"] = "auto"
+        else:
+            fmt = _unique((r.format for r in reports), "format")
+            if fmt is not None:
+                meta["format"] = fmt
         n = _unique((r.n_samples for r in reports), "n_samples")
         if n is not None:
             meta["n_samples"] = int(n)
@@ -413,10 +418,24 @@ class DigitMap:
             return NotImplemented
         return self.to_json() == other.to_json()
 
+    def cap_of(self, op: "OperatorDigits") -> float:
+        """The digit cap of one operator's format (format="auto": its own; else the map's)."""
+        if op.format:
+            try:
+                from .formats import get_format
+
+                return get_format(op.format).digit_cap
+            except ValueError:
+                pass
+        return self.cap
+
     @property
     def cap(self) -> float:
-        """The format's digit cap (p·log10 2); the largest max digits when the format is unknown."""
+        """The format's digit cap (p·log10 2); with format="auto" the largest of the
+        operators'; the largest max digits when the format is unknown."""
         fmt = self.metadata.get("format")
+        if fmt == "auto" and any(op.format for op in self.operators.values()):
+            return max(self.cap_of(op) for op in self.operators.values() if op.format)
         if isinstance(fmt, str) and fmt:
             try:
                 from .formats import get_format
@@ -599,15 +618,17 @@ class DigitMap:
             first (ties: fewer own digits first, then name).
         """
         metric = _check_metric(metric)
-        cap = self.cap
         origins = set(self.nonfinite_sources())
         out = []
         for op in self.operators.values():
             own = _as_digits(op.digits(metric))
+            cap = self.cap_of(op)
             ins = [i for i in op.inputs if i in self.operators]
             if ins:
                 worst = min(ins, key=lambda i: (_as_digits(self.operators[i].digits(metric)), i))
-                ref = _as_digits(self.operators[worst].digits(metric))
+                # no operator keeps more than its format holds (format="auto": an fp32 input
+                # feeding a bf16 operator is the program's own precision drop, not a loss)
+                ref = min(_as_digits(self.operators[worst].digits(metric)), cap)
             else:
                 worst, ref = None, cap
             # an observed operator does no arithmetic: it loses nothing of its own
@@ -896,6 +917,7 @@ def _validate(doc: Any, source: str) -> DigitMap:
             status=c.get(o, "status", "a string", where, False, ROUNDED),
             source=c.get(o, "source", "a string", where, False, ""),
             direction=_direction(c, o, where),
+            format=c.get(o, "format", "a string", where, False, ""),
             shape=tuple(shape), counters=counters, inputs=tuple(inputs)))
     for i, op in enumerate(ops):
         for x in op.inputs:
