@@ -379,10 +379,11 @@ _Static_assert(SB * SB_MAX_N <= MAX_SAMPLES, "a superblock's Philox words fit th
                 s2[el] += r * r;                                                                \
             }                                                                                   \
         }                                                                                       \
-        /* one block: FT sums of <= 128 values in [0, 16] lose nothing that matters */         \
-        FT sum = 0, lo = (FT)p->cap, hi = 0;                                                    \
-        IT zeros = 0, nf = 0;                                                                   \
-        _Pragma("omp simd reduction(+:sum, zeros, nf) reduction(min:lo) reduction(max:hi)")     \
+        /* the digits first, element by element (a loop without reductions or stores under a \
+         * condition vectorises: twice the speed of one loop doing both in fp64), then their   \
+         * sums; one block: FT sums of <= 128 values in [0, 16] lose nothing that matters */   \
+        FT cb[BLK];                                                                             \
+        uint8_t zb[BLK], fb[BLK];                                                               \
         for (int64_t el = 0; el < cnt; el++) {                                                  \
             int finite = !bad[el] & (mn[el] - mn[el] == 0) & (mx[el] - mx[el] == 0);            \
             int identical = !bad[el] & (mn[el] == mx[el]);                                      \
@@ -399,15 +400,23 @@ _Static_assert(SB * SB_MAX_N <= MAX_SAMPLES, "a superblock's Philox words fit th
             c = identical ? cap : c;                                                            \
             c = finite ? c : (FT)0;                                                             \
             int exact_zero = identical & (mx[el] == 0);                                         \
-            int is_zero = finite & !exact_zero & (c < thr);                                     \
-            zeros += is_zero;                                                                   \
-            if (zm) zm[el] = (uint8_t)is_zero;                                                  \
-            nf += !finite;                                                                      \
+            zb[el] = (uint8_t)(finite & !exact_zero & (c < thr));                               \
+            fb[el] = (uint8_t)!finite;                                                          \
+            cb[el] = c;                                                                         \
+        }                                                                                       \
+        FT sum = 0, lo = (FT)p->cap, hi = 0;                                                    \
+        IT zeros = 0, nf = 0;                                                                   \
+        _Pragma("omp simd reduction(+:sum, zeros, nf) reduction(min:lo) reduction(max:hi)")     \
+        for (int64_t el = 0; el < cnt; el++) {                                                  \
+            FT c = cb[el];                                                                      \
+            zeros += zb[el];                                                                    \
+            nf += fb[el];                                                                       \
             sum += c;                                                                           \
             lo = c < lo ? c : lo;                                                               \
             hi = c > hi ? c : hi;                                                               \
-            if (dig) dig[el] = c;                                                               \
         }                                                                                       \
+        if (zm) memcpy(zm, zb, (size_t)cnt);                                                    \
+        if (dig) memcpy(dig, cb, (size_t)cnt * sizeof(FT));                                     \
         *s_sum += (double)sum; *s_zero += (double)zeros; *s_nf += (double)nf;                   \
         *s_min = (double)lo < *s_min ? (double)lo : *s_min;                                     \
         *s_max = (double)hi > *s_max ? (double)hi : *s_max;                                     \
