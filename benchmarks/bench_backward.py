@@ -28,14 +28,14 @@ sys.path.insert(0, str(ROOT / "tests"))
 MODELS = ("mlp", "gpt2")
 
 
-def make(name: str):
+def make(name: str, batch: int = 64):
     from models import GPT2
 
     torch.manual_seed(0)
     if name == "mlp":
         m = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(),
                           nn.Linear(512, 10))
-        x = torch.randn(64, 256)
+        x = torch.randn(batch, 256)
         return m, x, lambda y: y.pow(2).mean()
     if name == "gpt2":
         m = GPT2(vocab=256, d=64, heads=4, layers=2, ctx=64)
@@ -53,6 +53,9 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--format", default="bf16")
+    ap.add_argument("--mlp-batch", type=int, default=64,
+                    help="the MLP's batch: its weight gradients are 512/batch times its "
+                         "activations, and the rounding work follows the elements")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "results"))
@@ -61,7 +64,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     rows = []
     for name in args.models.split(","):
-        model, x, loss_fn = make(name)
+        model, x, loss_fn = make(name, args.mlp_batch)
         model.train()
         arms = {}
         for key, backward in (("fwd", False), ("both", True)):
