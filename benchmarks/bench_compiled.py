@@ -15,7 +15,6 @@ few calls, same seed). The per-node row is a long chain of tiny elementwise oper
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import tempfile
 import time
@@ -34,8 +33,6 @@ from benchmarks.bench_overhead import LayerNormSoftmax, timed_interleaved  # noq
 
 INTERPRETER = "fe9f1ae"  # the last revision whose stochastic path was an interpreter
 MODELS = ("mlp", "gpt", "gpt2", "chain", "lnsoftmax", "lnsoftmax-fp32")
-FIELDS = ("avg_digits", "min_digits", "max_digits", "normwise_digits", "p10_digits",
-          "p50_digits", "zero_fraction", "non_finite", "underflow")
 
 
 class Chain(nn.Module):
@@ -79,26 +76,6 @@ def make(name: str, quick: bool):
     raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
 
 
-def digit_map_difference(a, b) -> float:
-    """Largest difference of any statistic between two digit maps (inf: not the same
-    operators, statuses or surrogate flags)."""
-    ka = {o["name"]: o for o in a.as_dict()["operators"]}
-    kb = {o["name"]: o for o in b.as_dict()["operators"]}
-    if set(ka) != set(kb):
-        return math.inf
-    worst = 0.0
-    for name, x in ka.items():
-        y = kb[name]
-        if any(x.get(f) != y.get(f) for f in ("status", "surrogate", "calls")):
-            return math.inf
-        for f in FIELDS:
-            u, v = x.get(f), y.get(f)
-            if u is None or v is None or u == v or (u != u and v != v):
-                continue
-            worst = max(worst, abs(u - v))
-    return worst
-
-
 def main(argv=None) -> int:
     import fxstab
     from benchmarks.common import save_json
@@ -133,7 +110,7 @@ def main(argv=None) -> int:
                     for _ in range(3):
                         f(*x)
                 maps.append(be.digit_map())
-            diff = digit_map_difference(*maps)
+            diff = maps[1].difference(maps[0])
             for threads in [int(t) for t in args.threads.split(",")]:
                 torch.set_num_threads(threads)
                 torch._dynamo.reset()

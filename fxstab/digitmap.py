@@ -418,6 +418,27 @@ class DigitMap:
             return NotImplemented
         return self.to_json() == other.to_json()
 
+    _COMPARED_STATS = ("avg_digits", "min_digits", "max_digits", "normwise_digits",
+                       "p10_digits", "p50_digits", "zero_fraction", "non_finite", "underflow")
+
+    def difference(self, other: "DigitMap") -> float:
+        """The largest difference of any statistic of any operator between two maps of the
+        same program (two mechanisms, two revisions): 0 when they agree bit for bit, inf when
+        their operators, statuses, surrogate flags or call counts differ. NaN equals NaN."""
+        if set(self.operators) != set(other.operators):
+            return math.inf
+        worst = 0.0
+        for name, x in self.operators.items():
+            y = other.operators[name]
+            if (x.status, x.surrogate, x.calls) != (y.status, y.surrogate, y.calls):
+                return math.inf
+            for f in self._COMPARED_STATS:
+                u, v = getattr(x, f), getattr(y, f)
+                if u == v or (u != u and v != v):
+                    continue
+                worst = max(worst, abs(u - v))
+        return worst
+
     def cap_of(self, op: "OperatorDigits") -> float:
         """The digit cap of one operator's format (format="auto": its own; else the map's)."""
         if op.format:

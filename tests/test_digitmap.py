@@ -470,3 +470,17 @@ def test_diff_names_where_the_lost_digits_start():
     assert "Digits are lost first at `cancel/linear#0`" in r.to_markdown()
     assert json.loads(r.to_json())["origins"][0]["worst_input"] == "l1/linear#0"
     assert diff(base, base).origins == []
+
+
+def test_difference_of_two_maps():
+    from fxstab.report import OpReport
+
+    def dm(avg, status="rounded"):
+        r = OpReport(name="a/linear#0", kind="linear", module_path="a", format="bf16",
+                     n_samples=3, avg_digits=avg, min_digits=0.5, max_digits=2.0, numel=4,
+                     normwise_digits=float("nan"), status=status)
+        return DigitMap.from_reports([r])
+
+    assert dm(1.5).difference(dm(1.5)) == 0.0  # NaN normwise digits on both sides agree
+    assert dm(1.5).difference(dm(1.25)) == 0.25
+    assert dm(1.5).difference(dm(1.5, status="per_sample")) == float("inf")
