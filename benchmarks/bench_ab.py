@@ -77,6 +77,22 @@ def load_ref(package_dir: Path):
     return module
 
 
+def compiled_pair(ref, new, model, x: tuple, opts: dict) -> tuple:
+    """Two fresh compilations of ``model``, one per fxstab package (``ref``, ``new``), as two
+    callables doing one analysed call each and dropping its reports (every call the same
+    work); and their backends."""
+    torch._dynamo.reset()
+    be_ref, be_new = ref.backend(**opts), new.backend(**opts)
+    f_ref = torch.compile(model, backend=be_ref)
+    f_new = torch.compile(model, backend=be_new)
+
+    def call(f, be):
+        f(*x)
+        be.reports.clear()
+
+    return (lambda: call(f_ref, be_ref)), (lambda: call(f_new, be_new)), be_ref, be_new
+
+
 def main(argv=None) -> int:
     import fxstab
     from benchmarks.common import save_json
@@ -112,18 +128,8 @@ def main(argv=None) -> int:
         for name in args.models.split(","):
             model, x = make(name, args.quick)
             with torch.no_grad():
-                torch._dynamo.reset()
-                be_ref, be_new = ref.backend(**opts), fxstab.backend(**opts)
-                f_ref = torch.compile(model, backend=be_ref)
-                f_new = torch.compile(model, backend=be_new)
-
-                def call(f, be):
-                    f(*x)
-                    be.reports.clear()  # the same work every call: reports do not pile up
-
-                t_ref, t_new = timed_interleaved([lambda: call(f_ref, be_ref),
-                                                  lambda: call(f_new, be_new)], args.repeats,
-                                                 clock)
+                call_ref, call_new, be_ref, be_new = compiled_pair(ref, fxstab, model, x, opts)
+                t_ref, t_new = timed_interleaved([call_ref, call_new], args.repeats, clock)
                 for be in (be_ref, be_new):
                     if any(info.failures for info in be.infos):
                         raise RuntimeError(f"{name}: the stochastic path failed: "

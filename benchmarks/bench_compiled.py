@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from benchmarks.bench_ab import extract_ref, load_ref  # noqa: E402
+from benchmarks.bench_ab import compiled_pair, extract_ref, load_ref  # noqa: E402
 from benchmarks.bench_overhead import LayerNormSoftmax, timed_interleaved  # noqa: E402
 
 INTERPRETER = "fe9f1ae"  # the last revision whose stochastic path was an interpreter
@@ -113,19 +113,10 @@ def main(argv=None) -> int:
             diff = maps[1].difference(maps[0])
             for threads in [int(t) for t in args.threads.split(",")]:
                 torch.set_num_threads(threads)
-                torch._dynamo.reset()
-                be_ref, be_new = ref.backend(**opts), fxstab.backend(**opts)
-                f_ref = torch.compile(model, backend=be_ref)
-                f_new = torch.compile(model, backend=be_new)
-
-                def call(f, be):
-                    f(*x)
-                    be.reports.clear()
-
+                call_ref, call_new, _, be_new = compiled_pair(ref, fxstab, model, x, opts)
                 with torch.no_grad():
                     t_eager, t_ref, t_new = timed_interleaved(
-                        [lambda: model(*x), lambda: call(f_ref, be_ref),
-                         lambda: call(f_new, be_new)], args.repeats, time.perf_counter)
+                        [lambda: model(*x), call_ref, call_new], args.repeats, time.perf_counter)
                 nodes = sum(len(g.gm.graph.nodes) for g in be_new.graphs)
                 row = {"model": name, "what": what, "threads": threads,
                        "eager_ms": t_eager * 1e3, "ref_ratio": t_ref / t_eager,
