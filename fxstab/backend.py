@@ -715,6 +715,9 @@ class SampleTracer:
         self.weights: set[int] = set()
         # plan index -> derive_seed(seed, graph, plan): a step's seed is that and (call, purpose)
         self._seeds: dict[int, int] = {}
+        # (plan index, purpose) -> slot of the seeds computed for the whole call at once
+        self._slots: dict[tuple, int] = {}
+        self._call_seeds: Optional[native.CallSeeds] = None
         self.begin(call)
 
     def begin(self, call: int) -> None:
@@ -722,14 +725,28 @@ class SampleTracer:
         self.call = call
         self.pending: list[tuple[NodePlan, list, bool, str, tuple]] = []
         self.fired: dict[int, bool] = {}  # GEMM plan index -> its surrogate perturbed something
+        self._now: Optional[list] = None
+        if self._slots and native.available():  # every step's seed of this call, in one go
+            if self._call_seeds is None or self._call_seeds.n != len(self._slots):
+                keys = list(self._slots)
+                self._call_seeds = native.CallSeeds([self._seeds[i] for i, _ in keys],
+                                                    [q for _, q in keys])
+            self._now = self._call_seeds(call)
 
     # -- helpers --------------------------------------------------------------------------
     def _seed(self, plan: NodePlan, purpose: int) -> int:
-        """``derive_seed(seed, graph, operator, call, purpose)``: the first three salts once."""
+        """``derive_seed(seed, graph, operator, call, purpose)``: the first three salts once,
+        the whole call's at its start once the steps are known."""
+        key = (plan.index, purpose)
+        slot = self._slots.get(key)
+        if slot is not None and self._now is not None:
+            return self._now[slot]
         base = self._seeds.get(plan.index)
         if base is None:
             base = self._seeds[plan.index] = randbits.derive_seed(self.cfg.seed, self.a.index,
                                                                   plan.index)
+        if slot is None:
+            self._slots[key] = len(self._slots)
         return randbits.derive_seed(base, self.call, purpose)
 
     def _to_working(self, t: torch.Tensor) -> torch.Tensor:
@@ -1256,29 +1273,40 @@ class SampleTracer:
         common = {"phase": owner._phase, "step": owner._step, "format": self.fmt.name,
                   "n_samples": n, "call": self.call}
         append = owner.reports.append
+        new = object.__new__
         for plan, stats, fired, status, shape in self.pending:
             k = len(stats)
-            v = rows[i][:] if k == 1 else merge_stats([r[:] for r in rows[i:i + k]])
+            v = rows[i] if k == 1 else merge_stats([r[:] for r in rows[i:i + k]])
             i += k
             total, mn, mx, zeros, nf, numel, msq, vsq, under, p10, p50 = v
             fmt = plan.format or self.fmt
             cap = caps.get(fmt)
             if cap is None:
                 cap = caps[fmt] = digits_cap(fmt, self.wdtype)
+            rep = new(OpReport)  # OpReport.of without the intermediate dicts: every field
+            d = rep.__dict__
+            d.update(common)
+            d.update(plan.report)
             if numel == 0:
-                fields = {"avg_digits": cap, "min_digits": cap, "max_digits": cap, "numel": 0,
-                          "zero_fraction": 0.0, "non_finite": 0, "normwise_digits": cap,
-                          "p10_digits": cap, "p50_digits": cap, "underflow": 0}
+                d.update(avg_digits=cap, min_digits=cap, max_digits=cap, numel=0,
+                         zero_fraction=0.0, non_finite=0, normwise_digits=cap, p10_digits=cap,
+                         p50_digits=cap, underflow=0)
             else:
-                fields = {"avg_digits": total / numel, "min_digits": mn, "max_digits": mx,
-                          "numel": int(numel), "zero_fraction": zeros / numel,
-                          "non_finite": int(nf),
-                          "normwise_digits": normwise_digits(msq, vsq, nf, n, t, cap),
-                          "p10_digits": p10, "p50_digits": p50, "underflow": int(under)}
-            fields.update(common)
-            fields.update(plan.report, surrogate=fired, status=status, shape=shape,
-                          counters=empty_counters())
-            append(OpReport.of(fields))
+                d["avg_digits"] = total / numel
+                d["min_digits"] = mn
+                d["max_digits"] = mx
+                d["numel"] = int(numel)
+                d["zero_fraction"] = zeros / numel
+                d["non_finite"] = int(nf)
+                d["normwise_digits"] = normwise_digits(msq, vsq, nf, n, t, cap)
+                d["p10_digits"] = p10
+                d["p50_digits"] = p50
+                d["underflow"] = int(under)
+            d["surrogate"] = fired
+            d["status"] = status
+            d["shape"] = shape
+            d["counters"] = empty_counters()
+            append(rep)
 
 
 class _FlatSpec:

@@ -37,7 +37,8 @@ from .formats import Format
 from .rounding import Rounding, _WORKING, _float_bits
 
 __all__ = ["available", "supports", "round_stats", "round_perturb", "perturb", "library_path",
-           "Rounder", "rounder", "lookup_bf16", "LOOKUP_OPS", "derive_seeds"]
+           "Rounder", "rounder", "lookup_bf16", "LOOKUP_OPS", "derive_seeds", "CallSeeds",
+           "Prepared"]
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.c"
 # -march=native: the element loops vectorise (variable shifts need AVX2 on x86); the cache key
@@ -139,6 +140,8 @@ def _lib() -> Optional[ctypes.CDLL]:
         fn.restype = None
     lib.fxstab_derive_seeds.argtypes = [u64, p, i64, u64, p, p]
     lib.fxstab_derive_seeds.restype = None
+    lib.fxstab_call_seeds.argtypes = [p, p, i64, u64, p]
+    lib.fxstab_call_seeds.restype = None
     lib.fxstab_lookup_bf16.argtypes = [p, p, i64, p, i64]
     lib.fxstab_lookup_bf16.restype = i64
     for name in ("fxstab_perturb_f32", "fxstab_perturb_f64"):
@@ -160,6 +163,23 @@ def derive_seeds(seed: int, salts: list, then: int) -> Optional[tuple[list, list
     lib.fxstab_derive_seeds(seed & _M64, arr(*[s & _M64 for s in salts]), n, then & _M64,
                             seeds, after)
     return list(seeds), list(after)
+
+
+class CallSeeds:
+    """``derive_seed(base, call, purpose)`` of a fixed list of (base, purpose) pairs, for any
+    ``call``, in one C call (the steps of a generated stochastic graph: one seed each per
+    analysed call)."""
+
+    def __init__(self, bases: list, purposes: list) -> None:
+        arr = ctypes.c_uint64 * len(bases)
+        self.n = len(bases)
+        self._bases = arr(*[b & _M64 for b in bases])
+        self._purposes = arr(*[q & _M64 for q in purposes])
+        self._out = arr()
+
+    def __call__(self, call: int) -> list:
+        _lib().fxstab_call_seeds(self._bases, self._purposes, self.n, call & _M64, self._out)
+        return self._out[:]
 
 
 def available() -> bool:

@@ -475,3 +475,13 @@ def test_underflow_norms_and_quantiles_match_the_reference(dtype, fmt, in_place)
     # (the reference: fp64 deviations) wherever the kernel measured a group in vectors
     assert st[6] == pytest.approx(want[6], rel=1e-12) and st[7] == pytest.approx(want[7], rel=1e-6)
     assert st[9:] == want[9:]
+
+
+def test_call_seeds_are_derive_seed_of_each_pair():
+    from fxstab.randbits import derive_seed
+
+    bases = [0, 1, 2**63 + 5, 2**64 - 1, 12345678901234567]
+    purposes = [0, 1000, 3, 2**40, 7]
+    seeds = native.CallSeeds(bases, purposes)
+    for call in (0, 1, 17, 2**33):
+        assert seeds(call) == [derive_seed(b, call, q) for b, q in zip(bases, purposes)]
