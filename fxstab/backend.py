@@ -478,14 +478,18 @@ class GraphAnalysis:
         the rounding (the samples in cache), with the seed the GEMM would have used."""
         by_node = {plan.node: plan for plan in self.plans}
         for plan in self.plans:
-            users = list(plan.node.users)
+            read, users = plan.node, list(plan.node.users)
+            # through identity dropouts (eval), which pass the samples on as they are
+            while len(users) == 1 and _identity_dropout(users[0], node_kind(users[0])) and \
+                    users[0].args and users[0].args[0] is read:
+                read, users = users[0], list(users[0].users)
             if plan.name is None or plan.gemm or len(users) != 1:
                 continue
             user = by_node.get(users[0])
             if user is None or user.name is None or not user.gemm:
                 continue
             leaves = pytree.tree_flatten((user.node.args, user.node.kwargs))[0]
-            where = [i for i, v in enumerate(leaves) if v is plan.node]
+            where = [i for i, v in enumerate(leaves) if v is read]
             if len(where) == 1:
                 plan.fuse = (user, where[0])
 
