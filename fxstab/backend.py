@@ -1166,8 +1166,13 @@ class SampleTracer:
             todo.append((j, stacked, own, t.is_complex(), fused, prepared))
         if not todo:
             return out, False
-        step = steps.Step("round", plan.name, functools.partial(
-            self._round_step, plan, tuple(todo), status, shape))
+        general = functools.partial(self._round_step, plan, tuple(todo), status, shape)
+        j, stacked, _own, _cplx, _fused, prepared = todo[0]
+        if len(todo) == 1 and stacked and prepared is not None:
+            step = steps.Step("round", plan.name, self._one_output_step(
+                plan, j, prepared, status, shape, general), direct=True)
+        else:
+            step = steps.Step("round", plan.name, general)
         rounded = steps.emit(step, [flat[j].t if s else flat[j] for j, s, *_ in todo])
         new = list(flat)
         for (j, *_rest, fused, _prepared), r in zip(todo, rounded):
@@ -1175,6 +1180,26 @@ class SampleTracer:
             if fused:
                 self.preperturbed[fuse[0].index] = new[j]
         return (new[0] if single else pytree.tree_unflatten(new, spec)), True
+
+    def _one_output_step(self, plan: NodePlan, j: int, prepared: "native.Prepared",
+                         status: str, shape: tuple, general: Callable) -> Callable:
+        """The round step of the usual operator (one stacked output, the prepared CPU kernel):
+        :meth:`_round_step` without its loop (a node of a long graph of small tensors spends
+        most of its time in such Python)."""
+        key = (plan.index, j)
+        index = plan.index
+
+        def step(xs: list) -> list:
+            now = self._now
+            seed = now[self._slots[key]] if now is not None else self._seed(plan, j)
+            out = prepared(xs[0], seed)
+            if out is None:  # a layout the kernel does not read
+                return general(xs)
+            self.pending.append((plan, [prepared.stats], self.fired.pop(index, False), status,
+                                 shape))
+            return [out]
+
+        return step
 
     def _round_step(self, plan: NodePlan, todo: tuple, status: str, shape: tuple,
                     xs: list) -> list:

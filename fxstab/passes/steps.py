@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import itertools
 import re
+import types
 from typing import Callable
 
 import torch
 import torch.fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-__all__ = ["Step", "emit", "is_step", "LowerSteps", "EliminateDeadCode", "DropDetach", "tracing",
+__all__ = ["Step", "emit", "is_step", "lowered", "LowerSteps", "EliminateDeadCode", "DropDetach", "tracing",
            "registered"]
 
 
@@ -51,8 +52,10 @@ _ACTIVE: list = []  # the open tracing() blocks
 class Step:
     """A Python function that a generated graph calls as one node."""
 
-    def __init__(self, what: str, label: str, fn: Callable[[list], list]) -> None:
+    def __init__(self, what: str, label: str, fn: Callable[[list], list],
+                 direct: bool = False) -> None:
         self.fn = fn
+        self.direct = direct  # fn is this step's own function: the lowered node may call it
         self.what = what  # round, perturb, per_sample, random, dropout
         name = re.sub(r"\W+", "_", f"{what}_{label}").strip("_").lower() or what
         self.__name__ = self.__qualname__ = name[:80]
@@ -60,6 +63,26 @@ class Step:
 
     def __call__(self, xs: list) -> list:
         return self.fn(xs)
+
+    def target(self) -> Callable[[list], list]:
+        """What the lowered node calls: with ``direct``, the step's own function (renamed after
+        the step: one call less per node), else this step; :func:`lowered` finds the step
+        either way."""
+        if self.direct and isinstance(self.fn, types.FunctionType):
+            self.fn.__name__ = self.fn.__qualname__ = self.__name__
+            self.fn.__module__ = self.__module__
+            self.fn._fxstab_step = self
+            return self.fn
+        return self
+
+
+def lowered(node: torch.fx.Node) -> "Step | None":
+    """The step a lowered node calls, if it calls one."""
+    if node.op != "call_function":
+        return None
+    if isinstance(node.target, Step):
+        return node.target
+    return getattr(node.target, "_fxstab_step", None)
 
     def __repr__(self) -> str:  # pragma: no cover
         return f"Step({self.__name__})"
@@ -121,7 +144,7 @@ class EliminateDeadCode(PassBase):
         def impure(node: torch.fx.Node) -> bool:
             if is_step(node):
                 return node.args[0] not in _FAILED
-            return isinstance(node.target, Step) or node.is_impure()
+            return lowered(node) is not None or node.is_impure()
 
         modified = gm.graph.eliminate_dead_code(is_impure_node=impure)
         if modified:
@@ -145,7 +168,7 @@ class LowerSteps(PassBase):
                 gm.graph.erase_node(node)
                 continue
             with gm.graph.inserting_after(node):
-                new = gm.graph.call_function(step, (xs,))
+                new = gm.graph.call_function(step.target(), (xs,))
             new.meta = dict(node.meta)
             node.replace_all_uses_with(new)
             gm.graph.erase_node(node)
