@@ -85,6 +85,7 @@ class BackwardAnalysis(GraphAnalysis):
                  forward: GraphAnalysis, params: list) -> None:
         self.forward = forward
         self.params = params  # per backward output: the parameter whose gradient it is, or None
+        self._grads: Optional[list] = None  # the parameter gradients among the outputs
         # AOTAutograd names a backward node's forward operator by the last entry of that
         # operator's source_fn_stack: -> (stable name, module path)
         self._forward_ops: dict = {}
@@ -128,19 +129,18 @@ class BackwardAnalysis(GraphAnalysis):
         name = f"{fwd}/grad/{kind}#{k}" if fwd else f"grad/{kind}#{k}"
         return name, path, source_location(node)
 
-    def _producer_stats(self, node: Any) -> Any:
-        """The statistics of the rounded output a backward output is (through getitem and
-        exact views), from its producer's step in this call; None if there is none."""
+    def _producer(self, node: Any) -> Optional[tuple]:
+        """(instrumented node, output index) whose rounded output a backward output is,
+        through getitem and exact views; None if there is none. Decided once per graph."""
         from .aten_rules import op_info
 
-        pending = {p.node: stats for p, stats, *_ in getattr(self.last_tracer, "pending", [])}
+        instrumented = {p.node for p in self.plans if p.name is not None}
         j = 0
         for _ in range(32):
             if not isinstance(node, torch.fx.Node):
                 return None
-            if node in pending:
-                stats = pending[node]
-                return stats[j] if j < len(stats) else None
+            if node in instrumented:
+                return node, j
             if node.op == "call_function" and node.target is operator.getitem:
                 node, j = node.args[0], int(node.args[1])
             elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
@@ -160,15 +160,18 @@ class BackwardAnalysis(GraphAnalysis):
         """One ``param_grad`` entry per parameter gradient among the backward's outputs: the
         statistics of the rounded output it is (a view of), measured again only where it is
         none (a gradient no instrumented operator produced)."""
-        output = next(n for n in self.gm.graph.nodes if n.op == "output")
-        nodes = list(output.args[0])
+        if self._grads is None:  # (output index, parameter, output node, producer), once
+            output = next(n for n in self.gm.graph.nodes if n.op == "output")
+            nodes = list(output.args[0])
+            self._grads = [(i, name, nodes[i], self._producer(nodes[i]))
+                           for i, name in enumerate(self.params)
+                           if name is not None and i < len(nodes)
+                           and isinstance(nodes[i], torch.fx.Node)]
         flat = list(out)
+        pending = {p.node: stats for p, stats, *_ in getattr(self.last_tracer, "pending", [])}
         tracer = SampleTracer(self, call)
-        for i, name in enumerate(self.params):
-            if name is None or i >= len(flat) or flat[i] is None or \
-                    not isinstance(nodes[i], torch.fx.Node):
-                continue
-            v = flat[i]
+        for i, name, node, source in self._grads:
+            v = flat[i] if i < len(flat) else None
             t = v.t if isinstance(v, Stacked) else v
             if not _floating(t):
                 continue
@@ -176,17 +179,18 @@ class BackwardAnalysis(GraphAnalysis):
                                                                              *t.shape)
             for cap in self.owner._captures:
                 cap.gradients[name] = samples.detach().clone()
-            vec = self._producer_stats(nodes[i])
+            stats = pending.get(source[0]) if source is not None else None
+            vec = stats[source[1]] if stats is not None and source[1] < len(stats) else None
             if vec is None:
                 _, vec = tracer._round_stats(samples.contiguous(), False, 0, False,
-                                             self._format_of(nodes[i]))
+                                             self._format_of(node))
             pname = f"{name}/grad"
-            plan = NodePlan(node=nodes[i], kind="param_grad", name=pname,
+            plan = NodePlan(node=node, kind="param_grad", name=pname,
                             module_path=name.rsplit(".", 1)[0] if "." in name else "",
-                            format=self._format_of(nodes[i]))
+                            format=self._format_of(node))
             plan.report = {"name": pname, "kind": "param_grad",
                            "module_path": plan.module_path, "source": "",
-                           "inputs": tuple(sorted(self.frontier.get(nodes[i], frozenset()))),
+                           "inputs": tuple(sorted(self.frontier.get(node, frozenset()))),
                            "direction": "backward", "format": plan.format.name}
             tracer.pending.append((plan, [vec], False, OBSERVED, tuple(samples.shape[1:])))
         tracer.finish()
