@@ -146,17 +146,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = p.parse_args(argv)
     st = xc.study_settings(a, quick_settings, Settings)
     names = xc.choose(p, a.activations, ACTIVATIONS, "activation")
-    formats = xc.format_list(a.format)
-    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     t0 = time.time()
-    xtr, ytr, xte, yte, per_epoch = xc.fmnist_study_data(st, a.data)
-    bar = Progress(len(formats) * len(names) * st.epochs * per_epoch, "activations")
-    rows = [run_one(n, f, a.level, st, (xtr, ytr, xte, yte), a.seed, bar)
-            for f in formats for n in names]
-    print(table(rows))
-    bad = checks(rows) if set(names) == set(ACTIVATIONS) else \
-        [b for b in checks(rows) if "missing" not in b]
-    print("\ncriteria: " + ("all hold" if not bad else "FAILED\n  " + "\n  ".join(bad)))
+
+    def criteria(rows):
+        return checks(rows) if set(names) == set(ACTIVATIONS) else \
+            [b for b in checks(rows) if "missing" not in b]
+
+    rows, formats, bad = xc.fmnist_study(a, st, names, "activations", run_one, table, criteria)
     out = Path(a.out)
     path = save_json(out / "activations.json", {
         "experiment": "exp_activations", "quick": a.quick, "seconds": time.time() - t0,

@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import ROOT  # noqa: E402
+from benchmarks.common import ROOT, Progress  # noqa: E402
 
 import fxstab  # noqa: E402
 from fxstab import digitmap as _digitmap  # noqa: E402
@@ -418,6 +418,23 @@ def fmnist_study_data(st: Any, data: Any) -> tuple:
     if st.max_steps is not None:
         per_epoch = min(st.max_steps, per_epoch)
     return xtr, ytr, xte, yte, per_epoch
+
+
+def fmnist_study(args: Any, st: Any, names: Sequence[str], label: str, run_one: Callable,
+                 table: Callable, checks: Callable) -> tuple[list, list, list]:
+    """Run a Fashion-MNIST study (``run_one(name, format, level, settings, data, seed, bar)``
+    for every format of ``--format`` and every name), print its table and criteria; returns
+    (rows, formats, criteria failures)."""
+    formats = format_list(args.format)
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    xtr, ytr, xte, yte, per_epoch = fmnist_study_data(st, args.data)
+    bar = Progress(len(formats) * len(names) * st.epochs * per_epoch, label)
+    rows = [run_one(n, f, args.level, st, (xtr, ytr, xte, yte), args.seed, bar)
+            for f in formats for n in names]
+    print(table(rows))
+    bad = checks(rows)
+    print("\ncriteria: " + ("all hold" if not bad else "FAILED\n  " + "\n  ".join(bad)))
+    return rows, formats, bad
 
 
 def format_list(text: str) -> list[str]:

@@ -123,16 +123,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = p.parse_args(argv)
     st = xc.study_settings(a, quick_settings, Settings)
     norms = xc.choose(p, a.norms, NORMS, "norm")
-    formats = xc.format_list(a.format)
-    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     t0 = time.time()
-    xtr, ytr, xte, yte, per_epoch = xc.fmnist_study_data(st, a.data)
-    bar = Progress(len(formats) * len(norms) * st.epochs * per_epoch, "normalization")
-    rows = [run_one(n, f, a.level, st, (xtr, ytr, xte, yte), a.seed, bar)
-            for f in formats for n in norms]
-    print(table(rows))
-    bad = checks(rows)
-    print("\ncriteria: " + ("all hold" if not bad else "FAILED\n  " + "\n  ".join(bad)))
+    rows, formats, bad = xc.fmnist_study(a, st, norms, "normalization", run_one, table, checks)
     out = Path(a.out)
     path = save_json(out / "normalization.json", {
         "experiment": "exp_normalization", "quick": a.quick, "seconds": time.time() - t0,
