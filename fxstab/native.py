@@ -142,6 +142,10 @@ def _lib() -> Optional[ctypes.CDLL]:
     lib.fxstab_derive_seeds.restype = None
     lib.fxstab_call_seeds.argtypes = [p, p, i64, u64, p]
     lib.fxstab_call_seeds.restype = None
+    lib.fxstab_prepare_params.argtypes = [ctypes.POINTER(_Params), i64]
+    lib.fxstab_prepare_params.restype = None
+    lib.fxstab_round_stats_prepared.argtypes = None  # a byref(_PreparedCall), as it is
+    lib.fxstab_round_stats_prepared.restype = None
     lib.fxstab_lookup_bf16.argtypes = [p, p, i64, p, i64]
     lib.fxstab_lookup_bf16.restype = i64
     for name in ("fxstab_perturb_f32", "fxstab_perturb_f64"):
@@ -402,37 +406,53 @@ class Rounder:
         return stats, digits, zeros
 
 
+class _PreparedCall(ctypes.Structure):
+    """cpu_kernels.c ``prepared_t``: one :class:`Prepared` call's arguments."""
+
+    _fields_ = [("x", ctypes.c_void_p), ("xs", ctypes.c_int64), ("out", ctypes.c_void_p),
+                ("n", ctypes.c_int64), ("numel", ctypes.c_int64), ("f64", ctypes.c_int64),
+                ("p", ctypes.POINTER(_Params)), ("stats", ctypes.POINTER(ctypes.c_double))]
+
+
 class Prepared:
     """A :class:`Rounder` bound to one output of a generated stochastic graph: its parameters
-    and its statistics buffer are allocated once, so a call sets the seed, allocates the
-    rounded samples (unless ``in_place``) and makes the C call. ``stats`` holds the latest
+    (with the constants the kernel derives from them), its statistics buffer and the call's
+    argument struct are set up once, so a call sets the seed, allocates the rounded samples
+    (unless ``in_place``) and makes one C call with one argument. ``stats`` holds the latest
     call's statistics (read them before the next call). Returns None for a layout the kernel
     does not read (the caller takes the general path)."""
 
-    __slots__ = ("_fn", "_p", "_pref", "stats", "n", "rounds", "in_place")
+    __slots__ = ("_fn", "_p", "_c", "_cref", "stats", "n", "rounds", "in_place")
 
     def __init__(self, r: Rounder, in_place: bool) -> None:
-        self._fn, self.n, self.rounds, self.in_place = r._fn, r.n, r.mode is not None, in_place
+        lib = _lib()
+        self.n, self.rounds, self.in_place = r.n, r.mode is not None, in_place
         self._p = _Params.from_buffer_copy(r._base)
-        self._pref = ctypes.byref(self._p)
+        lib.fxstab_prepare_params(ctypes.byref(self._p), r.n)
         self.stats = _Stats()
+        self._c = _PreparedCall(n=r.n, f64=int(r.dtype == torch.float64),
+                                p=ctypes.pointer(self._p),
+                                stats=ctypes.cast(self.stats, ctypes.POINTER(ctypes.c_double)))
+        self._cref = ctypes.byref(self._c)
+        self._fn = lib.fxstab_round_stats_prepared
 
     def __call__(self, x: torch.Tensor, seed: int) -> Optional[torch.Tensor]:
-        n = self.n
+        c = self._c
         if x.is_contiguous():
-            xs = numel = x.numel() // n
+            c.xs = c.numel = x.numel() // self.n
             out = x if self.in_place or not self.rounds else torch.empty_like(x)
         elif x.stride(0) == 0 and x[0].is_contiguous():  # identical samples: read N times
             out = torch.empty(x.shape, dtype=x.dtype) if self.rounds else x
             x = x[0]
-            xs, numel = 0, x.numel()
+            c.xs, c.numel = 0, x.numel()
         else:
             return None
         p = self._p
         p.seed = seed & _M64
         p.nthreads = torch.get_num_threads()
-        self._fn(x.data_ptr(), xs, out.data_ptr() if self.rounds else None, n, numel,
-                 self._pref, self.stats, None, None)
+        c.x = x.data_ptr()
+        c.out = out.data_ptr() if self.rounds else None
+        self._fn(self._cref)
         return out
 
 

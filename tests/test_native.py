@@ -132,6 +132,31 @@ def test_statistics_and_digits_match_the_estimator(dtype):
     assert st[4].item() == 2.0  # the NaN and the inf elements
 
 
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_fp64_digits_are_the_same_in_the_vector_lanes_and_the_scalar_tail(n):
+    """fp64 digits run 4 lanes at a time, the last cnt % 4 elements of a group in the scalar
+    block: every element's digits and zero flag must be the same bits wherever it sits, for
+    hard cases too (subnormal and huge means, zero means with spread, NaN, inf, -0)."""
+    g = torch.Generator().manual_seed(n)
+    base = torch.randn(125, generator=g, dtype=torch.float64) * \
+        torch.exp2(torch.randint(-1060, 1000, (125,), generator=g).double())
+    rel = torch.logspace(-17, 1, 125, dtype=torch.float64)
+    x = base * (1 + rel * torch.randn(n, 125, generator=g, dtype=torch.float64))
+    x[:, :8] = x[0, :8]  # identical samples
+    x[:, 8:12] = 0.0
+    x[:, 12:16] = -0.0
+    x[0, 16], x[1, 17] = float("nan"), float("inf")
+    x[:, 18] = torch.linspace(-1e-3, 1e-3, n, dtype=torch.float64)  # zero mean, spread
+    x[:, 19:23] = torch.tensor([5e-324, -1e-310, 2.2250738585072014e-308, 1.7e308])
+    r = native.rounder(get_format("fp32"), None, torch.float64, n)
+    _, _, d, z = r(x.contiguous(), 0, False, True, True)
+    for k in range(1, 4):  # element j at position j + k: three of every four move lane or tail
+        y = torch.cat([x[:, :k] * 0 + 1, x], dim=1).contiguous()  # 125 + k: k = 3 -> no tail
+        _, _, dy, zy = r(y, 0, False, True, True)
+        assert torch.equal(dy[k:].view(torch.int64), d.view(torch.int64)), k
+        assert torch.equal(zy[k:], z), k
+
+
 def test_plain_values_are_read_n_times_not_copied():
     x = torch.randn(300, 7)
     fmt = get_format("bf16")
