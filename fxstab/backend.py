@@ -722,6 +722,8 @@ class SampleTracer:
         # (plan index, purpose) -> slot of the seeds computed for the whole call at once
         self._slots: dict[tuple, int] = {}
         self._call_seeds: Optional[native.CallSeeds] = None
+        # (id of a plan, status, shape) -> what its reports share (finish)
+        self._templates: dict[tuple, tuple] = {}
         self.begin(call)
 
     def begin(self, call: int) -> None:
@@ -1188,6 +1190,7 @@ class SampleTracer:
         most of its time in such Python)."""
         key = (plan.index, j)
         index = plan.index
+        stats = [prepared.stats]  # the same buffer every call: finish reads it first
 
         def step(xs: list) -> list:
             now = self._now
@@ -1195,8 +1198,9 @@ class SampleTracer:
             out = prepared(xs[0], seed)
             if out is None:  # a layout the kernel does not read
                 return general(xs)
-            self.pending.append((plan, [prepared.stats], self.fired.pop(index, False), status,
-                                 shape))
+            # only a GEMM's surrogate fires
+            self.pending.append((plan, stats, self.fired.pop(index, False) if plan.gemm else False,
+                                 status, shape))
             return [out]
 
         return step
@@ -1295,47 +1299,47 @@ class SampleTracer:
                 values = torch.stack([rows[i].cpu() for i in at]).tolist()
             for i, v in zip(at, values):
                 rows[i] = v
-        i = 0
         n = self.n
         t = student_t(n, self.cfg.confidence)
-        caps: dict = {}  # format -> digit cap (format="auto": one per operator's format)
-        common = {"phase": owner._phase, "step": owner._step, "format": self.fmt.name,
-                  "n_samples": n, "call": self.call}
+        phase, step, call = owner._phase, owner._step, self.call
         append = owner.reports.append
         new = object.__new__
+        templates = self._templates
+        i = 0
         for plan, stats, fired, status, shape in self.pending:
             k = len(stats)
             v = rows[i] if k == 1 else merge_stats([r[:] for r in rows[i:i + k]])
             i += k
             total, mn, mx, zeros, nf, numel, msq, vsq, under, p10, p50 = v
-            fmt = plan.format or self.fmt
-            cap = caps.get(fmt)
-            if cap is None:
-                cap = caps[fmt] = digits_cap(fmt, self.wdtype)
+            key = (id(plan), status, shape)  # plans live as long as their tracer
+            tpl = templates.get(key)
+            if tpl is None:
+                tpl = templates[key] = self._template(plan, status, shape)
+            base, cap = tpl
             rep = new(OpReport)  # OpReport.of without the intermediate dicts: every field
-            d = rep.__dict__
-            d.update(common)
-            d.update(plan.report)
             if numel == 0:
-                d.update(avg_digits=cap, min_digits=cap, max_digits=cap, numel=0,
-                         zero_fraction=0.0, non_finite=0, normwise_digits=cap, p10_digits=cap,
-                         p50_digits=cap, underflow=0)
+                rep.__dict__ = {**base, "phase": phase, "step": step, "call": call,
+                                "avg_digits": cap, "min_digits": cap, "max_digits": cap,
+                                "numel": 0, "zero_fraction": 0.0, "non_finite": 0,
+                                "normwise_digits": cap, "p10_digits": cap, "p50_digits": cap,
+                                "underflow": 0, "surrogate": fired,
+                                "counters": empty_counters()}
             else:
-                d["avg_digits"] = total / numel
-                d["min_digits"] = mn
-                d["max_digits"] = mx
-                d["numel"] = int(numel)
-                d["zero_fraction"] = zeros / numel
-                d["non_finite"] = int(nf)
-                d["normwise_digits"] = normwise_digits(msq, vsq, nf, n, t, cap)
-                d["p10_digits"] = p10
-                d["p50_digits"] = p50
-                d["underflow"] = int(under)
-            d["surrogate"] = fired
-            d["status"] = status
-            d["shape"] = shape
-            d["counters"] = empty_counters()
+                rep.__dict__ = {**base, "phase": phase, "step": step, "call": call,
+                                "avg_digits": total / numel, "min_digits": mn,
+                                "max_digits": mx, "numel": int(numel),
+                                "zero_fraction": zeros / numel, "non_finite": int(nf),
+                                "normwise_digits": normwise_digits(msq, vsq, nf, n, t, cap),
+                                "p10_digits": p10, "p50_digits": p50, "underflow": int(under),
+                                "surrogate": fired, "counters": empty_counters()}
             append(rep)
+
+    def _template(self, plan: NodePlan, status: str, shape: tuple) -> tuple:
+        """The fields of ``plan``'s reports that no call changes, and its digit cap."""
+        fmt = plan.format or self.fmt
+        base = {"format": self.fmt.name, "n_samples": self.n, **plan.report, "status": status,
+                "shape": shape}
+        return base, digits_cap(fmt, self.wdtype)
 
 
 class _FlatSpec:
