@@ -8,6 +8,14 @@ two produce the same digit map (the largest difference of any statistic of any o
 few calls, same seed). The per-node row is a long chain of tiny elementwise operators: its
 (analysed - eager) time divided by the number of graph nodes is the overhead per node.
 
+``floor x`` is what the analysed call cannot go below without changing what it computes: the
+deterministic call (1) plus the N samples' own compute, measured in the same run. At the
+operator level that is the checkout's generated graph with every fxstab step (rounding,
+statistics, surrogate) made the identity: the batched operators alone. The arithmetic level
+runs the model's primitives one by one on the samples in the working dtype (fp64 for the fp32
+format) and is not compiled: there the floor is those primitives written as torch calls
+(:func:`lnsoftmax_primitives`), still without any rounding.
+
     python benchmarks/bench_compiled.py                    # the table, results/bench_compiled.json
     python benchmarks/bench_compiled.py --quick --threads 1
 """
@@ -15,6 +23,7 @@ few calls, same seed). The per-node row is a long chain of tiny elementwise oper
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import tempfile
 import time
@@ -46,6 +55,76 @@ class Chain(nn.Module):
         for _ in range(self.length // 3):
             x = torch.tanh(x * 1.01 + 0.1)
         return x
+
+
+def lnsoftmax_primitives(xs: torch.Tensor) -> torch.Tensor:
+    """LayerNorm + softmax over the last dim as the primitives the arithmetic level runs (the
+    lowered graph: two-pass variance, mean, rsqrt, centre and scale, max, exp, sum, divide),
+    on stacked samples."""
+    n = xs.shape[-1]
+    d = xs - xs.sum(-1, keepdim=True).div_(n)
+    var = d.mul_(d).sum(-1, keepdim=True).div_(n)
+    y = (xs - xs.sum(-1, keepdim=True).div_(n)) * (var + 1e-5).rsqrt()
+    e = (y - y.amax(-1, keepdim=True)).exp()
+    return e / e.sum(-1, keepdim=True)
+
+
+def compute_only(call, x: tuple, opts: dict, n: int):
+    """A callable running the samples' compute of an analysed call (``call()``) without
+    fxstab's work (see the module docstring): the sampled graphs ``call`` runs, with their steps
+    made the identity, on the arguments it gives them; or the arithmetic level's primitives."""
+    from fxstab.formats import get_format, working_dtype_for
+    from fxstab.passes import steps
+    from fxstab.passes.sample import SampledGraph
+
+    if opts.get("granularity") == "aten":
+        wd = working_dtype_for(get_format(opts.get("format", "bf16")))
+        xs = x[0].to(wd).unsqueeze(0).expand(n, *x[0].shape).contiguous()
+        return lambda: lnsoftmax_primitives(xs)
+    seen = []
+    run_graph = SampledGraph.__call__
+
+    def spy(sg, args, index):
+        seen.append((sg, args))
+        return run_graph(sg, args, index)
+
+    SampledGraph.__call__ = spy
+    try:
+        call()
+    finally:
+        SampledGraph.__call__ = run_graph
+    runs = []
+    for sg, args in seen:
+        gm = copy.deepcopy(sg.gm)
+        for node in gm.graph.nodes:
+            if steps.lowered(node) is not None:
+                node.target = _identity_step(node.meta.get("val"))
+        gm.recompile()
+        runs.append((gm, [args[i] for i in sg.positions]))
+
+    def run():
+        for gm, inputs in runs:
+            gm(*inputs)
+    return run
+
+
+def _identity_step(vals):
+    """A step that gives its inputs back, laid out as the step's traced outputs (``vals``): a
+    rounding step of a value every sample shares returns its N samples, a surrogate step its
+    operands in the strides the operator reads (then a copy, as the step's own output is)."""
+    layouts = [(tuple(v.shape), v.stride()) if isinstance(v, torch.Tensor) else None
+               for v in vals or ()]
+
+    def identity_step(xs: list) -> list:
+        out = []
+        for t, layout in zip(xs, layouts):
+            if layout is None or (tuple(t.shape), t.stride()) == layout:
+                out.append(t)
+            else:
+                out.append(torch.empty_strided(*layout, dtype=t.dtype).copy_(t))
+        return out
+
+    return identity_step
 
 
 def make(name: str, quick: bool):
@@ -93,7 +172,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     rows = []
     print(f"{'model':<16}{'thr':>4}{'eager ms':>10}{args.ref + ' x':>14}{'checkout x':>12}"
-          f"{'speed-up':>10}{'max|dmap|':>11}  what")
+          f"{'floor x':>9}{'speed-up':>10}{'max|dmap|':>11}  what")
     with tempfile.TemporaryDirectory() as tmp:
         ref = load_ref(extract_ref(args.ref, Path(tmp)))
         for name in args.models.split(","):
@@ -115,12 +194,16 @@ def main(argv=None) -> int:
                 torch.set_num_threads(threads)
                 call_ref, call_new, _, be_new = compiled_pair(ref, fxstab, model, x, opts)
                 with torch.no_grad():
-                    t_eager, t_ref, t_new = timed_interleaved(
-                        [lambda: model(*x), call_ref, call_new], args.repeats, time.perf_counter)
+                    call_new()  # traced: the generated graphs exist
+                    compute = compute_only(call_new, x, opts, args.samples)
+                    t_eager, t_ref, t_new, t_compute = timed_interleaved(
+                        [lambda: model(*x), call_ref, call_new, compute], args.repeats,
+                        time.perf_counter)
                 nodes = sum(len(g.gm.graph.nodes) for g in be_new.graphs)
                 row = {"model": name, "what": what, "threads": threads,
                        "eager_ms": t_eager * 1e3, "ref_ratio": t_ref / t_eager,
                        "new_ratio": t_new / t_eager, "speedup": t_ref / t_new,
+                       "floor_ratio": 1 + t_compute / t_eager,
                        "digit_map_max_difference": diff, "graph_nodes": nodes,
                        "us_per_node_new": (t_new - t_eager) / nodes * 1e6,
                        "us_per_node_ref": (t_ref - t_eager) / nodes * 1e6}
@@ -128,7 +211,8 @@ def main(argv=None) -> int:
                 extra = (f"  ({row['us_per_node_new']:.1f} vs {row['us_per_node_ref']:.1f} "
                          f"us/node, {nodes} nodes)" if name == "chain" else "")
                 print(f"{name:<16}{threads:>4}{row['eager_ms']:>10.3f}{row['ref_ratio']:>14.2f}"
-                      f"{row['new_ratio']:>12.2f}{row['speedup']:>10.2f}{diff:>11.2g}  "
+                      f"{row['new_ratio']:>12.2f}{row['floor_ratio']:>9.2f}"
+                      f"{row['speedup']:>10.2f}{diff:>11.2g}  "
                       f"{what}{extra}", flush=True)
     path = save_json(Path(args.out) / "bench_compiled.json",
                      {"benchmark": "bench_compiled", "ref": args.ref, "n_samples": args.samples,
