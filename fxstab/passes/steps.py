@@ -75,6 +75,9 @@ class Step:
             return self.fn
         return self
 
+    def __repr__(self) -> str:
+        return f"Step({self.__name__})"
+
 
 def lowered(node: torch.fx.Node) -> "Step | None":
     """The step a lowered node calls, if it calls one."""
@@ -83,9 +86,6 @@ def lowered(node: torch.fx.Node) -> "Step | None":
     if isinstance(node.target, Step):
         return node.target
     return getattr(node.target, "_fxstab_step", None)
-
-    def __repr__(self) -> str:  # pragma: no cover
-        return f"Step({self.__name__})"
 
 
 _FAILED: set = set()  # steps that raised while traced: a rule caught it and did otherwise
