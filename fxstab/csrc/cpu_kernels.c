@@ -1207,6 +1207,11 @@ DEFINE_CLOSE_BLOCK(close_block_f64, double)
                             const int *close, int64_t moving) {                                 \
         FT fac[BLK];                                                                            \
         uint32_t rec[BLK / 4];                                                                  \
+        uint32_t w[4][PHILOX_LANES];                                                            \
+        const int nq = (int)((cnt + 15) / 16);                                                  \
+        /* the counters of every sample's records in one Philox run when they fit (8 lanes */  \
+        /* per sample: N <= 16), else one run per sample */                                     \
+        const int64_t per_run = n * nq <= PHILOX_LANES ? n : 1;                                 \
         for (int64_t i = 0; i < n; i++) {                                                       \
             const FT *xi = x + i * xs + e0;                                                     \
             FT *oi = out + i * numel + e0;                                                      \
@@ -1214,18 +1219,21 @@ DEFINE_CLOSE_BLOCK(close_block_f64, double)
                 if (oi != xi) memcpy(oi, xi, (size_t)cnt * sizeof(FT));                         \
                 continue;                                                                       \
             }                                                                                   \
-            uint32_t w[4][PHILOX_LANES];                                                        \
-            int nq = (int)((cnt + 15) / 16);                                                    \
-            for (int q = 0; q < nq; q++) {                                                      \
-                uint64_t gg = (uint64_t)(g * (BLK / 16) + q);                                   \
-                w[0][q] = (uint32_t)gg; w[1][q] = (uint32_t)i;                                  \
-                w[2][q] = (uint32_t)(gg >> 32); w[3][q] = 0;                                    \
+            const int64_t slot = i % per_run; /* sample i's lanes: slot * nq ... */             \
+            if (slot == 0) {                                                                    \
+                int lanes = 0;                                                                  \
+                for (int64_t j = i; j < i + per_run && j < n; j++)                              \
+                    for (int q = 0; q < nq; q++, lanes++) {                                     \
+                        uint64_t gg = (uint64_t)(g * (BLK / 16) + q);                           \
+                        w[0][lanes] = (uint32_t)gg; w[1][lanes] = (uint32_t)j;                  \
+                        w[2][lanes] = (uint32_t)(gg >> 32); w[3][lanes] = 0;                    \
+                    }                                                                           \
+                philox_lanes(seed, w, lanes);                                                   \
             }                                                                                   \
-            philox_lanes(seed, w, nq);                                                          \
             /* element 16 q + b takes byte b of the 16-byte record (w0..w3 of counter q,       \
              * little-endian): stored record after record, the bytes are in element order */   \
             for (int q = 0; q < nq; q++)                                                        \
-                for (int wd = 0; wd < 4; wd++) rec[q * 4 + wd] = w[wd][q];                      \
+                for (int wd = 0; wd < 4; wd++) rec[q * 4 + wd] = w[wd][slot * nq + q];          \
             const uint8_t *rb = (const uint8_t *)rec;                                           \
             for (int64_t el = 0; el < cnt; el++) {                                              \
                 FT r = (FT)(2 * (int)rb[el] + 1) * (FT)(1.0 / 256.0) - (FT)1;                   \
@@ -1491,7 +1499,21 @@ void fxstab_round_stats_prepared(const prepared_t *c) {
         int nt = (int)nthreads;                                                                 \
         const FT eta = (FT)eta_d;                                                               \
         if (numel * n < 32768) nt = 1;                                                          \
-        if (xs != 0) {                                                                          \
+        if (xs != 0 && nt == 1) { /* one thread: the scan stops at the first group that moves */\
+            for (int64_t g = 0; g < groups && !moving; g++) {                                   \
+                FT mean[BLK];                                                                   \
+                int close[BLK];                                                                 \
+                int64_t e0 = g * BLK, cnt = e0 + BLK < numel ? BLK : numel - e0, c, mv;         \
+                CLOSE(x, xs, n, e0, cnt, eta, mean, close, &c, &mv);                            \
+                count += c;                                                                     \
+                moving += mv;                                                                   \
+            }                                                                                   \
+            if (moving == 0) {                                                                  \
+                *moved = 0;                                                                     \
+                return count;                                                                   \
+            }                                                                                   \
+            count = 0;                                                                          \
+        } else if (xs != 0) {                                                                   \
             _Pragma("omp parallel for num_threads(nt) schedule(static) reduction(+:count, moving)") \
             for (int64_t g = 0; g < groups; g++) {                                              \
                 FT mean[BLK];                                                                   \
