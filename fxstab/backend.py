@@ -1316,7 +1316,7 @@ class SampleTracer:
             if tpl is None:
                 tpl = templates[key] = self._template(plan, status, shape)
             base, cap = tpl
-            rep = new(OpReport)  # OpReport.of without the intermediate dicts: every field
+            rep = new(OpReport)  # every field given: no keyword parsing of __init__
             if numel == 0:
                 rep.__dict__ = {**base, "phase": phase, "step": step, "call": call,
                                 "avg_digits": cap, "min_digits": cap, "max_digits": cap,

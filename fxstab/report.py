@@ -72,14 +72,6 @@ class OpReport:
     # operator it belongs to) or a parameter's gradient (kind "param_grad")
     direction: str = "forward"
 
-    @classmethod
-    def of(cls, fields: dict) -> "OpReport":
-        """An OpReport from a dict that holds every field, without the keyword parsing of
-        ``__init__`` (the generated stochastic graph builds one per operator and call)."""
-        rep = object.__new__(cls)
-        rep.__dict__.update(fields)
-        return rep
-
     def as_dict(self) -> dict:
         d = asdict(self)
         d["shape"] = list(self.shape)

@@ -186,6 +186,33 @@ def test_a_new_signature_is_traced_and_the_old_one_replayed():
     assert {r.shape for r in be.reports if r.name == "head/linear#0"} == {(8, 4), (12, 4)}
 
 
+def test_replayed_reports_hold_every_field_and_their_own_call():
+    """Reports of a replayed call are built from per-operator templates: each must still hold
+    every OpReport field, the call's own phase, step and call index, and a counters dict of
+    its own."""
+    import dataclasses
+
+    from fxstab.report import OpReport
+
+    be = fxstab.backend()
+    f = torch.compile(MLP(), backend=be)
+    x = torch.randn(8, 16)
+    f(x)
+    with be.phase("train", step=7):
+        f(x)
+    names = {fl.name for fl in dataclasses.fields(OpReport)}
+    first, second = be.reports[:5], be.reports[5:]
+    assert len(second) == 5
+    for a, b in zip(first, second):
+        assert set(vars(b)) == names and set(vars(a)) == names
+        assert (a.name, a.kind, a.module_path, a.shape, a.format) == \
+            (b.name, b.kind, b.module_path, b.shape, b.format)
+        assert (b.phase, b.step, b.call) == ("train", 7, 1) and a.call == 0
+        assert b.counters == a.counters and b.counters is not a.counters
+        assert b.as_dict()["name"] == b.name
+    assert {r.surrogate for r in second if r.kind == "linear"} == {True}
+
+
 def test_the_generated_graph_can_be_printed():
     be = fxstab.backend()
     torch.compile(MLP(), backend=be)(torch.randn(8, 16))
