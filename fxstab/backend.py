@@ -57,6 +57,7 @@ from .opsets import (
     RNN_KINDS, is_custom, is_gemm, node_kind,
 )
 from .report import PER_SAMPLE, ROUNDED, UNLIFTED, OpReport, empty_counters
+from .flat import flatten_call as _flatten, unflatten_call as _unflatten
 from .rounding import round_samples
 from .surrogate import perturb_samples
 
@@ -1340,33 +1341,6 @@ class SampleTracer:
         base = {"format": self.fmt.name, "n_samples": self.n, **plan.report, "status": status,
                 "shape": shape}
         return base, digits_cap(fmt, self.wdtype)
-
-
-class _FlatSpec:
-    """The structure of (args, kwargs) without containers: the leaves are the positional
-    arguments, then the keyword values (pytree's order). Most nodes look like this, and
-    rebuilding them costs a slice instead of a pytree walk."""
-
-    __slots__ = ("n", "keys")
-
-    def __init__(self, n: int, keys: tuple) -> None:
-        self.n, self.keys = n, keys
-
-
-def _flatten(args: tuple, kwargs: dict) -> tuple[list, Any]:
-    for v in args:
-        if isinstance(v, (list, tuple, dict)):
-            return pytree.tree_flatten((args, kwargs))
-    for v in kwargs.values():
-        if isinstance(v, (list, tuple, dict)):
-            return pytree.tree_flatten((args, kwargs))
-    return [*args, *kwargs.values()], _FlatSpec(len(args), tuple(kwargs))
-
-
-def _unflatten(leaves: list, spec: Any) -> tuple[tuple, dict]:
-    if isinstance(spec, _FlatSpec):
-        return tuple(leaves[:spec.n]), dict(zip(spec.keys, leaves[spec.n:]))
-    return pytree.tree_unflatten(leaves, spec)
 
 
 def _broadcasts_directly(leaves: list) -> bool:

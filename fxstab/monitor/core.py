@@ -15,8 +15,9 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
+from ..flat import flatten_call, unflatten_call
 from ..opsets import family_of
 from ..randbits import derive_seed
 from .config import MonitorConfig, Mode
@@ -123,6 +124,8 @@ class OpState:
 
 
 def _floats_of(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):  # the usual operator: one tensor, no pytree walk
+        return [out] if out.is_floating_point() else []
     leaves, _ = tree_flatten(out)
     return [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
@@ -397,7 +400,7 @@ class StabilityMonitor:
         only when that S is at least ``screen``; S is then taken over all K.
         """
         cfg = self.config
-        leaves, spec = tree_flatten((args, kwargs))
+        leaves, spec = flatten_call(args, kwargs)
         idx = [i for i, t in enumerate(leaves)
                if isinstance(t, torch.Tensor) and t.is_floating_point()]
         if not idx:
@@ -427,7 +430,7 @@ class StabilityMonitor:
                     rep = list(leaves)
                     for i, b, f in zip(idx, bases, factors):
                         rep[i] = (b * f[j]).to(leaves[i].dtype)
-                    a, kw = tree_unflatten(rep, spec)
+                    a, kw = unflatten_call(rep, spec)
                     ys = _floats_of(op.impls[mode](a, kw))
                     y = (ys[0].reshape(-1).to(torch.float32) if len(ys) == 1 else
                          torch.cat([t.reshape(-1).to(torch.float32) for t in ys]))
@@ -442,7 +445,7 @@ class StabilityMonitor:
             def spread() -> float:
                 z = torch.stack(zs)
                 zbar = z.mean(dim=0)
-                d = torch.sqrt(((z - zbar) ** 2).sum() / (len(zs) - 1))
+                d = torch.sqrt((z - zbar).pow_(2).sum() / (len(zs) - 1))
                 s = float(d / (torch.linalg.vector_norm(zbar) + cfg.eps))
                 return s if math.isfinite(s) else math.inf
 
