@@ -423,13 +423,15 @@ class StabilityMonitor:
             bases = [leaves[i].to(torch.float32) for i in idx]
 
             def replicas(lo: int, hi: int) -> bool:
-                factors = [torch.rand((hi - lo, *b.shape), generator=g, device=b.device,
+                # every replica of an input in one product and one cast (elementwise: the
+                # same bits as replica by replica)
+                inputs = [(torch.rand((hi - lo, *b.shape), generator=g, device=b.device,
                                       dtype=torch.float32).mul_(2.0 * u).add_(1.0 - u)
-                           for b in bases]
+                           .mul_(b)).to(leaves[i].dtype) for i, b in zip(idx, bases)]
                 for j in range(hi - lo):
                     rep = list(leaves)
-                    for i, b, f in zip(idx, bases, factors):
-                        rep[i] = (b * f[j]).to(leaves[i].dtype)
+                    for i, x in zip(idx, inputs):
+                        rep[i] = x[j]
                     a, kw = unflatten_call(rep, spec)
                     ys = _floats_of(op.impls[mode](a, kw))
                     y = (ys[0].reshape(-1).to(torch.float32) if len(ys) == 1 else
