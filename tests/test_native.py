@@ -185,6 +185,26 @@ def test_perturbation_is_bit_identical_to_the_reference(dtype):
     assert _same_bits(out, ref) and n_out == n_ref == plain.numel()
 
 
+@pytest.mark.parametrize("n", [2, 3, 16, 17, 40])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_perturbation_of_every_sample_count_is_the_reference(n, threads):
+    """The Philox records of all N samples of a group come from one run (N <= 16) or one run
+    per sample; one thread's scan stops at the first group that moves. Groups that move only
+    after groups that do not, and a partial last group; enough elements for two threads."""
+    g = torch.Generator().manual_seed(n)
+    v = torch.randn(130 * 128 + 37, generator=g)
+    x = v.expand(n, -1).clone()
+    x[:, :300] += torch.randn(n, 300, generator=g)  # the first groups: separated, left alone
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ref, n_ref = perturb_samples(x, 2.0 ** -8, 5)
+        out, n_out = native.perturb(x, 2.0 ** -8, 5)
+    finally:
+        torch.set_num_threads(old)
+    assert _same_bits(out, ref) and n_out == n_ref >= v.numel() - 300
+
+
 def test_empty_and_bad_input():
     fmt = get_format("bf16")
     out, st, d = native.round_stats(torch.empty(3, 0), fmt, Rounding.RANDOM, 1, want_digits=True)
