@@ -764,6 +764,25 @@ ALWAYS_INLINE void store_mask8(uint8_t *zm, vi8 m) {
 #endif
 }
 
+/* The end of a vector digit block: its L lanes' sums, counts, min and max into the running
+ * statistics, then the group's tail (cnt % L elements) through the scalar block SCALAR. */
+#define FINISH_LANES(FT, L, SCALAR)                                                             \
+    if (full) {                                                                                 \
+        double ssum = 0, szero = 0, snf = 0, mnv = *s_min, mxv = *s_max;                        \
+        for (int l = 0; l < (L); l++) {                                                         \
+            ssum += sum[l]; szero += zeros[l]; snf += nf[l];                                    \
+            mnv = lo[l] < mnv ? lo[l] : mnv;                                                    \
+            mxv = hi[l] > mxv ? hi[l] : mxv;                                                    \
+        }                                                                                       \
+        *s_sum += ssum; *s_zero += szero; *s_nf += snf; *s_min = mnv; *s_max = mxv;             \
+    }                                                                                           \
+    if (full < cnt) {                                                                           \
+        const FT *tail[MAX_SAMPLES];                                                            \
+        for (int64_t i = 0; i < n; i++) tail[i] = rows[i] + full;                               \
+        SCALAR(tail, n, cnt - full, p, K, dig ? dig + full : NULL, zm ? zm + full : NULL,       \
+               s_sum, s_min, s_max, s_zero, s_nf);                                              \
+    }
+
 ALWAYS_INLINE void digits_block_f32_n(const float *const *rows, int64_t n, int64_t cnt,
                                       const params_t *p, double K, float *restrict dig,
                                       uint8_t *restrict zm, double *s_sum, double *s_min,
@@ -802,21 +821,7 @@ ALWAYS_INLINE void digits_block_f32_n(const float *const *rows, int64_t n, int64
         if (dig) vstore8(dig + el, c);
         if (zm) store_mask8(zm + el, is_zero);
     }
-    if (full) {
-        double ssum = 0, szero = 0, snf = 0, mnv = *s_min, mxv = *s_max;
-        for (int l = 0; l < 8; l++) {
-            ssum += sum[l]; szero += zeros[l]; snf += nf[l];
-            mnv = lo[l] < mnv ? lo[l] : mnv;
-            mxv = hi[l] > mxv ? hi[l] : mxv;
-        }
-        *s_sum += ssum; *s_zero += szero; *s_nf += snf; *s_min = mnv; *s_max = mxv;
-    }
-    if (full < cnt) {
-        const float *tail[MAX_SAMPLES];
-        for (int64_t i = 0; i < n; i++) tail[i] = rows[i] + full;
-        digits_block_f32_scalar(tail, n, cnt - full, p, K, dig ? dig + full : NULL,
-                                zm ? zm + full : NULL, s_sum, s_min, s_max, s_zero, s_nf);
-    }
+    FINISH_LANES(float, 8, digits_block_f32_scalar)
 }
 
 /* The same statistics without per-element digits, and without a logarithm per element: an
@@ -1091,23 +1096,7 @@ ALWAYS_INLINE void digits_block_f64_n(const double *const *rows, int64_t n, int6
         if (zm)
             for (int l = 0; l < 4; l++) zm[el + l] = (uint8_t)(is_zero[l] & 1);
     }
-    if (full) {
-        double mnv = *s_min, mxv = *s_max;
-        for (int l = 0; l < 4; l++) {
-            mnv = lo[l] < mnv ? lo[l] : mnv;
-            mxv = hi[l] > mxv ? hi[l] : mxv;
-        }
-        *s_sum += (sum[0] + sum[1]) + (sum[2] + sum[3]);
-        *s_zero += (double)(zeros[0] + zeros[1] + zeros[2] + zeros[3]);
-        *s_nf += (double)(nf[0] + nf[1] + nf[2] + nf[3]);
-        *s_min = mnv; *s_max = mxv;
-    }
-    if (full < cnt) {
-        const double *tail[MAX_SAMPLES];
-        for (int64_t i = 0; i < n; i++) tail[i] = rows[i] + full;
-        digits_block_f64_plain(tail, n, cnt - full, p, K, dig ? dig + full : NULL,
-                               zm ? zm + full : NULL, s_sum, s_min, s_max, s_zero, s_nf);
-    }
+    FINISH_LANES(double, 4, digits_block_f64_plain)
 }
 
 /* fp64 statistics accumulate per group (no running lanes); not inlined either */
