@@ -1477,6 +1477,17 @@ void fxstab_round_stats_prepared(const prepared_t *c) {
 }
 
 
+/* The read-only scan of group g: how many elements are close, and whether any would move. */
+#define PERTURB_SCAN_GROUP(CLOSE, FT)                                                           \
+    {                                                                                           \
+        FT mean[BLK];                                                                           \
+        int close[BLK];                                                                         \
+        int64_t e0 = g * BLK, cnt = e0 + BLK < numel ? BLK : numel - e0, c, mv;                 \
+        CLOSE(x, xs, n, e0, cnt, eta, mean, close, &c, &mv);                                    \
+        count += c;                                                                             \
+        moving += mv;                                                                           \
+    }
+
 /* Stacked samples whose elements are all separated (or exact zeros) are common: the rounded
  * output of the previous operator. A read-only scan finds them first, and then nothing is
  * written (*moved = 0: the caller keeps the input). */
@@ -1488,30 +1499,14 @@ void fxstab_round_stats_prepared(const prepared_t *c) {
         int nt = (int)nthreads;                                                                 \
         const FT eta = (FT)eta_d;                                                               \
         if (numel * n < 32768) nt = 1;                                                          \
-        if (xs != 0 && nt == 1) { /* one thread: the scan stops at the first group that moves */\
-            for (int64_t g = 0; g < groups && !moving; g++) {                                   \
-                FT mean[BLK];                                                                   \
-                int close[BLK];                                                                 \
-                int64_t e0 = g * BLK, cnt = e0 + BLK < numel ? BLK : numel - e0, c, mv;         \
-                CLOSE(x, xs, n, e0, cnt, eta, mean, close, &c, &mv);                            \
-                count += c;                                                                     \
-                moving += mv;                                                                   \
-            }                                                                                   \
-            if (moving == 0) {                                                                  \
-                *moved = 0;                                                                     \
-                return count;                                                                   \
-            }                                                                                   \
-            count = 0;                                                                          \
-        } else if (xs != 0) {                                                                   \
-            _Pragma("omp parallel for num_threads(nt) schedule(static) reduction(+:count, moving)") \
-            for (int64_t g = 0; g < groups; g++) {                                              \
-                FT mean[BLK];                                                                   \
-                int close[BLK];                                                                 \
-                int64_t e0 = g * BLK, cnt = e0 + BLK < numel ? BLK : numel - e0, c, mv;         \
-                CLOSE(x, xs, n, e0, cnt, eta, mean, close, &c, &mv);                            \
-                count += c;                                                                     \
-                moving += mv;                                                                   \
-            }                                                                                   \
+        if (xs != 0) {                                                                          \
+            if (nt == 1) /* one thread: the scan stops at the first group that moves */         \
+                for (int64_t g = 0; g < groups && !moving; g++)                                 \
+                    PERTURB_SCAN_GROUP(CLOSE, FT)                                               \
+            else                                                                                \
+                _Pragma("omp parallel for num_threads(nt) schedule(static) reduction(+:count, moving)") \
+                for (int64_t g = 0; g < groups; g++)                                            \
+                    PERTURB_SCAN_GROUP(CLOSE, FT)                                               \
             if (moving == 0) {                                                                  \
                 *moved = 0;                                                                     \
                 return count;                                                                   \
