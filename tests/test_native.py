@@ -469,6 +469,31 @@ def test_rounder_reads_an_expanded_value_n_times():
         r(torch.randn(2, 4), 11)
 
 
+@pytest.mark.parametrize("dtype,fmt", [(torch.float32, "bf16"), (torch.float64, "fp32")])
+@pytest.mark.parametrize("mode", [Rounding.RANDOM, None])
+def test_prepared_kernel_is_the_rounder(dtype, fmt, mode):
+    """native.Prepared (one argument struct, the kernel's constants derived once) gives the
+    Rounder's samples and statistics for stacked and expanded samples, call after call with
+    new seeds; in place it overwrites its input; other layouts are refused with None."""
+    f = get_format(fmt)
+    g = torch.Generator().manual_seed(4)
+    r = native.rounder(f, mode, dtype, 3)
+    for in_place in (False, True):
+        prep = native.Prepared(r, in_place)
+        for seed, numel in ((3, 1000), (4, 7), (5, 129)):
+            x = torch.randn(3, numel, generator=g, dtype=dtype)
+            want, st, _, _ = r(x, seed)
+            given = x.clone()
+            out = prep(given, seed)
+            assert _same_bits(out, want) and prep.stats[:] == st
+            assert (out.data_ptr() == given.data_ptr()) == (in_place or mode is None)
+            v = torch.randn(numel, generator=g, dtype=dtype).unsqueeze(0).expand(3, numel)
+            want, st, _, _ = r(v, seed)
+            out = prep(v, seed)
+            assert _same_bits(out, want) and prep.stats[:] == st
+    assert prep(torch.randn(3, 6, 4, dtype=dtype).transpose(1, 2), 1) is None
+
+
 def test_derive_seeds_are_derive_seed():
     """A call's seeds derived at once in C are fxstab.randbits.derive_seed's, bit for bit (the
     arithmetic level's primitives round with them), 64-bit extremes included."""
