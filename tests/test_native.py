@@ -222,18 +222,19 @@ def test_empty_and_bad_input():
         native.round_stats(torch.ones(3, 4), get_format("fp64"), Rounding.RANDOM, 1)
 
 
-def test_threads_do_not_change_results():
-    x = torch.randn(3, 200_000)
-    fmt = get_format("fp16")
+@pytest.mark.parametrize("dtype,fmt", [(torch.float32, "fp16"), (torch.float64, "fp32")])
+def test_threads_do_not_change_results(dtype, fmt):
+    x = torch.randn(3, 200_000, dtype=dtype)
+    fmt = get_format(fmt)
     old = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        a = native.round_stats(x, fmt, Rounding.RANDOM, 9)
+        a = native.round_stats(x, fmt, Rounding.RANDOM, 9, want_digits=True)
         torch.set_num_threads(2)
-        b = native.round_stats(x, fmt, Rounding.RANDOM, 9)
+        b = native.round_stats(x, fmt, Rounding.RANDOM, 9, want_digits=True)
     finally:
         torch.set_num_threads(old)
-    assert _same_bits(a[0], b[0])
+    assert _same_bits(a[0], b[0]) and _same_bits(a[2], b[2])  # samples, per-element digits
     # each thread reduces its groups in float lanes (a product of significands per lane):
     # the sum of digits moves in its tenth significant digit with the split
     torch.testing.assert_close(a[1], b[1], rtol=1e-8, atol=1e-6)
