@@ -360,24 +360,31 @@ def test_fused_round_and_surrogate_equals_the_two_passes(dtype, fmt, mode, n):
         native.round_perturb(stacked, f, None, 7, eta, 99)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp8_e4m3", "tf32"])
+@pytest.mark.parametrize("dtype,fmt", [(torch.float32, "bf16"), (torch.float32, "fp16"),
+                                       (torch.float32, "fp8_e4m3"), (torch.float32, "tf32"),
+                                       (torch.float64, "fp32"), (torch.float64, "fp64")])
 @pytest.mark.parametrize("n", [2, 3, 5])
-def test_statistics_without_digits_match_the_statistics_with_digits(fmt, n):
+def test_statistics_without_digits_match_the_statistics_with_digits(dtype, fmt, n):
     """The statistics-only path (no per-element logarithm) agrees with the per-element digits:
-    hard values, a spread of relative noise from none to overwhelming, odd sizes."""
+    hard values, a spread of relative noise from none to overwhelming, odd sizes; fp64 samples
+    (the fp32 format, format="auto") have a statistics-only block of their own."""
     f = get_format(fmt)
-    v = _hard_values(torch.float32, fmt)
+    v = _hard_values(dtype, fmt)
     g = torch.Generator().manual_seed(n)
-    noise = torch.rand(v.shape, generator=g) * 2.0 ** -torch.randint(0, 30, v.shape, generator=g)
+    top = 30 if dtype == torch.float32 else 60
+    noise = torch.rand(v.shape, generator=g, dtype=dtype) * \
+        2.0 ** -torch.randint(0, top, v.shape, generator=g)
     x = torch.stack([v * (1 + k * noise) for k in range(n)])[:, : v.numel() - 3]
     for mode in (None, Rounding.RANDOM):
         _, with_digits, d = native.round_stats(x, f, mode, 5, want_digits=True)
         _, stats, _ = native.round_stats(x, f, mode, 5)
-        # per-element degree-5 log10 polynomial (3.7e-7 digits) against one log per lane of a
-        # product: the sums agree to that error; the counts below must agree exactly
-        torch.testing.assert_close(stats, with_digits, rtol=1e-6, atol=1e-5)
+        # fp32: a per-element degree-5 log10 polynomial (3.7e-7 digits) against one log per
+        # lane of a product; fp64: the series (1e-14) against the same. The sums agree to that
+        # error (the min and max too); the counts must agree exactly
+        tol = 1e-6 if dtype == torch.float32 else 1e-12
+        torch.testing.assert_close(stats, with_digits, rtol=tol, atol=10 * tol)
         assert stats[3] == with_digits[3] and stats[4] == with_digits[4]  # zeros, non-finite
-        assert abs(float(stats[0]) - float(d.double().sum())) < 1e-6 * float(stats[5]) + 1e-3
+        assert abs(float(stats[0]) - float(d.double().sum())) < tol * float(stats[5]) + 1e-3
 
 
 @pytest.mark.parametrize("threads", [1, 2])

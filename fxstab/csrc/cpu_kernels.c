@@ -590,6 +590,15 @@ ALWAYS_INLINE vf8 vsplat8(float x) { return (vf8){x, x, x, x, x, x, x, x}; }
 /* m ? a : b per lane, m all-ones or zero */
 ALWAYS_INLINE vf8 vsel8(vi8 m, vf8 a, vf8 b) { return (vf8)(((vi8)a & m) | ((vi8)b & ~m)); }
 
+/* The same for 4 doubles (the fp64 blocks). */
+typedef double vd4 __attribute__((vector_size(32)));
+typedef int64_t vl4 __attribute__((vector_size(32)));
+
+ALWAYS_INLINE vd4 vload4(const double *p) { vd4 v; memcpy(&v, p, sizeof v); return v; }
+ALWAYS_INLINE void vstore4(double *p, vd4 v) { memcpy(p, &v, sizeof v); }
+ALWAYS_INLINE vd4 vsplat4(double x) { return (vd4){x, x, x, x}; }
+ALWAYS_INLINE vd4 vsel4(vl4 m, vd4 a, vd4 b) { return (vd4)(((vl4)a & m) | ((vl4)b & ~m)); }
+
 /* max(a, b), min(a, b) of lanes without NaN */
 #if defined(__AVX__)
 #include <immintrin.h>
@@ -845,12 +854,19 @@ typedef struct {
     int want_norms;
     double nmsq, nvsq;
     int64_t normed;
+    /* the same running statistics for fp64 samples (stats_block_f64_n), 4 lanes: the
+     * exponents' sums in int64 lanes, which never need a flush */
+    vd4 prod4, maxv4, minv4;
+    vl4 esum4, zeros4, nf4;
+    int64_t iters4;
 } acc8_t;
 
 static void acc8_init(acc8_t *a) {
     memset(a, 0, sizeof *a);
     a->prod = vsplat8(1.0f);
     a->minv = vsplat8(INFINITY);
+    a->prod4 = vsplat4(1.0);
+    a->minv4 = vsplat4(INFINITY);
 }
 
 static void acc8_flush(acc8_t *a) {
@@ -864,8 +880,12 @@ static void acc8_flush(acc8_t *a) {
 /* The statistics of the accumulated lanes: an element's digits are Kd - log10(v) / 2, so a
  * lane's sum is iters Kd - (log10(product) + sum of exponents) / 2; its least and largest
  * digits come from its largest and least v, exactly 0 and the cap at the clamps. */
+static void acc4_finish(acc8_t *a, const params_t *p, double *s_sum, double *s_min,
+                        double *s_max, double *s_zero, double *s_nf);
+
 static void acc8_finish(acc8_t *a, const params_t *p, float vcap, float vzero, double *s_sum,
                         double *s_min, double *s_max, double *s_zero, double *s_nf) {
+    if (a->iters4) acc4_finish(a, p, s_sum, s_min, s_max, s_zero, s_nf);
     if (a->iters == 0) return;
     acc8_flush(a);
     const double cap = p->cap, Kd = p->kd, it = (double)a->iters;
@@ -996,13 +1016,6 @@ NOINLINE void digits_block_f32(const float *const *rows, int64_t n, int64_t cnt,
  * block's vectorised reduction reassociates it too). GCC left the scalar block's digit loop
  * scalar (a division and a series per element): 4-5x slower.
  */
-typedef double vd4 __attribute__((vector_size(32)));
-typedef int64_t vl4 __attribute__((vector_size(32)));
-
-ALWAYS_INLINE vd4 vload4(const double *p) { vd4 v; memcpy(&v, p, sizeof v); return v; }
-ALWAYS_INLINE void vstore4(double *p, vd4 v) { memcpy(p, &v, sizeof v); }
-ALWAYS_INLINE vd4 vsplat4(double x) { return (vd4){x, x, x, x}; }
-ALWAYS_INLINE vd4 vsel4(vl4 m, vd4 a, vd4 b) { return (vd4)(((vl4)a & m) | ((vl4)b & ~m)); }
 
 /* log10_pos of 4 positive normal lanes, the same operations */
 ALWAYS_INLINE vd4 vlog10_pos4(vd4 v) {
@@ -1099,14 +1112,116 @@ ALWAYS_INLINE void digits_block_f64_n(const double *const *rows, int64_t n, int6
     FINISH_LANES(double, 4, digits_block_f64_plain)
 }
 
-/* fp64 statistics accumulate per group (no running lanes); not inlined either */
+/* fp64 statistics without per-element digits, as stats_block_f32_n: each element's variance
+ * (the digit block's: of the relative deviations, times n - 1) clamped to [vcap, vzero] (vcap
+ * for identical samples, vzero for a zero mean with spread, a non-finite sample or a NaN
+ * variance), the sum of the digits from the running product of the variances' significands
+ * and the sum of their exponents: no logarithm per element. The clamps are the digit block's
+ * clamps of the digits, so min, max and the computational zeros are its own; the sum agrees
+ * to ~1e-13 relative (tests/test_native.py). */
+ALWAYS_INLINE void stats_block_f64_n(const double *const *rows, int64_t n, int64_t cnt,
+                                     const params_t *p, uint8_t *restrict zm, acc8_t *acc,
+                                     double *s_sum, double *s_min, double *s_max,
+                                     double *s_zero, double *s_nf) {
+    const double inv_n = 1.0 / (double)n;
+    const vd4 zero = vsplat4(0.0), one = vsplat4(1.0);
+    const vd4 tiny = vsplat4(0x1p-1000), scale = vsplat4(0x1p128);
+    const vd4 vcap = vsplat4(p->vcap), vzero = vsplat4(p->vzero), vthr = vsplat4(p->vthr);
+    const int64_t full = cnt & ~(int64_t)3;
+    vd4 prod = one, maxv = acc->maxv4, minv = acc->minv4;
+    vl4 esum = acc->esum4, zeros = acc->zeros4, nf = acc->nf4;
+    for (int64_t el = 0; el < full; el += 4) {
+        const vd4 v0 = vload4(rows[0] + el);
+        vd4 mn = v0, mx = v0, mean = v0 * inv_n;
+        vl4 bad = v0 != v0;
+        for (int64_t i = 1; i < n; i++) {
+            vd4 v = vload4(rows[i] + el);
+            bad |= v != v;
+            mn = vsel4(v < mn, v, mn);
+            mx = vsel4(v > mx, v, mx);
+            mean += v * inv_n;
+        }
+        vd4 am = vsel4(mean < zero, -mean, mean);
+        vd4 sc = vsel4(am < tiny, scale, one);
+        vd4 s1inv = 1.0 / (am * sc);
+        vd4 s1 = zero, s2 = zero;
+        for (int64_t i = 0; i < n; i++) {
+            vd4 r = (vload4(rows[i] + el) * sc - mean * sc) * s1inv;
+            s1 += r;
+            s2 += r * r;
+        }
+        vd4 var = s2 - s1 * s1 * inv_n;
+        vl4 finite = ~bad & (mn - mn == zero) & (mx - mx == zero);
+        vl4 identical = ~bad & (mn == mx);
+        vl4 measured = finite & ~identical & (mean != zero) & (var == var);
+        vd4 clamped = vsel4(var < vcap, vcap, vsel4(var > vzero, vzero, var));
+        vd4 v = vsel4(measured, clamped, vsel4(finite & identical, vcap, vzero));
+        vl4 b = (vl4)v;
+        prod *= (vd4)((b & 0x000FFFFFFFFFFFFFll) | 0x3FF0000000000000ll);
+        esum += b >> 52; /* biased: 1023 per element comes off at the end */
+        maxv = vsel4(v > maxv, v, maxv);
+        minv = vsel4(v < minv, v, minv);
+        /* computational zeros: fewer digits than the threshold, finite, not exact zeros */
+        vl4 zmask = finite & ~(identical & (mx == zero)) & (v > vthr);
+        zeros -= zmask; /* masks are -1 */
+        nf -= ~finite;
+        if (zm)
+            for (int l = 0; l < 4; l++) zm[el + l] = (uint8_t)(zmask[l] & 1);
+    }
+    if (full) {
+        /* the group's product (< 2^32) times the running one (in [1, 2)): exponent out */
+        vl4 b = (vl4)(prod * acc->prod4);
+        esum += (b >> 52) - 1023;
+        acc->prod4 = (vd4)((b & 0x000FFFFFFFFFFFFFll) | 0x3FF0000000000000ll);
+        acc->maxv4 = maxv; acc->minv4 = minv;
+        acc->esum4 = esum; acc->zeros4 = zeros; acc->nf4 = nf;
+        acc->iters4 += full / 4;
+    }
+    if (full < cnt) {
+        const double *tail[MAX_SAMPLES];
+        for (int64_t i = 0; i < n; i++) tail[i] = rows[i] + full;
+        digits_block_f64_plain(tail, n, cnt - full, p, log10(sqrt((double)n) / p->t), NULL,
+                               zm ? zm + full : NULL, s_sum, s_min, s_max, s_zero, s_nf);
+    }
+}
+
+/* The fp64 lanes' statistics (stats_block_f64_n), as acc8_finish does the fp32 ones. */
+static void acc4_finish(acc8_t *a, const params_t *p, double *s_sum, double *s_min,
+                        double *s_max, double *s_zero, double *s_nf) {
+    const double cap = p->cap, Kd = p->kd, it = (double)a->iters4;
+    double ssum = 0, szero = 0, snf = 0, mnv = *s_min, mxv = *s_max;
+    for (int l = 0; l < 4; l++) {
+        double logs = log10(a->prod4[l]) + 0.30102999566398120 *
+                      ((double)a->esum4[l] - 1023.0 * it);
+        ssum += it * Kd - 0.5 * logs;
+        szero += (double)a->zeros4[l];
+        snf += (double)a->nf4[l];
+        double lo = a->maxv4[l] >= p->vzero ? 0 : a->maxv4[l] <= p->vcap ? cap
+                                               : Kd - 0.5 * log10(a->maxv4[l]);
+        double hi = a->minv4[l] <= p->vcap ? cap : a->minv4[l] >= p->vzero ? 0
+                                               : Kd - 0.5 * log10(a->minv4[l]);
+        lo = lo < 0 ? 0 : (lo > cap ? cap : lo);
+        hi = hi < 0 ? 0 : (hi > cap ? cap : hi);
+        mnv = lo < mnv ? lo : mnv;
+        mxv = hi > mxv ? hi : mxv;
+    }
+    *s_sum += ssum; *s_zero += szero; *s_nf += snf; *s_min = mnv; *s_max = mxv;
+}
+
+/* fp64: the statistics alone, or with per-element digits; not inlined either */
 NOINLINE void digits_block_f64(const double *const *rows, int64_t n, int64_t cnt, const params_t *p,
                                double K, double *restrict dig, uint8_t *restrict zm, acc8_t *acc,
                                double *s_sum, double *s_min, double *s_max, double *s_zero,
                                double *s_nf, int finite) {
-    (void)acc;
     (void)finite;
-    if (n == 3)
+    if (dig == NULL) {
+        if (n == 3)
+            stats_block_f64_n(rows, 3, cnt, p, zm, acc, s_sum, s_min, s_max, s_zero, s_nf);
+        else if (n == 2)
+            stats_block_f64_n(rows, 2, cnt, p, zm, acc, s_sum, s_min, s_max, s_zero, s_nf);
+        else
+            stats_block_f64_n(rows, n, cnt, p, zm, acc, s_sum, s_min, s_max, s_zero, s_nf);
+    } else if (n == 3)
         digits_block_f64_n(rows, 3, cnt, p, K, dig, zm, s_sum, s_min, s_max, s_zero, s_nf);
     else if (n == 2)
         digits_block_f64_n(rows, 2, cnt, p, K, dig, zm, s_sum, s_min, s_max, s_zero, s_nf);
