@@ -1075,6 +1075,40 @@ ALWAYS_INLINE vd4 vlog10_pos4(vd4 v) {
     return (ln + ed * 0.69314718055994530942) * 0.43429448190325182765;
 }
 
+/* The moments of 4 fp64 elements, operation for operation as the scalar digit block takes
+ * them: the mean (sum of x_i * (1 / n)), the sum of the squared relative deviations
+ * s2 - s1^2 / n (not clamped), the largest sample, the finite and identical lane masks. */
+ALWAYS_INLINE void moments4(const double *const *rows, int64_t n, int64_t el, double inv_n,
+                            vd4 *mean_, vd4 *var_, vd4 *mx_, vl4 *finite_, vl4 *identical_) {
+    const vd4 zero = vsplat4(0.0), one = vsplat4(1.0);
+    const vd4 tiny = vsplat4(0x1p-1000), scale = vsplat4(0x1p128);
+    const vd4 v0 = vload4(rows[0] + el);
+    vd4 mn = v0, mx = v0, mean = v0 * inv_n;
+    vl4 bad = v0 != v0;
+    for (int64_t i = 1; i < n; i++) {
+        vd4 v = vload4(rows[i] + el);
+        bad |= v != v;
+        mn = vsel4(v < mn, v, mn);
+        mx = vsel4(v > mx, v, mx);
+        mean += v * inv_n;
+    }
+    vd4 am = vsel4(mean < zero, -mean, mean);
+    vd4 sc = vsel4(am < tiny, scale, one);
+    vd4 s1inv = 1.0 / (am * sc);
+    vd4 s1 = zero, s2 = zero;
+    for (int64_t i = 0; i < n; i++) {
+        vd4 r = (vload4(rows[i] + el) * sc - mean * sc) * s1inv;
+        s1 += r;
+        s2 += r * r;
+    }
+    vd4 var = s2 - s1 * s1 * inv_n;
+    *mean_ = mean;
+    *var_ = var;
+    *mx_ = mx;
+    *finite_ = ~bad & (mn - mn == zero) & (mx - mx == zero);
+    *identical_ = ~bad & (mn == mx);
+}
+
 ALWAYS_INLINE void digits_block_f64_n(const double *const *rows, int64_t n, int64_t cnt,
                                       const params_t *p, double K, double *restrict dig,
                                       uint8_t *restrict zm, double *s_sum, double *s_min,
@@ -1082,7 +1116,7 @@ ALWAYS_INLINE void digits_block_f64_n(const double *const *rows, int64_t n, int6
     const double fn = (double)n, inv_n = 1.0 / fn, cap = p->cap;
     const vd4 zero = vsplat4(0.0), capv = vsplat4(cap), thr = vsplat4(p->zero_threshold);
     const vd4 Kv = vsplat4(K), dmin = vsplat4(2.2250738585072014e-308);
-    const vd4 tiny = vsplat4(0x1p-1000), scale = vsplat4(0x1p128), one = vsplat4(1.0);
+    const vd4 one = vsplat4(1.0);
     const vd4 n1 = vsplat4((double)(n - 1));
     /* x / (n - 1) is x * (1 / (n - 1)) exactly when n - 1 is a power of 2 (n = 3: 2) */
     const int n1_pow2 = ((n - 1) & (n - 2)) == 0;
@@ -1096,31 +1130,13 @@ ALWAYS_INLINE void digits_block_f64_n(const double *const *rows, int64_t n, int6
     double vbuf[BLK], lbuf[BLK];
     vl4 fbuf[BLK / 4 * 4]; /* finite, identical, exact zero, zero mean: per 4 elements */
     for (int64_t el = 0; el < full; el += 4) {
-        const vd4 v0 = vload4(rows[0] + el);
-        vd4 mn = v0, mx = v0, mean = v0 * inv_n;
-        vl4 bad = v0 != v0;
-        for (int64_t i = 1; i < n; i++) {
-            vd4 v = vload4(rows[i] + el);
-            bad |= v != v;
-            mn = vsel4(v < mn, v, mn);
-            mx = vsel4(v > mx, v, mx);
-            mean += v * inv_n;
-        }
-        vd4 am = vsel4(mean < zero, -mean, mean);
-        vd4 sc = vsel4(am < tiny, scale, one);
-        vd4 s1inv = 1.0 / (am * sc);
-        vd4 s1 = zero, s2 = zero;
-        for (int64_t i = 0; i < n; i++) {
-            vd4 r = (vload4(rows[i] + el) * sc - mean * sc) * s1inv;
-            s1 += r;
-            s2 += r * r;
-        }
-        vd4 var = s2 - s1 * s1 * inv_n;
+        vd4 mean, var, mx;
+        vl4 finite, identical;
+        moments4(rows, n, el, inv_n, &mean, &var, &mx, &finite, &identical);
         var = vsel4(var < zero, zero, var);
         vstore4(vbuf + el, n1_pow2 ? var * inv_n1 : var / n1);
         vl4 *f = fbuf + el;
-        vl4 identical = ~bad & (mn == mx);
-        f[0] = ~bad & (mn - mn == zero) & (mx - mx == zero);
+        f[0] = finite;
         f[1] = identical;
         f[2] = identical & (mx == zero);
         f[3] = mean == zero;
@@ -1167,34 +1183,14 @@ ALWAYS_INLINE void stats_block_f64_n(const double *const *rows, int64_t n, int64
                                      double *s_zero, double *s_nf) {
     const double inv_n = 1.0 / (double)n;
     const vd4 zero = vsplat4(0.0), one = vsplat4(1.0);
-    const vd4 tiny = vsplat4(0x1p-1000), scale = vsplat4(0x1p128);
     const vd4 vcap = vsplat4(p->vcap), vzero = vsplat4(p->vzero), vthr = vsplat4(p->vthr);
     const int64_t full = cnt & ~(int64_t)3;
     vd4 prod = one, maxv = acc->maxv4, minv = acc->minv4;
     vl4 esum = acc->esum4, zeros = acc->zeros4, nf = acc->nf4;
     for (int64_t el = 0; el < full; el += 4) {
-        const vd4 v0 = vload4(rows[0] + el);
-        vd4 mn = v0, mx = v0, mean = v0 * inv_n;
-        vl4 bad = v0 != v0;
-        for (int64_t i = 1; i < n; i++) {
-            vd4 v = vload4(rows[i] + el);
-            bad |= v != v;
-            mn = vsel4(v < mn, v, mn);
-            mx = vsel4(v > mx, v, mx);
-            mean += v * inv_n;
-        }
-        vd4 am = vsel4(mean < zero, -mean, mean);
-        vd4 sc = vsel4(am < tiny, scale, one);
-        vd4 s1inv = 1.0 / (am * sc);
-        vd4 s1 = zero, s2 = zero;
-        for (int64_t i = 0; i < n; i++) {
-            vd4 r = (vload4(rows[i] + el) * sc - mean * sc) * s1inv;
-            s1 += r;
-            s2 += r * r;
-        }
-        vd4 var = s2 - s1 * s1 * inv_n;
-        vl4 finite = ~bad & (mn - mn == zero) & (mx - mx == zero);
-        vl4 identical = ~bad & (mn == mx);
+        vd4 mean, var, mx;
+        vl4 finite, identical;
+        moments4(rows, n, el, inv_n, &mean, &var, &mx, &finite, &identical);
         vl4 measured = finite & ~identical & (mean != zero) & (var == var);
         vd4 clamped = vsel4(var < vcap, vcap, vsel4(var > vzero, vzero, var));
         vd4 v = vsel4(measured, clamped, vsel4(finite & identical, vcap, vzero));
