@@ -465,6 +465,9 @@ class AtenContext:
     round_per_sample: bool = False
     counters: Counters = field(init=False)
     calls: int = field(default=0, init=False)
+    # emits the parts of the rules that read values as steps of a graph being traced (the
+    # backend's sampled graph, fxstab.aten_backend); None: they run directly
+    stepper: Optional[Callable] = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.fmt: Format = get_format(self.format)
@@ -519,6 +522,16 @@ class AtenContext:
             ctx._seeds = dict(zip(salts, found[0]))
             ctx._round_seeds = dict(zip(*found))
         return ctx
+
+    def emit(self, what: str, name: Optional[str], fn: Callable, raw: list, args: tuple,
+             kwargs: dict) -> Any:
+        """``fn(ctx, raw, args, kwargs)``: a part of a primitive's rules that reads values (it
+        holds no tensor; ``raw`` are the batched primitive's outputs). Run directly, or with a
+        ``stepper`` as one step of the graph being traced, which calls it with the context and
+        values of each later call."""
+        if self.stepper is None:
+            return fn(self, raw, args, kwargs)
+        return self.stepper(what, name, fn, raw, args, kwargs)
 
     def native_for(self, samples: torch.Tensor) -> bool:
         """Whether ``samples`` ([N, ...]) go through the fused CPU kernels."""
@@ -932,8 +945,10 @@ def _run_per_sample(op, args, kwargs, n):
     return pytree.tree_unflatten(out, spec)
 
 
-def _run_batched(op, info: OpInfo, args: tuple, kwargs: dict, n: int):
-    """Run ``op`` on all samples; returns (outputs with sample dim, lifted)."""
+def _run_batched(op, info: OpInfo, args: tuple, kwargs: dict, n: int, ctx: "AtenContext"):
+    """Run ``op`` on all samples; returns (outputs with sample dim, lifted). A random primitive
+    that ``vmap`` cannot batch runs once per sample from one RNG state: a step of the traced
+    graph (:meth:`AtenContext.emit`)."""
     stacked_kw = bool(kwargs) and _has_stacked((), kwargs)
     if (info.pointwise or info.prim is not None and not isinstance(info.prim, str)) \
             and not stacked_kw:
@@ -955,7 +970,14 @@ def _run_batched(op, info: OpInfo, args: tuple, kwargs: dict, n: int):
             return torch.vmap(functools.partial(op, **kwargs), in_dims=in_dims)(*plain), True
         except Exception:  # noqa: BLE001 - any failure falls back to per-sample execution
             pass
+    if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
+        return ctx.emit("per_sample", None, functools.partial(_per_sample_step, op), (), args,
+                        kwargs), False
     return _run_per_sample(op, args, kwargs, n), False
+
+
+def _per_sample_step(op, ctx: "AtenContext", raw: list, args: tuple, kwargs: dict):
+    return _run_per_sample(op, args, kwargs, ctx.n_samples)
 
 
 def _owned(v: torch.Tensor, args: tuple) -> bool:
@@ -1038,6 +1060,16 @@ def _zeros(o: _Analysis, out_numel: int):
 def _exact_data(a: _Analysis) -> bool:
     """Identical, finite samples (data entering the analysis): digits at the cap everywhere."""
     return a._s.stride(0) == 0 and a.all_finite
+
+
+def _differs(a, b) -> bool:
+    """Whether :func:`_diff_analysis` has a difference to analyse (from types and dtypes)."""
+    if not isinstance(a, Stacked) and not isinstance(b, Stacked):
+        return False
+    x = a.samples if isinstance(a, Stacked) else a
+    y = b.samples if isinstance(b, Stacked) else b
+    return not (isinstance(x, torch.Tensor) and not x.is_floating_point() and
+                (not isinstance(y, torch.Tensor) or not y.is_floating_point()))
 
 
 def _diff_analysis(a, b, ctx, nd) -> Optional[_Analysis]:
@@ -1265,6 +1297,12 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
         samples as :class:`Stacked` (floating results rounded into the format); comparisons
         return plain boolean tensors (CESTAC decisions); with no stacked argument the primitive
         runs once and returns plain results.
+
+    What reads values (the rounding and its statistics, the counters, CESTAC's comparisons,
+    the GEMM surrogate, the bf16 lookup tables, per-sample draws) runs through
+    :meth:`AtenContext.emit`: directly, or as one step of the sampled graph being traced
+    (``granularity="aten"`` in the backend); everything before it depends only on types,
+    shapes and the primitive.
     """
     kwargs = kwargs or _NO_KWARGS
     info = op_info(op)
@@ -1294,27 +1332,76 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
         args = _working_args(args, ctx)
     if kwargs:
         kwargs = _fix_dtype_kwargs(kind, kwargs, ctx)
-    collectors = active_collectors()
-    counting = ctx.diagnostics != "off" or bool(collectors)
-    detailed = counting and (ctx.diagnostics == "detailed" or bool(collectors) and any(
-        c.diagnostics == "detailed" for c in collectors))
+    rule = _Rule(op, info, name, salt, need_digits, need_zeros)
 
     # Comparisons: one plain boolean decision per element (CESTAC), branching on noise.
-    if info.compare and len(args) >= 2:
-        nd = _logical_ndim(args[:2])
-        diff = _diff_analysis(args[0], args[1], ctx, nd)
-        if diff is not None:
-            result = _cestac_compare(kind, diff, diff._s.mean(0))
-            rec_name = name or ctx.name_for(op)
-            if counting:
-                _count(kind, [("branching", diff.zero)], result.numel(), None, ctx, rec_name, op,
-                       detailed, diff)
-            return result
+    if info.compare and len(args) >= 2 and _differs(args[0], args[1]):
+        return ctx.emit("compare", name, rule.compare, (), args, kwargs)
+    if info.gemm and not from_plain:
+        # the surrogate on the operands, the product and its rounding: one step
+        return ctx.emit("gemm", name, rule.gemm, (), args, kwargs)
+    if from_plain:
+        raw = pytree.tree_map(
+            lambda v: _to_working(v, ctx).unsqueeze(0).expand(n, *v.shape)
+            if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
+            else v, out)
+    elif identical and not (kwargs and _has_stacked((), kwargs)):
+        # Every operand is N identical samples (data entering the analysis, or exact
+        # operations on it): one evaluation serves all samples; they part at the rounding.
+        one = (info.plain or op)(*[a.samples[0] if isinstance(a, Stacked) else a for a in args],
+                                 **kwargs)
+        raw = one.unsqueeze(0).expand(n, *one.shape) if isinstance(one, torch.Tensor) else \
+            pytree.tree_map(lambda v: v.unsqueeze(0).expand(n, *v.shape)
+                            if isinstance(v, torch.Tensor) else v, one)
+    elif ctx._lookup and info.kind in native.LOOKUP_OPS and len(args) == 1 and not kwargs \
+            and type(args[0]) is Stacked and args[0].samples.dtype == torch.float32 \
+            and args[0].samples.is_cpu and args[0].samples.is_contiguous():
+        # exp, log, ... of values in the format: a table of the op's own results (unless a
+        # value is not one of the format's), then rounded
+        return ctx.emit("lookup", name, rule.lookup, (), args, kwargs)
+    else:
+        raw, lifted = _run_batched(op, info, args, kwargs, n, ctx)
+        if not lifted:
+            rule.lifted = False
+    return rule.finish_raw(ctx, raw, args, kwargs)
 
-    seed = ctx.next_seed(salt)
-    surrogate = False
-    if info.gemm:
+
+class _Rule:
+    """What :func:`apply_primitive` decided for one primitive from types and shapes, and the
+    parts of its rules that read values, as functions ``(ctx, raw, args, kwargs)`` of the
+    run-time values (:meth:`AtenContext.emit`): they hold no tensor."""
+
+    __slots__ = ("op", "info", "name", "salt", "need_digits", "need_zeros", "lifted", "spec")
+
+    def __init__(self, op, info, name, salt, need_digits, need_zeros) -> None:
+        self.op, self.info, self.name, self.salt = op, info, name, salt
+        self.need_digits, self.need_zeros = need_digits, need_zeros
+        self.lifted = True
+        self.spec = None  # the raw outputs' structure (None: one tensor)
+
+    def finish_raw(self, ctx: AtenContext, raw: Any, args: tuple, kwargs: dict) -> Any:
+        """Round, measure, count and record the outputs ``raw`` of the batched primitive."""
+        if isinstance(raw, torch.Tensor):
+            flat = [raw]
+        else:
+            flat, self.spec = pytree.tree_flatten(raw)
+        return ctx.emit("round", self.name, self.finish, flat, args, kwargs)
+
+    def compare(self, ctx: AtenContext, raw: list, args: tuple, kwargs: dict) -> torch.Tensor:
+        kind = self.info.kind
+        diff = _diff_analysis(args[0], args[1], ctx, _logical_ndim(args[:2]))
+        result = _cestac_compare(kind, diff, diff._s.mean(0))
+        rec_name = self.name or ctx.name_for(self.op)
+        counting, detailed = _counting(ctx)
+        if counting:
+            _count(kind, [("branching", diff.zero)], result.numel(), None, ctx, rec_name,
+                   self.op, detailed, diff)
+        return result
+
+    def gemm(self, ctx: AtenContext, raw: list, args: tuple, kwargs: dict) -> Any:
+        seed = ctx.next_seed(self.salt)
         eta = ctx.fmt.unit_roundoff
+        surrogate = False
         new_args = list(args)
         for i, a in enumerate(args):
             if isinstance(a, Stacked) and a.samples.is_floating_point():
@@ -1323,115 +1410,123 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
                 if cnt:
                     new_args[i] = Stacked(p)
         args = tuple(new_args)
+        out, lifted = _run_batched(self.op, self.info, args, kwargs, ctx.n_samples, ctx)
+        self.lifted = lifted
+        flat = [out] if isinstance(out, torch.Tensor) else None
+        if flat is None:
+            flat, self.spec = pytree.tree_flatten(out)
+        return self.finish(ctx, flat, args, kwargs, seed, surrogate)
 
-    if from_plain:
-        raw = pytree.tree_map(
-            lambda v: _to_working(v, ctx).unsqueeze(0).expand(n, *v.shape)
-            if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
-            else v, out)
-        lifted = True
-    elif not info.gemm and identical and not (kwargs and _has_stacked((), kwargs)):
-        # Every operand is N identical samples (data entering the analysis, or exact
-        # operations on it): one evaluation serves all samples; they part at the rounding.
-        one = (info.plain or op)(*[a.samples[0] if isinstance(a, Stacked) else a for a in args],
-                                 **kwargs)
-        raw = one.unsqueeze(0).expand(n, *one.shape) if isinstance(one, torch.Tensor) else \
-            pytree.tree_map(lambda v: v.unsqueeze(0).expand(n, *v.shape)
-                            if isinstance(v, torch.Tensor) else v, one)
-        lifted = True
-    else:
-        raw = None
-        if ctx._lookup and info.kind in native.LOOKUP_OPS and len(args) == 1 and not kwargs \
-                and type(args[0]) is Stacked:
-            # exp, log, ... of values in the format: a table of the op's own results
-            raw = native.lookup_bf16(op, args[0].samples)
-        if raw is not None:
-            lifted = True
-        else:
-            raw, lifted = _run_batched(op, info, args, kwargs, n)
-    exact = info.exact
-    if exact and kind in _COMPLEX_ARITHMETIC and type(args[0]) is Stacked and \
-            args[0].samples.is_complex():
-        exact = False  # |z|, z / |z|: arithmetic on the parts
-    elif exact and kind == "round" and kwargs.get("decimals"):
-        exact = False  # round(x * 10**d) / 10**d: not a value of the format in general
-    do_round = (lifted or ctx.round_per_sample) and not exact
-    want_record = ctx.recorder is not None and (
-        not exact or ctx.record_exact or _writes_nonfinite(kind, args, kwargs))
-    # Per-element digits now, in the rounding pass, when a counter will read them: a
-    # cancellation needs a format with more digits than cancel_digits; the zero masks of the
-    # other counters are measured later, only for values whose statistics count zeros.
-    want_digits = counting and ctx.cap > ctx.cancel_digits and (
-        need_digits is not False or kind in OUTPUT_DIGITS_KINDS)
-    want_zeros = counting and (need_digits if need_zeros is None else need_zeros) is not False
-    single = isinstance(raw, torch.Tensor)
-    flat, spec = ([raw], None) if single else pytree.tree_flatten(raw)
-    outs = []
-    first = None
-    first_stats = None
-    j = 0
-    for v in flat:
-        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == n:
-            is_first = first is None
-            if v.is_complex() and do_round:
-                # real and imaginary parts round (and are measured) as two real values each,
-                # as at the operator level
-                seed_j = ctx.rounding_seed(seed, j)
-                j += 1
-                v, st = _round_complex(v, ctx, seed_j, is_first and (want_record or counting),
-                                       _owned(v, args))
-                st_v = Stacked(v)
-                if is_first:
-                    first_stats = st
-            elif v.is_floating_point() and do_round:
-                seed_j = ctx.rounding_seed(seed, j)
-                j += 1
-                if ctx.eft:
-                    v = _round_fp64(kind, op, args, kwargs, v, seed_j, ctx)
-                    seed_j = None  # rounded: measure only
-                if is_first:
-                    v, st, an = _round_measure(v, ctx, seed_j, want_record or counting,
-                                               want_digits, want_zeros and not want_digits,
-                                               _owned(v, args))
+    def lookup(self, ctx: AtenContext, raw: list, args: tuple, kwargs: dict) -> Any:
+        out = native.lookup_bf16(self.op, args[0].samples)
+        if out is None:
+            out, self.lifted = _run_batched(self.op, self.info, args, kwargs, ctx.n_samples, ctx)
+        return self.finish(ctx, [out], args, kwargs)
+
+    def finish(self, ctx: AtenContext, flat: list, args: tuple, kwargs: dict,
+               seed: Optional[int] = None, surrogate: bool = False) -> Any:
+        """Round every floating output (the first measured and recorded), count, record."""
+        info, op, n = self.info, self.op, ctx.n_samples
+        kind = info.kind
+        name = self.name
+        lifted = self.lifted
+        if seed is None:
+            seed = ctx.next_seed(self.salt)
+        counting, detailed = _counting(ctx)
+        exact = info.exact
+        if exact and kind in _COMPLEX_ARITHMETIC and type(args[0]) is Stacked and \
+                args[0].samples.is_complex():
+            exact = False  # |z|, z / |z|: arithmetic on the parts
+        elif exact and kind == "round" and kwargs.get("decimals"):
+            exact = False  # round(x * 10**d) / 10**d: not a value of the format in general
+        do_round = (lifted or ctx.round_per_sample) and not exact
+        want_record = ctx.recorder is not None and (
+            not exact or ctx.record_exact or _writes_nonfinite(kind, args, kwargs))
+        # Per-element digits now, in the rounding pass, when a counter will read them: a
+        # cancellation needs a format with more digits than cancel_digits; the zero masks of
+        # the other counters are measured later, only for values whose statistics count zeros.
+        need_digits, need_zeros = self.need_digits, self.need_zeros
+        want_digits = counting and ctx.cap > ctx.cancel_digits and (
+            need_digits is not False or kind in OUTPUT_DIGITS_KINDS)
+        want_zeros = counting and (need_digits if need_zeros is None else need_zeros) is not False
+        outs = []
+        first = None
+        first_stats = None
+        j = 0
+        for v in flat:
+            if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == n:
+                is_first = first is None
+                if v.is_complex() and do_round:
+                    # real and imaginary parts round (and are measured) as two real values
+                    # each, as at the operator level
+                    seed_j = ctx.rounding_seed(seed, j)
+                    j += 1
+                    v, st = _round_complex(v, ctx, seed_j,
+                                           is_first and (want_record or counting),
+                                           _owned(v, args))
+                    st_v = Stacked(v)
+                    if is_first:
+                        first_stats = st
+                elif v.is_floating_point() and do_round:
+                    seed_j = ctx.rounding_seed(seed, j)
+                    j += 1
+                    if ctx.eft:
+                        v = _round_fp64(kind, op, args, kwargs, v, seed_j, ctx)
+                        seed_j = None  # rounded: measure only
+                    if is_first:
+                        v, st, an = _round_measure(v, ctx, seed_j, want_record or counting,
+                                                   want_digits, want_zeros and not want_digits,
+                                                   _owned(v, args))
+                    else:
+                        v, st, an = _round_measure(v, ctx, seed_j, False, False, False,
+                                                   _owned(v, args))
+                    st_v = Stacked(v, an)
+                    if is_first:
+                        first_stats = st
                 else:
-                    v, st, an = _round_measure(v, ctx, seed_j, False, False, False,
-                                               _owned(v, args))
-                st_v = Stacked(v, an)
+                    an = None
+                    if info.layout and lifted and v.is_floating_point() and \
+                            isinstance(args[0], Stacked):
+                        an = _digits_through(info, op, args, kwargs, v, ctx)
+                    st_v = Stacked(v, an)
                 if is_first:
-                    first_stats = st
+                    first = st_v
+                outs.append(st_v)
             else:
-                an = None
-                if info.layout and lifted and v.is_floating_point() and isinstance(args[0], Stacked):
-                    an = _digits_through(info, op, args, kwargs, v, ctx)
-                st_v = Stacked(v, an)
-            if is_first:
-                first = st_v
-            outs.append(st_v)
-        else:
-            outs.append(v)
-    result = outs[0] if single else pytree.tree_unflatten(outs, spec)
+                outs.append(v)
+        result = outs[0] if self.spec is None else pytree.tree_unflatten(outs, self.spec)
 
-    want_record = want_record and first is not None and (first.samples.is_floating_point()
-                                                         or first.samples.is_complex())
-    rec_name = name or ctx.name_for(op) if (want_record or counting) else None
-    if counting:
-        diff = None
-        if kind in _SELECT2 or kind in ("clamp", "clamp_min", "clamp_max"):
-            diff = _limit_diff(kind, args, kwargs, ctx)
-        out_numel = first.samples.numel() // n if first is not None else 0
-        found = _compute_counters(kind, args, kwargs, first, out_numel, ctx, diff)
-        counts = _count(kind, found, out_numel, first, ctx, rec_name, op, detailed, None) \
-            if found else _no_counts(ctx)
-    else:
-        counts = empty_counters()
-        ctx._last_events = []
-    if want_record:
-        stats = _record_stats(first, first_stats, ctx)
-        status = (PER_SAMPLE if not lifted else ROUNDED) if do_round else \
-            (UNLIFTED if not lifted else OBSERVED)
-        ctx.recorder(PrimitiveRecord(rec_name, info.text, kind, stats, counts, surrogate, status,
-                                     tuple(first.shape), list(ctx._last_events)))
-    return result
+        want_record = want_record and first is not None and (first.samples.is_floating_point()
+                                                             or first.samples.is_complex())
+        rec_name = name or ctx.name_for(op) if (want_record or counting) else None
+        if counting:
+            diff = None
+            if kind in _SELECT2 or kind in ("clamp", "clamp_min", "clamp_max"):
+                diff = _limit_diff(kind, args, kwargs, ctx)
+            out_numel = first.samples.numel() // n if first is not None else 0
+            found = _compute_counters(kind, args, kwargs, first, out_numel, ctx, diff)
+            counts = _count(kind, found, out_numel, first, ctx, rec_name, op, detailed, None) \
+                if found else _no_counts(ctx)
+        else:
+            counts = empty_counters()
+            ctx._last_events = []
+        if want_record:
+            stats = _record_stats(first, first_stats, ctx)
+            status = (PER_SAMPLE if not lifted else ROUNDED) if do_round else \
+                (UNLIFTED if not lifted else OBSERVED)
+            ctx.recorder(PrimitiveRecord(rec_name, info.text, kind, stats, counts, surrogate,
+                                         status, tuple(first.shape), list(ctx._last_events)))
+        return result
+
+
+def _counting(ctx: AtenContext) -> tuple[bool, bool]:
+    """(whether counters run, whether they keep per-event records): the context's
+    diagnostics, or an open :func:`fxstab.counters.instability_counters` block."""
+    collectors = active_collectors()
+    counting = ctx.diagnostics != "off" or bool(collectors)
+    detailed = counting and (ctx.diagnostics == "detailed" or bool(collectors) and any(
+        c.diagnostics == "detailed" for c in collectors))
+    return counting, detailed
 
 
 # Exact primitives that write a value of their own: filled with an infinity (an attention mask's
