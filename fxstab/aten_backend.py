@@ -23,7 +23,9 @@ unfused module runs, with its names), as at the operator level.
 from __future__ import annotations
 
 import collections
+import copy
 import operator
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -33,6 +35,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from . import randbits
+from .flat import flatten_call, unflatten_call
+from .passes import steps
+from .passes.sample import SampledGraph, signature
 from .backend import (GraphAnalysis, _callable, _expand_composites, _fetch_attr,
                       _mutated_placeholders, _rng_states, _set_rng_states)
 from .coverage import ANALYSED, SKIPPED, UNROUNDED, CoverageEntry
@@ -301,10 +306,16 @@ class AtenGraphAnalysis(GraphAnalysis):
 
     # -- the stochastic path ----------------------------------------------------------------
     def run_samples(self, args: tuple, call: int, rng_states: dict) -> Any:
-        from .aten_rules import AtenContext, Stacked, apply_primitive, observe, to_op_report
+        """The stochastic path of one analysed call; returns the outputs' samples.
+
+        The first call with a signature traces the rules over the lowered graph
+        (:class:`AtenTracer`) into a :class:`~fxstab.passes.sample.SampledGraph`, as the
+        operator level does; later calls run the generated graph. Where the trace fails, the
+        rules run as they are, not traced, on every call with that signature
+        (``info.untraced`` says why)."""
+        from .aten_rules import AtenContext, Stacked
 
         cfg = self.cfg
-        owner = self.owner
         placeholders = self._placeholders()
         args = tuple(a.detach().clone() if (isinstance(a, torch.Tensor) and node in self.mutated)
                      else a for a, node in zip(args, placeholders))
@@ -313,10 +324,7 @@ class AtenGraphAnalysis(GraphAnalysis):
             args = tuple(a.detach().clone() if i in low.written and isinstance(a, torch.Tensor)
                          and placeholders[i] not in self.mutated else a
                          for i, a in enumerate(args))
-        lowered, plans, free_after = low.gm, low.plans, low.free_after
         _set_rng_states(rng_states)  # the deterministic pass's random numbers, again
-
-        records: list = []
         if self._context is None:  # the settings, checked and derived once per graph
             self._context = AtenContext(format=cfg.format, n_samples=cfg.n_samples,
                                         rounding=cfg.rounding, confidence=cfg.confidence,
@@ -324,81 +332,34 @@ class AtenGraphAnalysis(GraphAnalysis):
                                         cancel_digits=cfg.cancel_digits,
                                         zero_threshold=cfg.zero_threshold, kernels=cfg.kernels,
                                         saturate=cfg.saturate, round_per_sample=True)
-        ctx = self._context.for_call(randbits.derive_seed(cfg.seed, self.index, call),
-                                     records.append, low.salts)
-        env: dict[torch.fx.Node, Any] = {}
-        frontier: dict[torch.fx.Node, frozenset] = {}
-        # per operator: the statuses of its recorded primitives in this call
-        statuses: dict[str, set] = {}
-        inputs = iter(args)
-        # Samples of inputs are expanded views of one value; a graph that updates values in
-        # place (BatchNorm's running statistics) gets N real copies instead.
-        copies = iter([low.mutates or node in self.mutated for node in placeholders])
-        result = None
-        empty: frozenset = frozenset()
-        fetch = env.__getitem__
-        for node, plan, inputs_of in zip(lowered.graph.nodes, plans, low.input_nodes):
-            ins = empty
-            for m in inputs_of:
-                f = frontier.get(m, empty)
-                if f:
-                    ins = ins | f if ins else f
-            frontier[node] = ins
-            if node.op == "placeholder":
-                v = next(inputs)
-                copy = next(copies)
-                # Inputs and buffers enter as N identical samples (an expanded view: no copy
-                # unless the graph updates them in place); parameters stay plain (the rules
-                # broadcast plain operands) so weights are never copied N times.
-                if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) \
-                        and not isinstance(v, torch.nn.Parameter):
-                    v = ctx.stack(v, materialize=copy)
-                env[node] = v
-                continue
-            if node.op == "get_attr":
-                env[node] = _fetch_attr(lowered, node.target)
-                continue
-            if node.op == "output":
-                result = torch.fx.node.map_arg(node.args[0], lambda m: env[m])
-                continue
-            a = torch.fx.node.map_arg(node.args, fetch)
-            kw = torch.fx.node.map_arg(node.kwargs, fetch) if node.kwargs else {}
-            if plan is None or plan.action == "plain":
-                # Python operators on sizes, getitem on tuples, symbolic sizes: plain values.
-                env[node] = _plain_call(_callable(lowered, node), a, kw, Stacked)
-                continue
-            before = len(records)
-            if plan.action == "random":
-                out = _random_call(plan.target, a, kw, Stacked)
-            else:
-                out = apply_primitive(plan.target, a, kw, ctx, name=plan.name, salt=plan.index,
-                                      need_digits=plan.need_digits,
-                                      need_zeros=plan.need_zeros)
-                if plan.inplace and isinstance(out, Stacked) and a and \
-                        isinstance(node.args[0], torch.fx.Node) and \
-                        not isinstance(a[0], Stacked):
-                    # a plain tensor updated in place from samples now holds samples: later
-                    # readers of the target see them
-                    env[node.args[0]] = out
-            env[node] = out
-            if plan.observe and len(records) == before and plan.record:
-                observe(out, plan.target, ctx, plan.name)
-            if len(records) > before:
-                for rec in records[before:]:
-                    if not plan.record:
-                        continue
-                    rep = to_op_report(rec, ctx, phase=owner._phase, step=owner._step, call=call,
-                                       inputs=tuple(sorted(ins)))
-                    rep.module_path = plan.path
-                    owner.reports.append(rep)
-                    frontier[node] = frozenset({rec.name})
-                    if plan.origin is not None:
-                        statuses.setdefault(plan.origin, {}).setdefault(rec.status, rec.name)
-                del records[before:]
-            for dead in free_after.get(node, ()):
-                env.pop(dead, None)
-        self._note_coverage(low, statuses)
-        return result
+        key = signature(args)
+        if self._item_inputs:  # scalars of the module read with .item(): constants of a trace
+            key += tuple(args[i].item() if isinstance(args[i], torch.Tensor) and
+                         args[i].numel() == 1 else None for i in self._item_inputs)
+        sg = self.sampled.get(key)
+        if sg is not None and sg.tracer.low is low:
+            if self.info.coverage is not sg.coverage:
+                self.info.coverage = sg.coverage
+            return sg(args, call)
+        tracer = AtenTracer(self, low, call)
+        if key in self.info.untraced:
+            return tracer.run(args)
+        try:
+            sg = SampledGraph.trace(tracer, args, Stacked)
+        except Exception as exc:  # noqa: BLE001 - the rules, untraced, for this signature
+            self.info.untraced[key] = f"{type(exc).__name__}: " \
+                f"{(str(exc).splitlines() or [''])[0][:200]}"
+            warnings.warn(f"fxstab: the stochastic path of graph {self.index} could not be "
+                          f"traced ({self.info.untraced[key]}); its rules run untraced, which "
+                          "is slower", RuntimeWarning, stacklevel=3)
+            tracer.discard()
+            _set_rng_states(rng_states)
+            return self.run_samples(args, call, rng_states)
+        tracer.seal()
+        sg.coverage = self.info.coverage
+        self.sampled.add(key, sg)
+        out, sg.first = sg.first, None
+        return out
 
     # -- coverage ---------------------------------------------------------------------------
     def _floating(self, node: torch.fx.Node, low: Optional["_Lowered"]) -> bool:
@@ -412,8 +373,7 @@ class AtenGraphAnalysis(GraphAnalysis):
 
     def _note_coverage(self, low: "_Lowered", statuses: dict) -> None:
         """How each operator ran in this call (``be.coverage()``), from its primitives."""
-        cov = self.info.coverage
-        cov.clear()
+        cov = self.info.coverage = {}  # a sampled graph's own notes stay as they are
         last = self._last_coverage
         if last is not None and last[0] is low and last[1] == statuses:
             cov.update(last[2])  # as in the previous call (the usual case): no new entries
@@ -464,8 +424,7 @@ class AtenGraphAnalysis(GraphAnalysis):
         why = f"the graph's stochastic path failed ({type(exc).__name__}: " \
               f"{(str(exc).splitlines() or [''])[0][:160]})"
         low = next(reversed(self._lowered.values()), None) if self._lowered else None
-        cov = self.info.coverage
-        cov.clear()
+        cov = self.info.coverage = {}
         for node in self.sgraph.nodes:
             entry = self.operators.get(node.name)
             if entry is None:
@@ -476,6 +435,263 @@ class AtenGraphAnalysis(GraphAnalysis):
             cov[node.name] = CoverageEntry(operator=name, kind=kind, how=SKIPPED, reason=why,
                                            graph=self.index, node=node.name, floating=floating,
                                            counted=floating)
+
+
+class AtenTracer:
+    """The arithmetic level's rules over one lowered graph, traced into its sampled graph.
+
+    :meth:`run` walks the lowered graph on stacked samples with
+    :func:`~fxstab.aten_rules.apply_primitive`, under ``make_fx``
+    (:class:`fxstab.passes.sample.SampledGraph`): what the rules compute with torch operators
+    (the batched primitives) becomes aten nodes, and what reads values (rounding and the
+    statistics, counters, CESTAC comparisons, the surrogate: :meth:`AtenContext.emit`) becomes
+    one :class:`~fxstab.passes.steps.Step` per primitive, which runs with this call's context
+    (:meth:`begin`: seeds, counters, records) when the generated graph runs.
+
+    A step's operands keep what their producer's step measured (per-element digits, zero
+    masks, the statistics: the :class:`~fxstab.aten_rules.Stacked` analyses the counters of
+    its consumers read): each stacked output of a step has a slot, the call's ``live`` table
+    holds it from its step to its last reader. Called outside a trace (a graph the tracer
+    refused), :meth:`run` is the same rules run directly.
+    """
+
+    def __init__(self, analysis: "AtenGraphAnalysis", low: "_Lowered", call: int) -> None:
+        self.a = analysis
+        self.low = low
+        self._slot_of: dict[int, int] = {}  # id of a traced Stacked -> its slot
+        self._held: list = []  # those Stacked, until the trace ends (their ids stay theirs)
+        self._reads: list[list[int]] = []  # per step: the slots it reads
+        self._drop: Optional[list] = None  # per step: the slots it reads last (seal)
+        self._kept: Optional[set] = None  # the slots some step reads (seal)
+        self._slots = 0
+        self._meta: dict[str, tuple] = {}  # record name -> (module path, inputs)
+        self.begin(call)
+
+    def begin(self, call: int) -> None:
+        """The state of one analysed call, which the steps use and fill."""
+        a = self.a
+        self.call = call
+        self.live: dict[int, Any] = {}
+        self.noted: list = []  # this call's records
+        self.ctx = a._context.for_call(randbits.derive_seed(a.cfg.seed, a.index, call),
+                                       self._record, self.low.salts)
+
+    def _record(self, rec: Any) -> None:
+        from .aten_rules import to_op_report
+
+        self.noted.append(rec)
+        meta = self._meta.get(rec.name)
+        if meta is None:  # not selected
+            return
+        owner = self.a.owner
+        rep = to_op_report(rec, self.ctx, phase=owner._phase, step=owner._step, call=self.call,
+                           inputs=meta[1])
+        rep.module_path = meta[0]
+        owner.reports.append(rep)
+
+    def seal(self) -> None:
+        """After the trace: when each slot is read last, and which ones are read at all."""
+        last: dict[int, int] = {}
+        for k, reads in enumerate(self._reads):
+            for s in reads:
+                last[s] = k
+        drop: list = [[] for _ in self._reads]
+        for s, k in last.items():
+            drop[k].append(s)
+        self._drop, self._kept = drop, set(last)
+        self.discard()
+
+    def discard(self) -> None:
+        """Forget the trace's own values."""
+        self._slot_of.clear()
+        self._held.clear()
+        self.live = {}
+
+    # -- steps ----------------------------------------------------------------------------
+    def _step(self, what: str, name: Optional[str], fn: Callable, raw: list, args: tuple,
+              kwargs: dict) -> Any:
+        """:meth:`AtenContext.emit` while tracing: ``fn`` as one step of the graph."""
+        from .aten_rules import Stacked
+
+        call_leaves, cspec = flatten_call(args, kwargs)
+        nraw = len(raw)
+        leaves = [*raw, *call_leaves]
+        pos: list[int] = []
+        slots: list[int] = []  # a step output's slot, -1 other samples, -2 a plain tensor
+        template: list = []
+        for i, v in enumerate(leaves):
+            if type(v) is Stacked:
+                pos.append(i)
+                slots.append(self._slot_of.get(id(v), -1))
+                template.append(None)
+            elif isinstance(v, torch.Tensor):
+                pos.append(i)
+                slots.append(-2)
+                template.append(None)
+            else:
+                template.append(v)
+        k = len(self._reads)
+        self._reads.append([s for s in slots if s >= 0])
+        layout: list = []  # the outputs: constants, structure, [(leaf, slot or -2)]
+        tracer = self
+
+        def run(ts: list) -> list:
+            live = tracer.live
+            new = template.copy()
+            for i, s, t in zip(pos, slots, ts):
+                if s == -2:
+                    new[i] = t
+                else:
+                    st = live.get(s) if s >= 0 else None
+                    new[i] = st if st is not None and st.samples is t else Stacked(t)
+            if tracer._drop is not None:
+                for s in tracer._drop[k]:
+                    del live[s]
+            a, kw = unflatten_call(new[nraw:], cspec)
+            out = fn(tracer.ctx, new[:nraw], a, kw)
+            if type(out) is Stacked:
+                flat, spec = [out], None
+            else:
+                flat, spec = pytree.tree_flatten(out, is_leaf=lambda x: type(x) is Stacked)
+            if not layout:  # the trace: how to rebuild the output (no tensor kept)
+                where = []
+                for j, v in enumerate(flat):
+                    if type(v) is Stacked:
+                        where.append((j, tracer._slots))
+                        tracer._slots += 1
+                    elif isinstance(v, torch.Tensor):
+                        where.append((j, -2))
+                layout[:] = [[None if type(v) is Stacked or isinstance(v, torch.Tensor) else v
+                              for v in flat], spec, where]
+            res = []
+            kept = tracer._kept
+            for j, s in layout[2]:
+                v = flat[j]
+                if s >= 0:
+                    if kept is None or s in kept:
+                        live[s] = v
+                    res.append(v.samples)
+                else:
+                    res.append(v)
+            return res
+
+        outs = steps.emit(steps.Step(what, name or what, run),
+                          [leaves[i].samples if s != -2 else leaves[i]
+                           for i, s in zip(pos, slots)])
+        consts, spec, where = layout
+        flat = list(consts)
+        for (j, s), t in zip(where, outs):
+            if s >= 0:
+                st = Stacked(t)
+                self._slot_of[id(st)] = s
+                self._held.append(st)
+                flat[j] = st
+            else:
+                flat[j] = t
+        return flat[0] if spec is None else pytree.tree_unflatten(flat, spec)
+
+    # -- the walk -------------------------------------------------------------------------
+    def run(self, args: tuple) -> Any:
+        """Walk the lowered graph on ``args`` (under ``make_fx``: the trace); returns the
+        outputs' samples."""
+        from .aten_rules import Stacked, apply_primitive, observe
+
+        a, low = self.a, self.low
+        ctx = self.ctx
+        if steps.active():
+            ctx = copy.copy(ctx)  # decides and traces; the steps run with self.ctx
+            ctx.stepper = self._step
+        lowered, plans, free_after = low.gm, low.plans, low.free_after
+        env: dict[torch.fx.Node, Any] = {}
+        frontier: dict[torch.fx.Node, frozenset] = {}
+        # per operator: the statuses of its recorded primitives in this call
+        statuses: dict[str, set] = {}
+        inputs = iter(args)
+        # Samples of inputs are expanded views of one value; a graph that updates values in
+        # place (BatchNorm's running statistics) gets N real copies instead.
+        copies = iter([low.mutates or node in a.mutated for node in a._placeholders()])
+        result = None
+        empty: frozenset = frozenset()
+        fetch = env.__getitem__
+        noted = self.noted
+        for node, plan, inputs_of in zip(lowered.graph.nodes, plans, low.input_nodes):
+            ins = empty
+            for m in inputs_of:
+                f = frontier.get(m, empty)
+                if f:
+                    ins = ins | f if ins else f
+            frontier[node] = ins
+            if node.op == "placeholder":
+                v = next(inputs)
+                copy_ = next(copies)
+                # Inputs and buffers enter as N identical samples (an expanded view: no copy
+                # unless the graph updates them in place); parameters stay plain (the rules
+                # broadcast plain operands) so weights are never copied N times.
+                if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) \
+                        and not isinstance(v, torch.nn.Parameter):
+                    v = ctx.stack(v, materialize=copy_)
+                env[node] = v
+                continue
+            if node.op == "get_attr":
+                env[node] = _fetch_attr(lowered, node.target)
+                continue
+            if node.op == "output":
+                result = torch.fx.node.map_arg(node.args[0], lambda m: env[m])
+                continue
+            args_ = torch.fx.node.map_arg(node.args, fetch)
+            kw = torch.fx.node.map_arg(node.kwargs, fetch) if node.kwargs else {}
+            if plan is None or plan.action == "plain":
+                # Python operators on sizes, getitem on tuples, symbolic sizes: plain values.
+                env[node] = _plain_call(_callable(lowered, node), args_, kw, Stacked)
+                continue
+            if plan.record:
+                self._meta[plan.name] = (plan.path, tuple(sorted(ins)))
+            before = len(noted)
+            if plan.action == "random":
+                out = ctx.emit("random", plan.name, _random_step(plan.target), (), args_, kw)
+            else:
+                out = apply_primitive(plan.target, args_, kw, ctx, name=plan.name,
+                                      salt=plan.index, need_digits=plan.need_digits,
+                                      need_zeros=plan.need_zeros)
+                if plan.inplace and isinstance(out, Stacked) and args_ and \
+                        isinstance(node.args[0], torch.fx.Node) and \
+                        not isinstance(args_[0], Stacked):
+                    # a plain tensor updated in place from samples now holds samples: later
+                    # readers of the target see them
+                    env[node.args[0]] = out
+            env[node] = out
+            if plan.observe and len(noted) == before and plan.record:
+                ctx.emit("observe", plan.name, _observe_step(plan.target, plan.name), (),
+                         (out,), {})
+            if len(noted) > before and plan.record:
+                for rec in noted[before:]:
+                    frontier[node] = frozenset({rec.name})
+                    if plan.origin is not None:
+                        statuses.setdefault(plan.origin, {}).setdefault(rec.status, rec.name)
+            for dead in free_after.get(node, ()):
+                v = env.pop(dead, None)
+                if type(v) is Stacked:  # its slot's samples (the trace's) go with it
+                    s = self._slot_of.get(id(v))
+                    if s is not None:
+                        self.live.pop(s, None)
+        a._note_coverage(low, statuses)
+        return result
+
+
+def _random_step(op: Any) -> Callable:
+    def run(ctx: Any, raw: list, args: tuple, kwargs: dict) -> Any:
+        from .aten_rules import Stacked
+
+        return _random_call(op, args, kwargs, Stacked)
+    return run
+
+
+def _observe_step(op: Any, name: str) -> Callable:
+    def run(ctx: Any, raw: list, args: tuple, kwargs: dict) -> bool:
+        from .aten_rules import observe
+
+        return observe(args[0], op, ctx, name)
+    return run
 
 
 class _Specializing(torch.fx.Interpreter):

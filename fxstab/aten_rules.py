@@ -266,6 +266,11 @@ class Stacked:
     def ndim(self) -> int:
         return self.samples.dim() - 1
 
+    @property
+    def t(self) -> torch.Tensor:
+        """The samples (the name :class:`fxstab.passes.sample.SampledGraph` reads)."""
+        return self.samples
+
     def analysis(self, ctx: "AtenContext") -> "_Analysis":
         if self._an is None:
             self._an = _Analysis(self.samples, ctx)
@@ -501,6 +506,7 @@ class AtenContext:
         self._round_seeds: Optional[dict] = None  # seed -> its first output's rounding seed
         self._native = self.kernels != "torch" and native.available()
         self._rounders: dict = {}
+        self._gemm: Optional[tuple] = None  # (seed, surrogate fired) of the GEMM being run
         # unary math on rounded values of a format with at most bf16's significand (bf16, fp8:
         # every such value is a bf16 value) through native.lookup_bf16
         self._lookup = (self._native and self.working_dtype == torch.float32
@@ -517,6 +523,7 @@ class AtenContext:
         ctx._occurrence = {}
         ctx._last_events = []
         ctx._seeds = ctx._round_seeds = None
+        ctx._gemm = None
         found = native.derive_seeds(seed, salts, 100) if salts and self._native else None
         if found is not None:
             ctx._seeds = dict(zip(salts, found[0]))
@@ -1338,9 +1345,11 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
     if info.compare and len(args) >= 2 and _differs(args[0], args[1]):
         return ctx.emit("compare", name, rule.compare, (), args, kwargs)
     if info.gemm and not from_plain:
-        # the surrogate on the operands, the product and its rounding: one step
-        return ctx.emit("gemm", name, rule.gemm, (), args, kwargs)
-    if from_plain:
+        # the surrogate on the stacked operands (a step), then the product on the samples
+        args = ctx.emit("perturb", name, rule.perturb, (), args, kwargs)
+        raw, lifted = _run_batched(op, info, args, kwargs, n, ctx)
+        rule.lifted = lifted
+    elif from_plain:
         raw = pytree.tree_map(
             lambda v: _to_working(v, ctx).unsqueeze(0).expand(n, *v.shape)
             if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
@@ -1360,9 +1369,7 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
         # value is not one of the format's), then rounded
         return ctx.emit("lookup", name, rule.lookup, (), args, kwargs)
     else:
-        raw, lifted = _run_batched(op, info, args, kwargs, n, ctx)
-        if not lifted:
-            rule.lifted = False
+        raw, rule.lifted = _run_batched(op, info, args, kwargs, n, ctx)
     return rule.finish_raw(ctx, raw, args, kwargs)
 
 
@@ -1398,7 +1405,9 @@ class _Rule:
                    self.op, detailed, diff)
         return result
 
-    def gemm(self, ctx: AtenContext, raw: list, args: tuple, kwargs: dict) -> Any:
+    def perturb(self, ctx: AtenContext, raw: list, args: tuple, kwargs: dict) -> tuple:
+        """The GEMM surrogate on the stacked floating operands; the primitive's seed and
+        whether it perturbed anything wait in the context for :meth:`finish`."""
         seed = ctx.next_seed(self.salt)
         eta = ctx.fmt.unit_roundoff
         surrogate = False
@@ -1407,15 +1416,10 @@ class _Rule:
             if isinstance(a, Stacked) and a.samples.is_floating_point():
                 p, cnt = _perturb(a.samples, eta, randbits.derive_seed(seed, 1 + i), ctx)
                 surrogate |= cnt > 0
-                if cnt:
+                if p is not a.samples:
                     new_args[i] = Stacked(p)
-        args = tuple(new_args)
-        out, lifted = _run_batched(self.op, self.info, args, kwargs, ctx.n_samples, ctx)
-        self.lifted = lifted
-        flat = [out] if isinstance(out, torch.Tensor) else None
-        if flat is None:
-            flat, self.spec = pytree.tree_flatten(out)
-        return self.finish(ctx, flat, args, kwargs, seed, surrogate)
+        ctx._gemm = (seed, surrogate)
+        return tuple(new_args)
 
     def lookup(self, ctx: AtenContext, raw: list, args: tuple, kwargs: dict) -> Any:
         out = native.lookup_bf16(self.op, args[0].samples)
@@ -1423,15 +1427,16 @@ class _Rule:
             out, self.lifted = _run_batched(self.op, self.info, args, kwargs, ctx.n_samples, ctx)
         return self.finish(ctx, [out], args, kwargs)
 
-    def finish(self, ctx: AtenContext, flat: list, args: tuple, kwargs: dict,
-               seed: Optional[int] = None, surrogate: bool = False) -> Any:
+    def finish(self, ctx: AtenContext, flat: list, args: tuple, kwargs: dict) -> Any:
         """Round every floating output (the first measured and recorded), count, record."""
         info, op, n = self.info, self.op, ctx.n_samples
         kind = info.kind
         name = self.name
         lifted = self.lifted
-        if seed is None:
-            seed = ctx.next_seed(self.salt)
+        if self.info.gemm and ctx._gemm is not None:  # from perturb, just before
+            (seed, surrogate), ctx._gemm = ctx._gemm, None
+        else:
+            seed, surrogate = ctx.next_seed(self.salt), False
         counting, detailed = _counting(ctx)
         exact = info.exact
         if exact and kind in _COMPLEX_ARITHMETIC and type(args[0]) is Stacked and \

@@ -1526,11 +1526,10 @@ class FxstabBackend:
     def sampled_graphs(self) -> list:
         """The generated stochastic paths (:class:`fxstab.passes.sample.SampledGraph`), the
         latest signature of each captured graph first: ``print(be.sampled_graphs()[0].code)``
-        shows the rewritten graph (operator level)."""
+        shows the rewritten graph (both granularities)."""
         out: list = []
         for g in self.graphs:
-            if self.config.granularity == "op":
-                out += g.sampled_graphs()
+            out += g.sampled_graphs()
         return out
 
     def metadata(self) -> dict:

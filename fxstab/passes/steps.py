@@ -24,7 +24,7 @@ import torch
 import torch.fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-__all__ = ["Step", "emit", "is_step", "lowered", "LowerSteps", "EliminateDeadCode", "DropDetach", "tracing",
+__all__ = ["Step", "active", "emit", "is_step", "lowered", "LowerSteps", "EliminateDeadCode", "DropDetach", "tracing",
            "registered"]
 
 
@@ -119,6 +119,11 @@ class tracing:
         for k in self.keys:  # lowered by now, or dead
             _FAILED.discard(k)
             _REGISTRY.pop(k, None)
+
+
+def active() -> bool:
+    """Whether a :class:`tracing` block is open (:func:`emit` records steps)."""
+    return bool(_ACTIVE)
 
 
 def emit(step: Step, xs: list) -> list:
