@@ -23,6 +23,7 @@ unfused module runs, with its names), as at the operator level.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import operator
 import warnings
@@ -345,7 +346,8 @@ class AtenGraphAnalysis(GraphAnalysis):
         if key in self.info.untraced:
             return tracer.run(args)
         try:
-            sg = SampledGraph.trace(tracer, args, Stacked)
+            with _provisional(self.owner):
+                sg = SampledGraph.trace(tracer, args, Stacked)
         except Exception as exc:  # noqa: BLE001 - the rules, untraced, for this signature
             self.info.untraced[key] = f"{type(exc).__name__}: " \
                 f"{(str(exc).splitlines() or [''])[0][:200]}"
@@ -676,6 +678,29 @@ class AtenTracer:
                         self.live.pop(s, None)
         a._note_coverage(low, statuses)
         return result
+
+
+@contextlib.contextmanager
+def _provisional(owner: Any):
+    """The reports and counts a trace makes (it runs the rules for real) are kept only if it
+    succeeds: a refused trace is followed by the same call untraced, which makes them again."""
+    from .counters import Counters, active_collectors
+
+    n = len(owner.reports)
+    stack = active_collectors()
+    saved = list(stack)
+    held = [Counters(c.diagnostics) for c in saved]
+    stack[:] = held
+    try:
+        yield
+    except BaseException:
+        del owner.reports[n:]
+        raise
+    else:
+        for c, h in zip(saved, held):
+            c.merge(h.counts, h.events)
+    finally:
+        stack[:] = saved
 
 
 def _random_step(op: Any) -> Callable:

@@ -17,8 +17,8 @@ from fxstab.passes import DropDetach, EliminateDeadCode, LowerSteps, Step, emit,
 from fxstab.passes import steps as steps_mod
 from fxstab.passes.steps import lowered
 
-from models import (CNN, GPT, GPT2, MLP, DropoutMLP, RecurrentStack, SpectralFilter,
-                    T5RelativeBias)
+from models import (CNN, GPT, GPT2, MLP, CancellingLinear, DropoutMLP, NaiveSoftmax,
+                    RecurrentStack, SpectralFilter, T5RelativeBias)
 
 
 # --------------------------------------------------------------------------- the passes alone
@@ -266,3 +266,161 @@ def test_replay_keeps_the_rng_stream_and_dropout_masks():
         # rounding noise (fresh masks would move it by O(1))
         assert (got - want).abs().max() < 0.1
     assert be.graphs[0].sampled.traces == 1
+
+
+# --------------------------------------------------------------------------- the arithmetic level
+def _aten(model, inputs, calls=3, untraced=False, monkeypatch=None, **options):
+    """``calls`` analysed calls at the arithmetic level, on a copy of ``model`` (BatchNorm's
+    running statistics move), with every instability event kept; ``untraced``: the same rules
+    run directly on every call (the trace refused, the fallback path)."""
+    import copy
+
+    import fxstab.aten_backend as aten_backend
+
+    if untraced:
+        def refuse(*a, **k):
+            raise RuntimeError("not traced, for the comparison")
+        monkeypatch.setattr(aten_backend.SampledGraph, "trace", refuse)
+    torch._dynamo.reset()
+    be = fxstab.backend(granularity="aten", **options)
+    f = torch.compile(copy.deepcopy(model), backend=be)
+    outs = []
+    with fxstab.instability_counters("detailed") as counters, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(calls):
+            torch.manual_seed(5)
+            outs.append(f(*inputs))
+    if untraced:
+        monkeypatch.undo()
+    return be, outs, counters
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b or (a != a and b != b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+ATEN_CASES = {
+    "mlp": (lambda: MLP(), lambda: (torch.randn(16, 16),), {}),
+    "cnn-train": (lambda: CNN().train(), lambda: (torch.randn(4, 3, 12, 12),), {}),
+    "gpt-train": (lambda: GPT().train(), lambda: (torch.randint(0, 50, (2, 16)),), {}),
+    "gpt2-detailed": (lambda: GPT2(layers=1).eval(), lambda: (torch.randint(0, 256, (2, 32)),),
+                      {"diagnostics": "detailed"}),
+    "gpt2-fp16-train": (lambda: GPT2(layers=1).train(), lambda: (torch.randint(0, 256, (2, 32)),),
+                        {"format": "fp16"}),
+    "gpt2-fp64": (lambda: GPT2(layers=1).eval(), lambda: (torch.randint(0, 256, (2, 32)),),
+                  {"format": "fp64"}),
+    "dropout-mlp": (lambda: DropoutMLP().train(), lambda: (torch.randn(64, 16),), {}),
+    "t5-bias": (lambda: T5RelativeBias(), lambda: (torch.randn(2, 16, 8),), {}),
+    "lstm-dropout": (lambda: RecurrentStack(nn.LSTM, dropout=0.3).train(),
+                     lambda: (torch.randn(4, 6, 8),), {}),
+    "complex": (lambda: SpectralFilter(), lambda: (torch.randn(3, 16),), {"select": "*"}),
+    "cancelling-fp32": (lambda: CancellingLinear(), lambda: (torch.randn(8, 16),),
+                        {"format": "fp32", "diagnostics": "detailed"}),
+    "naive-softmax": (lambda: NaiveSoftmax(), lambda: (torch.randn(4, 8) * 30,), {}),
+    "mlp-fp32-torch": (lambda: MLP(), lambda: (torch.randn(16, 16),),
+                       {"format": "fp32", "kernels": "torch"}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ATEN_CASES))
+def test_aten_sampled_graph_gives_the_reports_and_counters_of_the_untraced_rules(case,
+                                                                                 monkeypatch):
+    """The arithmetic level's sampled graph against its rules run directly (the interpreter it
+    replaced), call for call: every field of every primitive's report, every instability event,
+    the deterministic outputs."""
+    make_model, make_inputs, options = ATEN_CASES[case]
+    torch.manual_seed(0)
+    model, inputs = make_model(), make_inputs()
+    be_c, out_c, cnt_c = _aten(model, inputs, **options)
+    be_u, out_u, cnt_u = _aten(model, inputs, untraced=True, monkeypatch=monkeypatch, **options)
+    assert not any(g.info.failures for g in be_c.graphs + be_u.graphs)
+    assert all(g.sampled.traces == 1 for g in be_c.graphs)  # traced once, replayed twice
+    assert not any(g.info.untraced for g in be_c.graphs)
+    assert all(g.info.untraced for g in be_u.graphs)
+    assert len(be_c.reports) == len(be_u.reports) > 0
+    for a, b in zip(be_c.reports, be_u.reports):
+        assert _same(a.as_dict(), b.as_dict()), (a.name, a.call)
+    assert cnt_c.counts == cnt_u.counts
+    assert [e.as_dict() for e in cnt_c.events] == [e.as_dict() for e in cnt_u.events]
+    for a, b in zip(torch.utils._pytree.tree_leaves(out_c), torch.utils._pytree.tree_leaves(out_u)):
+        assert torch.equal(a, b)
+
+
+def test_aten_sampled_graph_is_aten_nodes_and_one_step_per_primitive():
+    from fxstab.passes.steps import lowered as lowered_step
+
+    torch._dynamo.reset()
+    be = fxstab.backend(granularity="aten")
+    torch.compile(MLP(), backend=be)(torch.randn(8, 16))
+    sg = be.sampled_graphs()[0]
+    code = sg.code
+    assert "fxstab_step" not in code  # every step lowered to a direct call
+    for name in ("perturb_fc1_linear_0_aten_addmm_0", "round_fc1_linear_0_aten_addmm_0",
+                 "torch.ops.aten.addmm", "torch.ops.aten.mul"):
+        assert name in code, code
+    # what reads values is a step; the samples' arithmetic is aten nodes between them
+    steps_ = [n for n in sg.gm.graph.nodes if lowered_step(n) is not None]
+    aten_ = [n for n in sg.gm.graph.nodes if n.op == "call_function" and
+             isinstance(n.target, torch._ops.OpOverload)]
+    assert len(steps_) >= len(be.reports) and len(aten_) >= len(be.reports)
+    assert {lowered_step(n).what for n in steps_} <= {"round", "perturb", "lookup", "compare",
+                                                      "observe", "random", "per_sample"}
+
+
+class MaskedExp(nn.Module):
+    """Boolean-mask indexing: the output's size follows the values (and a cancellation, for the
+    counters)."""
+
+    def forward(self, x):
+        y = (x + 1e4) - 1e4
+        return torch.exp(y[x > 0]).sum() + x.nonzero().shape[0]
+
+
+def test_refuse_dynamic_shapes_alone():
+    from fxstab.passes import RefuseDynamicShapes
+
+    gm = make_fx(lambda x: x[x > 0].sum(), tracing_mode="real")(torch.randn(8))
+    with pytest.raises(RuntimeError, match="depends on the values"):
+        RefuseDynamicShapes()(gm)
+    gather = make_fx(lambda x, i: x[i].sum(), tracing_mode="real")(torch.randn(8),
+                                                                   torch.tensor([1, 5]))
+    assert not RefuseDynamicShapes()(gather).modified  # integer indices keep their shape
+
+
+@pytest.mark.parametrize("granularity", ["op", "aten"])
+def test_value_dependent_shapes_run_untraced_with_the_shapes_of_each_call(granularity):
+    """A sampled graph would keep the traced call's sizes: such a graph runs its rules
+    untraced, with a warning, and the reports (and counters) are each call's, once."""
+    torch._dynamo.reset()
+    torch._dynamo.config.capture_dynamic_output_shape_ops = True
+    try:
+        be = fxstab.backend(granularity=granularity, format="fp32")
+        f = torch.compile(MaskedExp(), backend=be)
+        want = []
+        with warnings.catch_warnings(record=True) as caught, \
+                fxstab.instability_counters() as counters:
+            warnings.simplefilter("always")
+            for seed in range(3):
+                torch.manual_seed(seed)
+                x = torch.randn(16)
+                want.append((int((x > 0).sum()),))
+                assert torch.equal(f(x), MaskedExp()(x))
+    finally:
+        torch._dynamo.config.capture_dynamic_output_shape_ops = False
+        torch._dynamo.reset()
+    assert want[0] != want[1]  # the sizes do move between these calls
+    assert any("could not be traced" in str(w.message) for w in caught)
+    assert all(g.info.untraced for g in be.graphs)
+    assert not any(g.info.failures for g in be.graphs)
+    exps = [r for r in be.reports if r.kind == "exp"]
+    assert [r.shape for r in exps] == want and [r.call for r in exps] == [0, 1, 2]
+    if granularity == "aten":  # the refused trace's counts are not kept: once per call
+        per_call = [sum(r.counters["cancellation"] for r in be.reports if r.call == c)
+                    for c in range(3)]
+        assert min(per_call) > 0 and counters.counts["cancellation"] == sum(per_call)

@@ -1,12 +1,16 @@
 """Graph passes of the stochastic path (docs/compiled-path.md).
 
 At the first analysed call per input signature, :mod:`fxstab.passes.sample` traces the
-stochastic rules of the operator level with ``make_fx`` into one ``fx.GraphModule`` over the N
-samples; :mod:`fxstab.passes.steps` holds the nodes that run fxstab's own code in it (rounding
-and recording, the GEMM surrogate, per-sample operators) and the passes that clean the traced
-graph (dead code) and lower those nodes to direct calls.
+stochastic rules (of the operator level, :class:`fxstab.backend.SampleTracer`; of the
+arithmetic level, :class:`fxstab.aten_backend.AtenTracer`) with ``make_fx`` into one
+``fx.GraphModule`` over the N samples; :mod:`fxstab.passes.steps` holds the nodes that run
+fxstab's own code in it (rounding and recording, counters, the GEMM surrogate, per-sample
+operators) and the passes that check the traced graph (no value-dependent shapes), clean it
+(dead code) and lower those nodes to direct calls.
 """
 
-from .steps import DropDetach, EliminateDeadCode, LowerSteps, Step, emit, is_step, tracing
+from .steps import (DropDetach, EliminateDeadCode, LowerSteps, RefuseDynamicShapes, Step, emit,
+                    is_step, tracing)
 
-__all__ = ["DropDetach", "EliminateDeadCode", "LowerSteps", "Step", "emit", "is_step", "tracing"]
+__all__ = ["DropDetach", "EliminateDeadCode", "LowerSteps", "RefuseDynamicShapes", "Step", "emit",
+           "is_step", "tracing"]

@@ -90,7 +90,8 @@ class SampledGraph:
 
         with steps.tracing():
             gm = make_fx(rules, tracing_mode="real")(*[args[i] for i in positions])
-            for p in (steps.EliminateDeadCode(), steps.DropDetach(), steps.LowerSteps()):
+            for p in (steps.RefuseDynamicShapes(), steps.EliminateDeadCode(), steps.DropDetach(),
+                      steps.LowerSteps()):
                 p(gm)
         sg = cls(gm, tracer, positions, held["layout"], stacked_type)
         sg.first = held["first"]

@@ -24,8 +24,8 @@ import torch
 import torch.fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-__all__ = ["Step", "active", "emit", "is_step", "lowered", "LowerSteps", "EliminateDeadCode", "DropDetach", "tracing",
-           "registered"]
+__all__ = ["Step", "active", "emit", "is_step", "lowered", "LowerSteps", "EliminateDeadCode",
+           "DropDetach", "RefuseDynamicShapes", "tracing", "registered"]
 
 
 
@@ -186,6 +186,30 @@ class LowerSteps(PassBase):
 def registered() -> int:
     """Steps traced and not lowered yet (0 between traces: nothing leaks)."""
     return len(_REGISTRY)
+
+
+class RefuseDynamicShapes(PassBase):
+    """A traced operator whose output shape follows the values (``nonzero``, boolean-mask
+    indexing, ``unique``, ``masked_select``: ``torch.Tag.dynamic_output_shape``) makes the trace
+    unusable: ``make_fx`` keeps the traced call's sizes, which a later call with other values
+    would reuse. Raises, so the graph's rules run untraced for that signature. Indexing with
+    integer tensors (a gather) keeps its shape and passes."""
+
+    def call(self, gm: torch.fx.GraphModule) -> PassResult:
+        for node in gm.graph.nodes:
+            op = node.target
+            if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or \
+                    torch.Tag.dynamic_output_shape not in op.tags:
+                continue
+            if op is torch.ops.aten.index.Tensor and all(
+                    i is None or (isinstance(i, torch.fx.Node) and
+                                  getattr(i.meta.get("val"), "dtype", torch.bool)
+                                  not in (torch.bool, torch.uint8))
+                    for i in node.args[1]):
+                continue
+            raise RuntimeError(f"{op} has an output shape that depends on the values: a trace "
+                               "would keep this call's sizes")
+        return PassResult(gm, False)
 
 
 class DropDetach(PassBase):
