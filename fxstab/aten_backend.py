@@ -42,9 +42,10 @@ from .passes.sample import SampledGraph, signature
 from .backend import (GraphAnalysis, _callable, _expand_composites, _fetch_attr,
                       _mutated_placeholders, _rng_states, _set_rng_states)
 from .coverage import ANALYSED, SKIPPED, UNROUNDED, CoverageEntry
+from .digits import report_fields
 from .naming import module_path, qualified_name, source_location
 from .opsets import node_kind
-from .report import OBSERVED, PER_SAMPLE, UNLIFTED
+from .report import OBSERVED, PER_SAMPLE, UNLIFTED, OpReport
 
 aten = torch.ops.aten
 
@@ -467,6 +468,7 @@ class AtenTracer:
         self._kept: Optional[set] = None  # the slots some step reads (seal)
         self._slots = 0
         self._meta: dict[str, tuple] = {}  # record name -> (module path, inputs)
+        self._templates: dict[tuple, dict] = {}  # (name, status, shape) -> report fields
         self.begin(call)
 
     def begin(self, call: int) -> None:
@@ -479,16 +481,27 @@ class AtenTracer:
                                        self._record, self.low.salts)
 
     def _record(self, rec: Any) -> None:
-        from .aten_rules import to_op_report
-
+        """A primitive's record becomes its report, from the fields its reports share (built
+        once per name, status and shape)."""
         self.noted.append(rec)
         meta = self._meta.get(rec.name)
         if meta is None:  # not selected
             return
+        key = (rec.name, rec.status, rec.shape)
+        base = self._templates.get(key)
+        if base is None:
+            from .aten_rules import to_op_report
+
+            rep = to_op_report(rec, self.ctx, inputs=meta[1])
+            rep.module_path = meta[0]
+            base = self._templates[key] = {k: v for k, v in vars(rep).items()
+                                           if k not in _PER_CALL}
         owner = self.a.owner
-        rep = to_op_report(rec, self.ctx, phase=owner._phase, step=owner._step, call=self.call,
-                           inputs=meta[1])
-        rep.module_path = meta[0]
+        ctx = self.ctx
+        rep = object.__new__(OpReport)  # every field given: no keyword parsing of __init__
+        rep.__dict__ = {**base, "phase": owner._phase, "step": owner._step, "call": self.call,
+                        **report_fields(rec.values, ctx.n_samples, ctx._t, ctx.cap),
+                        "surrogate": rec.surrogate, "counters": rec.counters}
         owner.reports.append(rep)
 
     def seal(self) -> None:
@@ -678,6 +691,12 @@ class AtenTracer:
                         self.live.pop(s, None)
         a._note_coverage(low, statuses)
         return result
+
+
+# the fields of an arithmetic-level report that each call sets (AtenTracer._record)
+_PER_CALL = frozenset({"phase", "step", "call", "avg_digits", "min_digits", "max_digits", "numel",
+                       "zero_fraction", "non_finite", "normwise_digits", "p10_digits",
+                       "p50_digits", "underflow", "surrogate", "counters"})
 
 
 @contextlib.contextmanager

@@ -51,7 +51,8 @@ from torch.utils import _pytree as pytree
 from . import native, randbits
 from .counters import CounterEvent, Counters, active_collectors, check_diagnostics
 from .digits import (
-    ZERO_THRESHOLD, DigitStats, empty_stats, extra_stats, stats_from_list, student_t,
+    ZERO_THRESHOLD, DigitStats, empty_stats, extra_stats, report_fields, stats_from_list,
+    student_t,
     underflow_count,
 )
 from .formats import Format, FormatLike, get_format, working_dtype_for
@@ -417,12 +418,22 @@ class PrimitiveRecord:
     name: str
     primitive: str
     kind: str
-    stats: Optional[DigitStats]
+    values: Optional[list]  # the statistics list (fxstab.digits.stats_vector's layout)
     counters: dict
     surrogate: bool = False
     status: str = ROUNDED
     shape: tuple = ()
     events: list = field(default_factory=list)
+    n_samples: int = 3
+    t: float = 0.0  # Student's t of the digits (the context's N and confidence)
+    cap: float = 0.0  # the format's digit cap
+
+    @property
+    def stats(self) -> Optional[DigitStats]:
+        """The digit statistics of the recorded output."""
+        if self.values is None:
+            return None
+        return stats_from_list(self.values, self.n_samples, self.t, self.cap)
 
 
 _KERNELS = ("auto", "cpu", "torch")
@@ -1339,7 +1350,7 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
         args = _working_args(args, ctx)
     if kwargs:
         kwargs = _fix_dtype_kwargs(kind, kwargs, ctx)
-    rule = _Rule(op, info, name, salt, need_digits, need_zeros)
+    rule = _Rule(op, info, name, salt, need_digits, need_zeros, ctx.stepper is not None)
 
     # Comparisons: one plain boolean decision per element (CESTAC), branching on noise.
     if info.compare and len(args) >= 2 and _differs(args[0], args[1]):
@@ -1378,13 +1389,18 @@ class _Rule:
     parts of its rules that read values, as functions ``(ctx, raw, args, kwargs)`` of the
     run-time values (:meth:`AtenContext.emit`): they hold no tensor."""
 
-    __slots__ = ("op", "info", "name", "salt", "need_digits", "need_zeros", "lifted", "spec")
+    __slots__ = ("op", "info", "name", "salt", "need_digits", "need_zeros", "lifted", "spec",
+                 "reused", "fast")
 
-    def __init__(self, op, info, name, salt, need_digits, need_zeros) -> None:
+    def __init__(self, op, info, name, salt, need_digits, need_zeros, reused=False) -> None:
         self.op, self.info, self.name, self.salt = op, info, name, salt
         self.need_digits, self.need_zeros = need_digits, need_zeros
         self.lifted = True
         self.spec = None  # the raw outputs' structure (None: one tensor)
+        self.reused = reused  # a step of a sampled graph: its functions run on every call
+        # the prepared kernel of the usual one-output rounding (decided on the first call):
+        # (native.Prepared, digits wanted when counting, zero mask wanted when counting)
+        self.fast: Any = None
 
     def finish_raw(self, ctx: AtenContext, raw: Any, args: tuple, kwargs: dict) -> Any:
         """Round, measure, count and record the outputs ``raw`` of the batched primitive."""
@@ -1431,13 +1447,19 @@ class _Rule:
         """Round every floating output (the first measured and recorded), count, record."""
         info, op, n = self.info, self.op, ctx.n_samples
         kind = info.kind
-        name = self.name
         lifted = self.lifted
         if self.info.gemm and ctx._gemm is not None:  # from perturb, just before
             (seed, surrogate), ctx._gemm = ctx._gemm, None
         else:
             seed, surrogate = ctx.next_seed(self.salt), False
         counting, detailed = _counting(ctx)
+        fast = self.fast
+        if fast and not (counting and fast[1]):
+            done = self._round_prepared(ctx, fast, flat[0], args, seed, counting)
+            if done is not None:
+                first, st = done
+                return self._conclude(ctx, first, first, st, args, kwargs, False, True,
+                                      ctx.recorder is not None, surrogate, counting, detailed)
         exact = info.exact
         if exact and kind in _COMPLEX_ARITHMETIC and type(args[0]) is Stacked and \
                 args[0].samples.is_complex():
@@ -1451,9 +1473,21 @@ class _Rule:
         # cancellation needs a format with more digits than cancel_digits; the zero masks of
         # the other counters are measured later, only for values whose statistics count zeros.
         need_digits, need_zeros = self.need_digits, self.need_zeros
-        want_digits = counting and ctx.cap > ctx.cancel_digits and (
+        digits_if_counting = ctx.cap > ctx.cancel_digits and (
             need_digits is not False or kind in OUTPUT_DIGITS_KINDS)
-        want_zeros = counting and (need_digits if need_zeros is None else need_zeros) is not False
+        zeros_if_counting = (need_digits if need_zeros is None else need_zeros) is not False
+        want_digits = counting and digits_if_counting
+        want_zeros = counting and zeros_if_counting
+        if fast is None and self.reused:
+            # a step of a sampled graph, run again on every call: the usual one-output
+            # rounding gets the prepared kernel (the same bits, one C call with one argument)
+            v = flat[0]
+            self.fast = False
+            if self.spec is None and do_round and want_record and not ctx.eft and \
+                    isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() and \
+                    v.shape[0] == n and v[0].numel() and ctx.native_for(v):
+                self.fast = (native.Prepared(ctx.rounder(v.dtype, True), False),
+                             digits_if_counting, zeros_if_counting)
         outs = []
         first = None
         first_stats = None
@@ -1500,10 +1534,38 @@ class _Rule:
             else:
                 outs.append(v)
         result = outs[0] if self.spec is None else pytree.tree_unflatten(outs, self.spec)
-
         want_record = want_record and first is not None and (first.samples.is_floating_point()
                                                              or first.samples.is_complex())
-        rec_name = name or ctx.name_for(op) if (want_record or counting) else None
+        return self._conclude(ctx, result, first, first_stats, args, kwargs, exact, do_round,
+                              want_record, surrogate, counting, detailed)
+
+    def _round_prepared(self, ctx: AtenContext, fast: tuple, v: torch.Tensor, args: tuple,
+                        seed: int, counting: bool) -> Optional[tuple]:
+        """:meth:`finish`'s rounding of the one output through the prepared kernel: (its
+        samples, the statistics); None for a layout it does not read (the general path then
+        runs)."""
+        prepared, _digits, zeros_if_counting = fast
+        prepared.in_place = _owned(v, args)
+        z = None
+        if counting and zeros_if_counting:
+            z = torch.empty(v.shape[1:], dtype=torch.bool)
+            prepared._p.zmask = z.data_ptr()
+        else:
+            prepared._p.zmask = 0
+        out = prepared(v, ctx.rounding_seed(seed, 0))
+        if out is None:
+            return None
+        st = prepared.stats[:]
+        return Stacked(out, _Analysis(out, ctx, stats=st, zero=z)), st
+
+    def _conclude(self, ctx: AtenContext, result: Any, first: Optional[Stacked],
+                  first_stats: Optional[list], args: tuple, kwargs: dict, exact: bool,
+                  do_round: bool, want_record: bool, surrogate: bool, counting: bool,
+                  detailed: bool) -> Any:
+        """The counters and the record of :meth:`finish`."""
+        info, op, n = self.info, self.op, ctx.n_samples
+        kind = info.kind
+        rec_name = self.name or ctx.name_for(op) if (want_record or counting) else None
         if counting:
             diff = None
             if kind in _SELECT2 or kind in ("clamp", "clamp_min", "clamp_max"):
@@ -1516,11 +1578,13 @@ class _Rule:
             counts = empty_counters()
             ctx._last_events = []
         if want_record:
+            lifted = self.lifted
             stats = _record_stats(first, first_stats, ctx)
             status = (PER_SAMPLE if not lifted else ROUNDED) if do_round else \
                 (UNLIFTED if not lifted else OBSERVED)
             ctx.recorder(PrimitiveRecord(rec_name, info.text, kind, stats, counts, surrogate,
-                                         status, tuple(first.shape), list(ctx._last_events)))
+                                         status, tuple(first.shape), list(ctx._last_events),
+                                         n, ctx._t, ctx.cap))
         return result
 
 
@@ -1601,19 +1665,21 @@ def observe(value: Any, op: Any, ctx: AtenContext, name: Optional[str] = None) -
             continue
         ctx.recorder(PrimitiveRecord(name or ctx.name_for(op), str(op), primitive_kind(op),
                                      _record_stats(v, None, ctx), empty_counters(), False,
-                                     OBSERVED, tuple(v.shape)))
+                                     OBSERVED, tuple(v.shape), [], ctx.n_samples, ctx._t,
+                                     ctx.cap))
         return True
     return False
 
 
-def _record_stats(first: Stacked, st: Optional[list], ctx: AtenContext) -> DigitStats:
+def _record_stats(first: Stacked, st: Optional[list], ctx: AtenContext) -> list:
+    """The statistics list of a recorded output (measured now if its rounding did not)."""
     if st is None and first.samples.is_complex():  # observed complex values: their parts
         _, st = _round_complex(first.samples, ctx, None, True, False)
     if st is None:  # not rounded here (exact, observed, unlifted): measure only
         _, st, an = _round_measure(first.samples, ctx, None, True, first._an is None)
         if first._an is None:
             first._an = an
-    return stats_from_list(st, ctx.n_samples, ctx._t, ctx.cap)
+    return st
 
 
 def _no_counts(ctx: AtenContext) -> dict:
@@ -1673,15 +1739,11 @@ def _event(key, mask, count, out, ctx, rec_name, op, diff) -> CounterEvent:
 def to_op_report(record: PrimitiveRecord, ctx: AtenContext, *, module_path: str = "",
                  **fields) -> OpReport:
     """An :class:`~fxstab.report.OpReport` for one primitive record."""
-    s = record.stats
     rep = OpReport(
         name=record.name if not module_path else f"{module_path}/{record.name}",
         kind=record.kind, module_path=module_path, format=ctx.fmt.name,
         n_samples=ctx.n_samples, surrogate=record.surrogate, status=record.status,
         shape=record.shape, counters=dict(record.counters), **fields)
-    if s is not None:
-        rep.avg_digits, rep.min_digits, rep.max_digits = s.avg, s.min, s.max
-        rep.numel, rep.zero_fraction, rep.non_finite = s.numel, s.zero_fraction, s.non_finite
-        rep.normwise_digits, rep.p10_digits, rep.p50_digits = s.normwise, s.p10, s.p50
-        rep.underflow = s.underflow
+    if record.values is not None:
+        rep.__dict__.update(report_fields(record.values, ctx.n_samples, ctx._t, ctx.cap))
     return rep

@@ -44,7 +44,7 @@ from . import alloc, native, randbits
 from . import operator as user_operator
 from .config import AnalysisConfig
 from .digits import (
-    digits_cap, empty_stats, extra_stats, merge_stats, normwise_digits, stats_vector, student_t,
+    digits_cap, empty_stats, extra_stats, merge_stats, report_fields, stats_vector, student_t,
     underflow_count,
 )
 from .formats import working_dtype_for
@@ -1311,28 +1311,15 @@ class SampleTracer:
             k = len(stats)
             v = rows[i] if k == 1 else merge_stats([r[:] for r in rows[i:i + k]])
             i += k
-            total, mn, mx, zeros, nf, numel, msq, vsq, under, p10, p50 = v
             key = (id(plan), status, shape)  # plans live as long as their tracer
             tpl = templates.get(key)
             if tpl is None:
                 tpl = templates[key] = self._template(plan, status, shape)
             base, cap = tpl
             rep = new(OpReport)  # every field given: no keyword parsing of __init__
-            if numel == 0:
-                rep.__dict__ = {**base, "phase": phase, "step": step, "call": call,
-                                "avg_digits": cap, "min_digits": cap, "max_digits": cap,
-                                "numel": 0, "zero_fraction": 0.0, "non_finite": 0,
-                                "normwise_digits": cap, "p10_digits": cap, "p50_digits": cap,
-                                "underflow": 0, "surrogate": fired,
-                                "counters": empty_counters()}
-            else:
-                rep.__dict__ = {**base, "phase": phase, "step": step, "call": call,
-                                "avg_digits": total / numel, "min_digits": mn,
-                                "max_digits": mx, "numel": int(numel),
-                                "zero_fraction": zeros / numel, "non_finite": int(nf),
-                                "normwise_digits": normwise_digits(msq, vsq, nf, n, t, cap),
-                                "p10_digits": p10, "p50_digits": p50, "underflow": int(under),
-                                "surrogate": fired, "counters": empty_counters()}
+            rep.__dict__ = {**base, "phase": phase, "step": step, "call": call,
+                            **report_fields(v, n, t, cap), "surrogate": fired,
+                            "counters": empty_counters()}
             append(rep)
 
     def _template(self, plan: NodePlan, status: str, shape: tuple) -> tuple:
