@@ -9,12 +9,12 @@ few calls, same seed). The per-node row is a long chain of tiny elementwise oper
 (analysed - eager) time divided by the number of graph nodes is the overhead per node.
 
 ``floor x`` is what the analysed call cannot go below without changing what it computes: the
-deterministic call (1) plus the N samples' own compute, measured in the same run. At the
-operator level that is the checkout's generated graph with every fxstab step (rounding,
-statistics, surrogate) made the identity: the batched operators alone. The arithmetic level
-runs the model's primitives one by one on the samples in the working dtype (fp64 for the fp32
-format) and is not compiled: there the floor is those primitives written as torch calls
-(:func:`lnsoftmax_primitives`), still without any rounding.
+deterministic call (1) plus the N samples' own compute, measured in the same run: the
+checkout's generated graphs with every step that rounds, measures, counts or perturbs made the
+identity (the batched operators alone, in the working dtype: fp64 for the fp32 format at the
+arithmetic level). Steps that compute an operator's value (the bf16 table lookups of exp, tanh...,
+which run as the operator itself; CESTAC comparisons, per-sample and random operators) run as
+they are.
 
     python benchmarks/bench_compiled.py                    # the table, results/bench_compiled.json
     python benchmarks/bench_compiled.py --quick --threads 1
@@ -41,7 +41,8 @@ from benchmarks.bench_ab import compiled_pair, extract_ref, load_ref  # noqa: E4
 from benchmarks.bench_overhead import LayerNormSoftmax, timed_interleaved  # noqa: E402
 
 INTERPRETER = "fe9f1ae"  # the last revision whose stochastic path was an interpreter
-MODELS = ("mlp", "gpt", "gpt2", "chain", "lnsoftmax", "lnsoftmax-fp32")
+MODELS = ("mlp", "gpt", "gpt2", "chain", "lnsoftmax", "lnsoftmax-fp32", "gpt2-aten",
+          "chain-aten")
 
 
 class Chain(nn.Module):
@@ -57,30 +58,13 @@ class Chain(nn.Module):
         return x
 
 
-def lnsoftmax_primitives(xs: torch.Tensor) -> torch.Tensor:
-    """LayerNorm + softmax over the last dim as the primitives the arithmetic level runs (the
-    lowered graph: two-pass variance, mean, rsqrt, centre and scale, max, exp, sum, divide),
-    on stacked samples."""
-    n = xs.shape[-1]
-    d = xs - xs.sum(-1, keepdim=True).div_(n)
-    var = d.mul_(d).sum(-1, keepdim=True).div_(n)
-    y = (xs - xs.sum(-1, keepdim=True).div_(n)) * (var + 1e-5).rsqrt()
-    e = (y - y.amax(-1, keepdim=True)).exp()
-    return e / e.sum(-1, keepdim=True)
-
-
 def compute_only(call, x: tuple, opts: dict, n: int):
     """A callable running the samples' compute of an analysed call (``call()``) without
     fxstab's work (see the module docstring): the sampled graphs ``call`` runs, with their steps
-    made the identity, on the arguments it gives them; or the arithmetic level's primitives."""
-    from fxstab.formats import get_format, working_dtype_for
+    that round, measure or perturb made the identity, on the arguments it gives them."""
     from fxstab.passes import steps
     from fxstab.passes.sample import SampledGraph
 
-    if opts.get("granularity") == "aten":
-        wd = working_dtype_for(get_format(opts.get("format", "bf16")))
-        xs = x[0].to(wd).unsqueeze(0).expand(n, *x[0].shape).contiguous()
-        return lambda: lnsoftmax_primitives(xs)
     seen = []
     run_graph = SampledGraph.__call__
 
@@ -97,8 +81,11 @@ def compute_only(call, x: tuple, opts: dict, n: int):
     for sg, args in seen:
         gm = copy.deepcopy(sg.gm)
         for node in gm.graph.nodes:
-            if steps.lowered(node) is not None:
+            step = steps.lowered(node)
+            if step is not None and step.what in _FXSTABS_OWN:
                 node.target = _identity_step(node.meta.get("val"))
+            elif step is not None and step.what == "lookup":  # the op itself, then the identity
+                node.target = _op_step(step.op)
         gm.recompile()
         runs.append((gm, [args[i] for i in sg.positions]))
 
@@ -106,6 +93,16 @@ def compute_only(call, x: tuple, opts: dict, n: int):
         for gm, inputs in runs:
             gm(*inputs)
     return run
+
+
+# the steps that are fxstab's work, not the operator's: made the identity for the floor
+_FXSTABS_OWN = frozenset({"round", "perturb", "observe"})
+
+
+def _op_step(op):
+    def op_step(xs: list) -> list:
+        return [op(xs[0])]
+    return op_step
 
 
 def _identity_step(vals):
@@ -141,13 +138,17 @@ def make(name: str, quick: bool):
         m = GPT(vocab=256, d=64 if quick else 128, heads=4, layers=2, ctx=64)
         return m, (torch.randint(0, 256, (2 if quick else 8, 64)),), {}, \
             "tests/models.py GPT, 2 layers, d=128, seq 64, batch 8"
-    if name == "gpt2":
+    aten = name.endswith("-aten")
+    level = {"granularity": "aten"} if aten else {}
+    if name.startswith("gpt2"):
         m = GPT2(vocab=256, d=64, heads=4, layers=2, ctx=64)
-        return m, (torch.randint(0, 256, (4, 64)),), {}, \
-            "GPT-2-style LM (tests/models.py GPT2), 2 layers, d=64, seq 64, batch 4"
-    if name == "chain":
+        return m, (torch.randint(0, 256, (4, 64)),), level, \
+            "GPT-2-style LM (tests/models.py GPT2), 2 layers, d=64, seq 64, batch 4" + \
+            (", aten" if aten else "")
+    if name.startswith("chain"):
         length = 100 if quick else 400
-        return Chain(length), (torch.randn(8),), {}, f"{length} elementwise operators on 8 elements"
+        return Chain(length), (torch.randn(8),), level, \
+            f"{length} elementwise operators on 8 elements" + (", aten" if aten else "")
     if name.startswith("lnsoftmax"):
         fmt = "fp32" if name.endswith("fp32") else "bf16"
         return LayerNormSoftmax(1024), (torch.randn(64 if quick else 256, 1024),), \
@@ -209,7 +210,7 @@ def main(argv=None) -> int:
                        "us_per_node_ref": (t_ref - t_eager) / nodes * 1e6}
                 rows.append(row)
                 extra = (f"  ({row['us_per_node_new']:.1f} vs {row['us_per_node_ref']:.1f} "
-                         f"us/node, {nodes} nodes)" if name == "chain" else "")
+                         f"us/node, {nodes} nodes)" if name.startswith("chain") else "")
                 print(f"{name:<16}{threads:>4}{row['eager_ms']:>10.3f}{row['ref_ratio']:>14.2f}"
                       f"{row['new_ratio']:>12.2f}{row['floor_ratio']:>9.2f}"
                       f"{row['speedup']:>10.2f}{diff:>11.2g}  "

@@ -524,7 +524,7 @@ class AtenTracer:
 
     # -- steps ----------------------------------------------------------------------------
     def _step(self, what: str, name: Optional[str], fn: Callable, raw: list, args: tuple,
-              kwargs: dict) -> Any:
+              kwargs: dict, op: Optional[Callable] = None) -> Any:
         """:meth:`AtenContext.emit` while tracing: ``fn`` as one step of the graph."""
         from .aten_rules import Stacked
 
@@ -561,7 +561,7 @@ class AtenTracer:
                     new[i] = st if st is not None and st.samples is t else Stacked(t)
             if tracer._drop is not None:
                 for s in tracer._drop[k]:
-                    del live[s]
+                    live.pop(s, None)
             a, kw = unflatten_call(new[nraw:], cspec)
             out = fn(tracer.ctx, new[:nraw], a, kw)
             if type(out) is Stacked:
@@ -590,7 +590,7 @@ class AtenTracer:
                     res.append(v)
             return res
 
-        outs = steps.emit(steps.Step(what, name or what, run),
+        outs = steps.emit(steps.Step(what, name or what, run, op=op),
                           [leaves[i].samples if s != -2 else leaves[i]
                            for i, s in zip(pos, slots)])
         consts, spec, where = layout

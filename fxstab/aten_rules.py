@@ -542,14 +542,15 @@ class AtenContext:
         return ctx
 
     def emit(self, what: str, name: Optional[str], fn: Callable, raw: list, args: tuple,
-             kwargs: dict) -> Any:
+             kwargs: dict, op: Optional[Callable] = None) -> Any:
         """``fn(ctx, raw, args, kwargs)``: a part of a primitive's rules that reads values (it
         holds no tensor; ``raw`` are the batched primitive's outputs). Run directly, or with a
         ``stepper`` as one step of the graph being traced, which calls it with the context and
-        values of each later call."""
+        values of each later call; ``op``: the operator whose value ``fn`` computes, if it does
+        (a table lookup)."""
         if self.stepper is None:
             return fn(self, raw, args, kwargs)
-        return self.stepper(what, name, fn, raw, args, kwargs)
+        return self.stepper(what, name, fn, raw, args, kwargs, op)
 
     def native_for(self, samples: torch.Tensor) -> bool:
         """Whether ``samples`` ([N, ...]) go through the fused CPU kernels."""
@@ -1378,7 +1379,7 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
             and args[0].samples.is_cpu and args[0].samples.is_contiguous():
         # exp, log, ... of values in the format: a table of the op's own results (unless a
         # value is not one of the format's), then rounded
-        return ctx.emit("lookup", name, rule.lookup, (), args, kwargs)
+        return ctx.emit("lookup", name, rule.lookup, (), args, kwargs, op)
     else:
         raw, rule.lifted = _run_batched(op, info, args, kwargs, n, ctx)
     return rule.finish_raw(ctx, raw, args, kwargs)

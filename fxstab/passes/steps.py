@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import re
 import types
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.fx
@@ -53,10 +53,12 @@ class Step:
     """A Python function that a generated graph calls as one node."""
 
     def __init__(self, what: str, label: str, fn: Callable[[list], list],
-                 direct: bool = False) -> None:
+                 direct: bool = False, op: Optional[Callable] = None) -> None:
         self.fn = fn
         self.direct = direct  # fn is this step's own function: the lowered node may call it
-        self.what = what  # round, perturb, per_sample, random, dropout
+        self.what = what  # round, perturb, per_sample, random, dropout, lookup, compare...
+        # the operator whose value a step computes (a bf16 table lookup: op(x) by a table)
+        self.op = op
         name = re.sub(r"\W+", "_", f"{what}_{label}").strip("_").lower() or what
         self.__name__ = self.__qualname__ = name[:80]
         self.__module__ = "fxstab"
