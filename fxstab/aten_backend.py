@@ -4,9 +4,12 @@ The dynamo graph keeps running as is on the deterministic path. For the stochast
 lowered to aten primitives with decompositions (softmax becomes exp/sum/div, layer_norm becomes
 mean/var/sub/rsqrt/mul, ...) by ``make_fx`` over an ``fx.Interpreter`` of the graph, with
 ``preserve_node_meta`` so every primitive knows which torch-level operator it came from. The
-lowered graph is then interpreted node by node with :func:`fxstab.aten_rules.apply_primitive`,
-the same per-primitive rules the eager driver uses: every floating primitive's output is rounded
-and recorded, GEMM-like primitives get the data-perturbation surrogate, CADNA's counters run.
+lowered graph is then walked with :func:`fxstab.aten_rules.apply_primitive`, the same
+per-primitive rules the eager driver uses (every floating primitive's output is rounded and
+recorded, GEMM-like primitives get the data-perturbation surrogate, CADNA's counters run), by
+:class:`AtenTracer` under ``make_fx``: the first analysed call per signature leaves a generated
+graph (:class:`fxstab.passes.sample.SampledGraph`) that later calls run
+(docs/compiled-path.md).
 
 Names keep the operator context: ``blocks.3.attn/softmax#0/aten.exp#0`` is the first ``exp``
 primitive of the operator ``blocks.3.attn/softmax#0``. Lowering happens on the first analysed
@@ -26,7 +29,6 @@ import collections
 import contextlib
 import copy
 import operator
-import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -38,7 +40,7 @@ from torch.utils import _pytree as pytree
 from . import randbits
 from .flat import flatten_call, unflatten_call
 from .passes import steps
-from .passes.sample import SampledGraph, signature
+from .passes.sample import SampledGraph
 from .backend import (GraphAnalysis, _callable, _expand_composites, _fetch_attr,
                       _mutated_placeholders, _rng_states, _set_rng_states)
 from .coverage import ANALYSED, SKIPPED, UNROUNDED, CoverageEntry
@@ -334,10 +336,7 @@ class AtenGraphAnalysis(GraphAnalysis):
                                         cancel_digits=cfg.cancel_digits,
                                         zero_threshold=cfg.zero_threshold, kernels=cfg.kernels,
                                         saturate=cfg.saturate, round_per_sample=True)
-        key = signature(args)
-        if self._item_inputs:  # scalars of the module read with .item(): constants of a trace
-            key += tuple(args[i].item() if isinstance(args[i], torch.Tensor) and
-                         args[i].numel() == 1 else None for i in self._item_inputs)
+        key = self._sampled_key(args)
         sg = self.sampled.get(key)
         if sg is not None and sg.tracer.low is low:
             if self.info.coverage is not sg.coverage:
@@ -350,11 +349,7 @@ class AtenGraphAnalysis(GraphAnalysis):
             with _provisional(self.owner):
                 sg = SampledGraph.trace(tracer, args, Stacked)
         except Exception as exc:  # noqa: BLE001 - the rules, untraced, for this signature
-            self.info.untraced[key] = f"{type(exc).__name__}: " \
-                f"{(str(exc).splitlines() or [''])[0][:200]}"
-            warnings.warn(f"fxstab: the stochastic path of graph {self.index} could not be "
-                          f"traced ({self.info.untraced[key]}); its rules run untraced, which "
-                          "is slower", RuntimeWarning, stacklevel=3)
+            self._refused(key, exc)
             tracer.discard()
             _set_rng_states(rng_states)
             return self.run_samples(args, call, rng_states)

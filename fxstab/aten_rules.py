@@ -2,7 +2,8 @@
 
 One function, :func:`apply_primitive`, runs one aten primitive on stacked samples and applies
 every rule of the arithmetic level to it; the eager driver (:mod:`fxstab.stochastic`) and the
-graph interpreter (``granularity="aten"`` in the backend) both call it, node by node:
+backend's graph walk (``granularity="aten"``, :class:`fxstab.aten_backend.AtenTracer`, traced
+once per signature into a generated graph) both call it, primitive by primitive:
 
 * Arguments that carry samples are :class:`Stacked` (a tensor ``[N, ...]`` plus cached per-element
   digits); everything else (plain tensors, numbers, lists, dtypes) is unstacked and broadcast
@@ -246,7 +247,7 @@ def operand_needs(info: "OpInfo", args: tuple, kwargs: dict, operand: Any) -> tu
 class Stacked:
     """Samples ``[N, ...]`` of one value, with its analysis (digits, masks) cached once made.
 
-    The graph interpreter keeps these in its environment so each primitive's output is measured
+    The graph walk keeps these in its environment so each primitive's output is measured
     once and its digits serve as operand digits of the consumers (cancellation counters). The
     samples may be an ``expand``ed view of one plain value (identical samples, never copied);
     the rules never write into samples in place.

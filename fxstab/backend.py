@@ -566,10 +566,7 @@ class GraphAnalysis:
         trace is the call's stochastic path); later calls run the generated graph. Where the
         trace fails, the rules run as they are, not traced, on every call with that
         signature (``info.untraced`` says why)."""
-        key = signature(args)
-        if self._item_inputs:  # scalars of the module read with .item(): constants of a trace
-            key += tuple(args[i].item() if isinstance(args[i], torch.Tensor) and
-                         args[i].numel() == 1 else None for i in self._item_inputs)
+        key = self._sampled_key(args)
         sg = self.sampled.get(key)
         if sg is not None:
             if self.info.coverage is not sg.coverage:
@@ -589,11 +586,7 @@ class GraphAnalysis:
         try:
             sg = SampledGraph.trace(tracer, args, Stacked)
         except Exception as exc:  # noqa: BLE001 - the rules, untraced, for this signature
-            self.info.untraced[key] = f"{type(exc).__name__}: " \
-                f"{(str(exc).splitlines() or [''])[0][:200]}"
-            warnings.warn(f"fxstab: the stochastic path of graph {self.index} could not be "
-                          f"traced ({self.info.untraced[key]}); its rules run untraced, which "
-                          "is slower", RuntimeWarning, stacklevel=3)
+            self._refused(key, exc)
             _set_rng_states(rng_states)
             self.info.coverage = {}
             return self.run_samples(args, call, rng_states)
@@ -603,6 +596,24 @@ class GraphAnalysis:
         self.last_tracer = tracer
         out, sg.first = sg.first, None
         return out
+
+    def _sampled_key(self, args: tuple) -> tuple:
+        """What a sampled graph of this graph depends on: the arguments' signature, and the
+        values of the module's scalars the graph reads with ``.item()`` (constants of a
+        trace)."""
+        key = signature(args)
+        if self._item_inputs:
+            key += tuple(args[i].item() if isinstance(args[i], torch.Tensor) and
+                         args[i].numel() == 1 else None for i in self._item_inputs)
+        return key
+
+    def _refused(self, key: tuple, exc: Exception) -> None:
+        """A trace failed: the rules run untraced for this signature from now on (say why)."""
+        self.info.untraced[key] = f"{type(exc).__name__}: " \
+            f"{(str(exc).splitlines() or [''])[0][:200]}"
+        warnings.warn(f"fxstab: the stochastic path of graph {self.index} could not be "
+                      f"traced ({self.info.untraced[key]}); its rules run untraced, which "
+                      "is slower", RuntimeWarning, stacklevel=4)
 
     def sampled_graphs(self) -> list:
         """The generated stochastic paths of this graph (the latest signatures first)."""
