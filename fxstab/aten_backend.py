@@ -44,7 +44,7 @@ from .passes.sample import SampledGraph
 from .backend import (GraphAnalysis, _callable, _expand_composites, _fetch_attr,
                       _mutated_placeholders, _rng_states, _set_rng_states)
 from .coverage import ANALYSED, SKIPPED, UNROUNDED, CoverageEntry
-from .digits import report_fields
+from .digits import fill_digit_fields
 from .naming import module_path, qualified_name, source_location
 from .opsets import node_kind
 from .report import OBSERVED, PER_SAMPLE, UNLIFTED, OpReport
@@ -494,9 +494,10 @@ class AtenTracer:
         owner = self.a.owner
         ctx = self.ctx
         rep = object.__new__(OpReport)  # every field given: no keyword parsing of __init__
-        rep.__dict__ = {**base, "phase": owner._phase, "step": owner._step, "call": self.call,
-                        **report_fields(rec.values, ctx.n_samples, ctx._t, ctx.cap),
-                        "surrogate": rec.surrogate, "counters": rec.counters}
+        d = base.copy()
+        d["phase"], d["step"], d["call"] = owner._phase, owner._step, self.call
+        d["surrogate"], d["counters"] = rec.surrogate, rec.counters
+        rep.__dict__ = fill_digit_fields(d, rec.values, ctx.n_samples, ctx._t, ctx.cap)
         owner.reports.append(rep)
 
     def seal(self) -> None:

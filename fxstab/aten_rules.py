@@ -52,7 +52,7 @@ from torch.utils import _pytree as pytree
 from . import native, randbits
 from .counters import CounterEvent, Counters, active_collectors, check_diagnostics
 from .digits import (
-    ZERO_THRESHOLD, DigitStats, empty_stats, extra_stats, report_fields, stats_from_list,
+    ZERO_THRESHOLD, DigitStats, empty_stats, extra_stats, fill_digit_fields, stats_from_list,
     student_t,
     underflow_count,
 )
@@ -1747,5 +1747,5 @@ def to_op_report(record: PrimitiveRecord, ctx: AtenContext, *, module_path: str 
         n_samples=ctx.n_samples, surrogate=record.surrogate, status=record.status,
         shape=record.shape, counters=dict(record.counters), **fields)
     if record.values is not None:
-        rep.__dict__.update(report_fields(record.values, ctx.n_samples, ctx._t, ctx.cap))
+        fill_digit_fields(rep.__dict__, record.values, ctx.n_samples, ctx._t, ctx.cap)
     return rep

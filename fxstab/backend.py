@@ -44,7 +44,7 @@ from . import alloc, native, randbits
 from . import operator as user_operator
 from .config import AnalysisConfig
 from .digits import (
-    digits_cap, empty_stats, extra_stats, merge_stats, report_fields, stats_vector, student_t,
+    digits_cap, empty_stats, extra_stats, merge_stats, fill_digit_fields, stats_vector, student_t,
     underflow_count,
 )
 from .formats import working_dtype_for
@@ -1328,9 +1328,10 @@ class SampleTracer:
                 tpl = templates[key] = self._template(plan, status, shape)
             base, cap = tpl
             rep = new(OpReport)  # every field given: no keyword parsing of __init__
-            rep.__dict__ = {**base, "phase": phase, "step": step, "call": call,
-                            **report_fields(v, n, t, cap), "surrogate": fired,
-                            "counters": empty_counters()}
+            d = base.copy()
+            d["phase"], d["step"], d["call"] = phase, step, call
+            d["surrogate"], d["counters"] = fired, empty_counters()
+            rep.__dict__ = fill_digit_fields(d, v, n, t, cap)
             append(rep)
 
     def _template(self, plan: NodePlan, status: str, shape: tuple) -> tuple:
