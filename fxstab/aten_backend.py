@@ -44,10 +44,9 @@ from .passes.sample import SampledGraph
 from .backend import (GraphAnalysis, _callable, _expand_composites, _fetch_attr,
                       _mutated_placeholders, _rng_states, _set_rng_states)
 from .coverage import ANALYSED, SKIPPED, UNROUNDED, CoverageEntry
-from .digits import fill_digit_fields
 from .naming import module_path, qualified_name, source_location
 from .opsets import node_kind
-from .report import OBSERVED, PER_SAMPLE, UNLIFTED, OpReport
+from .report import FIXED_FIELDS, OBSERVED, PER_SAMPLE, UNLIFTED, OpReport
 
 aten = torch.ops.aten
 
@@ -463,7 +462,7 @@ class AtenTracer:
         self._kept: Optional[set] = None  # the slots some step reads (seal)
         self._slots = 0
         self._meta: dict[str, tuple] = {}  # record name -> (module path, inputs)
-        self._templates: dict[tuple, dict] = {}  # (name, status, shape) -> report fields
+        self._templates: dict[tuple, tuple] = {}  # (name, status, shape) -> fixed fields
         self.begin(call)
 
     def begin(self, call: int) -> None:
@@ -483,21 +482,18 @@ class AtenTracer:
         if meta is None:  # not selected
             return
         key = (rec.name, rec.status, rec.shape)
-        base = self._templates.get(key)
-        if base is None:
+        fixed = self._templates.get(key)
+        if fixed is None:
             from .aten_rules import to_op_report
 
             rep = to_op_report(rec, self.ctx, inputs=meta[1])
             rep.module_path = meta[0]
-            base = self._templates[key] = {k: v for k, v in vars(rep).items()
-                                           if k not in _PER_CALL}
+            fixed = self._templates[key] = OpReport.fixed_of(
+                {k: getattr(rep, k) for k in FIXED_FIELDS})
         owner = self.a.owner
         ctx = self.ctx
-        rep = object.__new__(OpReport)  # every field given: no keyword parsing of __init__
-        d = base.copy()
-        d["phase"], d["step"], d["call"] = owner._phase, owner._step, self.call
-        d["surrogate"], d["counters"] = rec.surrogate, rec.counters
-        rep.__dict__ = fill_digit_fields(d, rec.values, ctx.n_samples, ctx._t, ctx.cap)
+        rep = OpReport.from_stats(fixed, owner._phase, owner._step, self.call, rec.surrogate,
+                                  rec.counters, rec.values, ctx.n_samples, ctx._t, ctx.cap)
         owner.reports.append(rep)
 
     def seal(self) -> None:
@@ -687,12 +683,6 @@ class AtenTracer:
                         self.live.pop(s, None)
         a._note_coverage(low, statuses)
         return result
-
-
-# the fields of an arithmetic-level report that each call sets (AtenTracer._record)
-_PER_CALL = frozenset({"phase", "step", "call", "avg_digits", "min_digits", "max_digits", "numel",
-                       "zero_fraction", "non_finite", "normwise_digits", "p10_digits",
-                       "p50_digits", "underflow", "surrogate", "counters"})
 
 
 @contextlib.contextmanager

@@ -52,12 +52,12 @@ from torch.utils import _pytree as pytree
 from . import native, randbits
 from .counters import CounterEvent, Counters, active_collectors, check_diagnostics
 from .digits import (
-    ZERO_THRESHOLD, DigitStats, empty_stats, extra_stats, fill_digit_fields, stats_from_list,
-    student_t,
+    ZERO_THRESHOLD, DigitStats, empty_stats, extra_stats, stats_from_list, student_t,
     underflow_count,
 )
 from .formats import Format, FormatLike, get_format, working_dtype_for
-from .report import OBSERVED, PER_SAMPLE, ROUNDED, UNLIFTED, OpReport, empty_counters
+from .report import (FIXED_FIELDS, OBSERVED, PER_SAMPLE, ROUNDED, UNLIFTED, OpReport,
+                     empty_counters)
 from .rounding import Rounding, round_samples, sample_draws
 from .surrogate import perturb_samples
 
@@ -1746,6 +1746,8 @@ def to_op_report(record: PrimitiveRecord, ctx: AtenContext, *, module_path: str 
         kind=record.kind, module_path=module_path, format=ctx.fmt.name,
         n_samples=ctx.n_samples, surrogate=record.surrogate, status=record.status,
         shape=record.shape, counters=dict(record.counters), **fields)
-    if record.values is not None:
-        fill_digit_fields(rep.__dict__, record.values, ctx.n_samples, ctx._t, ctx.cap)
-    return rep
+    if record.values is None:
+        return rep
+    return OpReport.from_stats(OpReport.fixed_of({k: getattr(rep, k) for k in FIXED_FIELDS}),
+                               rep.phase, rep.step, rep.call, rep.surrogate, rep.counters,
+                               record.values, ctx.n_samples, ctx._t, ctx.cap)

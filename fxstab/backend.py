@@ -44,7 +44,7 @@ from . import alloc, native, randbits
 from . import operator as user_operator
 from .config import AnalysisConfig
 from .digits import (
-    digits_cap, empty_stats, extra_stats, merge_stats, fill_digit_fields, stats_vector, student_t,
+    digits_cap, empty_stats, extra_stats, merge_stats, stats_vector, student_t,
     underflow_count,
 )
 from .formats import working_dtype_for
@@ -1315,7 +1315,7 @@ class SampleTracer:
         t = student_t(n, self.cfg.confidence)
         phase, step, call = owner._phase, owner._step, self.call
         append = owner.reports.append
-        new = object.__new__
+        from_stats = OpReport.from_stats
         templates = self._templates
         i = 0
         for plan, stats, fired, status, shape in self.pending:
@@ -1326,20 +1326,16 @@ class SampleTracer:
             tpl = templates.get(key)
             if tpl is None:
                 tpl = templates[key] = self._template(plan, status, shape)
-            base, cap = tpl
-            rep = new(OpReport)  # every field given: no keyword parsing of __init__
-            d = base.copy()
-            d["phase"], d["step"], d["call"] = phase, step, call
-            d["surrogate"], d["counters"] = fired, empty_counters()
-            rep.__dict__ = fill_digit_fields(d, v, n, t, cap)
-            append(rep)
+            fixed, cap = tpl
+            append(from_stats(fixed, phase, step, call, fired, empty_counters(), v, n, t, cap))
 
     def _template(self, plan: NodePlan, status: str, shape: tuple) -> tuple:
-        """The fields of ``plan``'s reports that no call changes, and its digit cap."""
+        """The fields of ``plan``'s reports that no call changes (``OpReport.from_stats``),
+        and its digit cap."""
         fmt = plan.format or self.fmt
-        base = {"format": self.fmt.name, "n_samples": self.n, **plan.report, "status": status,
-                "shape": shape}
-        return base, digits_cap(fmt, self.wdtype)
+        fixed = OpReport.fixed_of({"format": self.fmt.name, "n_samples": self.n, **plan.report,
+                                   "status": status, "shape": shape})
+        return fixed, digits_cap(fmt, self.wdtype)
 
 
 def _broadcasts_directly(leaves: list) -> bool:

@@ -31,7 +31,7 @@ from .randbits import CPU_CHUNK
 
 __all__ = [
     "student_t", "cestac_digits", "computational_zero", "digit_stats", "DigitStats",
-    "format_stochastic", "digits_cap", "stats_vector", "stats_from_list", "fill_digit_fields", "empty_stats",
+    "format_stochastic", "digits_cap", "stats_vector", "stats_from_list", "empty_stats",
     "normwise_digits", "underflow_count", "extra_stats", "merge_stats", "STATS_LEN", "EXTRA_STATS",
 ]
 
@@ -255,31 +255,6 @@ def normwise_digits(mean_sq: float, var_sq: float, non_finite: int, n: int, t: f
         return math.nan
     d = math.log10(math.sqrt(n) / t) + 0.5 * (math.log10(mean_sq) - math.log10(var_sq))
     return min(max(d, 0.0), cap)
-
-
-def fill_digit_fields(d: dict, v: list, n: int, t: float, cap: float) -> dict:
-    """Set the digit fields of an :class:`~fxstab.report.OpReport`'s ``__dict__`` ``d``
-    (``avg_digits`` ... ``underflow``) from a statistics list (:func:`stats_vector`'s layout;
-    empty: the cap), as :func:`stats_from_list` computes them: how the backends build their
-    reports, field by field (no keyword parsing, no intermediate object). Returns ``d``."""
-    total, mn, mx, zeros, nf, numel, msq, vsq, under, p10, p50 = v
-    if numel == 0:
-        d["avg_digits"] = d["min_digits"] = d["max_digits"] = cap
-        d["normwise_digits"] = d["p10_digits"] = d["p50_digits"] = cap
-        d["numel"] = d["non_finite"] = d["underflow"] = 0
-        d["zero_fraction"] = 0.0
-        return d
-    d["avg_digits"] = total / numel
-    d["min_digits"] = mn
-    d["max_digits"] = mx
-    d["numel"] = int(numel)
-    d["zero_fraction"] = zeros / numel
-    d["non_finite"] = int(nf)
-    d["normwise_digits"] = normwise_digits(msq, vsq, nf, n, t, cap)
-    d["p10_digits"] = p10
-    d["p50_digits"] = p50
-    d["underflow"] = int(under)
-    return d
 
 
 def stats_from_list(v: "torch.Tensor | list", n: int, t: float, cap: float) -> DigitStats:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from .digits import normwise_digits
+
 COUNTER_KEYS = (
     "cancellation",
     "division",
@@ -35,7 +37,7 @@ def empty_counters() -> dict[str, int]:
     return dict(_NO_COUNTS)
 
 
-@dataclass
+@dataclass(slots=True)
 class OpReport:
     """Digits of one instrumented operator's output in one analysed call.
 
@@ -77,3 +79,36 @@ class OpReport:
         d["shape"] = list(self.shape)
         d["inputs"] = list(self.inputs)
         return d
+
+    @classmethod
+    def from_stats(cls, fixed: tuple, phase: str, step: Optional[int], call: int,
+                   surrogate: bool, counters: dict, v: list, n: int, t: float,
+                   cap: float) -> "OpReport":
+        """A report from the fields its operator's reports share (``fixed``: the values of
+        :data:`FIXED_FIELDS`, see :meth:`fixed_of`), this call's, and a statistics list
+        (:func:`fxstab.digits.stats_vector`'s layout; empty: the cap), with the digits of
+        :func:`fxstab.digits.stats_from_list`: how the backends build their reports (one
+        positional call, no keyword parsing)."""
+        name, kind, module_path, source, fmt, n_samples, status, shape, inputs, direction = fixed
+        total, mn, mx, zeros, nf, numel, msq, vsq, under, p10, p50 = v
+        if numel == 0:
+            return cls(name, kind, module_path, source, phase, step, fmt, n_samples, cap, cap,
+                       cap, 0, 0.0, 0, cap, cap, cap, 0, surrogate, status, shape, counters,
+                       inputs, call, direction)
+        return cls(name, kind, module_path, source, phase, step, fmt, n_samples, total / numel,
+                   mn, mx, int(numel), zeros / numel, int(nf),
+                   normwise_digits(msq, vsq, nf, n, t, cap), p10, p50, int(under), surrogate,
+                   status, shape, counters, inputs, call, direction)
+
+    @staticmethod
+    def fixed_of(values: dict) -> tuple:
+        """The :data:`FIXED_FIELDS` of :meth:`from_stats` from a dict of field values (the
+        defaults where it has none)."""
+        return tuple(values[k] if k in values else _DEFAULTS[k] for k in FIXED_FIELDS)
+
+
+# the fields of a report that no call changes (OpReport.from_stats)
+FIXED_FIELDS = ("name", "kind", "module_path", "source", "format", "n_samples", "status", "shape",
+                "inputs", "direction")
+_DEFAULTS = {"source": "", "format": "", "n_samples": 0, "status": ROUNDED, "shape": (),
+             "inputs": (), "direction": "forward"}
