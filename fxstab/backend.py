@@ -1320,7 +1320,8 @@ class SampleTracer:
         i = 0
         for plan, stats, fired, status, shape in self.pending:
             k = len(stats)
-            v = rows[i] if k == 1 else merge_stats([r[:] for r in rows[i:i + k]])
+            # a ctypes buffer (the prepared kernel's) unpacks 4x faster as a list
+            v = rows[i][:] if k == 1 else merge_stats([r[:] for r in rows[i:i + k]])
             i += k
             key = (id(plan), status, shape)  # plans live as long as their tracer
             tpl = templates.get(key)
