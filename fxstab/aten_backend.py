@@ -7,9 +7,9 @@ mean/var/sub/rsqrt/mul, ...) by ``make_fx`` over an ``fx.Interpreter`` of the gr
 lowered graph is then walked with :func:`fxstab.aten_rules.apply_primitive`, the same
 per-primitive rules the eager driver uses (every floating primitive's output is rounded and
 recorded, GEMM-like primitives get the data-perturbation surrogate, CADNA's counters run), by
-:class:`AtenTracer` under ``make_fx``: the first analysed call per signature leaves a generated
-graph (:class:`fxstab.passes.sample.SampledGraph`) that later calls run
-(docs/compiled-path.md).
+:class:`AtenTracer`, untraced on the first analysed call per signature and under ``make_fx``
+on the second, which leaves a generated graph (:class:`fxstab.passes.sample.SampledGraph`)
+that later calls run (docs/compiled-path.md).
 
 Names keep the operator context: ``blocks.3.attn/softmax#0/aten.exp#0`` is the first ``exp``
 primitive of the operator ``blocks.3.attn/softmax#0``. Lowering happens on the first analysed
@@ -311,11 +311,10 @@ class AtenGraphAnalysis(GraphAnalysis):
     def run_samples(self, args: tuple, call: int, rng_states: dict) -> Any:
         """The stochastic path of one analysed call; returns the outputs' samples.
 
-        The first call with a signature traces the rules over the lowered graph
-        (:class:`AtenTracer`) into a :class:`~fxstab.passes.sample.SampledGraph`, as the
-        operator level does; later calls run the generated graph. Where the trace fails, the
-        rules run as they are, not traced, on every call with that signature
-        (``info.untraced`` says why)."""
+        As at the operator level: the first call with a signature runs the rules untraced
+        (:class:`AtenTracer` outside a trace), the second traces them over the lowered graph
+        into a :class:`~fxstab.passes.sample.SampledGraph`, later calls run the generated
+        graph; where the trace fails, the rules run untraced (``info.untraced`` says why)."""
         from .aten_rules import AtenContext, Stacked
 
         cfg = self.cfg
@@ -342,7 +341,7 @@ class AtenGraphAnalysis(GraphAnalysis):
                 self.info.coverage = sg.coverage
             return sg(args, call)
         tracer = AtenTracer(self, low, call)
-        if key in self.info.untraced:
+        if key in self.info.untraced or self.sampled.first_sight(key):
             return tracer.run(args)
         try:
             with _provisional(self.owner):

@@ -562,9 +562,9 @@ class GraphAnalysis:
     def run_samples(self, args: tuple, call: int, rng_states: dict) -> Any:
         """The stochastic path of one analysed call; returns the outputs' samples.
 
-        The first call with a signature traces the rules into a :class:`SampledGraph` (that
-        trace is the call's stochastic path); later calls run the generated graph. Where the
-        trace fails, the rules run as they are, not traced, on every call with that
+        The first call with a signature runs the rules untraced; the second traces them into
+        a :class:`SampledGraph` (that trace is the call's stochastic path); later calls run the
+        generated graph. Where the trace fails, the rules run untraced on every call with that
         signature (``info.untraced`` says why)."""
         key = self._sampled_key(args)
         sg = self.sampled.get(key)
@@ -575,7 +575,9 @@ class GraphAnalysis:
             sg.tracer.finish()
             self.last_tracer = sg.tracer
             return out
-        if key in self.info.untraced:
+        if key in self.info.untraced or self.sampled.first_sight(key):
+            # notes of its own: the current ones may be a sampled graph's (its coverage)
+            self.info.coverage = dict(self.info.coverage)
             tracer = SampleTracer(self, call)
             out = tracer.run(args)
             tracer.finish()

@@ -1,6 +1,6 @@
 """Graph passes of the stochastic path (docs/compiled-path.md).
 
-At the first analysed call per input signature, :mod:`fxstab.passes.sample` traces the
+At the second analysed call per input signature, :mod:`fxstab.passes.sample` traces the
 stochastic rules (of the operator level, :class:`fxstab.backend.SampleTracer`; of the
 arithmetic level, :class:`fxstab.aten_backend.AtenTracer`) with ``make_fx`` into one
 ``fx.GraphModule`` over the N samples; :mod:`fxstab.passes.steps` holds the nodes that run

@@ -1,8 +1,10 @@
 """The sampled graph: the stochastic path of one captured graph, emitted once per signature.
 
 :class:`SampledGraph` traces the operator level's stochastic rules
-(:class:`fxstab.backend.SampleTracer`) with ``make_fx`` on the first analysed call with a given
-input signature. The trace runs the rules for real, so it is that call's stochastic path; the
+(:class:`fxstab.backend.SampleTracer`, or the arithmetic level's
+:class:`fxstab.aten_backend.AtenTracer`) with ``make_fx`` on the second analysed call with a
+given input signature (:meth:`SampledGraphs.first_sight`). The trace runs the rules for real,
+so it is that call's stochastic path; the
 graph it leaves, cleaned by :class:`~fxstab.passes.steps.EliminateDeadCode` and
 :class:`~fxstab.passes.steps.DropDetach`, its steps lowered by
 :class:`~fxstab.passes.steps.LowerSteps`, is every later call's: one call of
@@ -24,6 +26,7 @@ from . import steps
 __all__ = ["SampledGraph", "signature", "SampledGraphs"]
 
 MAX_SIGNATURES = 8
+MAX_SEEN = 64  # signatures seen once, waiting for a second call to be traced
 
 
 def signature(args: tuple) -> tuple:
@@ -108,13 +111,30 @@ class SampledGraph:
 
 
 class SampledGraphs:
-    """The sampled graphs of one captured graph, by signature (the latest few)."""
+    """The sampled graphs of one captured graph, by signature (the latest few).
+
+    A signature is traced the second time it is seen (:meth:`first_sight`): a trace costs
+    tens to hundreds of untraced calls (``make_fx`` over the rules, the generated code
+    compiled), which only calls that come back repay. A model whose shapes keep changing
+    (variable-length batches under ``dynamic=True``) then costs what the untraced rules cost,
+    not a trace per call."""
 
     def __init__(self) -> None:
         self.by_signature: "collections.OrderedDict[tuple, SampledGraph]" = \
             collections.OrderedDict()
         self.traces = 0
         self.latest: Optional[SampledGraph] = None
+        self._seen: "collections.OrderedDict[tuple, None]" = collections.OrderedDict()
+
+    def first_sight(self, key: tuple) -> bool:
+        """Whether ``key`` is new (it is remembered: the next call with it is traced)."""
+        if key in self._seen:
+            del self._seen[key]
+            return False
+        self._seen[key] = None
+        while len(self._seen) > MAX_SEEN:
+            self._seen.popitem(last=False)
+        return True
 
     def get(self, key: tuple) -> Optional[SampledGraph]:
         sg = self.by_signature.get(key)
