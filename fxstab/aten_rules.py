@@ -1401,7 +1401,8 @@ class _Rule:
         self.spec = None  # the raw outputs' structure (None: one tensor)
         self.reused = reused  # a step of a sampled graph: its functions run on every call
         # the prepared kernel of the usual one-output rounding (decided on the first call):
-        # (native.Prepared, digits wanted when counting, zero mask wanted when counting)
+        # (native.Prepared, digits wanted when counting, zero mask wanted when counting,
+        # the output's logical shape)
         self.fast: Any = None
 
     def finish_raw(self, ctx: AtenContext, raw: Any, args: tuple, kwargs: dict) -> Any:
@@ -1489,7 +1490,7 @@ class _Rule:
                     isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() and \
                     v.shape[0] == n and v[0].numel() and ctx.native_for(v):
                 self.fast = (native.Prepared(ctx.rounder(v.dtype, True), False),
-                             digits_if_counting, zeros_if_counting)
+                             digits_if_counting, zeros_if_counting, tuple(v.shape[1:]))
         outs = []
         first = None
         first_stats = None
@@ -1546,11 +1547,11 @@ class _Rule:
         """:meth:`finish`'s rounding of the one output through the prepared kernel: (its
         samples, the statistics); None for a layout it does not read (the general path then
         runs)."""
-        prepared, _digits, zeros_if_counting = fast
+        prepared, _digits, zeros_if_counting, shape = fast
         prepared.in_place = _owned(v, args)
         z = None
         if counting and zeros_if_counting:
-            z = torch.empty(v.shape[1:], dtype=torch.bool)
+            z = native.empty(shape, torch.bool)  # the trace's shape: the graph's signature
             prepared._p.zmask = z.data_ptr()
         else:
             prepared._p.zmask = 0

@@ -338,7 +338,7 @@ def _round_stats(samples, fmt, mode, seed, saturate, confidence, zero_threshold,
 _Stats = ctypes.c_double * STATS_LEN
 
 
-def _empty(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+def empty(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     """torch.empty(shape): sizes passed as separate arguments parse in half the time."""
     return torch.empty(*shape, dtype=dtype) if shape else torch.empty((), dtype=dtype)
 
@@ -389,10 +389,10 @@ class Rounder:
         p.seed = seed & _M64
         p.nthreads = torch.get_num_threads()
         stats = _Stats() if want_stats else None
-        digits = _empty(shape, x.dtype) if want_digits else None
+        digits = empty(shape, x.dtype) if want_digits else None
         zeros = None
         if want_zero_mask:  # the kernel writes every byte (0 or 1: valid bools)
-            zeros = _empty(shape, torch.bool)
+            zeros = empty(shape, torch.bool)
             p.zmask = zeros.data_ptr()
         numel = xs if xs else x.numel()  # xs: the sample stride, 0 for one expanded value
         if numel:
