@@ -454,8 +454,6 @@ class AtenTracer:
     def __init__(self, analysis: "AtenGraphAnalysis", low: "_Lowered", call: int) -> None:
         self.a = analysis
         self.low = low
-        self._slot_of: dict[int, int] = {}  # id of a traced Stacked -> its slot
-        self._held: list = []  # those Stacked, until the trace ends (their ids stay theirs)
         self._reads: list[list[int]] = []  # per step: the slots it reads
         self._drop: Optional[list] = None  # per step: the slots it reads last (seal)
         self._kept: Optional[set] = None  # the slots some step reads (seal)
@@ -509,8 +507,6 @@ class AtenTracer:
 
     def discard(self) -> None:
         """Forget the trace's own values."""
-        self._slot_of.clear()
-        self._held.clear()
         self.live = {}
 
     # -- steps ----------------------------------------------------------------------------
@@ -528,7 +524,7 @@ class AtenTracer:
         for i, v in enumerate(leaves):
             if type(v) is Stacked:
                 pos.append(i)
-                slots.append(self._slot_of.get(id(v), -1))
+                slots.append(v.slot)
                 template.append(None)
             elif isinstance(v, torch.Tensor):
                 pos.append(i)
@@ -589,8 +585,7 @@ class AtenTracer:
         for (j, s), t in zip(where, outs):
             if s >= 0:
                 st = Stacked(t)
-                self._slot_of[id(st)] = s
-                self._held.append(st)
+                st.slot = s
                 flat[j] = st
             else:
                 flat[j] = t
@@ -675,11 +670,8 @@ class AtenTracer:
                     if plan.origin is not None:
                         statuses.setdefault(plan.origin, {}).setdefault(rec.status, rec.name)
             for dead in free_after.get(node, ()):
-                v = env.pop(dead, None)
-                if type(v) is Stacked:  # its slot's samples (the trace's) go with it
-                    s = self._slot_of.get(id(v))
-                    if s is not None:
-                        self.live.pop(s, None)
+                # no name holds the freed value (one full-size tensor more at the peak)
+                _forget(self.live, env.pop(dead, None))
         a._note_coverage(low, statuses)
         return result
 
@@ -705,6 +697,16 @@ def _provisional(owner: Any):
             c.merge(h.counts, h.events)
     finally:
         stack[:] = saved
+
+
+def _forget(live: dict, value: Any) -> None:
+    """A value the walk frees: the slots of its samples (a traced step's outputs) go too."""
+    from .aten_rules import Stacked
+
+    for x in (value,) if type(value) is Stacked else \
+            value if isinstance(value, (tuple, list)) else ():
+        if type(x) is Stacked and x.slot >= 0:
+            live.pop(x.slot, None)
 
 
 def _random_step(op: Any) -> Callable:

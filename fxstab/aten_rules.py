@@ -253,11 +253,12 @@ class Stacked:
     the rules never write into samples in place.
     """
 
-    __slots__ = ("samples", "_an")
+    __slots__ = ("samples", "_an", "slot")
 
     def __init__(self, samples: torch.Tensor, analysis: Optional["_Analysis"] = None):
         self.samples = samples
         self._an = analysis
+        self.slot = -1  # a step output of a sampled graph being traced: its slot there
 
     @property
     def shape(self) -> torch.Size:

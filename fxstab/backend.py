@@ -843,9 +843,10 @@ class SampleTracer:
             else:
                 env[node] = self._run_node(plan, env)
             for dead in self.a.free_after.get(node, ()):
-                v = env.pop(dead, None)
-                if isinstance(v, torch.Tensor):  # a freed id may be reused by a data tensor
-                    self.weights.discard(id(v))
+                gone = env.pop(dead, None)
+                if isinstance(gone, torch.Tensor):  # a freed id may be reused by a data tensor
+                    self.weights.discard(id(gone))
+                del gone  # no name holds the freed value (one output more at the peak)
         self.preperturbed.clear()  # holds samples of the trace otherwise
         return result
 
