@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxstab
-from fxstab.backend import SampleTracer
 from fxstab.passes import DropDetach, EliminateDeadCode, LowerSteps, Step, emit, is_step, tracing
 from fxstab.passes import steps as steps_mod
 from fxstab.passes.steps import lowered
@@ -111,31 +110,62 @@ def _compiled(model, *inputs, calls=3, **options):
     return be, outs
 
 
-def _untraced(model, *inputs, calls=3, **options):
-    """The same rules, run without tracing on every call (what the stochastic path was
-    before it was compiled)."""
-    be = fxstab.backend(**options)
-    f = torch.compile(model, backend=be)
-    torch.manual_seed(5)
-    f(*inputs)  # compiles (and traces once: those reports are dropped)
-    be.clear()
-    for g in be.graphs:
-        g.sampled.by_signature.clear()
+def _runs(model, inputs, granularity="op", untraced=False, monkeypatch=None, calls=3,
+          **options):
+    """``calls`` analysed calls on a copy of ``model`` (BatchNorm's running statistics move),
+    with every instability event kept; ``untraced``: the same rules run directly on every call
+    (every trace refused: the fallback path, what the stochastic path was before it was
+    compiled)."""
+    import copy
 
-        def untraced(args, call, states, g=g):
-            tracer = SampleTracer(g, call)
-            out = tracer.run(args)
-            tracer.finish()
-            return out
+    from fxstab.passes.sample import SampledGraph
 
-        g.run_samples = untraced
-    for g in be.graphs:
-        g.info.calls = 0
+    if untraced:
+        def refuse(*a, **k):
+            raise RuntimeError("not traced, for the comparison")
+        monkeypatch.setattr(SampledGraph, "trace", refuse)
+    torch._dynamo.reset()
+    be = fxstab.backend(granularity=granularity, **options)
+    f = torch.compile(copy.deepcopy(model), backend=be)
     outs = []
-    for _ in range(calls):
-        torch.manual_seed(5)
-        outs.append(f(*inputs))
-    return be, outs
+    with fxstab.instability_counters("detailed") as counters, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(calls):
+            torch.manual_seed(5)
+            outs.append(f(*inputs))
+    if untraced:
+        monkeypatch.undo()
+    return be, outs, counters
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b or (a != a and b != b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _check_same_runs(model, inputs, granularity, monkeypatch, **options):
+    """The sampled graph against its rules run untraced, call for call: every field of every
+    report, every instability event, the deterministic outputs."""
+    be_c, out_c, cnt_c = _runs(model, inputs, granularity, **options)
+    be_u, out_u, cnt_u = _runs(model, inputs, granularity, untraced=True,
+                               monkeypatch=monkeypatch, **options)
+    assert not any(g.info.failures for g in be_c.graphs + be_u.graphs)
+    assert all(g.sampled.traces == 1 for g in be_c.graphs)  # untraced, traced, replayed
+    assert not any(g.info.untraced for g in be_c.graphs)
+    assert all(g.info.untraced for g in be_u.graphs)
+    assert len(be_c.reports) == len(be_u.reports) > 0
+    for a, b in zip(be_c.reports, be_u.reports):
+        assert _same(a.as_dict(), b.as_dict()), (a.name, a.call)
+    assert be_c.digit_map().difference(be_u.digit_map()) == 0.0
+    assert cnt_c.counts == cnt_u.counts
+    assert [e.as_dict() for e in cnt_c.events] == [e.as_dict() for e in cnt_u.events]
+    for a, b in zip(torch.utils._pytree.tree_leaves(out_c), torch.utils._pytree.tree_leaves(out_u)):
+        assert torch.equal(a, b)  # and the deterministic outputs are the model's
 
 
 CASES = {
@@ -156,19 +186,10 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_sampled_graph_gives_the_digit_map_of_the_untraced_rules(case):
+def test_sampled_graph_gives_the_reports_of_the_untraced_rules(case, monkeypatch):
     make_model, make_inputs, options = CASES[case]
     torch.manual_seed(0)
-    model, inputs = make_model(), make_inputs()
-    be_c, out_c = _compiled(model, *inputs, **options)
-    be_u, out_u = _untraced(model, *inputs, **options)
-    for be in (be_c, be_u):
-        assert not any(g.info.failures for g in be.graphs)
-    assert all(g.sampled.traces == 1 for g in be_c.graphs)  # traced once, replayed twice
-    assert not any(g.info.untraced for g in be_c.graphs)
-    assert be_c.digit_map().difference(be_u.digit_map()) == 0.0
-    for a, b in zip(torch.utils._pytree.tree_leaves(out_c), torch.utils._pytree.tree_leaves(out_u)):
-        assert torch.equal(a, b)  # and the deterministic outputs are the model's
+    _check_same_runs(make_model(), make_inputs(), "op", monkeypatch, **options)
 
 
 def test_a_new_signature_is_traced_and_the_old_one_replayed():
@@ -280,62 +301,15 @@ def test_replay_keeps_the_rng_stream_and_dropout_masks():
 
 
 # --------------------------------------------------------------------------- the arithmetic level
-def _aten(model, inputs, calls=3, untraced=False, monkeypatch=None, **options):
-    """``calls`` analysed calls at the arithmetic level, on a copy of ``model`` (BatchNorm's
-    running statistics move), with every instability event kept; ``untraced``: the same rules
-    run directly on every call (the trace refused, the fallback path)."""
-    import copy
-
-    import fxstab.aten_backend as aten_backend
-
-    if untraced:
-        def refuse(*a, **k):
-            raise RuntimeError("not traced, for the comparison")
-        monkeypatch.setattr(aten_backend.SampledGraph, "trace", refuse)
-    torch._dynamo.reset()
-    be = fxstab.backend(granularity="aten", **options)
-    f = torch.compile(copy.deepcopy(model), backend=be)
-    outs = []
-    with fxstab.instability_counters("detailed") as counters, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for _ in range(calls):
-            torch.manual_seed(5)
-            outs.append(f(*inputs))
-    if untraced:
-        monkeypatch.undo()
-    return be, outs, counters
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, float) and isinstance(b, float):
-        return a == b or (a != a and b != b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
-
-
 ATEN_CASES = {
-    "mlp": (lambda: MLP(), lambda: (torch.randn(16, 16),), {}),
-    "cnn-train": (lambda: CNN().train(), lambda: (torch.randn(4, 3, 12, 12),), {}),
-    "gpt-train": (lambda: GPT().train(), lambda: (torch.randint(0, 50, (2, 16)),), {}),
+    **CASES,  # and what the arithmetic level alone has: counters, fp64 in fp64, comparisons
     "gpt2-detailed": (lambda: GPT2(layers=1).eval(), lambda: (torch.randint(0, 256, (2, 32)),),
                       {"diagnostics": "detailed"}),
-    "gpt2-fp16-train": (lambda: GPT2(layers=1).train(), lambda: (torch.randint(0, 256, (2, 32)),),
-                        {"format": "fp16"}),
     "gpt2-fp64": (lambda: GPT2(layers=1).eval(), lambda: (torch.randint(0, 256, (2, 32)),),
                   {"format": "fp64"}),
-    "dropout-mlp": (lambda: DropoutMLP().train(), lambda: (torch.randn(64, 16),), {}),
-    "t5-bias": (lambda: T5RelativeBias(), lambda: (torch.randn(2, 16, 8),), {}),
-    "lstm-dropout": (lambda: RecurrentStack(nn.LSTM, dropout=0.3).train(),
-                     lambda: (torch.randn(4, 6, 8),), {}),
-    "complex": (lambda: SpectralFilter(), lambda: (torch.randn(3, 16),), {"select": "*"}),
     "cancelling-fp32": (lambda: CancellingLinear(), lambda: (torch.randn(8, 16),),
                         {"format": "fp32", "diagnostics": "detailed"}),
     "naive-softmax": (lambda: NaiveSoftmax(), lambda: (torch.randn(4, 8) * 30,), {}),
-    "mlp-fp32-torch": (lambda: MLP(), lambda: (torch.randn(16, 16),),
-                       {"format": "fp32", "kernels": "torch"}),
 }
 
 
@@ -343,24 +317,10 @@ ATEN_CASES = {
 def test_aten_sampled_graph_gives_the_reports_and_counters_of_the_untraced_rules(case,
                                                                                  monkeypatch):
     """The arithmetic level's sampled graph against its rules run directly (the interpreter it
-    replaced), call for call: every field of every primitive's report, every instability event,
-    the deterministic outputs."""
+    replaced)."""
     make_model, make_inputs, options = ATEN_CASES[case]
     torch.manual_seed(0)
-    model, inputs = make_model(), make_inputs()
-    be_c, out_c, cnt_c = _aten(model, inputs, **options)
-    be_u, out_u, cnt_u = _aten(model, inputs, untraced=True, monkeypatch=monkeypatch, **options)
-    assert not any(g.info.failures for g in be_c.graphs + be_u.graphs)
-    assert all(g.sampled.traces == 1 for g in be_c.graphs)  # traced once, replayed twice
-    assert not any(g.info.untraced for g in be_c.graphs)
-    assert all(g.info.untraced for g in be_u.graphs)
-    assert len(be_c.reports) == len(be_u.reports) > 0
-    for a, b in zip(be_c.reports, be_u.reports):
-        assert _same(a.as_dict(), b.as_dict()), (a.name, a.call)
-    assert cnt_c.counts == cnt_u.counts
-    assert [e.as_dict() for e in cnt_c.events] == [e.as_dict() for e in cnt_u.events]
-    for a, b in zip(torch.utils._pytree.tree_leaves(out_c), torch.utils._pytree.tree_leaves(out_u)):
-        assert torch.equal(a, b)
+    _check_same_runs(make_model(), make_inputs(), "aten", monkeypatch, **options)
 
 
 def test_aten_sampled_graph_is_aten_nodes_and_one_step_per_primitive():
