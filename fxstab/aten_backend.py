@@ -46,7 +46,7 @@ from .backend import (GraphAnalysis, _callable, _expand_composites, _fetch_attr,
 from .coverage import ANALYSED, SKIPPED, UNROUNDED, CoverageEntry
 from .naming import module_path, qualified_name, source_location
 from .opsets import node_kind
-from .report import FIXED_FIELDS, OBSERVED, PER_SAMPLE, UNLIFTED, OpReport
+from .report import OBSERVED, PER_SAMPLE, UNLIFTED, OpReport
 
 aten = torch.ops.aten
 
@@ -479,16 +479,14 @@ class AtenTracer:
         if meta is None:  # not selected
             return
         key = (rec.name, rec.status, rec.shape)
+        ctx = self.ctx
         fixed = self._templates.get(key)
         if fixed is None:
-            from .aten_rules import to_op_report
-
-            rep = to_op_report(rec, self.ctx, inputs=meta[1])
-            rep.module_path = meta[0]
             fixed = self._templates[key] = OpReport.fixed_of(
-                {k: getattr(rep, k) for k in FIXED_FIELDS})
+                {"name": rec.name, "kind": rec.kind, "module_path": meta[0],
+                 "format": ctx.fmt.name, "n_samples": ctx.n_samples, "status": rec.status,
+                 "shape": rec.shape, "inputs": meta[1]})
         owner = self.a.owner
-        ctx = self.ctx
         rep = OpReport.from_stats(fixed, owner._phase, owner._step, self.call, rec.surrogate,
                                   rec.counters, rec.values, ctx.n_samples, ctx._t, ctx.cap)
         owner.reports.append(rep)

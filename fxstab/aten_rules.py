@@ -56,8 +56,7 @@ from .digits import (
     underflow_count,
 )
 from .formats import Format, FormatLike, get_format, working_dtype_for
-from .report import (FIXED_FIELDS, OBSERVED, PER_SAMPLE, ROUNDED, UNLIFTED, OpReport,
-                     empty_counters)
+from .report import OBSERVED, PER_SAMPLE, ROUNDED, UNLIFTED, OpReport, empty_counters
 from .rounding import Rounding, round_samples, sample_draws
 from .surrogate import perturb_samples
 
@@ -1095,12 +1094,9 @@ def _differs(a, b) -> bool:
 
 def _diff_analysis(a, b, ctx, nd) -> Optional[_Analysis]:
     """Analysis of a - b (unrounded, on the samples) for comparison-like primitives."""
-    if not isinstance(a, Stacked) and not isinstance(b, Stacked):
+    if not _differs(a, b):
         return None
     x, y = _aligned((a, b), nd)
-    if isinstance(x, torch.Tensor) and not x.is_floating_point() and \
-            (not isinstance(y, torch.Tensor) or not y.is_floating_point()):
-        return None
     return _Analysis(torch.sub(x, y) if isinstance(x, torch.Tensor) else torch.rsub(y, x), ctx)
 
 
@@ -1742,14 +1738,14 @@ def _event(key, mask, count, out, ctx, rec_name, op, diff) -> CounterEvent:
 
 def to_op_report(record: PrimitiveRecord, ctx: AtenContext, *, module_path: str = "",
                  **fields) -> OpReport:
-    """An :class:`~fxstab.report.OpReport` for one primitive record."""
+    """An :class:`~fxstab.report.OpReport` for one primitive record (``fields``: the other
+    report fields: phase, step, call, inputs...)."""
     rep = OpReport(
         name=record.name if not module_path else f"{module_path}/{record.name}",
         kind=record.kind, module_path=module_path, format=ctx.fmt.name,
         n_samples=ctx.n_samples, surrogate=record.surrogate, status=record.status,
         shape=record.shape, counters=dict(record.counters), **fields)
-    if record.values is None:
-        return rep
-    return OpReport.from_stats(OpReport.fixed_of({k: getattr(rep, k) for k in FIXED_FIELDS}),
-                               rep.phase, rep.step, rep.call, rep.surrogate, rep.counters,
-                               record.values, ctx.n_samples, ctx._t, ctx.cap)
+    if record.values is not None:  # the digit fields, as the backends set them
+        rep = OpReport.from_stats(rep.fixed(), rep.phase, rep.step, rep.call, rep.surrogate,
+                                  rep.counters, record.values, ctx.n_samples, ctx._t, ctx.cap)
+    return rep

@@ -100,6 +100,10 @@ class OpReport:
                    normwise_digits(msq, vsq, nf, n, t, cap), p10, p50, int(under), surrogate,
                    status, shape, counters, inputs, call, direction)
 
+    def fixed(self) -> tuple:
+        """This report's :data:`FIXED_FIELDS` (what :meth:`from_stats` takes)."""
+        return tuple(getattr(self, k) for k in FIXED_FIELDS)
+
     @staticmethod
     def fixed_of(values: dict) -> tuple:
         """The :data:`FIXED_FIELDS` of :meth:`from_stats` from a dict of field values (the
