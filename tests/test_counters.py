@@ -178,3 +178,22 @@ def test_bad_settings():
         AtenContext("fp32", 1)
     with pytest.raises(ValueError, match="kernels"):
         AtenContext("fp32", 3, kernels="os")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_finite_mask_matches_isfinite_over_samples(dtype):
+    """The anomaly counter's per-element finiteness (every sample finite): against
+    torch.isfinite, with one infinite or NaN sample among finite ones, values near the dtype's
+    maximum (their sum overflows; the mask must not), signed zeros and subnormals."""
+    from fxstab.aten_rules import _Analysis
+
+    big = torch.finfo(dtype).max
+    tiny = torch.finfo(dtype).smallest_normal / 4
+    cols = [[1.0, 2.0, 3.0], [math.inf, 1.0, 1.0], [1.0, -math.inf, 1.0], [1.0, 1.0, math.nan],
+            [big, big, big], [-big, big, -big], [0.0, -0.0, 0.0], [tiny, -tiny, 0.0],
+            [math.inf, -math.inf, math.nan], [-math.inf, -math.inf, -math.inf]]
+    s = torch.tensor(cols, dtype=dtype).T.contiguous()  # [3 samples, 10 elements]
+    ctx = AtenContext(format="bf16" if dtype == torch.float32 else "fp32", n_samples=3)
+    got = _Analysis(s, ctx).finite
+    assert torch.equal(got, torch.isfinite(s).all(0))
+    assert got.tolist() == [True, False, False, False, True, True, True, True, False, False]
