@@ -468,8 +468,17 @@ class AtenTracer:
         self.call = call
         self.live: dict[int, Any] = {}
         self.noted: list = []  # this call's records
-        self.ctx = a._context.for_call(randbits.derive_seed(a.cfg.seed, a.index, call),
-                                       self._record, self.low.salts)
+        self.ctx = ctx = a._context.for_call(randbits.derive_seed(a.cfg.seed, a.index, call),
+                                             self._record, self.low.salts)
+        owner = a.owner
+        from_stats = OpReport.from_stats
+        phase, step, n, t, cap = owner._phase, owner._step, ctx.n_samples, ctx._t, ctx.cap
+
+        def build(row: tuple) -> OpReport:  # when the log is read (ReportLog)
+            fixed, surrogate, counters, values = row
+            return from_stats(fixed, phase, step, call, surrogate, counters, values, n, t, cap)
+
+        self._build, self._defer = build, owner.reports.defer()
 
     def _record(self, rec: Any) -> None:
         """A primitive's record becomes its report, from the fields its reports share (built
@@ -486,10 +495,7 @@ class AtenTracer:
                 {"name": rec.name, "kind": rec.kind, "module_path": meta[0],
                  "format": ctx.fmt.name, "n_samples": ctx.n_samples, "status": rec.status,
                  "shape": rec.shape, "inputs": meta[1]})
-        owner = self.a.owner
-        rep = OpReport.from_stats(fixed, owner._phase, owner._step, self.call, rec.surrogate,
-                                  rec.counters, rec.values, ctx.n_samples, ctx._t, ctx.cap)
-        owner.reports.append(rep)
+        self._defer((self._build, (fixed, rec.surrogate, rec.counters, rec.values)))
 
     def seal(self) -> None:
         """After the trace: when each slot is read last, and which ones are read at all."""

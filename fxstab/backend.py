@@ -56,7 +56,8 @@ from .opsets import (
     COMPOSITE_KINDS, DEFAULT_KINDS, DROPOUT_KINDS, EXACT_KINDS, FAMILIES, RANDOM_KINDS,
     RNN_KINDS, is_custom, is_gemm, node_kind,
 )
-from .report import PER_SAMPLE, ROUNDED, UNLIFTED, OpReport, empty_counters
+from .report import (PER_SAMPLE, ROUNDED, UNLIFTED, OpReport, ReportLog, empty_counters,
+                     row_values, stats_row)
 from .flat import flatten_call as _flatten, unflatten_call as _unflatten
 from .rounding import round_samples
 from .surrogate import perturb_samples
@@ -745,6 +746,9 @@ class SampleTracer:
         self.call = call
         self.pending: list[tuple[NodePlan, list, bool, str, tuple]] = []
         self.fired: dict[int, bool] = {}  # GEMM plan index -> its surrogate perturbed something
+        # whether a step of this call may have left statistics as tensors (only the general
+        # path of _round_step can: Triton, the references; finish converts them in one go)
+        self._tensor_stats = False
         self._now: Optional[list] = None
         if self._slots and native.available():  # every step's seed of this call, in one go
             if self._call_seeds is None or self._call_seeds.n != len(self._slots):
@@ -1255,6 +1259,7 @@ class SampleTracer:
                 outs.append(samples)
             stats.append(vec)
         self.pending.append((plan, stats, self.fired.pop(plan.index, False), status, shape))
+        self._tensor_stats = True
         return outs
 
     def _round_stats(self, samples: torch.Tensor, rounded: bool, seed: int,
@@ -1299,39 +1304,44 @@ class SampleTracer:
         return samples, stats_vector(samples, t, cap, cfg.zero_threshold, under)
 
     def finish(self) -> None:
-        """The reports of this call, from what its steps recorded."""
-        if not self.pending:
+        """The reports of this call, from what its steps recorded: deferred into the log
+        (``ReportLog``), built when it is read."""
+        pending = self.pending
+        if not pending:
             return
         owner = self.a.owner
         # the CPU kernels give lists or their own buffers; tensors (Triton, references): one
         # stack, one transfer
-        rows = [v for _, stats, _, _, _ in self.pending for v in stats]
-        at = [i for i, v in enumerate(rows) if isinstance(v, torch.Tensor)]
-        if at:
+        tensors = [(i, j) for i, e in enumerate(pending) for j, v in enumerate(e[1])
+                   if isinstance(v, torch.Tensor)] if self._tensor_stats else ()
+        if tensors:
+            rows = [pending[i][1][j] for i, j in tensors]
             try:
-                values = torch.stack([rows[i] for i in at]).tolist()
+                values = torch.stack(rows).tolist()
             except RuntimeError:  # outputs on several devices
-                values = torch.stack([rows[i].cpu() for i in at]).tolist()
-            for i, v in zip(at, values):
-                rows[i] = v
+                values = torch.stack([r.cpu() for r in rows]).tolist()
+            for (i, j), v in zip(tensors, values):
+                pending[i][1][j] = v
         n = self.n
         t = student_t(n, self.cfg.confidence)
         phase, step, call = owner._phase, owner._step, self.call
-        append = owner.reports.append
         from_stats = OpReport.from_stats
+
+        def build(row: tuple) -> OpReport:  # when the log is read (ReportLog)
+            fixed, cap, fired, v = row
+            return from_stats(fixed, phase, step, call, fired, empty_counters(), row_values(v),
+                              n, t, cap)
+
+        defer = owner.reports.defer()
         templates = self._templates
-        i = 0
-        for plan, stats, fired, status, shape in self.pending:
-            k = len(stats)
-            # a ctypes buffer (the prepared kernel's) unpacks 4x faster as a list
-            v = rows[i][:] if k == 1 else merge_stats([r[:] for r in rows[i:i + k]])
-            i += k
+        for plan, stats, fired, status, shape in pending:
+            # the prepared kernel's buffer is reused by its next call: copied (as bytes)
+            v = stats_row(stats[0]) if len(stats) == 1 else merge_stats([r[:] for r in stats])
             key = (id(plan), status, shape)  # plans live as long as their tracer
             tpl = templates.get(key)
             if tpl is None:
                 tpl = templates[key] = self._template(plan, status, shape)
-            fixed, cap = tpl
-            append(from_stats(fixed, phase, step, call, fired, empty_counters(), v, n, t, cap))
+            defer((build, (tpl[0], tpl[1], fired, v)))
 
     def _template(self, plan: NodePlan, status: str, shape: tuple) -> tuple:
         """The fields of ``plan``'s reports that no call changes (``OpReport.from_stats``),
@@ -1434,7 +1444,7 @@ class FxstabBackend:
 
     def __init__(self, config: AnalysisConfig) -> None:
         self.config = config
-        self.reports: list[OpReport] = []
+        self.reports = ReportLog()
         self.graphs: list[GraphAnalysis] = []
         self.names = NameRegistry()
         self.modules: set[str] = set()  # module paths of the captured graphs' operators

@@ -193,4 +193,5 @@ class BackwardAnalysis(GraphAnalysis):
                            "inputs": tuple(sorted(self.frontier.get(node, frozenset()))),
                            "direction": "backward", "format": plan.format.name}
             tracer.pending.append((plan, [vec], False, OBSERVED, tuple(samples.shape[1:])))
+            tracer._tensor_stats = True  # vec may be the references' tensor
         tracer.finish()

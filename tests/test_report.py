@@ -1,0 +1,90 @@
+"""The report log (``be.reports``): reports kept as their statistics until read, then built once,
+in the order they were made, equal to the reports built at once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxstab
+from fxstab.report import OpReport, ReportLog, row_values, stats_row
+
+from models import GPT2, MLP
+
+
+def _report(name: str, call: int = 0) -> OpReport:
+    return OpReport(name=name, kind="linear", module_path="fc", call=call)
+
+
+def test_deferred_reports_are_built_once_when_read_in_order():
+    log = ReportLog()
+    built = []
+
+    def build(row):
+        built.append(row)
+        return _report(*row)
+
+    defer = log.defer()
+    log.append(_report("a"))
+    defer((build, ("b", 1)))
+    defer((build, ("c", 2)))
+    assert len(log) == 3 and not built  # counted, not built
+    assert [r.name for r in log] == ["a", "b", "c"]
+    assert built == [("b", 1), ("c", 2)]
+    first = log[1]
+    assert log[1] is first and len(built) == 2  # kept: built once
+    log.append(_report("d"))
+    defer((build, ("e", 3)))
+    assert [r.name for r in log[-2:]] == ["d", "e"]  # an append after deferred ones: in order
+    del log[1:3]
+    assert [r.name for r in log] == ["a", "d", "e"]
+    assert log == [_report("a"), _report("d"), _report("e", 3)]
+    assert list(log) == log
+    log.clear()
+    assert len(log) == 0 and list(log) == []
+
+
+def test_kernel_buffers_are_copied_not_aliased():
+    """A CPU kernel's statistics buffer is overwritten by its next call: the row keeps a copy."""
+    import ctypes
+
+    buf = (ctypes.c_double * 11)(*range(11))
+    row = stats_row(buf)
+    buf[0] = 99.0
+    assert row_values(row) == tuple(float(i) for i in range(11))
+    fresh = [1.0] * 11
+    assert stats_row(fresh) is fresh  # a list of the call's own: kept as it is
+
+
+def _analyse(model, x, read_each_call: bool, calls: int = 4, **options):
+    torch._dynamo.reset()
+    be = fxstab.backend(seed=3, **options)
+    f = torch.compile(model, backend=be)
+    seen = []
+    with torch.no_grad():
+        for _ in range(calls):
+            f(x)
+            if read_each_call:
+                seen = [r.as_dict() for r in be.reports]
+    return be, seen
+
+
+@pytest.mark.parametrize("granularity", ["op", "aten"])
+def test_reports_read_at_the_end_equal_reports_read_after_every_call(granularity):
+    """Four calls (untraced, traced, two replays of the generated graph, whose kernels reuse
+    their statistics buffers): reading the log only at the end gives every call's own
+    statistics, field for field what reading it after each call gives."""
+    torch.manual_seed(0)
+    model = GPT2(layers=1).eval() if granularity == "op" else MLP()
+    x = torch.randint(0, 256, (2, 16)) if granularity == "op" else torch.randn(8, 16)
+    be_each, each = _analyse(model, x, True, granularity=granularity)
+    be_end, _ = _analyse(model, x, False, granularity=granularity)
+    assert len(be_end.reports) == len(each) > 0
+    end = [r.as_dict() for r in be_end.reports]
+    assert end == each
+    # the calls differ (fresh random rounding per call): a copy of the last call's buffer
+    # everywhere would not
+    by_call = {}
+    for r in end:
+        by_call.setdefault(r["name"], []).append(r["avg_digits"])
+    assert any(len(set(v)) > 1 for v in by_call.values())
