@@ -46,7 +46,8 @@ from .backend import (GraphAnalysis, _callable, _expand_composites, _fetch_attr,
 from .coverage import ANALYSED, SKIPPED, UNROUNDED, CoverageEntry
 from .naming import module_path, qualified_name, source_location
 from .opsets import node_kind
-from .report import OBSERVED, PER_SAMPLE, UNLIFTED, OpReport
+from .report import (OBSERVED, PER_SAMPLE, UNLIFTED, OpReport, empty_counters, row_values,
+                     stats_row)
 
 aten = torch.ops.aten
 
@@ -476,7 +477,9 @@ class AtenTracer:
 
         def build(row: tuple) -> OpReport:  # when the log is read (ReportLog)
             fixed, surrogate, counters, values = row
-            return from_stats(fixed, phase, step, call, surrogate, counters, values, n, t, cap)
+            return from_stats(fixed, phase, step, call, surrogate,
+                              empty_counters() if counters is None else counters,
+                              row_values(values), n, t, cap)
 
         self._build, self._defer = build, owner.reports.defer()
 
@@ -495,7 +498,10 @@ class AtenTracer:
                 {"name": rec.name, "kind": rec.kind, "module_path": meta[0],
                  "format": ctx.fmt.name, "n_samples": ctx.n_samples, "status": rec.status,
                  "shape": rec.shape, "inputs": meta[1]})
-        self._defer((self._build, (fixed, rec.surrogate, rec.counters, rec.values)))
+        counters = rec.counters  # none counted (the usual case): nothing kept until read
+        self._defer((self._build, (fixed, rec.surrogate,
+                                   counters if any(counters.values()) else None,
+                                   stats_row(rec.values))))
 
     def seal(self) -> None:
         """After the trace: when each slot is read last, and which ones are read at all."""

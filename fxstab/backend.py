@@ -1208,18 +1208,25 @@ class SampleTracer:
         :meth:`_round_step` without its loop (a node of a long graph of small tensors spends
         most of its time in such Python)."""
         key = (plan.index, j)
-        index = plan.index
+        index, gemm = plan.index, plan.gemm
         stats = [prepared.stats]  # the same buffer every call: finish reads it first
+        entry = (plan, stats, False, status, shape)  # what a call notes (no GEMM: never fired)
+        slot = -1  # the step's seed among the call's (CallSeeds), once the trace assigned it
 
         def step(xs: list) -> list:
+            nonlocal slot
             now = self._now
-            seed = now[self._slots[key]] if now is not None else self._seed(plan, j)
+            if now is not None and slot >= 0:
+                seed = now[slot]
+            else:
+                seed = self._seed(plan, j)
+                slot = self._slots.get(key, -1)
             out = prepared(xs[0], seed)
             if out is None:  # a layout the kernel does not read
                 return general(xs)
             # only a GEMM's surrogate fires
-            self.pending.append((plan, stats, self.fired.pop(index, False) if plan.gemm else False,
-                                 status, shape))
+            self.pending.append((plan, stats, self.fired.pop(index, False), status, shape)
+                                if gemm else entry)
             return [out]
 
         return step
@@ -1336,7 +1343,7 @@ class SampleTracer:
         templates = self._templates
         for plan, stats, fired, status, shape in pending:
             # the prepared kernel's buffer is reused by its next call: copied (as bytes)
-            v = stats_row(stats[0]) if len(stats) == 1 else merge_stats([r[:] for r in stats])
+            v = stats_row(stats[0] if len(stats) == 1 else merge_stats([r[:] for r in stats]))
             key = (id(plan), status, shape)  # plans live as long as their tracer
             tpl = templates.get(key)
             if tpl is None:

@@ -422,7 +422,8 @@ class Prepared:
     call's statistics (read them before the next call). Returns None for a layout the kernel
     does not read (the caller takes the general path)."""
 
-    __slots__ = ("_fn", "_p", "_c", "_cref", "stats", "n", "rounds", "in_place")
+    __slots__ = ("_fn", "_p", "_c", "_cref", "stats", "n", "rounds", "in_place", "_numel",
+                 "_nt")
 
     def __init__(self, r: Rounder, in_place: bool) -> None:
         lib = _lib()
@@ -435,23 +436,37 @@ class Prepared:
                                 stats=ctypes.cast(self.stats, ctypes.POINTER(ctypes.c_double)))
         self._cref = ctypes.byref(self._c)
         self._fn = lib.fxstab_round_stats_prepared
+        self._numel = self._nt = -1  # what the struct holds (a call sets what changed)
 
     def __call__(self, x: torch.Tensor, seed: int) -> Optional[torch.Tensor]:
         c = self._c
         if x.is_contiguous():
-            c.xs = c.numel = x.numel() // self.n
-            out = x if self.in_place or not self.rounds else torch.empty_like(x)
+            numel = x.numel() // self.n
+            if numel != self._numel:
+                c.xs = c.numel = self._numel = numel
+            ptr = x.data_ptr()
+            if not self.rounds:
+                out, c.out = x, None
+            elif self.in_place:
+                out, c.out = x, ptr
+            else:
+                out = torch.empty_like(x)
+                c.out = out.data_ptr()
         elif x.stride(0) == 0 and x[0].is_contiguous():  # identical samples: read N times
             out = torch.empty(x.shape, dtype=x.dtype) if self.rounds else x
             x = x[0]
             c.xs, c.numel = 0, x.numel()
+            self._numel = -1
+            ptr = x.data_ptr()
+            c.out = out.data_ptr() if self.rounds else None
         else:
             return None
         p = self._p
         p.seed = seed & _M64
-        p.nthreads = torch.get_num_threads()
-        c.x = x.data_ptr()
-        c.out = out.data_ptr() if self.rounds else None
+        nt = torch.get_num_threads()
+        if nt != self._nt:
+            p.nthreads = self._nt = nt
+        c.x = ptr
         self._fn(self._cref)
         return out
 

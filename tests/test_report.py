@@ -44,16 +44,27 @@ def test_deferred_reports_are_built_once_when_read_in_order():
     assert len(log) == 0 and list(log) == []
 
 
-def test_kernel_buffers_are_copied_not_aliased():
-    """A CPU kernel's statistics buffer is overwritten by its next call: the row keeps a copy."""
+def test_rows_copy_kernel_buffers_and_keep_every_value():
+    """A CPU kernel's statistics buffer is overwritten by its next call: the row keeps a copy;
+    a list row round-trips exactly (NaN, infinities, -0, numel as an int) and gives the same
+    report as the list itself."""
     import ctypes
+    import math
 
     buf = (ctypes.c_double * 11)(*range(11))
     row = stats_row(buf)
     buf[0] = 99.0
     assert row_values(row) == tuple(float(i) for i in range(11))
-    fresh = [1.0] * 11
-    assert stats_row(fresh) is fresh  # a list of the call's own: kept as it is
+    v = [7.5, -0.0, math.inf, 3, 0, 1 << 40, math.nan, 2.5e-300, 1, 0.125, 2.0]
+    back = row_values(stats_row(v))
+    assert [math.copysign(1, a) for a in back[:2]] == [1, -1]
+    assert back[2] == math.inf and math.isnan(back[6]) and back[5] == 1 << 40
+    fixed = OpReport.fixed_of({"name": "fc/linear#0", "kind": "linear", "module_path": "fc"})
+    a = OpReport.from_stats(fixed, "train", 4, 2, True, {}, v, 3, 4.303, 2.4)
+    b = OpReport.from_stats(fixed, "train", 4, 2, True, {}, back, 3, 4.303, 2.4)
+    da, db = a.as_dict(), b.as_dict()
+    assert math.isnan(da.pop("normwise_digits")) == math.isnan(db.pop("normwise_digits"))
+    assert da == db and type(a.numel) is type(b.numel) is int
 
 
 def _analyse(model, x, read_each_call: bool, calls: int = 4, **options):
