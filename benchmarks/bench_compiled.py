@@ -82,10 +82,11 @@ def compute_only(call, x: tuple, opts: dict, n: int):
         gm = copy.deepcopy(sg.gm)
         for node in gm.graph.nodes:
             step = steps.lowered(node)
+            one = steps.returns_one(node)  # the output itself, not a list of outputs
             if step is not None and step.what in _FXSTABS_OWN:
-                node.target = _identity_step(node.meta.get("val"))
+                node.target = _identity_step(node.meta.get("val"), one)
             elif step is not None and step.what == "lookup":  # the op itself, then the identity
-                node.target = _op_step(step.op)
+                node.target = _op_step(step.op, one)
         gm.recompile()
         runs.append((gm, [args[i] for i in sg.positions]))
 
@@ -99,18 +100,22 @@ def compute_only(call, x: tuple, opts: dict, n: int):
 _FXSTABS_OWN = frozenset({"round", "perturb", "observe"})
 
 
-def _op_step(op):
+def _op_step(op, one: bool):
     def op_step(xs: list) -> list:
         return [op(xs[0])]
-    return op_step
+
+    def op_step_one(xs: list) -> torch.Tensor:
+        return op(xs[0])
+    return op_step_one if one else op_step
 
 
-def _identity_step(vals):
-    """A step that gives its inputs back, laid out as the step's traced outputs (``vals``): a
-    rounding step of a value every sample shares returns its N samples, a surrogate step its
-    operands in the strides the operator reads (then a copy, as the step's own output is)."""
+def _identity_step(vals, one: bool):
+    """A step that gives its inputs back, laid out as the step's traced outputs (``vals``; the
+    output itself with ``one``): a rounding step of a value every sample shares returns its N
+    samples, a surrogate step its operands in the strides the operator reads (then a copy, as
+    the step's own output is)."""
     layouts = [(tuple(v.shape), v.stride()) if isinstance(v, torch.Tensor) else None
-               for v in vals or ()]
+               for v in ([vals] if one else vals or ())]
 
     def identity_step(xs: list) -> list:
         out = []
@@ -121,7 +126,9 @@ def _identity_step(vals):
                 out.append(torch.empty_strided(*layout, dtype=t.dtype).copy_(t))
         return out
 
-    return identity_step
+    def identity_step_one(xs: list) -> torch.Tensor:
+        return identity_step(xs)[0]
+    return identity_step_one if one else identity_step
 
 
 def make(name: str, quick: bool):

@@ -1190,8 +1190,8 @@ class SampleTracer:
         general = functools.partial(self._round_step, plan, tuple(todo), status, shape)
         j, stacked, _own, _cplx, _fused, prepared = todo[0]
         if len(todo) == 1 and stacked and prepared is not None:
-            step = steps.Step("round", plan.name, self._one_output_step(
-                plan, j, prepared, status, shape, general), direct=True)
+            one = self._one_output_step(plan, j, prepared, status, shape, general)
+            step = steps.Step("round", plan.name, lambda xs: [one(xs)], one=one)
         else:
             step = steps.Step("round", plan.name, general)
         rounded = steps.emit(step, [flat[j].t if s else flat[j] for j, s, *_ in todo])
@@ -1205,15 +1205,15 @@ class SampleTracer:
     def _one_output_step(self, plan: NodePlan, j: int, prepared: "native.Prepared",
                          status: str, shape: tuple, general: Callable) -> Callable:
         """The round step of the usual operator (one stacked output, the prepared CPU kernel):
-        :meth:`_round_step` without its loop (a node of a long graph of small tensors spends
-        most of its time in such Python)."""
+        :meth:`_round_step` without its loop, returning the rounded samples themselves (a
+        node of a long graph of small tensors spends most of its time in such Python)."""
         key = (plan.index, j)
         index, gemm = plan.index, plan.gemm
         stats = [prepared.stats]  # the same buffer every call: finish reads it first
         entry = (plan, stats, False, status, shape)  # what a call notes (no GEMM: never fired)
         slot = -1  # the step's seed among the call's (CallSeeds), once the trace assigned it
 
-        def step(xs: list) -> list:
+        def one(xs: list) -> torch.Tensor:
             nonlocal slot
             now = self._now
             if now is not None and slot >= 0:
@@ -1223,13 +1223,13 @@ class SampleTracer:
                 slot = self._slots.get(key, -1)
             out = prepared(xs[0], seed)
             if out is None:  # a layout the kernel does not read
-                return general(xs)
+                return general(xs)[0]
             # only a GEMM's surrogate fires
             self.pending.append((plan, stats, self.fired.pop(index, False), status, shape)
                                 if gemm else entry)
-            return [out]
+            return out
 
-        return step
+        return one
 
     def _round_step(self, plan: NodePlan, todo: tuple, status: str, shape: tuple,
                     xs: list) -> list:

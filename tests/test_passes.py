@@ -3,6 +3,7 @@ against the same rules run untraced, on the test models."""
 
 from __future__ import annotations
 
+import operator
 import warnings
 
 import pytest
@@ -49,6 +50,29 @@ def test_a_step_is_one_opaque_node_and_lowers_to_a_direct_call():
     calls.clear()
     want = (torch.exp(x + 1) + y).sum()
     assert torch.equal(gm(x, y), want) and calls == [2]
+
+
+def test_a_single_output_step_lowers_to_its_output_itself():
+    """A step with ``one`` (its output itself) whose readers take output 0 lowers without the
+    list and the getitem node; a step with more outputs keeps both."""
+    from fxstab.passes.steps import returns_one
+
+    def one(xs):
+        return xs[0] * 2
+
+    def fn(x):
+        a = emit(Step("round", "a", lambda xs: [one(xs)], one=one), [x + 1])[0]
+        b = emit(Step("round", "b", lambda xs: [one(xs), xs[0] * 3], one=one), [a])
+        return a + b[0] + b[1]
+
+    x = torch.randn(3)
+    with tracing():
+        gm = make_fx(fn)(x)
+        LowerSteps()(gm)
+    nodes = [n for n in gm.graph.nodes if lowered(n) is not None]
+    assert [returns_one(n) for n in nodes] == [True, False]
+    assert all(u.target is not operator.getitem for u in nodes[0].users)
+    assert torch.equal(gm(x), fn(x))
 
 
 def test_without_tracing_a_step_runs_directly():

@@ -16,9 +16,10 @@ time. It must not hold tensors of the call that traced it.
 from __future__ import annotations
 
 import itertools
+import operator
 import re
 import types
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx
@@ -53,9 +54,13 @@ class Step:
     """A Python function that a generated graph calls as one node."""
 
     def __init__(self, what: str, label: str, fn: Callable[[list], list],
-                 direct: bool = False, op: Optional[Callable] = None) -> None:
+                 direct: bool = False, op: Optional[Callable] = None,
+                 one: Optional[Callable[[list], Any]] = None) -> None:
         self.fn = fn
         self.direct = direct  # fn is this step's own function: the lowered node may call it
+        # fn's own single output (not a list): a lowered node whose only readers take output 0
+        # calls it instead, without the list and the getitem node (LowerSteps)
+        self.one = one
         self.what = what  # round, perturb, per_sample, random, dropout, lookup, compare...
         # the operator whose value a step computes (a bf16 table lookup: op(x) by a table)
         self.op = op
@@ -66,15 +71,17 @@ class Step:
     def __call__(self, xs: list) -> list:
         return self.fn(xs)
 
-    def target(self) -> Callable[[list], list]:
+    def target(self, one: bool = False) -> Callable[[list], Any]:
         """What the lowered node calls: with ``direct``, the step's own function (renamed after
-        the step: one call less per node), else this step; :func:`lowered` finds the step
-        either way."""
-        if self.direct and isinstance(self.fn, types.FunctionType):
-            self.fn.__name__ = self.fn.__qualname__ = self.__name__
-            self.fn.__module__ = self.__module__
-            self.fn._fxstab_step = self
-            return self.fn
+        the step: one call less per node), else this step; with ``one``, :attr:`one` (which
+        returns the output itself); :func:`lowered` finds the step either way."""
+        fn = self.one if one else self.fn
+        if (self.direct or one) and isinstance(fn, types.FunctionType):
+            fn.__name__ = fn.__qualname__ = self.__name__
+            fn.__module__ = self.__module__
+            fn._fxstab_step = self
+            fn._fxstab_one = one
+            return fn
         return self
 
     def __repr__(self) -> str:
@@ -88,6 +95,11 @@ def lowered(node: torch.fx.Node) -> "Step | None":
     if isinstance(node.target, Step):
         return node.target
     return getattr(node.target, "_fxstab_step", None)
+
+
+def returns_one(node: torch.fx.Node) -> bool:
+    """Whether a lowered step's node gives its single output itself (not a list of them)."""
+    return node.op == "call_function" and getattr(node.target, "_fxstab_one", False)
 
 
 _FAILED: set = set()  # steps that raised while traced: a rule caught it and did otherwise
@@ -174,9 +186,18 @@ class LowerSteps(PassBase):
             if node.args[0] in _FAILED and not node.users:
                 gm.graph.erase_node(node)
                 continue
+            val = node.meta.get("val")
+            one = step.one is not None and isinstance(val, (list, tuple)) and len(val) == 1 \
+                and all(u.op == "call_function" and u.target is operator.getitem and
+                        u.args[1] == 0 for u in node.users)
             with gm.graph.inserting_after(node):
-                new = gm.graph.call_function(step.target(), (xs,))
+                new = gm.graph.call_function(step.target(one), (xs,))
             new.meta = dict(node.meta)
+            if one:  # the output itself: its getitem nodes go
+                new.meta["val"] = val[0]
+                for u in list(node.users):
+                    u.replace_all_uses_with(new)
+                    gm.graph.erase_node(u)
             node.replace_all_uses_with(new)
             gm.graph.erase_node(node)
             modified = True
