@@ -587,7 +587,7 @@ class AtenTracer:
                     res.append(v)
             return res
 
-        outs = steps.emit(steps.Step(what, name or what, run, op=op),
+        outs = steps.emit(steps.Step(what, name or what, run, op=op, direct=True),
                           [leaves[i].samples if s != -2 else leaves[i]
                            for i, s in zip(pos, slots)])
         consts, spec, where = layout

@@ -1486,7 +1486,9 @@ class _Rule:
             if self.spec is None and do_round and want_record and not ctx.eft and \
                     isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() and \
                     v.shape[0] == n and v[0].numel() and ctx.native_for(v):
-                self.fast = (native.Prepared(ctx.rounder(v.dtype, True), False),
+                # in place where the output is memory of its own: the graph's structure
+                # decides that (a view, an operand), the same on every call
+                self.fast = (native.Prepared(ctx.rounder(v.dtype, True), _owned(v, args)),
                              digits_if_counting, zeros_if_counting, tuple(v.shape[1:]))
         outs = []
         first = None
@@ -1545,7 +1547,6 @@ class _Rule:
         samples, the statistics); None for a layout it does not read (the general path then
         runs)."""
         prepared, _digits, zeros_if_counting, shape = fast
-        prepared.in_place = _owned(v, args)
         z = None
         if counting and zeros_if_counting:
             z = native.empty(shape, torch.bool)  # the trace's shape: the graph's signature
