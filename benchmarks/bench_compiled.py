@@ -58,11 +58,8 @@ class Chain(nn.Module):
         return x
 
 
-def compute_only(call, x: tuple, opts: dict, n: int):
-    """A callable running the samples' compute of an analysed call (``call()``) without
-    fxstab's work (see the module docstring): the sampled graphs ``call`` runs, with their steps
-    that round, measure or perturb made the identity, on the arguments it gives them."""
-    from fxstab.passes import steps
+def sampled_calls(call) -> list:
+    """The (sampled graph, arguments) of each generated graph that ``call()`` runs."""
     from fxstab.passes.sample import SampledGraph
 
     seen = []
@@ -77,8 +74,17 @@ def compute_only(call, x: tuple, opts: dict, n: int):
         call()
     finally:
         SampledGraph.__call__ = run_graph
+    return seen
+
+
+def compute_only(call, x: tuple, opts: dict, n: int):
+    """A callable running the samples' compute of an analysed call (``call()``) without
+    fxstab's work (see the module docstring): the sampled graphs ``call`` runs, with their steps
+    that round, measure or perturb made the identity, on the arguments it gives them."""
+    from fxstab.passes import steps
+
     runs = []
-    for sg, args in seen:
+    for sg, args in sampled_calls(call):
         gm = copy.deepcopy(sg.gm)
         for node in gm.graph.nodes:
             step = steps.lowered(node)

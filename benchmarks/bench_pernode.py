@@ -29,13 +29,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_compiled import Chain, compute_only  # noqa: E402
+from benchmarks.bench_compiled import Chain, compute_only, sampled_calls  # noqa: E402
 from benchmarks.bench_overhead import timed_interleaved  # noqa: E402
 
 
 def parts(length: int, repeats: int) -> dict:
     import fxstab
-    from fxstab.passes.sample import SampledGraph
 
     torch.manual_seed(0)
     model, x = Chain(length), torch.randn(8)
@@ -45,19 +44,7 @@ def parts(length: int, repeats: int) -> dict:
     with torch.no_grad():
         for _ in range(3):  # untraced, traced, replayed
             f(x)
-        seen = []
-        run_graph = SampledGraph.__call__
-
-        def spy(sg, args, index):
-            seen.append((sg, args))
-            return run_graph(sg, args, index)
-
-        SampledGraph.__call__ = spy
-        try:
-            f(x)
-        finally:
-            SampledGraph.__call__ = run_graph
-        (sg, args), = seen
+        (sg, args), = sampled_calls(lambda: f(x))
         inputs = [args[i] for i in sg.positions]
         tracer = sg.tracer
         ops = compute_only(lambda: f(x), (x,), {}, be.config.n_samples)
