@@ -486,19 +486,28 @@ def test_prepared_kernel_is_the_rounder(dtype, fmt, mode):
     f = get_format(fmt)
     g = torch.Generator().manual_seed(4)
     r = native.rounder(f, mode, dtype, 3)
+    threads = torch.get_num_threads()
     for in_place in (False, True):
         prep = native.Prepared(r, in_place)
-        for seed, numel in ((3, 1000), (4, 7), (5, 129)):
-            x = torch.randn(3, numel, generator=g, dtype=dtype)
-            want, st, _, _ = r(x, seed)
-            given = x.clone()
-            out = prep(given, seed)
-            assert _same_bits(out, want) and prep.stats[:] == st
-            assert (out.data_ptr() == given.data_ptr()) == (in_place or mode is None)
-            v = torch.randn(numel, generator=g, dtype=dtype).unsqueeze(0).expand(3, numel)
-            want, st, _, _ = r(v, seed)
-            out = prep(v, seed)
-            assert _same_bits(out, want) and prep.stats[:] == st
+        # the struct keeps what the previous call set: the same size twice, a new size, an
+        # expanded value between stacked ones, another thread count (2 threads from 32768
+        # element-samples)
+        for seed, numel, nt in ((3, 1000, 1), (6, 1000, 1), (4, 7, 1), (5, 129, 1),
+                                (7, 20000, 2), (8, 20000, 1)):
+            torch.set_num_threads(nt)
+            try:
+                x = torch.randn(3, numel, generator=g, dtype=dtype)
+                want, st, _, _ = r(x, seed)
+                given = x.clone()
+                out = prep(given, seed)
+                assert _same_bits(out, want) and prep.stats[:] == st
+                assert (out.data_ptr() == given.data_ptr()) == (in_place or mode is None)
+                v = torch.randn(numel, generator=g, dtype=dtype).unsqueeze(0).expand(3, numel)
+                want, st, _, _ = r(v, seed)
+                out = prep(v, seed)
+                assert _same_bits(out, want) and prep.stats[:] == st
+            finally:
+                torch.set_num_threads(threads)
     assert prep(torch.randn(3, 6, 4, dtype=dtype).transpose(1, 2), 1) is None
 
 
