@@ -8,7 +8,7 @@ passes over every element; on a CPU that costs more than the model's matmuls. Th
 perturbed samples are bit-identical to the references and the statistics agree to a few ulps.
 
 The library is compiled on first use with the system C compiler (``$CC``, else ``cc``; about
-25 s on a 2-core machine, announced with one line on stderr) into a cache directory
+40 s on a 2-core machine, announced with one line on stderr) into a cache directory
 (``$FXSTAB_CACHE_DIR``, else ``$XDG_CACHE_HOME/fxstab``, else ``~/.cache/fxstab``), keyed by a
 hash of the source, the flags and the CPU. Without a compiler, or with ``FXSTAB_NATIVE=0``,
 :func:`available` is False and callers use the references (one warning).
@@ -46,7 +46,7 @@ _SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.c"
 # for another CPU. No -ffast-math: the rounding must follow IEEE arithmetic exactly
 # (-fno-trapping-math only lets the vectoriser evaluate both sides of a select).
 # -funroll-loops: 3-5% off round_stats (two builds alternated in one process, session 5); the
-# build takes about 25 s on this 2-core machine, once per source version and CPU.
+# build takes about 40 s on this 2-core machine, once per source version and CPU.
 _FLAGS = ["-O3", "-march=native", "-funroll-loops", "-fopenmp", "-ffp-contract=off",
           "-fno-trapping-math", "-fPIC", "-shared", "-std=gnu11"]
 MAX_SAMPLES = 256  # cpu_kernels.c: per-thread stack buffers
@@ -104,7 +104,7 @@ def _build(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     # a first use can take half a minute: say why the program pauses (stderr, once)
     print(f"fxstab: compiling the CPU kernels into {path.parent} (once per version and CPU; "
-          f"about 25 s on 2 cores)", file=sys.stderr, flush=True)
+          f"about 40 s on 2 cores)", file=sys.stderr, flush=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
