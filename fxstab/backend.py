@@ -33,7 +33,7 @@ import functools
 import operator
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.fx
@@ -1451,7 +1451,7 @@ class FxstabBackend:
 
     def __init__(self, config: AnalysisConfig) -> None:
         self.config = config
-        self.reports = ReportLog()
+        self._reports = ReportLog()
         self.graphs: list[GraphAnalysis] = []
         self.names = NameRegistry()
         self.modules: set[str] = set()  # module paths of the captured graphs' operators
@@ -1485,6 +1485,16 @@ class FxstabBackend:
         return analysis
 
     # -- reporting ------------------------------------------------------------------------
+    @property
+    def reports(self) -> ReportLog:
+        """One ``OpReport`` per instrumented operator and analysed call, in order (a list to
+        read; its reports are built when first read: ``fxstab.report.ReportLog``)."""
+        return self._reports
+
+    @reports.setter
+    def reports(self, reports: Iterable[OpReport]) -> None:
+        self._reports = reports if isinstance(reports, ReportLog) else ReportLog(reports)
+
     @property
     def infos(self) -> list[GraphInfo]:
         return [g.info for g in self.graphs]

@@ -99,3 +99,19 @@ def test_reports_read_at_the_end_equal_reports_read_after_every_call(granularity
     for r in end:
         by_call.setdefault(r["name"], []).append(r["avg_digits"])
     assert any(len(set(v)) > 1 for v in by_call.values())
+
+
+def test_a_list_assigned_to_the_backends_reports_becomes_its_log():
+    """``be.reports = []`` (a reset, or reports of elsewhere): the next calls report into it."""
+    torch._dynamo.reset()
+    be = fxstab.backend()
+    f = torch.compile(MLP(), backend=be)
+    x = torch.randn(8, 16)
+    with torch.no_grad():
+        f(x)
+        f(x)
+        n = len(be.reports)
+        be.reports = [be.reports[0]]
+        assert isinstance(be.reports, ReportLog) and len(be.reports) == 1
+        f(x)
+    assert len(be.reports) == 1 + n // 2 and all(isinstance(r, OpReport) for r in be.reports)
