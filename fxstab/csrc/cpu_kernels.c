@@ -1679,26 +1679,16 @@ void fxstab_round_stats_prepared(const prepared_t *c) {
 }
 
 
-/* The read-only scan of group g: how many elements are close, and whether any would move. */
-#define PERTURB_SCAN_GROUP(CLOSE, FT)                                                           \
+/* The closeness test of group g (its close elements counted), then THEN: the read-only scan
+ * adds whether any element would move, the perturbation pass perturbs them. */
+#define PERTURB_CLOSE_GROUP(CLOSE, FT, THEN)                                                    \
     {                                                                                           \
         FT mean[BLK];                                                                           \
         int close[BLK];                                                                         \
         int64_t e0 = g * BLK, cnt = e0 + BLK < numel ? BLK : numel - e0, c, mv;                 \
         CLOSE(x, xs, n, e0, cnt, eta, mean, close, &c, &mv);                                    \
         count += c;                                                                             \
-        moving += mv;                                                                           \
-    }
-
-/* The perturbation of group g: which elements are close, then their perturbed samples. */
-#define PERTURB_PASS_GROUP(CLOSE, PERTURB_GROUP, FT)                                            \
-    {                                                                                           \
-        FT mean[BLK];                                                                           \
-        int close[BLK];                                                                         \
-        int64_t e0 = g * BLK, cnt = e0 + BLK < numel ? BLK : numel - e0, c, mv;                 \
-        CLOSE(x, xs, n, e0, cnt, eta, mean, close, &c, &mv);                                    \
-        count += c;                                                                             \
-        PERTURB_GROUP(x, xs, out, n, numel, g, e0, cnt, eta, seed, close, mv);                  \
+        THEN;                                                                                   \
     }
 
 /* Stacked samples whose elements are all separated (or exact zeros) are common: the rounded
@@ -1715,11 +1705,11 @@ void fxstab_round_stats_prepared(const prepared_t *c) {
         if (xs != 0) {                                                                          \
             if (nt == 1) /* one thread: the scan stops at the first group that moves */         \
                 for (int64_t g = 0; g < groups && !moving; g++)                                 \
-                    PERTURB_SCAN_GROUP(CLOSE, FT)                                               \
+                    PERTURB_CLOSE_GROUP(CLOSE, FT, moving += mv)                                \
             else                                                                                \
                 _Pragma("omp parallel for num_threads(nt) schedule(static) reduction(+:count, moving)") \
                 for (int64_t g = 0; g < groups; g++)                                            \
-                    PERTURB_SCAN_GROUP(CLOSE, FT)                                               \
+                    PERTURB_CLOSE_GROUP(CLOSE, FT, moving += mv)                                \
             if (moving == 0) {                                                                  \
                 *moved = 0;                                                                     \
                 return count;                                                                   \
@@ -1730,10 +1720,12 @@ void fxstab_round_stats_prepared(const prepared_t *c) {
         if (nt > 1) {                                                                           \
             _Pragma("omp parallel for num_threads(nt) schedule(static) reduction(+:count)")     \
             for (int64_t g = 0; g < groups; g++)                                                \
-                PERTURB_PASS_GROUP(CLOSE, PERTURB_GROUP, FT)                                    \
-        } else { /* no OpenMP region for one thread (~1 us: RS_REGION) */                      \
+                PERTURB_CLOSE_GROUP(CLOSE, FT, PERTURB_GROUP(x, xs, out, n, numel, g, e0, cnt, eta, \
+                                                      seed, close, mv))                         \
+        } else { /* one thread: no OpenMP region (~1 us: round_stats) */                        \
             for (int64_t g = 0; g < groups; g++)                                                \
-                PERTURB_PASS_GROUP(CLOSE, PERTURB_GROUP, FT)                                    \
+                PERTURB_CLOSE_GROUP(CLOSE, FT, PERTURB_GROUP(x, xs, out, n, numel, g, e0, cnt, eta, \
+                                                      seed, close, mv))                         \
         }                                                                                       \
         return count;                                                                           \
     }
@@ -1769,7 +1761,7 @@ int64_t fxstab_lookup_bf16(const float *x, float *out, int64_t numel, const floa
     if (nt > 1) {
         _Pragma("omp parallel for num_threads(nt) schedule(static) reduction(|:bad)")
         for (int64_t c = 0; c < chunks; c++) bad |= lookup_chunk(xb, out, numel, table, c);
-    } else { /* no OpenMP region for one thread (~1 us: RS_REGION) */
+    } else { /* one thread: no OpenMP region (~1 us: round_stats) */
         for (int64_t c = 0; c < chunks; c++) bad |= lookup_chunk(xb, out, numel, table, c);
     }
     return !bad;
