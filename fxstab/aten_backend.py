@@ -46,8 +46,7 @@ from .backend import (GraphAnalysis, _callable, _expand_composites, _fetch_attr,
 from .coverage import ANALYSED, SKIPPED, UNROUNDED, CoverageEntry
 from .naming import module_path, qualified_name, source_location
 from .opsets import node_kind
-from .report import (OBSERVED, PER_SAMPLE, UNLIFTED, OpReport, empty_counters, row_values,
-                     stats_row)
+from .report import OBSERVED, PER_SAMPLE, UNLIFTED, OpReport, report_builder, stats_row
 
 aten = torch.ops.aten
 
@@ -472,16 +471,8 @@ class AtenTracer:
         self.ctx = ctx = a._context.for_call(randbits.derive_seed(a.cfg.seed, a.index, call),
                                              self._record, self.low.salts)
         owner = a.owner
-        from_stats = OpReport.from_stats
-        phase, step, n, t, cap = owner._phase, owner._step, ctx.n_samples, ctx._t, ctx.cap
-
-        def build(row: tuple) -> OpReport:  # when the log is read (ReportLog)
-            fixed, surrogate, counters, values = row
-            return from_stats(fixed, phase, step, call, surrogate,
-                              empty_counters() if counters is None else counters,
-                              row_values(values), n, t, cap)
-
-        self._build, self._defer = build, owner.reports.defer()
+        self._build = report_builder(owner._phase, owner._step, call, ctx.n_samples, ctx._t)
+        self._defer = owner.reports.defer()
 
     def _record(self, rec: Any) -> None:
         """A primitive's record becomes its report, from the fields its reports share (built
@@ -499,7 +490,7 @@ class AtenTracer:
                  "format": ctx.fmt.name, "n_samples": ctx.n_samples, "status": rec.status,
                  "shape": rec.shape, "inputs": meta[1]})
         counters = rec.counters  # none counted (the usual case): nothing kept until read
-        self._defer((self._build, (fixed, rec.surrogate,
+        self._defer((self._build, (fixed, ctx.cap, rec.surrogate,
                                    counters if any(counters.values()) else None,
                                    stats_row(rec.values))))
 

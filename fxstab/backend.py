@@ -56,8 +56,8 @@ from .opsets import (
     COMPOSITE_KINDS, DEFAULT_KINDS, DROPOUT_KINDS, EXACT_KINDS, FAMILIES, RANDOM_KINDS,
     RNN_KINDS, is_custom, is_gemm, node_kind,
 )
-from .report import (PER_SAMPLE, ROUNDED, UNLIFTED, OpReport, ReportLog, empty_counters,
-                     row_values, stats_row)
+from .report import (PER_SAMPLE, ROUNDED, UNLIFTED, OpReport, ReportLog, report_builder,
+                     stats_row)
 from .flat import flatten_call as _flatten, unflatten_call as _unflatten
 from .rounding import round_samples
 from .surrogate import perturb_samples
@@ -1331,14 +1331,7 @@ class SampleTracer:
                 pending[i][1][j] = v
         n = self.n
         t = student_t(n, self.cfg.confidence)
-        phase, step, call = owner._phase, owner._step, self.call
-        from_stats = OpReport.from_stats
-
-        def build(row: tuple) -> OpReport:  # when the log is read (ReportLog)
-            fixed, cap, fired, v = row
-            return from_stats(fixed, phase, step, call, fired, empty_counters(), row_values(v),
-                              n, t, cap)
-
+        build = report_builder(owner._phase, owner._step, self.call, n, t)
         defer = owner.reports.defer()
         templates = self._templates
         for plan, stats, fired, status, shape in pending:
@@ -1348,7 +1341,7 @@ class SampleTracer:
             tpl = templates.get(key)
             if tpl is None:
                 tpl = templates[key] = self._template(plan, status, shape)
-            defer((build, (tpl[0], tpl[1], fired, v)))
+            defer((build, (tpl[0], tpl[1], fired, None, v)))
 
     def _template(self, plan: NodePlan, status: str, shape: tuple) -> tuple:
         """The fields of ``plan``'s reports that no call changes (``OpReport.from_stats``),

@@ -195,3 +195,18 @@ def stats_row(v: Any) -> bytes:
 def row_values(v: bytes) -> tuple:
     """The statistics of a :func:`stats_row` row, as :meth:`OpReport.from_stats` takes them."""
     return _ROW.unpack(v)
+
+
+def report_builder(phase: str, step: Optional[int], call: int, n: int,
+                   t: float) -> Callable[[tuple], OpReport]:
+    """The ``build`` of one analysed call's deferred reports (:meth:`ReportLog.defer`), for
+    rows ``(fixed, cap, surrogate, counters or None for none counted, stats_row(...))``."""
+    from_stats = OpReport.from_stats
+
+    def build(row: tuple) -> OpReport:
+        fixed, cap, surrogate, counters, v = row
+        return from_stats(fixed, phase, step, call, surrogate,
+                          empty_counters() if counters is None else counters, row_values(v),
+                          n, t, cap)
+
+    return build
