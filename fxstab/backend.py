@@ -56,8 +56,8 @@ from .opsets import (
     COMPOSITE_KINDS, DEFAULT_KINDS, DROPOUT_KINDS, EXACT_KINDS, FAMILIES, RANDOM_KINDS,
     RNN_KINDS, is_custom, is_gemm, node_kind,
 )
-from .report import (PER_SAMPLE, ROUNDED, UNLIFTED, OpReport, ReportLog, report_builder,
-                     stats_row)
+from .report import (PER_SAMPLE, ROUNDED, UNLIFTED, OpReport, ReportLog, block_builder,
+                     report_builder, stats_row)
 from .flat import flatten_call as _flatten, unflatten_call as _unflatten
 from .rounding import round_samples
 from .surrogate import perturb_samples
@@ -739,6 +739,16 @@ class SampleTracer:
         self._call_seeds: Optional[native.CallSeeds] = None
         # (id of a plan, status, shape) -> what its reports share (finish)
         self._templates: dict[tuple, tuple] = {}
+        # the steps of one output through a prepared kernel (_one_output_step) note the same
+        # entry every call: id(entry) -> (its row, its kernel); a byte per row: whether its
+        # GEMM's surrogate fired in this call (such an entry's own flag is None)
+        self._rows: dict[int, tuple[int, "native.Prepared"]] = {}
+        self._fired_rows = bytearray()
+        # once a call noted only such entries: that call's entries, and their kernels'
+        # statistics rows in one block, which finish then copies at once (_learn_block)
+        self._usual: Optional[list] = None
+        self._block: Any = None
+        self._layout: tuple = ()
         self.begin(call)
 
     def begin(self, call: int) -> None:
@@ -1189,8 +1199,8 @@ class SampleTracer:
             return out, False
         general = functools.partial(self._round_step, plan, tuple(todo), status, shape)
         j, stacked, _own, _cplx, _fused, prepared = todo[0]
-        if len(todo) == 1 and stacked and prepared is not None:
-            one = self._one_output_step(plan, j, prepared, status, shape, general)
+        if len(todo) == 1 and prepared is not None:
+            one = self._one_output_step(plan, j, prepared, status, shape, general, stacked)
             step = steps.Step("round", plan.name, lambda xs: [one(xs)], one=one)
         else:
             step = steps.Step("round", plan.name, general)
@@ -1203,14 +1213,20 @@ class SampleTracer:
         return (new[0] if single else pytree.tree_unflatten(new, spec)), True
 
     def _one_output_step(self, plan: NodePlan, j: int, prepared: "native.Prepared",
-                         status: str, shape: tuple, general: Callable) -> Callable:
-        """The round step of the usual operator (one stacked output, the prepared CPU kernel):
+                         status: str, shape: tuple, general: Callable,
+                         stacked: bool) -> Callable:
+        """The round step of the usual operator (one output, the prepared CPU kernel):
         :meth:`_round_step` without its loop, returning the rounded samples themselves (a
-        node of a long graph of small tensors spends most of its time in such Python)."""
+        node of a long graph of small tensors spends most of its time in such Python). It
+        notes the same entry every call (a GEMM's surrogate flag goes to its row's byte):
+        what lets :meth:`finish` copy a whole call's statistics at once."""
         key = (plan.index, j)
-        index, gemm = plan.index, plan.gemm
-        stats = [prepared.stats]  # the same buffer every call: finish reads it first
-        entry = (plan, stats, False, status, shape)  # what a call notes (no GEMM: never fired)
+        index, gemm, n = plan.index, plan.gemm, self.n
+        row = len(self._rows)
+        entry = (plan, [prepared.stats], None if gemm else False, status, shape)
+        self._rows[id(entry)] = (row, prepared)
+        fired_rows = self._fired_rows
+        fired_rows.append(0)
         slot = -1  # the step's seed among the call's (CallSeeds), once the trace assigned it
 
         def one(xs: list) -> torch.Tensor:
@@ -1221,12 +1237,13 @@ class SampleTracer:
             else:
                 seed = self._seed(plan, j)
                 slot = self._slots.get(key, -1)
-            out = prepared(xs[0], seed)
+            x = xs[0]
+            out = prepared(x if stacked else x.unsqueeze(0).expand(n, *x.shape), seed)
             if out is None:  # a layout the kernel does not read
                 return general(xs)[0]
-            # only a GEMM's surrogate fires
-            self.pending.append((plan, stats, self.fired.pop(index, False), status, shape)
-                                if gemm else entry)
+            if gemm:  # only a GEMM's surrogate fires
+                fired_rows[row] = self.fired.pop(index, False)
+            self.pending.append(entry)
             return out
 
         return one
@@ -1317,6 +1334,13 @@ class SampleTracer:
         if not pending:
             return
         owner = self.a.owner
+        n = self.n
+        t = student_t(n, self.cfg.confidence)
+        if pending == self._usual:  # the entries of _learn_block's call (compared by identity)
+            owner.reports.defer_many(
+                block_builder(owner._phase, owner._step, self.call, n, t),
+                (self._layout, bytes(self._block), bytes(self._fired_rows)), len(pending))
+            return
         # the CPU kernels give lists or their own buffers; tensors (Triton, references): one
         # stack, one transfer
         tensors = [(i, j) for i, e in enumerate(pending) for j, v in enumerate(e[1])
@@ -1329,19 +1353,42 @@ class SampleTracer:
                 values = torch.stack([r.cpu() for r in rows]).tolist()
             for (i, j), v in zip(tensors, values):
                 pending[i][1][j] = v
-        n = self.n
-        t = student_t(n, self.cfg.confidence)
         build = report_builder(owner._phase, owner._step, self.call, n, t)
         defer = owner.reports.defer()
-        templates = self._templates
-        for plan, stats, fired, status, shape in pending:
+        rows = self._rows
+        for e in pending:
+            plan, stats, fired, status, shape = e
+            if fired is None:  # a prepared GEMM step's: its row's byte
+                fired = bool(self._fired_rows[rows[id(e)][0]])
             # the prepared kernel's buffer is reused by its next call: copied (as bytes)
             v = stats_row(stats[0] if len(stats) == 1 else merge_stats([r[:] for r in stats]))
-            key = (id(plan), status, shape)  # plans live as long as their tracer
-            tpl = templates.get(key)
-            if tpl is None:
-                tpl = templates[key] = self._template(plan, status, shape)
+            tpl = self._template_of(plan, status, shape)
             defer((build, (tpl[0], tpl[1], fired, None, v)))
+        self._learn_block(pending)
+
+    def _learn_block(self, pending: list) -> None:
+        """After a call whose every entry came from a prepared one-output step (each once): its
+        entries in order, and every such kernel's statistics in one block from now on, so a
+        call that notes the same entries is a comparison and one copy in :meth:`finish`."""
+        rows = self._rows
+        if self._usual is not None or not all(id(e) in rows for e in pending) or \
+                len({id(e) for e in pending}) != len(pending):
+            return
+        block = native.stats_block(len(rows))
+        for k, prepared in rows.values():
+            prepared.use_row(block, k)
+        for e in pending:  # the entries hold their kernel's buffer
+            e[1][0] = rows[id(e)][1].stats
+        self._block, self._usual = block, list(pending)
+        self._layout = tuple((*self._template_of(e[0], e[3], e[4]), rows[id(e)][0])
+                             for e in pending)
+
+    def _template_of(self, plan: NodePlan, status: str, shape: tuple) -> tuple:
+        key = (id(plan), status, shape)  # plans live as long as their tracer
+        tpl = self._templates.get(key)
+        if tpl is None:
+            tpl = self._templates[key] = self._template(plan, status, shape)
+        return tpl
 
     def _template(self, plan: NodePlan, status: str, shape: tuple) -> tuple:
         """The fields of ``plan``'s reports that no call changes (``OpReport.from_stats``),

@@ -338,6 +338,12 @@ def _round_stats(samples, fmt, mode, seed, saturate, confidence, zero_threshold,
 _Stats = ctypes.c_double * STATS_LEN
 
 
+def stats_block(rows: int) -> ctypes.Array:
+    """``rows`` statistics rows in one buffer (:meth:`Prepared.use_row`); ``bytes(block)``
+    copies them all, each :data:`~fxstab.digits.STATS_LEN` doubles."""
+    return (_Stats * rows)()
+
+
 def empty(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     """torch.empty(shape): sizes passed as separate arguments parse in half the time."""
     return torch.empty(*shape, dtype=dtype) if shape else torch.empty((), dtype=dtype)
@@ -437,6 +443,15 @@ class Prepared:
         self._cref = ctypes.byref(self._c)
         self._fn = lib.fxstab_round_stats_prepared
         self._numel = self._nt = -1  # what the struct holds (a call sets what changed)
+
+    def use_row(self, block: ctypes.Array, k: int) -> None:
+        """From now on, write the statistics into row ``k`` of ``block`` (:func:`stats_block`),
+        which ``stats`` then is (holding the latest call's statistics, copied): one copy of
+        the block keeps the rows of many kernels."""
+        row = block[k]
+        ctypes.memmove(row, self.stats, ctypes.sizeof(row))
+        self.stats = row
+        self._c.stats = ctypes.cast(self.stats, ctypes.POINTER(ctypes.c_double))
 
     def __call__(self, x: torch.Tensor, seed: int) -> Optional[torch.Tensor]:
         c = self._c

@@ -132,11 +132,13 @@ class ReportLog(MutableSequence):
     they are read; reading them builds exactly the reports it would have built (once: they
     are kept)."""
 
-    __slots__ = ("_built", "_raw")
+    __slots__ = ("_built", "_raw", "_more")
 
     def __init__(self, reports: Iterable[OpReport] = ()) -> None:
         self._built: list[OpReport] = list(reports)
-        self._raw: list[tuple[Callable[[Any], OpReport], Any]] = []
+        # (build, row): build(row) is one report, or a list of them (defer_many)
+        self._raw: list[tuple[Callable[[Any], Any], Any]] = []
+        self._more = 0  # the deferred reports beyond one per entry of _raw
 
     def defer(self) -> Callable[[tuple], None]:
         """The ``append`` of deferred reports, ``add((build, row))``: ``build(row)`` is the
@@ -144,15 +146,29 @@ class ReportLog(MutableSequence):
         keeps their order)."""
         return self._raw.append
 
+    def defer_many(self, build: Callable[[Any], list], rows: Any, count: int) -> None:
+        """``count`` deferred reports in one entry: ``build(rows)`` is their list (a call's
+        operators whose statistics rows lie in one block), in their order among the log's."""
+        if count:
+            self._raw.append((build, rows))
+            self._more += count - 1
+
     def _reports(self) -> list[OpReport]:
         raw = self._raw
         if raw:  # emptied in place: the appends that defer() gave out stay this log's
-            self._built.extend([build(row) for build, row in raw])
+            built = self._built
+            for build, row in raw:
+                r = build(row)
+                if type(r) is list:
+                    built.extend(r)
+                else:
+                    built.append(r)
             raw.clear()
+            self._more = 0
         return self._built
 
     def __len__(self) -> int:
-        return len(self._built) + len(self._raw)
+        return len(self._built) + len(self._raw) + self._more
 
     def __getitem__(self, i):
         return self._reports()[i]
@@ -175,6 +191,7 @@ class ReportLog(MutableSequence):
     def clear(self) -> None:
         self._built.clear()
         self._raw.clear()
+        self._more = 0
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, (ReportLog, list)):
@@ -208,5 +225,22 @@ def report_builder(phase: str, step: Optional[int], call: int, n: int,
         return from_stats(fixed, phase, step, call, surrogate,
                           empty_counters() if counters is None else counters, row_values(v),
                           n, t, cap)
+
+    return build
+
+
+def block_builder(phase: str, step: Optional[int], call: int, n: int,
+                  t: float) -> Callable[[tuple], list]:
+    """The ``build`` of :meth:`ReportLog.defer_many` for one call's operators whose statistics
+    rows lie in one block: ``(layout, block, surrogate)`` with ``layout`` the operators in
+    their order, each ``(fixed, cap, row)``, ``block`` the rows (``bytes``, :func:`stats_row`'s
+    layout one after another) and ``surrogate`` a byte per row (its GEMM surrogate fired)."""
+    from_stats, unpack = OpReport.from_stats, _ROW.unpack_from
+    size = _ROW.size
+
+    def build(rows: tuple) -> list:
+        layout, block, surrogate = rows
+        return [from_stats(fixed, phase, step, call, bool(surrogate[k]), empty_counters(),
+                           unpack(block, k * size), n, t, cap) for fixed, cap, k in layout]
 
     return build

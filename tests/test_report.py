@@ -44,6 +44,28 @@ def test_deferred_reports_are_built_once_when_read_in_order():
     assert len(log) == 0 and list(log) == []
 
 
+def test_many_reports_deferred_in_one_entry_count_and_keep_their_place():
+    log = ReportLog()
+    defer = log.defer()
+    built = []
+
+    def build_many(rows):
+        built.append(rows)
+        return [_report(name) for name in rows]
+
+    defer((lambda row: _report(row), "a"))
+    log.defer_many(build_many, ("b", "c", "d"), 3)
+    log.defer_many(build_many, (), 0)  # nothing: no entry
+    defer((lambda row: _report(row), "e"))
+    assert len(log) == 5 and not built
+    assert [r.name for r in log] == ["a", "b", "c", "d", "e"] and built == [("b", "c", "d")]
+    log.defer_many(build_many, ("f", "g"), 2)
+    assert len(log) == 7 and [r.name for r in log[-3:]] == ["e", "f", "g"]
+    log.defer_many(build_many, ("h",), 1)
+    log.clear()
+    assert len(log) == 0 and list(log) == []
+
+
 def test_rows_copy_kernel_buffers_and_keep_every_value():
     """A CPU kernel's statistics buffer is overwritten by its next call: the row keeps a copy;
     a list row round-trips exactly (NaN, infinities, -0, numel as an int) and gives the same
@@ -115,3 +137,25 @@ def test_a_list_assigned_to_the_backends_reports_becomes_its_log():
         assert isinstance(be.reports, ReportLog) and len(be.reports) == 1
         f(x)
     assert len(be.reports) == 1 + n // 2 and all(isinstance(r, OpReport) for r in be.reports)
+
+
+def test_a_call_noted_as_one_block_gives_the_reports_noted_one_by_one(monkeypatch):
+    """Once a call has noted only prepared one-output steps, later calls copy their statistics
+    as one block: the reports (GEMM surrogate flags included) are field for field those of the
+    same calls noted operator by operator."""
+    from fxstab.backend import SampleTracer
+
+    torch.manual_seed(0)
+    # (a GEMM fed by a rounded operator carries its surrogate in that rounding: not one step
+    # of one output, so only the first layer is a GEMM here)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Sigmoid())
+    x = torch.randn(8, 16)
+    be_block, _ = _analyse(model, x, False, calls=5)
+    tracer = be_block.sampled_graphs()[0].tracer
+    assert tracer._usual is not None and len(tracer._usual) == 3  # the block was used
+    block = [r.as_dict() for r in be_block.reports]
+    monkeypatch.setattr(SampleTracer, "_learn_block", lambda self, pending: None)
+    be_each, _ = _analyse(model, x, False, calls=5)
+    assert be_each.sampled_graphs()[0].tracer._usual is None
+    assert block == [r.as_dict() for r in be_each.reports] and len(block) == 5 * 3
+    assert any(r["surrogate"] for r in block) and not all(r["surrogate"] for r in block)
