@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxstab
-from fxstab.passes import DropDetach, EliminateDeadCode, LowerSteps, Step, emit, is_step, tracing
+from fxstab.passes import (DirectBindings, DropDetach, EliminateDeadCode, LowerSteps, Step, emit,
+                           is_step, tracing)
 from fxstab.passes import steps as steps_mod
 from fxstab.passes.steps import lowered
 
@@ -121,6 +122,56 @@ def test_drop_detach_alone():
     assert not any(n.target is torch.ops.aten.detach.default for n in gm.graph.nodes)
     x = torch.randn(3)
     assert torch.equal(gm(x), x * 2)
+
+
+def _bound(gm: torch.fx.GraphModule) -> dict:
+    """node name -> what it calls (an OpOverload or a binding)."""
+    return {n.name: n.target for n in gm.graph.nodes if n.op == "call_function"}
+
+
+def test_direct_bindings_alone_call_the_same_overloads_bit_for_bit():
+    """Elementwise, scalar, view, reduction, GEMM and normalisation calls move to torch's
+    bindings; in-place, random and factory calls keep their overloads, and so does an overload
+    that the binding would not pick (add.Scalar: torch.add takes add.Tensor); the outputs are
+    the same bits."""
+    A = torch.ops.aten
+
+    def fn(x, w, b):
+        y = A.tanh.default(A.add.Tensor(A.mul.Tensor(x, 1.01), 0.1))
+        z = A.addmm.default(b, A.view.default(y, [12, 8]), A.t.default(w))
+        z = A.native_layer_norm.default(z, [5], None, None, 1e-5)[0]
+        s = A.sum.dim_IntList(A.transpose.int(A.view.default(z, [3, 4, 5]), 0, 1), [1], True)
+        r = A.add.Scalar(s, 2.5)
+        noise = A.rand_like.default(r)
+        out = A.div.Tensor(r, A.exp.default(A.neg.default(r)))
+        out = A.add_.Tensor(out, noise)
+        return [out, A.zeros.default([2]), A._softmax.default(z, -1, False)]
+
+    x, w, b = torch.randn(3, 4, 8), torch.randn(5, 8), torch.randn(5)
+    gm = make_fx(fn)(x, w, b)
+    before = _bound(gm)
+    assert DirectBindings()(gm).modified
+    after = _bound(gm)
+    moved = {k for k in after if after[k] is not before[k]}
+    kinds = {str(before[k]).split(".")[1] for k in moved}
+    assert {"tanh", "add", "mul", "addmm", "view", "t", "native_layer_norm", "sum", "transpose",
+            "div", "exp", "neg", "_softmax"} <= kinds, kinds
+    for k in after:
+        op = before[k]
+        if op in (torch.ops.aten.add_.Tensor, torch.ops.aten.rand_like.default,
+                  torch.ops.aten.zeros.default, torch.ops.aten.add.Scalar):
+            assert after[k] is op, k
+        if k in moved:  # a binding, not an overload
+            assert not isinstance(after[k], torch._ops.OpOverload)
+    assert "torch.tanh(" in gm.code and "torch.ops.aten.add_.Tensor(" in gm.code
+    ref = make_fx(fn)(x, w, b)
+    torch.manual_seed(1)
+    want = ref(x, w, b)
+    torch.manual_seed(1)
+    got = gm(x, w, b)
+    for a, c in zip(want, got):
+        assert a.dtype == c.dtype and a.stride() == c.stride()
+        assert torch.equal(a, c)
 
 
 # --------------------------------------------------------------------------- the sampled graph
@@ -360,12 +411,12 @@ def test_aten_sampled_graph_is_aten_nodes_and_one_step_per_primitive():
     code = sg.code
     assert "fxstab_step" not in code  # every step lowered to a direct call
     for name in ("perturb_fc1_linear_0_aten_addmm_0", "round_fc1_linear_0_aten_addmm_0",
-                 "torch.ops.aten.addmm", "torch.ops.aten.mul"):
+                 "torch.addmm(", "torch.mul("):  # aten calls through torch's bindings
         assert name in code, code
-    # what reads values is a step; the samples' arithmetic is aten nodes between them
+    # what reads values is a step; the samples' arithmetic is aten calls between them
     steps_ = [n for n in sg.gm.graph.nodes if lowered_step(n) is not None]
     aten_ = [n for n in sg.gm.graph.nodes if n.op == "call_function" and
-             isinstance(n.target, torch._ops.OpOverload)]
+             lowered_step(n) is None and n.target is not operator.getitem]
     per_call = len(be.reports) // 2
     assert len(steps_) >= per_call > 0 and len(aten_) >= per_call
     assert {lowered_step(n).what for n in steps_} <= {"round", "perturb", "lookup", "compare",

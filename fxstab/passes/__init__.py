@@ -6,11 +6,13 @@ arithmetic level, :class:`fxstab.aten_backend.AtenTracer`) with ``make_fx`` into
 ``fx.GraphModule`` over the N samples; :mod:`fxstab.passes.steps` holds the nodes that run
 fxstab's own code in it (rounding and recording, counters, the GEMM surrogate, per-sample
 operators) and the passes that check the traced graph (no value-dependent shapes), clean it
-(dead code) and lower those nodes to direct calls.
+(dead code) and lower those nodes to direct calls; :mod:`fxstab.passes.bindings` calls each aten
+operator through the torch binding that makes exactly its call.
 """
 
+from .bindings import DirectBindings
 from .steps import (DropDetach, EliminateDeadCode, LowerSteps, RefuseDynamicShapes, Step, emit,
                     is_step, tracing)
 
-__all__ = ["DropDetach", "EliminateDeadCode", "LowerSteps", "RefuseDynamicShapes", "Step", "emit",
-           "is_step", "tracing"]
+__all__ = ["DirectBindings", "DropDetach", "EliminateDeadCode", "LowerSteps",
+           "RefuseDynamicShapes", "Step", "emit", "is_step", "tracing"]

@@ -7,7 +7,8 @@ given input signature (:meth:`SampledGraphs.first_sight`). The trace runs the ru
 so it is that call's stochastic path; the
 graph it leaves, cleaned by :class:`~fxstab.passes.steps.EliminateDeadCode` and
 :class:`~fxstab.passes.steps.DropDetach`, its steps lowered by
-:class:`~fxstab.passes.steps.LowerSteps`, is every later call's: one call of
+:class:`~fxstab.passes.steps.LowerSteps` and its aten calls made through torch's own bindings
+(:class:`~fxstab.passes.bindings.DirectBindings`), is every later call's: one call of
 generated code, whose cost follows the work, not the number of nodes. ``print(sg.code)``
 shows it (``be.sampled_graphs()``).
 """
@@ -22,6 +23,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from . import steps
+from .bindings import DirectBindings
 
 __all__ = ["SampledGraph", "signature", "SampledGraphs"]
 
@@ -94,7 +96,7 @@ class SampledGraph:
         with steps.tracing():
             gm = make_fx(rules, tracing_mode="real")(*[args[i] for i in positions])
             for p in (steps.RefuseDynamicShapes(), steps.EliminateDeadCode(), steps.DropDetach(),
-                      steps.LowerSteps()):
+                      steps.LowerSteps(), DirectBindings()):
                 p(gm)
         sg = cls(gm, tracer, positions, held["layout"], stacked_type)
         sg.first = held["first"]
