@@ -1187,13 +1187,15 @@ class SampleTracer:
             fused = fuse is not None and native_ok
             own = stacked and _storage(t) not in taken
             prepared = None
-            if native_ok and not fused and samples[0].numel():
-                # the kernel's settings bound once: a call sets the seed and runs it
+            if native_ok and samples[0].numel():
+                # the kernel's settings bound once: a call sets the seed(s) and runs it; with
+                # its consumer GEMM's surrogate in the same pass where fused
                 prepared = native.Prepared(native.rounder(
                     plan.format or self.fmt, cfg.rounding if status != UNLIFTED else None,
                     samples.dtype,
                     self.n, saturate=cfg.saturate, confidence=cfg.confidence,
-                    zero_threshold=cfg.zero_threshold), own)
+                    zero_threshold=cfg.zero_threshold), own,
+                    self._eta(fuse[0]) if fused else None)
             todo.append((j, stacked, own, t.is_complex(), fused, prepared))
         if not todo:
             return out, False
@@ -1222,27 +1224,40 @@ class SampleTracer:
         what lets :meth:`finish` copy a whole call's statistics at once."""
         key = (plan.index, j)
         index, gemm, n = plan.index, plan.gemm, self.n
+        fz = prepared.fused  # the consumer GEMM's surrogate, in the same pass
+        user, purpose = plan.fuse if fz is not None else (None, 0)
+        if fz is not None:
+            purpose = 1000 + purpose  # (the operand's position: its seed's purpose)
         row = len(self._rows)
         entry = (plan, [prepared.stats], None if gemm else False, status, shape)
         self._rows[id(entry)] = (row, prepared)
         fired_rows = self._fired_rows
         fired_rows.append(0)
-        slot = -1  # the step's seed among the call's (CallSeeds), once the trace assigned it
+        # the step's seeds among the call's (CallSeeds), once the trace assigned them
+        slot = fslot = -1
 
         def one(xs: list) -> torch.Tensor:
-            nonlocal slot
+            nonlocal slot, fslot
             now = self._now
             if now is not None and slot >= 0:
                 seed = now[slot]
             else:
                 seed = self._seed(plan, j)
                 slot = self._slots.get(key, -1)
+            if fz is not None:
+                if now is not None and fslot >= 0:
+                    fz.seed = now[fslot]
+                else:
+                    fz.seed = self._seed(user, purpose) & randbits.M64
+                    fslot = self._slots.get((user.index, purpose), -1)
             x = xs[0]
             out = prepared(x if stacked else x.unsqueeze(0).expand(n, *x.shape), seed)
             if out is None:  # a layout the kernel does not read
                 return general(xs)[0]
             if gemm:  # only a GEMM's surrogate fires
                 fired_rows[row] = self.fired.pop(index, False)
+            if fz is not None and fz.count:
+                self.fired[user.index] = True
             self.pending.append(entry)
             return out
 
@@ -1254,7 +1269,7 @@ class SampleTracer:
         stats, outs = [], []
         for (j, stacked, own, cplx, fused, prepared), t in zip(todo, xs):
             samples = t if stacked else t.unsqueeze(0).expand(self.n, *t.shape)
-            if prepared is not None:
+            if prepared is not None and prepared.fused is None:  # (fused: one-output steps')
                 out = prepared(samples, self._seed(plan, j))
                 if out is not None:
                     outs.append(out)

@@ -417,7 +417,8 @@ class _PreparedCall(ctypes.Structure):
 
     _fields_ = [("x", ctypes.c_void_p), ("xs", ctypes.c_int64), ("out", ctypes.c_void_p),
                 ("n", ctypes.c_int64), ("numel", ctypes.c_int64), ("f64", ctypes.c_int64),
-                ("p", ctypes.POINTER(_Params)), ("stats", ctypes.POINTER(ctypes.c_double))]
+                ("p", ctypes.POINTER(_Params)), ("stats", ctypes.POINTER(ctypes.c_double)),
+                ("fused", ctypes.POINTER(_Fused))]
 
 
 class Prepared:
@@ -426,20 +427,28 @@ class Prepared:
     argument struct are set up once, so a call sets the seed, allocates the rounded samples
     (unless ``in_place``) and makes one C call with one argument. ``stats`` holds the latest
     call's statistics (read them before the next call). Returns None for a layout the kernel
-    does not read (the caller takes the general path)."""
+    does not read (the caller takes the general path).
+
+    With ``eta``, the call is :func:`round_perturb`'s: the consumer GEMM's surrogate in the
+    same pass, whose seed the caller sets in ``fused.seed`` before each call and whose
+    ``fused.count`` (elements insufficiently separated) it reads after."""
 
     __slots__ = ("_fn", "_p", "_c", "_cref", "stats", "n", "rounds", "in_place", "_numel",
-                 "_nt")
+                 "_nt", "fused")
 
-    def __init__(self, r: Rounder, in_place: bool) -> None:
+    def __init__(self, r: Rounder, in_place: bool, eta: Optional[float] = None) -> None:
         lib = _lib()
         self.n, self.rounds, self.in_place = r.n, r.mode is not None, in_place
+        if eta is not None and r.mode is None:
+            raise ValueError("fxstab.native.Prepared: the fused surrogate needs a rounding mode")
         self._p = _Params.from_buffer_copy(r._base)
         lib.fxstab_prepare_params(ctypes.byref(self._p), r.n)
         self.stats = _Stats()
+        self.fused = None if eta is None else _Fused(eta=float(eta))
         self._c = _PreparedCall(n=r.n, f64=int(r.dtype == torch.float64),
                                 p=ctypes.pointer(self._p),
-                                stats=ctypes.cast(self.stats, ctypes.POINTER(ctypes.c_double)))
+                                stats=ctypes.cast(self.stats, ctypes.POINTER(ctypes.c_double)),
+                                fused=None if eta is None else ctypes.pointer(self.fused))
         self._cref = ctypes.byref(self._c)
         self._fn = lib.fxstab_round_stats_prepared
         self._numel = self._nt = -1  # what the struct holds (a call sets what changed)

@@ -342,7 +342,7 @@ def test_a_failing_stochastic_path_never_breaks_the_model(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("simulated failure inside the stochastic path")
 
-    monkeypatch.setattr(backend_module.SampleTracer, "_round_step", broken)  # every rounding
+    monkeypatch.setattr(backend_module.SampleTracer, "_round_and_record", broken)  # every rounding
     torch.manual_seed(0)
     m, x = MLP(), torch.randn(4, 16)
     be = fxstab.backend()
@@ -480,7 +480,14 @@ def test_an_output_read_only_by_a_gemm_is_perturbed_in_its_rounding_pass(monkeyp
     torch.manual_seed(0)
     m, x = MLP(), torch.randn(64, 16)
     fused_calls, perturb_calls = [], []
-    real_rp, real_p = native.round_perturb, native.perturb
+    real_rp, real_p, real_prepared = native.round_perturb, native.perturb, native.Prepared.__call__
+
+    def prepared(self, x, seed):
+        if self.fused is not None:  # the usual one-output step: its prepared kernel
+            fused_calls.append(x.shape)
+        return real_prepared(self, x, seed)
+
+    monkeypatch.setattr(native.Prepared, "__call__", prepared)
     monkeypatch.setattr(native, "round_perturb",
                         lambda *a, **k: fused_calls.append(a[0].shape) or real_rp(*a, **k))
     monkeypatch.setattr(native, "perturb",

@@ -511,6 +511,42 @@ def test_prepared_kernel_is_the_rounder(dtype, fmt, mode):
     assert prep(torch.randn(3, 6, 4, dtype=dtype).transpose(1, 2), 1) is None
 
 
+@pytest.mark.parametrize("dtype,fmt", [(torch.float32, "bf16"), (torch.float64, "fp32")])
+def test_prepared_kernel_with_the_surrogate_is_round_perturb(dtype, fmt):
+    """native.Prepared with ``eta``: round_perturb's samples, statistics and count of perturbed
+    elements, bit for bit, for stacked (in place or not) and expanded samples, with the
+    surrogate's seed set per call; values close to each other perturbed, separated ones not."""
+    f = get_format(fmt)
+    g = torch.Generator().manual_seed(5)
+    eta = 1e-2
+    r = native.rounder(f, Rounding.RANDOM, dtype, 3)
+    with pytest.raises(ValueError, match="rounding mode"):
+        native.Prepared(native.rounder(f, None, dtype, 3), False, eta)
+    counts = []
+    for in_place in (False, True):
+        prep = native.Prepared(r, in_place, eta)
+        for seed, pseed, numel in ((3, 9, 1000), (6, 1 << 63, 1000), (4, 2, 7), (7, 5, 20000)):
+            base = torch.randn(numel, generator=g, dtype=dtype)
+            # half the elements nearly tied across samples (close), half far apart
+            spread = torch.where(torch.arange(numel) % 2 == 0, 1e-6, 1.0).to(dtype)
+            x = base + spread * torch.randn(3, numel, generator=g, dtype=dtype)
+            want, st, count = native.round_perturb(x.clone(), f, Rounding.RANDOM, seed, eta,
+                                                   pseed, as_list=True)
+            prep.fused.seed = pseed
+            given = x.clone()
+            out = prep(given, seed)
+            assert _same_bits(out, want) and prep.stats[:] == st
+            assert prep.fused.count == count and 0 < count < numel
+            assert (out.data_ptr() == given.data_ptr()) == in_place
+            counts.append(count)
+            v = base.unsqueeze(0).expand(3, numel)
+            want, st, count = native.round_perturb(v, f, Rounding.RANDOM, seed, eta, pseed,
+                                                   as_list=True)
+            out = prep(v, seed)
+            assert _same_bits(out, want) and prep.stats[:] == st and prep.fused.count == count
+    assert len(set(counts)) > 1
+
+
 def test_derive_seeds_are_derive_seed():
     """A call's seeds derived at once in C are fxstab.randbits.derive_seed's, bit for bit (the
     arithmetic level's primitives round with them), 64-bit extremes included."""

@@ -1650,6 +1650,7 @@ typedef struct {
     int64_t n, numel, f64;
     params_t *p; /* derived: its seed and nthreads set per call */
     double *stats;
+    fused_t *fused; /* the consumer GEMM's surrogate (its seed set per call), or NULL */
 } prepared_t;
 
 void fxstab_prepare_params(params_t *p, int64_t n) { *p = derive_params(p, n); }
@@ -1662,13 +1663,13 @@ void fxstab_round_stats_prepared(const prepared_t *c) {
         const FT *x = (const FT *)c->x;                                                           \
         FT *out = (FT *)c->out;                                                                   \
         switch (p->mode) {                                                                        \
-        case MODE_RANDOM: rs_##DT##_random(x, c->xs, out, c->n, c->numel, p, c->stats, NULL, NULL); break; \
-        case MODE_STOCHASTIC: rs_##DT##_stochastic(x, c->xs, out, c->n, c->numel, p, c->stats, NULL, NULL); break; \
-        case MODE_NEAREST: rs_##DT##_nearest(x, c->xs, out, c->n, c->numel, p, c->stats, NULL, NULL); break; \
-        case MODE_UP: rs_##DT##_up(x, c->xs, out, c->n, c->numel, p, c->stats, NULL, NULL); break; \
-        case MODE_DOWN: rs_##DT##_down(x, c->xs, out, c->n, c->numel, p, c->stats, NULL, NULL); break; \
-        case MODE_ZERO: rs_##DT##_zero(x, c->xs, out, c->n, c->numel, p, c->stats, NULL, NULL); break; \
-        default: rs_##DT##_none(x, c->xs, out, c->n, c->numel, p, c->stats, NULL, NULL); break; \
+        case MODE_RANDOM: rs_##DT##_random(x, c->xs, out, c->n, c->numel, p, c->stats, NULL, c->fused); break; \
+        case MODE_STOCHASTIC: rs_##DT##_stochastic(x, c->xs, out, c->n, c->numel, p, c->stats, NULL, c->fused); break; \
+        case MODE_NEAREST: rs_##DT##_nearest(x, c->xs, out, c->n, c->numel, p, c->stats, NULL, c->fused); break; \
+        case MODE_UP: rs_##DT##_up(x, c->xs, out, c->n, c->numel, p, c->stats, NULL, c->fused); break; \
+        case MODE_DOWN: rs_##DT##_down(x, c->xs, out, c->n, c->numel, p, c->stats, NULL, c->fused); break; \
+        case MODE_ZERO: rs_##DT##_zero(x, c->xs, out, c->n, c->numel, p, c->stats, NULL, c->fused); break; \
+        default: rs_##DT##_none(x, c->xs, out, c->n, c->numel, p, c->stats, NULL, c->fused); break; \
         }                                                                                         \
     } while (0)
     if (c->f64)
