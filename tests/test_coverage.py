@@ -498,7 +498,7 @@ def test_a_failed_stochastic_path_shows_in_the_coverage(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("simulated failure")
 
-    monkeypatch.setattr(backend_module.SampleTracer, "_round_step", broken)  # every rounding
+    monkeypatch.setattr(backend_module.SampleTracer, "_round_and_record", broken)  # every rounding
     torch.manual_seed(0)
     with pytest.warns(RuntimeWarning):
         be, _ = analyse(MLP(), torch.randn(4, 16))

@@ -92,13 +92,13 @@ def binding_of(node: torch.fx.Node) -> Optional[Callable]:
         return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta") \
             if known[-1] else v
 
-    args = torch.fx.node.map_arg(node.args, meta)
-    kwargs = torch.fx.node.map_arg(node.kwargs, meta)
-    if not known or not all(known):
-        return None  # values unknown here, or no tensor operand (a factory): no proof
     try:
+        args = torch.fx.node.map_arg(node.args, meta)
+        kwargs = torch.fx.node.map_arg(node.kwargs, meta)
+        if not known or not all(known):
+            return None  # values unknown here, or no tensor operand (a factory): no proof
         ops, want = _recorded(op, args, kwargs)
-    except Exception:
+    except Exception:  # a layout meta tensors do not take, an operator without a meta kernel
         return None
     if ops != [op]:
         return None
