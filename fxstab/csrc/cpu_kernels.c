@@ -745,8 +745,10 @@ ALWAYS_INLINE void moments8(const float *const *rows, int64_t n, int64_t el, flo
  * and unpacking it), so the second loop (classification and sums) runs with few live vectors
  * and no spilled accumulators. */
 ALWAYS_INLINE void moments_pass8(const float *const *rows, int64_t n, int64_t full, float inv_n,
-                                 float *restrict vbuf, vi8 *restrict fbuf) {
+                                 float *restrict vbuf, vi8 *restrict fbuf,
+                                 float *restrict mbuf, float *restrict rbuf, vi8 *zspread) {
     const vf8 zero = vsplat8(0.0f);
+    vi8 zsp = (vi8){0};
     for (int64_t el = 0; el < full; el += 8) {
         vf8 mean, var;
         vi8 *f = fbuf + (el >> 3) * 4;
@@ -754,7 +756,13 @@ ALWAYS_INLINE void moments_pass8(const float *const *rows, int64_t n, int64_t fu
         f[3] = f[0] & ~f[1] & (mean != zero); /* a measured variance: finite, not identical,
                                                 * mean != 0 */
         vstore8(vbuf + el, var);
+        if (mbuf) { /* the norms' terms, as clamped_pass8's */
+            vstore8(mbuf + el, vsel8(f[0], mean, zero));
+            vstore8(rbuf + el, vsel8(f[3], var, zero));
+            zsp |= f[0] & ~f[1] & (mean == zero);
+        }
     }
+    if (zspread) *zspread = zsp;
 }
 
 /* First loop of the statistics without digits: each element's variance clamped to [vcap,
@@ -834,10 +842,53 @@ ALWAYS_INLINE void store_mask8(uint8_t *zm, vi8 m) {
                s_sum, s_min, s_max, s_zero, s_nf);                                              \
     }
 
+/* One thread's running statistics of stats_block_f32_n, per lane: reduced to the six numbers
+ * once per thread (acc8_finish), not once per group. The product of significands is folded
+ * back to [1, 2) after each group (its exponent into esum); the integer counts move to
+ * doubles before they could overflow. */
+typedef struct {
+    vf8 prod, maxv, minv;  /* of the clamped variances */
+    vi8 esum, zeros, nf;
+    double esum_d[8], zeros_d[8], nf_d[8];
+    int64_t iters, since_flush;  /* 8-element vectors per lane: in all, since the last flush */
+    /* the extras' norms of the elements measured here (want_norms): their sums, and how many
+     * leading elements of the last group they cover (the extras block does the rest) */
+    int want_norms;
+    double nmsq, nvsq;
+    int64_t normed;
+    /* the same running statistics for fp64 samples (stats_block_f64_n), 4 lanes: the
+     * exponents' sums in int64 lanes, which never need a flush */
+    vd4 prod4, maxv4, minv4;
+    vl4 esum4, zeros4, nf4;
+    int64_t iters4;
+} acc8_t;
+
+/* The extras' norms of a group's first `full` elements from their moments (fp64 products):
+ * mean^2, and s^2 = (relative spread, times n - 1) mean^2 / (n - 1) (mbuf: the finite means,
+ * rbuf: the measured spreads); an element with a zero mean and a spread (zsp) has no relative
+ * spread to give its s^2: the extras block then measures the group whole. 10% off round_stats
+ * against a pass of its own. */
+ALWAYS_INLINE void norms_from_moments(acc8_t *acc, const float *restrict mbuf,
+                                      const float *restrict rbuf, int64_t full, int64_t n,
+                                      vi8 zsp) {
+    if (!full || any8(zsp)) return;
+    double msq = 0, vsq = 0;
+    _Pragma("omp simd reduction(+:msq, vsq)")
+    for (int64_t el = 0; el < full; el++) {
+        const double md = (double)mbuf[el], m2 = md * md;
+        msq += m2;
+        vsq += (double)rbuf[el] * m2;
+    }
+    acc->nmsq += msq;
+    acc->nvsq += vsq / (double)(n - 1);
+    acc->normed = full;
+}
+
 ALWAYS_INLINE void digits_block_f32_n(const float *const *rows, int64_t n, int64_t cnt,
                                       const params_t *p, double K, float *restrict dig,
-                                      uint8_t *restrict zm, double *s_sum, double *s_min,
-                                      double *s_max, double *s_zero, double *s_nf) {
+                                      uint8_t *restrict zm, acc8_t *acc, double *s_sum,
+                                      double *s_min, double *s_max, double *s_zero,
+                                      double *s_nf) {
     const float inv_n = 1.0f / (float)n, cap = (float)p->cap;
     /* -0.5 log10(v / (n - 1)) + K: the division folds into the constant */
     const vf8 Kv = vsplat8((float)(K + 0.5 * log10((double)(n - 1))));
@@ -847,9 +898,13 @@ ALWAYS_INLINE void digits_block_f32_n(const float *const *rows, int64_t n, int64
     vi8 zeros = (vi8){0}, nf = (vi8){0};
     int64_t full = cnt & ~(int64_t)7;
     /* two loops over the group, as in stats_block_f32_n */
-    float vbuf[BLK];
+    float vbuf[BLK], mbuf[BLK], rbuf[BLK];
     vi8 fbuf[BLK / 2]; /* 4 masks per 8 elements */
-    moments_pass8(rows, n, full, inv_n, vbuf, fbuf);
+    const int norms = acc->want_norms;
+    vi8 zsp = (vi8){0};
+    moments_pass8(rows, n, full, inv_n, vbuf, fbuf, norms ? mbuf : NULL, norms ? rbuf : NULL,
+                  &zsp);
+    if (norms) norms_from_moments(acc, mbuf, rbuf, full, n, zsp);
     for (int64_t el = 0; el < full; el += 8) {
         vf8 var = vload8(vbuf + el);
         vi8 finite, identical, exact_zero, measured;
@@ -882,26 +937,6 @@ ALWAYS_INLINE void digits_block_f32_n(const float *const *rows, int64_t n, int64
  * zero threshold a comparison, and the sum of the logarithms of all elements the logarithm of
  * their product, kept as a product of significands (< 2^16 over the 16 vectors of a group) and
  * a sum of exponents. One log10 per lane remains. */
-/* One thread's running statistics of stats_block_f32_n, per lane: reduced to the six numbers
- * once per thread (acc8_finish), not once per group. The product of significands is folded
- * back to [1, 2) after each group (its exponent into esum); the integer counts move to
- * doubles before they could overflow. */
-typedef struct {
-    vf8 prod, maxv, minv;  /* of the clamped variances */
-    vi8 esum, zeros, nf;
-    double esum_d[8], zeros_d[8], nf_d[8];
-    int64_t iters, since_flush;  /* 8-element vectors per lane: in all, since the last flush */
-    /* the extras' norms of the elements measured here (want_norms): their sums, and how many
-     * leading elements of the last group they cover (the extras block does the rest) */
-    int want_norms;
-    double nmsq, nvsq;
-    int64_t normed;
-    /* the same running statistics for fp64 samples (stats_block_f64_n), 4 lanes: the
-     * exponents' sums in int64 lanes, which never need a flush */
-    vd4 prod4, maxv4, minv4;
-    vl4 esum4, zeros4, nf4;
-    int64_t iters4;
-} acc8_t;
 
 static void acc8_init(acc8_t *a) {
     memset(a, 0, sizeof *a);
@@ -974,22 +1009,7 @@ ALWAYS_INLINE void stats_block_f32_n(const float *const *rows, int64_t n, int64_
     vi8 zsp = (vi8){0};
     clamped_pass8(rows, n, full, inv_n, vcap, vzero, vbuf, fbuf, finite_known,
                   norms ? mbuf : NULL, norms ? rbuf : NULL, &zsp);
-    /* the extras' norms of these elements from their moments (fp64 products): mean^2, and
-     * s^2 = (relative spread, times n - 1) mean^2 / (n - 1); an element with a zero mean and a
-     * spread has no relative spread to give its s^2: the extras block measures such a (rare)
-     * group whole. 10% off round_stats against a pass of its own. */
-    if (norms && full && !any8(zsp)) {
-        double msq = 0, vsq = 0;
-        _Pragma("omp simd reduction(+:msq, vsq)")
-        for (int64_t el = 0; el < full; el++) {
-            const double md = (double)mbuf[el], m2 = md * md;
-            msq += m2;
-            vsq += (double)rbuf[el] * m2;
-        }
-        acc->nmsq += msq;
-        acc->nvsq += vsq / (double)(n - 1);
-        acc->normed = full;
-    }
+    if (norms) norms_from_moments(acc, mbuf, rbuf, full, n, zsp);
     for (int64_t el = 0; el < full; el += 8) {
         vf8 v = vload8(vbuf + el);
         vi8 finite = fbuf[(el >> 3) * 2], maybe_zero = fbuf[(el >> 3) * 2 + 1];
@@ -1043,11 +1063,11 @@ NOINLINE void digits_block_f32(const float *const *rows, int64_t n, int64_t cnt,
         else
             stats_block_f32_n(rows, n, cnt, p, zm, acc, s_sum, s_min, s_max, s_zero, s_nf, 0);
     } else if (n == 3)
-        digits_block_f32_n(rows, 3, cnt, p, K, dig, zm, s_sum, s_min, s_max, s_zero, s_nf);
+        digits_block_f32_n(rows, 3, cnt, p, K, dig, zm, acc, s_sum, s_min, s_max, s_zero, s_nf);
     else if (n == 2)
-        digits_block_f32_n(rows, 2, cnt, p, K, dig, zm, s_sum, s_min, s_max, s_zero, s_nf);
+        digits_block_f32_n(rows, 2, cnt, p, K, dig, zm, acc, s_sum, s_min, s_max, s_zero, s_nf);
     else
-        digits_block_f32_n(rows, n, cnt, p, K, dig, zm, s_sum, s_min, s_max, s_zero, s_nf);
+        digits_block_f32_n(rows, n, cnt, p, K, dig, zm, acc, s_sum, s_min, s_max, s_zero, s_nf);
 }
 
 /* ---------------------------------------------------------------------------------------
