@@ -16,6 +16,12 @@ arithmetic level). Steps that compute an operator's value (the bf16 table lookup
 which run as the operator itself; CESTAC comparisons, per-sample and random operators) run as
 they are.
 
+``kernels x`` is the time one analysed call of the checkout spends inside fxstab's C kernels
+(rounding and its statistics, the GEMM surrogate: ``native.Prepared``, ``native.Rounder``,
+``native.perturb``) over the eager call's, the least over a few calls. ``floor + kernels`` is
+what the analysed call cannot go below without faster kernels (up to the floor's identity
+steps, a few microseconds each): a target under it is a target for the kernels.
+
     python benchmarks/bench_compiled.py                    # the table, results/bench_compiled.json
     python benchmarks/bench_compiled.py --quick --threads 1
 """
@@ -169,6 +175,38 @@ def make(name: str, quick: bool):
     raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
 
 
+def kernel_time(call, calls: int = 5) -> float:
+    """The least time over ``calls`` calls of ``call()`` spent inside fxstab's C kernels (the
+    calls of ``native.Prepared``, ``native.Rounder`` and ``native.perturb``), in seconds."""
+    from fxstab import native
+
+    spent = [0.0]
+    saved = [(native.Prepared, "__call__"), (native.Rounder, "_run"), (native, "perturb")]
+    originals = [getattr(owner, name) for owner, name in saved]
+
+    def timed(fn):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - t0
+        return run
+
+    for (owner, name), fn in zip(saved, originals):
+        setattr(owner, name, timed(fn))
+    best = float("inf")
+    try:
+        for _ in range(calls):
+            spent[0] = 0.0
+            call()
+            best = min(best, spent[0])
+    finally:
+        for (owner, name), fn in zip(saved, originals):
+            setattr(owner, name, fn)
+    return best
+
+
 def main(argv=None) -> int:
     import fxstab
     from benchmarks.common import save_json
@@ -189,7 +227,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     rows = []
     print(f"{'model':<16}{'thr':>4}{'eager ms':>10}{args.ref + ' x':>14}{'checkout x':>12}"
-          f"{'floor x':>9}{'speed-up':>10}{'max|dmap|':>11}  what")
+          f"{'floor x':>9}{'kernels x':>11}{'speed-up':>10}{'max|dmap|':>11}  what")
     with tempfile.TemporaryDirectory() as tmp:
         ref = load_ref(extract_ref(args.ref, Path(tmp)))
         for name in args.models.split(","):
@@ -217,11 +255,13 @@ def main(argv=None) -> int:
                     t_eager, t_ref, t_new, t_compute = timed_interleaved(
                         [lambda: model(*x), call_ref, call_new, compute], args.repeats,
                         time.process_time if args.cpu_time else time.perf_counter)
+                    t_kernels = kernel_time(call_new)
                 nodes = sum(len(g.gm.graph.nodes) for g in be_new.graphs)
                 row = {"model": name, "what": what, "threads": threads,
                        "eager_ms": t_eager * 1e3, "ref_ratio": t_ref / t_eager,
                        "new_ratio": t_new / t_eager, "speedup": t_ref / t_new,
                        "floor_ratio": 1 + t_compute / t_eager,
+                       "kernels_ratio": t_kernels / t_eager,
                        "digit_map_max_difference": diff, "graph_nodes": nodes,
                        "us_per_node_new": (t_new - t_eager) / nodes * 1e6,
                        "us_per_node_ref": (t_ref - t_eager) / nodes * 1e6}
@@ -230,6 +270,7 @@ def main(argv=None) -> int:
                          f"us/node, {nodes} nodes)" if name.startswith("chain") else "")
                 print(f"{name:<16}{threads:>4}{row['eager_ms']:>10.3f}{row['ref_ratio']:>14.2f}"
                       f"{row['new_ratio']:>12.2f}{row['floor_ratio']:>9.2f}"
+                      f"{row['kernels_ratio']:>11.2f}"
                       f"{row['speedup']:>10.2f}{diff:>11.2g}  "
                       f"{what}{extra}", flush=True)
     path = save_json(Path(args.out) / "bench_compiled.json",
