@@ -16,11 +16,13 @@ arithmetic level). Steps that compute an operator's value (the bf16 table lookup
 which run as the operator itself; CESTAC comparisons, per-sample and random operators) run as
 they are.
 
-``kernels x`` is the time one analysed call of the checkout spends inside fxstab's C kernels
-(rounding and its statistics, the GEMM surrogate: ``native.Prepared``, ``native.Rounder``,
-``native.perturb``) over the eager call's, the least over a few calls. ``floor + kernels`` is
-what the analysed call cannot go below without faster kernels (up to the floor's identity
-steps, a few microseconds each): a target under it is a target for the kernels.
+``kernels x`` is the time one analysed call of the checkout spends in the calls of fxstab's C
+kernels (rounding and its statistics, the GEMM surrogate: ``native.Prepared``,
+``native.Rounder``, ``native.perturb``, their few lines of Python included) over the eager
+call's, the least over a few calls. ``floor + kernels`` is what the analysed call cannot go
+below without faster kernels (up to the floor's identity steps, a few microseconds each): a
+target under it is a target for the kernels. On tiny tensors (the chain) it is mostly the
+calls' own cost, 3-6 us each.
 
     python benchmarks/bench_compiled.py                    # the table, results/bench_compiled.json
     python benchmarks/bench_compiled.py --quick --threads 1
