@@ -53,18 +53,11 @@ def _recorded(fn: Callable, args: tuple, kwargs: dict) -> tuple[list, Any]:
     return rec.ops, out
 
 
-def _same_layout(a: Any, b: Any) -> bool:
-    fa, sa = pytree.tree_flatten(a)
-    fb, sb = pytree.tree_flatten(b)
-    if sa != sb or len(fa) != len(fb):
-        return False
-    for x, y in zip(fa, fb):
-        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
-            return False
-        if isinstance(x, torch.Tensor) and (x.dtype != y.dtype or x.shape != y.shape or
-                                            x.stride() != y.stride()):
-            return False
-    return True
+def _layout(out: Any) -> tuple:
+    """The structure of an output and each tensor's dtype, shape and strides."""
+    flat, spec = pytree.tree_flatten(out)
+    return spec, [(t.dtype, t.shape, t.stride()) if isinstance(t, torch.Tensor) else type(t)
+                  for t in flat]
 
 
 def _candidates(op: torch._ops.OpOverload) -> list:
@@ -107,7 +100,7 @@ def binding_of(node: torch.fx.Node) -> Optional[Callable]:
             got_ops, got = _recorded(fn, args, kwargs)
         except Exception:
             continue
-        if got_ops == [op] and _same_layout(want, got):
+        if got_ops == [op] and _layout(got) == _layout(want):
             return fn
     return None
 
