@@ -174,6 +174,27 @@ def test_direct_bindings_alone_call_the_same_overloads_bit_for_bit():
         assert torch.equal(a, c)
 
 
+def test_a_graph_fed_a_tensor_subclass_keeps_its_overloads():
+    """torch's bindings would call a subclass's __torch_function__ again (the trace already ran
+    through it): such a graph keeps its OpOverloads; a plain input's graph calls bindings."""
+
+    class Tagged(torch.Tensor):
+        pass
+
+    codes = []
+    for x in (torch.randn(4, 8).as_subclass(Tagged), torch.randn(4, 8)):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        be = fxstab.backend()
+        f = torch.compile(nn.Sequential(nn.Linear(8, 8), nn.Tanh()), backend=be)
+        with torch.no_grad():
+            for _ in range(3):
+                f(x)
+        codes.append(be.sampled_graphs()[0].code)
+    assert "torch.ops.aten.addmm.default(" in codes[0] and "torch.addmm(" not in codes[0]
+    assert "torch.addmm(" in codes[1] and "torch.ops.aten.addmm" not in codes[1]
+
+
 # --------------------------------------------------------------------------- the sampled graph
 def _compiled(model, *inputs, calls=3, **options):
     be = fxstab.backend(**options)

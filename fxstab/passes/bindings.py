@@ -13,7 +13,9 @@ tensors) under a dispatch mode that records what reaches the dispatcher, calls e
 overload, once, and gives an output of the same dtype, shape and strides. An operator that
 mutates its inputs, draws random numbers or has no tensor operand keeps its overload, as does
 one whose binding decomposes, picks another overload, or refuses the arguments. The generated
-code then reads ``torch.add(x, 0.1)``.
+code then reads ``torch.add(x, 0.1)``. A graph whose inputs include a tensor subclass is left as
+it is (``SampledGraph.trace``): a binding would call the subclass's ``__torch_function__``
+again, which the trace already ran through.
 """
 
 from __future__ import annotations

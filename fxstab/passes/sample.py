@@ -93,10 +93,13 @@ class SampledGraph:
             held["first"] = result
             return [flat[j].t if s else flat[j] for j, s in where]
 
+        # a tensor subclass may override __torch_function__, which torch's bindings call and
+        # an OpOverload does not (the trace already ran through it): its graph keeps them
+        plain = all(type(args[i]) in (torch.Tensor, torch.nn.Parameter) for i in positions)
         with steps.tracing():
             gm = make_fx(rules, tracing_mode="real")(*[args[i] for i in positions])
             for p in (steps.RefuseDynamicShapes(), steps.EliminateDeadCode(), steps.DropDetach(),
-                      steps.LowerSteps(), DirectBindings()):
+                      steps.LowerSteps(), *([DirectBindings()] if plain else [])):
                 p(gm)
         sg = cls(gm, tracer, positions, held["layout"], stacked_type)
         sg.first = held["first"]
