@@ -434,7 +434,7 @@ class Prepared:
     ``fused.count`` (elements insufficiently separated) it reads after."""
 
     __slots__ = ("_fn", "_p", "_c", "_cref", "stats", "n", "rounds", "in_place", "_numel",
-                 "_nt", "fused")
+                 "_nt", "fused", "_expanded")
 
     def __init__(self, r: Rounder, in_place: bool, eta: Optional[float] = None) -> None:
         lib = _lib()
@@ -452,6 +452,7 @@ class Prepared:
         self._cref = ctypes.byref(self._c)
         self._fn = lib.fxstab_round_stats_prepared
         self._numel = self._nt = -1  # what the struct holds (a call sets what changed)
+        self._expanded = None  # the expanded layout last found readable
 
     def use_row(self, block: ctypes.Array, k: int) -> None:
         """From now on, write the statistics into row ``k`` of ``block`` (:func:`stats_block`),
@@ -476,12 +477,18 @@ class Prepared:
             else:
                 out = torch.empty_like(x)
                 c.out = out.data_ptr()
-        elif x.stride(0) == 0 and x[0].is_contiguous():  # identical samples: read N times
-            out = torch.empty(x.shape, dtype=x.dtype) if self.rounds else x
-            x = x[0]
-            c.xs, c.numel = 0, x.numel()
+        elif x.stride(0) == 0:  # identical samples: read N times, if one is contiguous
+            layout = (x.shape, x.stride())
+            if layout != self._expanded:  # (a step sees one layout: checked once)
+                if not x[0].is_contiguous():
+                    return None
+                self._expanded = layout
+            # (torch.empty(x.shape, dtype=...) parses its arguments in twice the time)
+            out = torch.empty_like(x, memory_format=torch.contiguous_format) if self.rounds \
+                else x
+            c.xs, c.numel = 0, x.numel() // self.n
             self._numel = -1
-            ptr = x.data_ptr()
+            ptr = x.data_ptr()  # sample 0's: the same storage offset
             c.out = out.data_ptr() if self.rounds else None
         else:
             return None
