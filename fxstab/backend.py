@@ -1225,9 +1225,8 @@ class SampleTracer:
         key = (plan.index, j)
         index, gemm, n = plan.index, plan.gemm, self.n
         fz = prepared.fused  # the consumer GEMM's surrogate, in the same pass
-        user, purpose = plan.fuse if fz is not None else (None, 0)
-        if fz is not None:
-            purpose = 1000 + purpose  # (the operand's position: its seed's purpose)
+        user, leaf = plan.fuse if fz is not None else (None, 0)
+        purpose = 1000 + leaf  # its seed's purpose, as _round_step's (the operand's position)
         row = len(self._rows)
         entry = (plan, [prepared.stats], None if gemm else False, status, shape)
         self._rows[id(entry)] = (row, prepared)
