@@ -95,18 +95,20 @@ def test_groups_at_the_edges_of_the_normal_range(dtype, fmt, mode):
         assert _same_bits(out, ref), (fmt, mode, saturate)
 
 
+@pytest.mark.parametrize("dtype,fmt", [(torch.float32, "bf16"), (torch.float64, "fp32")])
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 8, 17])
 @pytest.mark.parametrize("numel", [1, 127, 128, 129, 1000, 70000])
-def test_sample_counts_and_odd_sizes(n, numel):
+def test_sample_counts_and_odd_sizes(dtype, fmt, n, numel):
     """The antithetic draws of every N and element counts across the 128-element groups and
-    the kernel's superblocks of 16 groups (N=17: one group at a time)."""
+    the kernel's superblocks of 16 groups (N=17: one group at a time); fp32 samples into bf16,
+    fp64 samples into the fp32 format (their own statistics block, its padded tail)."""
     g = torch.Generator().manual_seed(n * numel)
-    x = torch.randn(n, numel, generator=g)
+    x = torch.randn(n, numel, generator=g).to(dtype)
     for mode in (Rounding.RANDOM, Rounding.STOCHASTIC):
-        ref = round_samples(x, "bf16", mode, seed=7)
-        out, st, _ = native.round_stats(x, get_format("bf16"), mode, 7)
+        ref = round_samples(x, fmt, mode, seed=7)
+        out, st, _ = native.round_stats(x, get_format(fmt), mode, 7)
         assert _same_bits(out, ref)
-        want = torch.tensor(stats_vector(ref, student_t(n), digits_cap("bf16", x.dtype)),
+        want = torch.tensor(stats_vector(ref, student_t(n), digits_cap(fmt, x.dtype)),
                             dtype=torch.float64)
         torch.testing.assert_close(st, want, rtol=2e-6, atol=1e-4)
         assert st[9:].tolist() == want[9:].tolist()  # the same quantile bins
@@ -134,9 +136,10 @@ def test_statistics_and_digits_match_the_estimator(dtype):
 
 @pytest.mark.parametrize("n", [2, 3, 5])
 def test_fp64_digits_are_the_same_in_the_vector_lanes_and_the_scalar_tail(n):
-    """fp64 digits run 4 lanes at a time, the last cnt % 4 elements of a group in the scalar
-    block: every element's digits and zero flag must be the same bits wherever it sits, for
-    hard cases too (subnormal and huge means, zero means with spread, NaN, inf, -0)."""
+    """fp64 digits run 4 lanes at a time, the last cnt % 4 elements of a group through the
+    same code on a padded copy: every element's digits and zero flag must be the same bits
+    wherever it sits, for hard cases too (subnormal and huge means, zero means with spread,
+    NaN, inf, -0)."""
     g = torch.Generator().manual_seed(n)
     base = torch.randn(125, generator=g, dtype=torch.float64) * \
         torch.exp2(torch.randint(-1060, 1000, (125,), generator=g).double())

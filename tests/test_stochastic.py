@@ -45,7 +45,9 @@ def test_one_rounding_matches_the_rule():
     assert lo < exact < hi
     vals = s.samples.tolist()
     assert set(vals) <= {lo, hi} and vals[1] != vals[2]  # CADNA: sample 3 = opposite of 2
-    assert torch.equal(s.digits, fxstab.cestac_digits(s.samples, "fp32"))
+    # the kernel's fp64 digits are the estimator's to its logarithm's error (1e-14), not its bits
+    torch.testing.assert_close(s.digits, fxstab.cestac_digits(s.samples, "fp32"), rtol=0,
+                               atol=1e-12)
     # an exact operation leaves the samples identical
     assert len(set((x * 2).samples.tolist())) == 1
 
