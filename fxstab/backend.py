@@ -114,6 +114,31 @@ def _reshape(x: torch.Tensor, *shape: Any) -> torch.Tensor:
     return x.reshape(*shape)
 
 
+def _attention_folded(fn: Callable, a: list, kw: dict) -> torch.Tensor:
+    """SDPA (``fn``) of stacked q, k, v ``[N, B, H, L, E]`` (``a``; the rest of its arguments
+    after them) as one call over ``N * B`` batches. SDPA takes any leading dims, but on five
+    dims the CPU dispatch leaves the fused kernel for the math path (two bmm, a safe softmax
+    that scans for fully masked rows, its where and isneginf): on the test GPT that path cost
+    about twice three calls of the fused kernel. Each (batch, head) is computed alone by
+    the fused kernel, so the samples are those of N separate calls. A plain attn_mask with a
+    batch dim of its own is repeated N times along it; any other layout calls ``fn`` as is."""
+    q, k, v = a[:3]
+    n = q.shape[0]
+    mask = a[3] if len(a) > 3 else kw.get("attn_mask")
+    if not (q.dim() == k.dim() == v.dim() == 5 and q.shape[1] == k.shape[1] == v.shape[1]) or \
+            (isinstance(mask, torch.Tensor) and mask.dim() > 4):
+        return fn(*a, **kw)
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[0] != 1:
+        mask = mask.expand(n, *mask.shape).reshape(n * mask.shape[0], *mask.shape[1:])
+        if len(a) > 3:
+            a = [*a[:3], mask, *a[4:]]
+        else:
+            kw = {**kw, "attn_mask": mask}
+    b = q.shape[1]
+    out = fn(*[t.reshape(n * b, *t.shape[2:]) for t in (q, k, v)], *a[3:], **kw)
+    return out.reshape(n, b, *out.shape[1:])
+
+
 class Stacked:
     """N samples of one value, stacked on dim 0. A pytree leaf."""
 
@@ -931,7 +956,7 @@ class SampleTracer:
             a, k = _unflatten([v.t if isinstance(v, Stacked) else v for v in leaves], spec)
             out, status, how = self._wrap_out(fn(*a, **k)), ROUNDED, "elementwise on the samples"
         elif kind in _BATCHED_KINDS and all(i < _BATCHED_KINDS[kind] for i in stacked):
-            out = self._batched(fn, leaves, spec, _BATCHED_KINDS[kind])
+            out = self._batched(fn, leaves, spec, _BATCHED_KINDS[kind], kind)
             status, how = ROUNDED, "batched over the samples"
         else:
             out, status, how = self._lifted(plan, fn, leaves, spec, stacked)
@@ -1081,11 +1106,12 @@ class SampleTracer:
         return pytree.tree_map(
             lambda t: Stacked(self._to_working(t)) if isinstance(t, torch.Tensor) else t, out)
 
-    def _batched(self, fn: Callable, leaves: list, spec, k: int) -> Any:
+    def _batched(self, fn: Callable, leaves: list, spec, k: int, kind: str) -> Any:
         a, kw = _unflatten(leaves, spec)
-        a = [Stacked(self._stack(v)) if i < k and isinstance(v, (Stacked, torch.Tensor)) else v
+        a = [self._stack(v) if i < k and isinstance(v, (Stacked, torch.Tensor)) else v
              for i, v in enumerate(a)]
-        a = [v.t if isinstance(v, Stacked) else v for v in a]
+        if kind == "scaled_dot_product_attention":
+            return Stacked(self._to_working(_attention_folded(fn, a, kw)))
         return Stacked(self._to_working(fn(*a, **kw)))
 
     def _dropout(self, fn: Callable, leaves: list, spec, plan: NodePlan) -> Any:

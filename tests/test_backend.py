@@ -558,3 +558,46 @@ def test_capture_samples_gives_the_outputs_samples(granularity):
         with be.capture_samples() as empty, be.paused():
             f(x)
         empty.output
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "2d", "4d batch", "4d broadcast", "positional"])
+def test_attention_on_the_samples_is_n_calls_of_the_fused_kernel(mask):
+    """SDPA of stacked q, k, v [N, B, H, L, E] runs as one call over N * B batches (five dims
+    would take the CPU's math path): bit for bit the N per-sample calls, for every mask layout
+    (a plain mask with a batch dim of its own is repeated per sample)."""
+    import torch.nn.functional as F
+
+    from fxstab.backend import _attention_folded
+
+    g = torch.Generator().manual_seed(3)
+    n, b, h, length, e = 3, 2, 4, 16, 8
+    q, k, v = (torch.randn(n, b, h, length, e, generator=g) for _ in range(3))
+    args, kw = [], {}
+    if mask == "causal":
+        kw = {"is_causal": True}
+    elif mask == "2d":
+        kw = {"attn_mask": torch.randn(length, length, generator=g)}
+    elif mask == "4d batch":
+        kw = {"attn_mask": torch.randn(b, 1, length, length, generator=g) > 0}
+    elif mask == "4d broadcast":
+        kw = {"attn_mask": torch.randn(1, h, length, length, generator=g)}
+    elif mask == "positional":
+        args = [torch.randn(b, h, length, length, generator=g), 0.0]
+    got = _attention_folded(F.scaled_dot_product_attention, [q, k, v, *args], kw)
+    want = torch.stack([F.scaled_dot_product_attention(q[i], k[i], v[i], *args, **kw)
+                        for i in range(n)])
+    assert got.shape == want.shape and torch.equal(got, want)
+
+
+def test_a_model_s_attention_runs_the_fused_kernel_on_its_samples():
+    """The test GPT's scaled_dot_product_attention reaches its sampled graph as the fused
+    kernel the deterministic pass runs, not the math path's bmm and softmax."""
+    model = GPT(vocab=64, d=32, heads=4, layers=1, ctx=16).eval()
+    x = torch.randint(0, 64, (2, 16))
+    be = fxstab.backend()
+    f = torch.compile(model, backend=be)
+    with torch.no_grad():
+        for _ in range(2):
+            f(x)
+    code = be.sampled_graphs()[0].code
+    assert "scaled_dot_product" in code and "bmm" not in code and "softmax" not in code
