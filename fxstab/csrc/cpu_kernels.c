@@ -661,64 +661,84 @@ ALWAYS_INLINE vf8 vlog10_8(vf8 v) {
     return q * x + __builtin_convertvector(e, vf8) * 0.301029996f;
 }
 
-/* The sum over sample pairs of ((x_i - x_j) sc / |mean|)^2 (inv = 1 / (|mean| sc)), sc
- * applied only when `scaled`. */
-ALWAYS_INLINE vf8 pair_squares8(const float *const *rows, int64_t n, int64_t el, vf8 sc,
-                                vf8 inv, const int scaled) {
-    vf8 s = vsplat8(0.0f);
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t j = i + 1; j < n; j++) {
-            vf8 d = vload8(rows[i] + el) - vload8(rows[j] + el);
-            vf8 r = (scaled ? d * sc : d) * inv;
-            s += r * r;
-        }
-    return s;
+/* Whether any lane of a 4-lane mask is set. */
+ALWAYS_INLINE int any4(vl4 m) {
+#if defined(__AVX__)
+    return _mm256_movemask_pd((__m256d)m) != 0;
+#else
+    return (m[0] | m[1] | m[2] | m[3]) != 0;
+#endif
 }
 
-/* The moments of 8 elements: their mean, corrected variance of the relative deviations (times
- * n - 1), finite, identical and exact-zero masks. */
-ALWAYS_INLINE void moments8(const float *const *rows, int64_t n, int64_t el, float inv_n,
-                            vf8 *mean_, vf8 *var_, vi8 *finite_, vi8 *identical_,
-                            vi8 *exact_zero_, const int finite_known) {
-    const vf8 zero = vsplat8(0.0f);
-    const vi8 absmask = (vi8){0, 0, 0, 0, 0, 0, 0, 0} + 0x7FFFFFFF;
-    const vf8 v0 = vload8(rows[0] + el);
-    vf8 mean = v0 * inv_n, nan_if_not_finite = v0 - v0;  /* x - x: 0, or NaN for inf/NaN */
-    vi8 same = (vi8){0} - 1;
-    for (int64_t i = 1; i < n; i++) {
-        vf8 v = vload8(rows[i] + el);
-        same &= v == v0;
-        if (!finite_known) nan_if_not_finite += v - v;
-        mean += v * inv_n;
+/* The sum over sample pairs of ((x_i - x_j) sc / |mean|)^2 (inv = 1 / (|mean| sc)), sc
+ * applied only when `scaled`: pair_squares8 for 8 floats, pair_squares4 for 4 doubles. */
+#define DEFINE_PAIR_SQUARES(NAME, FT, VF, LOAD, SPLAT)                                          \
+    ALWAYS_INLINE VF NAME(const FT *const *rows, int64_t n, int64_t el, VF sc, VF inv,          \
+                          const int scaled) {                                                   \
+        VF s = SPLAT(0);                                                                        \
+        for (int64_t i = 0; i < n; i++)                                                         \
+            for (int64_t j = i + 1; j < n; j++) {                                               \
+                VF d = LOAD(rows[i] + el) - LOAD(rows[j] + el);                                 \
+                VF r = (scaled ? d * sc : d) * inv;                                             \
+                s += r * r;                                                                     \
+            }                                                                                   \
+        return s;                                                                               \
     }
-    /* 1 / |mean| overflows for a subnormal mean: scale by a power of 2 (exact) */
-    vf8 am = (vf8)((vi8)mean & absmask);
-    vi8 small = am < vsplat8(0x1p-100f);
-    vf8 sc = vsel8(small, vsplat8(0x1p64f), vsplat8(1.0f)), ms = mean * sc;
-    if (n <= 3) {
-        /* sum over pairs (r_i - r_j)^2 = n sum (r_i - mean r)^2: no cancellation, no clamp */
-        /* no lane scaled (sc = 1, the usual case): the same bits without the scaling */
-        vf8 s = any8(small) ? pair_squares8(rows, n, el, sc, 1.0f / (am * sc), 1)
-                            : pair_squares8(rows, n, el, sc, 1.0f / am, 0);
-        *var_ = s * inv_n;
-    } else {
-        vf8 inv = 1.0f / (am * sc);
-        vf8 s1 = zero, s2 = zero;
-        for (int64_t i = 0; i < n; i++) {
-            vf8 r = (vload8(rows[i] + el) * sc - ms) * inv;
-            s1 += r;
-            s2 += r * r;
-        }
-        vf8 var = s2 - s1 * s1 * inv_n;
-        *var_ = vsel8(var < zero, zero, var);
+
+DEFINE_PAIR_SQUARES(pair_squares8, float, vf8, vload8, vsplat8)
+DEFINE_PAIR_SQUARES(pair_squares4, double, vd4, vload4, vsplat4)
+
+/* The moments of one vector of elements (moments8: 8 floats; moments4: 4 doubles): their
+ * mean, corrected variance of the relative deviations (times n - 1; for n <= 3 the sum over
+ * sample pairs, no cancellation), finite, identical and exact-zero masks. A mean below TINY
+ * is scaled by SCALE (a power of 2: exact) before 1 / |mean|, which would overflow. */
+#define DEFINE_MOMENTS(NAME, FT, VF, VI, LOAD, SPLAT, SEL, ANY, PAIRS, ABSMASK, TINY, SCALE)     \
+    ALWAYS_INLINE void NAME(const FT *const *rows, int64_t n, int64_t el, FT inv_n, VF *mean_, \
+                            VF *var_, VI *finite_, VI *identical_, VI *exact_zero_,             \
+                            const int finite_known) {                                           \
+        const VF zero = SPLAT(0);                                                               \
+        const VI absmask = (VI){0} + (ABSMASK);                                                 \
+        const VF v0 = LOAD(rows[0] + el);                                                       \
+        VF mean = v0 * inv_n, nan_if_not_finite = v0 - v0; /* x - x: 0, or NaN for inf/NaN */   \
+        VI same = (VI){0} - 1;                                                                  \
+        for (int64_t i = 1; i < n; i++) {                                                       \
+            VF v = LOAD(rows[i] + el);                                                          \
+            same &= v == v0;                                                                    \
+            if (!finite_known) nan_if_not_finite += v - v;                                      \
+            mean += v * inv_n;                                                                  \
+        }                                                                                       \
+        VF am = (VF)((VI)mean & absmask);                                                       \
+        VI small = am < SPLAT(TINY);                                                            \
+        VF sc = SEL(small, SPLAT(SCALE), SPLAT(1));                                             \
+        if (n <= 3) {                                                                           \
+            /* sum over pairs (r_i - r_j)^2 = n sum (r_i - mean r)^2: no cancellation, no      \
+             * clamp; no lane scaled (sc = 1, the usual case): the same bits without it */     \
+            VF s = ANY(small) ? PAIRS(rows, n, el, sc, (FT)1 / (am * sc), 1)                    \
+                              : PAIRS(rows, n, el, sc, (FT)1 / am, 0);                          \
+            *var_ = s * inv_n;                                                                  \
+        } else {                                                                                \
+            VF inv = (FT)1 / (am * sc), ms = mean * sc;                                         \
+            VF s1 = zero, s2 = zero;                                                            \
+            for (int64_t i = 0; i < n; i++) {                                                   \
+                VF r = (LOAD(rows[i] + el) * sc - ms) * inv;                                    \
+                s1 += r;                                                                        \
+                s2 += r * r;                                                                    \
+            }                                                                                   \
+            VF var = s2 - s1 * s1 * inv_n;                                                      \
+            *var_ = SEL(var < zero, zero, var);                                                 \
+        }                                                                                       \
+        *mean_ = mean;                                                                          \
+        /* finite: every sample (a NaN or inf one makes the sum of x - x NaN); identical: all  \
+         * equal to the first (for finite samples; the masks are only read with finite) */     \
+        *finite_ = finite_known ? (VI){0} - 1 : nan_if_not_finite == zero;                      \
+        *identical_ = same;                                                                     \
+        *exact_zero_ = same & (v0 == zero);                                                     \
     }
-    *mean_ = mean;
-    /* finite: every sample (a NaN or inf one makes the sum of x - x NaN); identical: all
-     * equal to the first (for finite samples; the masks are only read with finite) */
-    *finite_ = finite_known ? (vi8){0} - 1 : nan_if_not_finite == zero;
-    *identical_ = same;
-    *exact_zero_ = same & (v0 == zero);
-}
+
+DEFINE_MOMENTS(moments8, float, vf8, vi8, vload8, vsplat8, vsel8, any8, pair_squares8,
+               0x7FFFFFFF, 0x1p-100f, 0x1p64f)
+DEFINE_MOMENTS(moments4, double, vd4, vl4, vload4, vsplat4, vsel4, any4, pair_squares4,
+               0x7FFFFFFFFFFFFFFFll, 0x1p-1000, 0x1p128)
 
 /* First loop of a group's statistics: the moments of its full 8-element vectors into L1
  * buffers (variance; the finite, identical, exact-zero and mean != 0 lane masks, four vectors
@@ -1055,71 +1075,6 @@ NOINLINE void digits_block_f32(const float *const *rows, int64_t n, int64_t cnt,
  * fp64 statistics and digits, four lanes at a time (AVX2 holds 4 doubles).
  */
 
-/* Whether any lane of a mask is set. */
-ALWAYS_INLINE int any4(vl4 m) {
-#if defined(__AVX__)
-    return _mm256_movemask_pd((__m256d)m) != 0;
-#else
-    return (m[0] | m[1] | m[2] | m[3]) != 0;
-#endif
-}
-
-/* pair_squares8 for 4 doubles */
-ALWAYS_INLINE vd4 pair_squares4(const double *const *rows, int64_t n, int64_t el, vd4 sc,
-                                vd4 inv, const int scaled) {
-    vd4 s = vsplat4(0.0);
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t j = i + 1; j < n; j++) {
-            vd4 d = vload4(rows[i] + el) - vload4(rows[j] + el);
-            vd4 r = (scaled ? d * sc : d) * inv;
-            s += r * r;
-        }
-    return s;
-}
-
-/* The moments of 4 fp64 elements, as moments8 takes them for 8 floats: the mean, the
- * corrected variance of the relative deviations (times n - 1; for n <= 3 the sum over sample
- * pairs, no cancellation), finite (a sum of x - x), identical (equal to the first sample) and
- * exact-zero masks. */
-ALWAYS_INLINE void moments4_stats(const double *const *rows, int64_t n, int64_t el,
-                                  double inv_n, vd4 *mean_, vd4 *var_, vl4 *finite_,
-                                  vl4 *identical_, vl4 *exact_zero_, const int finite_known) {
-    const vd4 zero = vsplat4(0.0);
-    const vl4 absmask = (vl4){0, 0, 0, 0} + 0x7FFFFFFFFFFFFFFFll;
-    const vd4 v0 = vload4(rows[0] + el);
-    vd4 mean = v0 * inv_n, nan_if_not_finite = v0 - v0;
-    vl4 same = (vl4){0} - 1;
-    for (int64_t i = 1; i < n; i++) {
-        vd4 v = vload4(rows[i] + el);
-        same &= v == v0;
-        if (!finite_known) nan_if_not_finite += v - v;
-        mean += v * inv_n;
-    }
-    /* 1 / |mean| overflows for a tiny mean: scale by a power of 2 (exact) */
-    vd4 am = (vd4)((vl4)mean & absmask);
-    vl4 small = am < vsplat4(0x1p-1000);
-    vd4 sc = vsel4(small, vsplat4(0x1p128), vsplat4(1.0));
-    if (n <= 3) {
-        vd4 s = any4(small) ? pair_squares4(rows, n, el, sc, 1.0 / (am * sc), 1)
-                            : pair_squares4(rows, n, el, sc, 1.0 / am, 0);
-        *var_ = s * inv_n;
-    } else {
-        vd4 inv = 1.0 / (am * sc), ms = mean * sc;
-        vd4 s1 = zero, s2 = zero;
-        for (int64_t i = 0; i < n; i++) {
-            vd4 r = (vload4(rows[i] + el) * sc - ms) * inv;
-            s1 += r;
-            s2 += r * r;
-        }
-        vd4 var = s2 - s1 * s1 * inv_n;
-        *var_ = vsel4(var < zero, zero, var);
-    }
-    *mean_ = mean;
-    *finite_ = finite_known ? (vl4){0} - 1 : nan_if_not_finite == zero;
-    *identical_ = same;
-    *exact_zero_ = same & (v0 == zero);
-}
-
 /* The clamped variance of 4 fp64 elements (the variance of their digits: vcap for identical
  * samples, vzero for a zero mean with spread, a non-finite sample or a NaN variance) and its
  * masks: finite; finite and not an exact zero; measured (finite, not identical, mean != 0);
@@ -1130,8 +1085,7 @@ ALWAYS_INLINE vd4 clamped4(const double *const *rows, int64_t n, int64_t el, dou
                            const int finite_known) {
     const vd4 zero = vsplat4(0.0);
     vl4 identical, exact_zero;
-    moments4_stats(rows, n, el, inv_n, mean, var, finite, &identical, &exact_zero,
-                   finite_known);
+    moments4(rows, n, el, inv_n, mean, var, finite, &identical, &exact_zero, finite_known);
     *measured = *finite & ~identical & (*mean != zero) & (*var == *var);
     *maybe_zero = *finite & ~exact_zero;
     *zero_mean = *finite & ~identical & (*mean == zero);
