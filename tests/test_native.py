@@ -208,6 +208,25 @@ def test_perturbation_of_every_sample_count_is_the_reference(n, threads):
     assert _same_bits(out, ref) and n_out == n_ref >= v.numel() - 300
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_perturbation_that_moves_nothing_returns_its_input(threads):
+    """Separated samples, or close ones that are all exact zeros, move nothing: every group is
+    scanned (by a team too, whose threads stop early only once a group moves), the input comes
+    back as it is, and the count is the reference's."""
+    g = torch.Generator().manual_seed(threads)
+    v = torch.randn(200 * 128 + 5, generator=g)
+    x = torch.stack([v, v * 1.1, v * 1.2])  # separated everywhere...
+    x[:, 1000:1500] = 0.0  # ...but for exact zeros: close, not moving
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, count = native.perturb(x, 2.0 ** -8, 5)
+    finally:
+        torch.set_num_threads(old)
+    ref, n_ref = perturb_samples(x, 2.0 ** -8, 5)
+    assert out is x and count == n_ref == 500 and _same_bits(ref, x)
+
+
 def test_empty_and_bad_input():
     fmt = get_format("bf16")
     out, st, d = native.round_stats(torch.empty(3, 0), fmt, Rounding.RANDOM, 1, want_digits=True)

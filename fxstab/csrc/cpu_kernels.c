@@ -1699,7 +1699,10 @@ void fxstab_round_stats_prepared(const prepared_t *c) {
 
 /* Stacked samples whose elements are all separated (or exact zeros) are common: the rounded
  * output of the previous operator. A read-only scan finds them first, and then nothing is
- * written (*moved = 0: the caller keeps the input). */
+ * written (*moved = 0: the caller keeps the input). The scan stops at the first group that
+ * moves, with a team too: each thread skips its remaining groups once any has found one (a
+ * full parallel scan was a second closeness pass over every group that moves, a third of the
+ * surrogate's time). */
 #define DEFINE_PERTURB(NAME, FT, CLOSE, PERTURB_GROUP)                                          \
     int64_t NAME(const FT *x, int64_t xs, FT *out, int64_t n, int64_t numel, double eta_d,     \
                  uint64_t seed, int64_t nthreads, int64_t *moved) {                             \
@@ -1712,10 +1715,16 @@ void fxstab_round_stats_prepared(const prepared_t *c) {
             if (nt == 1) /* one thread: the scan stops at the first group that moves */         \
                 for (int64_t g = 0; g < groups && !moving; g++)                                 \
                     PERTURB_CLOSE_GROUP(CLOSE, FT, moving += mv)                                \
-            else                                                                                \
-                _Pragma("omp parallel for num_threads(nt) schedule(static) reduction(+:count, moving)") \
-                for (int64_t g = 0; g < groups; g++)                                            \
-                    PERTURB_CLOSE_GROUP(CLOSE, FT, moving += mv)                                \
+            else {                                                                              \
+                int found = 0;                                                                  \
+                _Pragma("omp parallel for num_threads(nt) schedule(static) reduction(+:count)") \
+                for (int64_t g = 0; g < groups; g++) {                                          \
+                    if (__atomic_load_n(&found, __ATOMIC_RELAXED)) continue;                    \
+                    PERTURB_CLOSE_GROUP(CLOSE, FT,                                              \
+                                        if (mv) __atomic_store_n(&found, 1, __ATOMIC_RELAXED))  \
+                }                                                                               \
+                moving = found;                                                                 \
+            }                                                                                   \
             if (moving == 0) {                                                                  \
                 *moved = 0;                                                                     \
                 return count;                                                                   \
