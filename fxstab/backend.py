@@ -121,7 +121,8 @@ def _attention_folded(fn: Callable, a: list, kw: dict) -> torch.Tensor:
     that scans for fully masked rows, its where and isneginf): on the test GPT that path cost
     about twice three calls of the fused kernel. Each (batch, head) is computed alone by
     the fused kernel, so the samples are those of N separate calls. A plain attn_mask with a
-    batch dim of its own is repeated N times along it; any other layout calls ``fn`` as is."""
+    batch dim of its own is repeated N times along it; any other layout, or a folded call that
+    raises, calls ``fn`` as is."""
     q, k, v = a[:3]
     n = q.shape[0]
     mask = a[3] if len(a) > 3 else kw.get("attn_mask")
@@ -135,7 +136,10 @@ def _attention_folded(fn: Callable, a: list, kw: dict) -> torch.Tensor:
         else:
             kw = {**kw, "attn_mask": mask}
     b = q.shape[1]
-    out = fn(*[t.reshape(n * b, *t.shape[2:]) for t in (q, k, v)], *a[3:], **kw)
+    try:
+        out = fn(*[t.reshape(n * b, *t.shape[2:]) for t in (q, k, v)], *a[3:], **kw)
+    except Exception:  # noqa: BLE001 - a layout the fold does not suit: SDPA as called
+        return fn(*a, **kw)
     return out.reshape(n, b, *out.shape[1:])
 
 

@@ -601,3 +601,25 @@ def test_a_model_s_attention_runs_the_fused_kernel_on_its_samples():
             f(x)
     code = be.sampled_graphs()[0].code
     assert "scaled_dot_product" in code and "bmm" not in code and "softmax" not in code
+
+
+def test_attention_whose_folded_call_fails_runs_as_called():
+    """A folded SDPA call that raises (a layout the fold does not suit) is made as the operator
+    was called, on the five-dim samples."""
+    import torch.nn.functional as F
+
+    from fxstab.backend import _attention_folded
+
+    calls = []
+
+    def sdpa(q, k, v, *args, **kwargs):
+        calls.append(q.dim())
+        if q.dim() == 4:
+            raise RuntimeError("no folded batch here")
+        return F.scaled_dot_product_attention(q, k, v, *args, **kwargs)
+
+    q, k, v = (torch.randn(3, 2, 4, 8, 8, generator=torch.Generator().manual_seed(i))
+               for i in range(3))
+    got = _attention_folded(sdpa, [q, k, v], {"is_causal": True})
+    assert calls == [4, 5]
+    assert torch.equal(got, F.scaled_dot_product_attention(q, k, v, is_causal=True))
