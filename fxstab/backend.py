@@ -129,15 +129,16 @@ def _attention_folded(fn: Callable, a: list, kw: dict) -> torch.Tensor:
     if not (q.dim() == k.dim() == v.dim() == 5 and q.shape[1] == k.shape[1] == v.shape[1]) or \
             (isinstance(mask, torch.Tensor) and mask.dim() > 4):
         return fn(*a, **kw)
+    rest, fkw = a[3:], kw
     if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[0] != 1:
         mask = mask.expand(n, *mask.shape).reshape(n * mask.shape[0], *mask.shape[1:])
-        if len(a) > 3:
-            a = [*a[:3], mask, *a[4:]]
+        if rest:
+            rest = [mask, *rest[1:]]
         else:
-            kw = {**kw, "attn_mask": mask}
+            fkw = {**kw, "attn_mask": mask}
     b = q.shape[1]
     try:
-        out = fn(*[t.reshape(n * b, *t.shape[2:]) for t in (q, k, v)], *a[3:], **kw)
+        out = fn(*[t.reshape(n * b, *t.shape[2:]) for t in (q, k, v)], *rest, **fkw)
     except Exception:  # noqa: BLE001 - a layout the fold does not suit: SDPA as called
         return fn(*a, **kw)
     return out.reshape(n, b, *out.shape[1:])

@@ -623,3 +623,9 @@ def test_attention_whose_folded_call_fails_runs_as_called():
     got = _attention_folded(sdpa, [q, k, v], {"is_causal": True})
     assert calls == [4, 5]
     assert torch.equal(got, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    mask = torch.randn(2, 1, 8, 8, generator=torch.Generator().manual_seed(5))  # repeated...
+    for args, kw in (([mask], {}), ([], {"attn_mask": mask})):
+        calls.clear()  # ...for the folded call only: the call as made gets the user's mask
+        got = _attention_folded(sdpa, [q, k, v, *args], kw)
+        assert calls == [4, 5]
+        assert torch.equal(got, F.scaled_dot_product_attention(q, k, v, mask))
