@@ -62,19 +62,19 @@ def main(argv=None) -> int:
     ref = load_ref(extract_ref(args.ref, Path(tempfile.mkdtemp(prefix="fxstab_ref_"))))
     if not (fxstab.native.available() and ref.native.available()):
         raise SystemExit("bench_native_ab: the CPU kernels could not be built")
-    todo = []
+    timed = []
     for name in args.dtypes.split(","):
         fmt, dtype = DTYPES[name]
         x = torch.randn(args.n, args.numel, dtype=dtype, generator=torch.Generator().manual_seed(0))
         for which, pkg in (("ref", ref), ("new", fxstab)):
             for case, fn in calls(pkg, fmt, dtype, x, args.mode).items():
                 fn()  # first call: allocations
-                todo.append(((name, case), which, fn))
+                timed.append(((name, case), which, fn))
     times: dict = {}
     rng = random.Random(0)
     for _ in range(args.rounds):
-        rng.shuffle(todo)
-        for key, which, fn in todo:
+        rng.shuffle(timed)
+        for key, which, fn in timed:
             t0 = time.perf_counter()
             fn()
             times.setdefault((key, which), []).append(time.perf_counter() - t0)
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     print(f"# {args.n} x {args.numel} samples, mode {args.mode}, {args.threads} thread(s), "
           f"median of {args.rounds} shuffled rounds")
     print(f"{'samples':<9}{'case':<8}{args.ref[:10] + ' ns':>14}{'checkout ns':>13}{'speed-up':>10}")
-    for key in dict.fromkeys(k for k, _, _ in todo):
+    for key in dict.fromkeys(k for k, _, _ in timed):
         a = statistics.median(times[(key, "ref")]) * 1e9 / per
         b = statistics.median(times[(key, "new")]) * 1e9 / per
         rows.append({"dtype": key[0], "case": key[1], "ref_ns": a, "new_ns": b, "speedup": a / b})

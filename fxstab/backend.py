@@ -1203,7 +1203,7 @@ class SampleTracer:
         taken = {_storage(v.t if isinstance(v, Stacked) else v) for v in inputs
                  if isinstance(v, (Stacked, torch.Tensor))}
         fuse = plan.fuse if status == ROUNDED and len(flat) == 1 else None
-        todo: list = []  # (leaf index, stacked, in place, complex, fused, prepared kernel)
+        to_round: list = []  # (leaf index, stacked, in place, complex, fused, prepared kernel)
         shape: tuple = ()
         cfg = self.cfg
         for j, v in enumerate(flat):
@@ -1227,19 +1227,19 @@ class SampleTracer:
                     self.n, saturate=cfg.saturate, confidence=cfg.confidence,
                     zero_threshold=cfg.zero_threshold), own,
                     self._eta(fuse[0]) if fused else None)
-            todo.append((j, stacked, own, t.is_complex(), fused, prepared))
-        if not todo:
+            to_round.append((j, stacked, own, t.is_complex(), fused, prepared))
+        if not to_round:
             return out, False
-        general = functools.partial(self._round_step, plan, tuple(todo), status, shape)
-        j, stacked, _own, _cplx, _fused, prepared = todo[0]
-        if len(todo) == 1 and prepared is not None:
+        general = functools.partial(self._round_step, plan, tuple(to_round), status, shape)
+        j, stacked, _own, _cplx, _fused, prepared = to_round[0]
+        if len(to_round) == 1 and prepared is not None:
             one = self._one_output_step(plan, j, prepared, status, shape, general, stacked)
             step = steps.Step("round", plan.name, lambda xs: [one(xs)], one=one)
         else:
             step = steps.Step("round", plan.name, general)
-        rounded = steps.emit(step, [flat[j].t if s else flat[j] for j, s, *_ in todo])
+        rounded = steps.emit(step, [flat[j].t if s else flat[j] for j, s, *_ in to_round])
         new = list(flat)
-        for (j, *_rest, fused, _prepared), r in zip(todo, rounded):
+        for (j, *_rest, fused, _prepared), r in zip(to_round, rounded):
             new[j] = Stacked(r)
             if fused:
                 self.preperturbed[fuse[0].index] = new[j]
@@ -1293,11 +1293,11 @@ class SampleTracer:
 
         return one
 
-    def _round_step(self, plan: NodePlan, todo: tuple, status: str, shape: tuple,
+    def _round_step(self, plan: NodePlan, to_round: tuple, status: str, shape: tuple,
                     xs: list) -> list:
         cfg = self.cfg
         stats, outs = [], []
-        for (j, stacked, own, cplx, fused, prepared), t in zip(todo, xs):
+        for (j, stacked, own, cplx, fused, prepared), t in zip(to_round, xs):
             samples = t if stacked else t.unsqueeze(0).expand(self.n, *t.shape)
             if prepared is not None and prepared.fused is None:  # (fused: one-output steps')
                 out = prepared(samples, self._seed(plan, j))
