@@ -1,7 +1,8 @@
 """The CPU kernels (``fxstab.native``) of this checkout against a reference revision, in one
 process: each revision's library built from its own source, both called on the same samples,
-cases taken in a shuffled order every round (no revision always runs first, on a cold cache),
-the median over rounds in ns per element and sample.
+interleaved (``bench_overhead.timed_interleaved``: each timed call follows an untimed call of
+the same function, so neither revision is timed on the caches the other left), the median over
+rounds in ns per element and sample.
 
 Cases: one ``Rounder`` call on ``[N, numel]`` samples (rounded in place: the memory stays put)
 in each working dtype (fp32 samples into bf16, fp64 samples into the fp32 format), rounding
@@ -14,11 +15,8 @@ only, with the statistics, with the zero mask, with per-element digits.
 from __future__ import annotations
 
 import argparse
-import random
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -42,6 +40,7 @@ def calls(pkg, fmt: str, dtype: torch.dtype, x: torch.Tensor, mode: str) -> dict
 def main(argv=None) -> int:
     import fxstab
     from benchmarks.bench_ab import extract_ref, load_ref
+    from benchmarks.bench_overhead import timed_interleaved
     from benchmarks.common import save_json
 
     ap = argparse.ArgumentParser(description=__doc__,
@@ -62,31 +61,22 @@ def main(argv=None) -> int:
     ref = load_ref(extract_ref(args.ref, Path(tempfile.mkdtemp(prefix="fxstab_ref_"))))
     if not (fxstab.native.available() and ref.native.available()):
         raise SystemExit("bench_native_ab: the CPU kernels could not be built")
-    timed = []
+    keys, fns = [], []
     for name in args.dtypes.split(","):
         fmt, dtype = DTYPES[name]
         x = torch.randn(args.n, args.numel, dtype=dtype, generator=torch.Generator().manual_seed(0))
-        for which, pkg in (("ref", ref), ("new", fxstab)):
-            for case, fn in calls(pkg, fmt, dtype, x, args.mode).items():
-                fn()  # first call: allocations
-                timed.append(((name, case), which, fn))
-    times: dict = {}
-    rng = random.Random(0)
-    for _ in range(args.rounds):
-        rng.shuffle(timed)
-        for key, which, fn in timed:
-            t0 = time.perf_counter()
-            fn()
-            times.setdefault((key, which), []).append(time.perf_counter() - t0)
+        for case in CASES:
+            keys.append((name, case))
+            fns += [calls(pkg, fmt, dtype, x, args.mode)[case] for pkg in (ref, fxstab)]
+    medians = timed_interleaved(fns, args.rounds)
     per = args.n * args.numel
     rows = []
     print(f"# {args.n} x {args.numel} samples, mode {args.mode}, {args.threads} thread(s), "
-          f"median of {args.rounds} shuffled rounds")
+          f"median of {args.rounds} interleaved rounds")
     print(f"{'samples':<9}{'case':<8}{args.ref[:10] + ' ns':>14}{'checkout ns':>13}{'speed-up':>10}")
-    for key in dict.fromkeys(k for k, _, _ in timed):
-        a = statistics.median(times[(key, "ref")]) * 1e9 / per
-        b = statistics.median(times[(key, "new")]) * 1e9 / per
-        rows.append({"dtype": key[0], "case": key[1], "ref_ns": a, "new_ns": b, "speedup": a / b})
+    for k, (name, case) in enumerate(keys):
+        a, b = (medians[2 * k + i] * 1e9 / per for i in (0, 1))
+        rows.append({"dtype": name, "case": case, "ref_ns": a, "new_ns": b, "speedup": a / b})
     rows.sort(key=lambda r: (r["dtype"], list(CASES).index(r["case"])))
     for r in rows:
         print(f"{r['dtype']:<9}{r['case']:<8}{r['ref_ns']:>14.2f}{r['new_ns']:>13.2f}"
