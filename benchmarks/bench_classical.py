@@ -7,7 +7,7 @@ stabilized ones ~6-7 (fp32, cap 7.22) and ~15 (fp64, cap 15.95).
 
 A second table runs the NumPy twins of Rump's polynomial, the quadratic, the variance and the
 series (the same formulas written with NumPy functions on NumPy arguments,
-``fxstab.numpy_interop``) beside the torch versions: for the same seed they must give the same
+``fxstab.eager.arrays``) beside the torch versions: for the same seed they must give the same
 samples, hence the same digits and counters.
 
     .venv/bin/python benchmarks/bench_classical.py [--seeds 3] [--json out.json]

@@ -68,7 +68,7 @@ class Chain(nn.Module):
 
 def sampled_calls(call) -> list:
     """The (sampled graph, arguments) of each generated graph that ``call()`` runs."""
-    from fxstab.passes.sample import SampledGraph
+    from fxstab.analysis.sampled_graph import SampledGraph
 
     seen = []
     run_graph = SampledGraph.__call__
@@ -180,7 +180,7 @@ def make(name: str, quick: bool):
 def kernel_time(call, calls: int = 5) -> float:
     """The least time over ``calls`` calls of ``call()`` spent inside fxstab's C kernels (the
     calls of ``native.Prepared``, ``native.Rounder`` and ``native.perturb``), in seconds."""
-    from fxstab import native
+    from fxstab.cpu import bindings as native
 
     spent = [0.0]
     saved = [(native.Prepared, "__call__"), (native.Rounder, "_run"), (native, "perturb")]

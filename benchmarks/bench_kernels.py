@@ -2,7 +2,7 @@
 
 Paths, all computing rounded samples and the five digit statistics of one operator output:
   fused     the Triton kernel (fxstab.kernels.round_digits; CUDA only)
-  cpu       the fused C/OpenMP kernel (fxstab.native.round_stats; CPU only)
+  cpu       the fused C/OpenMP kernel (fxstab.cpu.bindings.round_stats; CPU only)
   unfused   the plain-torch reference (round_samples + cestac_digits + reductions)
   compiled  the same reference compiled with torch.compile (inductor)
 
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tag", default="", help="suffix of the JSON/plot file names")
     args = ap.parse_args(argv)
 
-    from fxstab.formats import get_format
+    from fxstab.numerics.formats import get_format
     from fxstab.kernels.round_digits import round_digits, round_digits_torch
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         print("# CPU: fused Triton path skipped (interpreter only); torch paths measured")
     if "cpu" in paths and (gpu or not _native_available()):
         paths.remove("cpu")
-        print("# cpu (fxstab.native) path skipped: " + ("not a CPU device" if gpu else
+        print("# cpu (fxstab.cpu.bindings) path skipped: " + ("not a CPU device" if gpu else
                                                         "kernels could not be built"))
     fmt = get_format(args.format)
     dtype = getattr(torch, args.dtype)
@@ -177,8 +177,8 @@ def _measure(args, ns, sizes, paths, fmt, dtype, esize, seed, device, bw, rows, 
                 if path == "compiled" and numel > args.compiled_max_numel:
                     continue
                 if path == "cpu":
-                    from fxstab import native
-                    from fxstab.rounding import Rounding
+                    from fxstab.cpu import bindings as native
+                    from fxstab.numerics.rounding import Rounding
 
                     mode = Rounding.parse(args.mode)
                     fn = lambda: native.round_stats(x, fmt, mode, seed,  # noqa: E731
@@ -214,7 +214,7 @@ def _measure(args, ns, sizes, paths, fmt, dtype, esize, seed, device, bw, rows, 
 
 
 def _native_available() -> bool:
-    from fxstab import native
+    from fxstab.cpu import bindings as native
 
     return native.available()
 

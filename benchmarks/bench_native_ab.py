@@ -1,4 +1,4 @@
-"""The CPU kernels (``fxstab.native``) of this checkout against a reference revision, in one
+"""The CPU kernels (``fxstab.cpu.bindings``) of this checkout against a reference revision, in one
 process: each revision's library built from its own source, both called on the same samples,
 interleaved (``bench_overhead.timed_interleaved``: each timed call follows an untimed call of
 the same function, so neither revision is timed on the caches the other left), the median over
@@ -57,9 +57,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    fxstab.alloc.tune()  # as an analysed call: freed buffers stay in the heap
+    fxstab.cpu.alloc.tune()  # as an analysed call: freed buffers stay in the heap
     ref = load_ref(extract_ref(args.ref, Path(tempfile.mkdtemp(prefix="fxstab_ref_"))))
-    if not (fxstab.native.available() and ref.native.available()):
+    if not (fxstab.cpu.bindings.available() and ref.native.available()):
         raise SystemExit("bench_native_ab: the CPU kernels could not be built")
     keys, fns = [], []
     for name in args.dtypes.split(","):

@@ -15,7 +15,7 @@ not fail, and the compiled call returned exactly the eager output (bit for bit, 
 
 Prints the coverage table (analysed / per sample / not analysed / failed, with the reasons) and
 writes ``results/bench_opinfo.json`` (machine, versions, commit, rows). The aten level's rows
-use its coverage (``fxstab/aten_backend.py``): an operator is analysed there when primitives
+use its coverage (``fxstab/analysis/aten_level.py``): an operator is analysed there when primitives
 named within it were rounded and recorded on the samples, or, for an operator made only of exact
 primitives (views, selections) or random draws, recorded as observed (``select="*"`` asks for
 every operator); the reason of each coverage entry says which.
@@ -42,8 +42,8 @@ from torch.utils import _pytree as pytree
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fxstab  # noqa: E402
-from fxstab.coverage import ANALYSED  # noqa: E402
-from fxstab.naming import source_location  # noqa: E402
+from fxstab.records.coverage import ANALYSED  # noqa: E402
+from fxstab.capture.naming import source_location  # noqa: E402
 
 ANALYSED_ROW, PER_SAMPLE_ROW = "analysed", "analysed per sample"
 NOT_ANALYSED, FAILED, MISMATCH = "not analysed", "failed", "deterministic mismatch"

@@ -24,8 +24,8 @@ sys.path.insert(0, str(ROOT))
 
 import fxstab  # noqa: E402
 from benchmarks.common import save_json  # noqa: E402
-from fxstab.digits import digit_stats  # noqa: E402
-from fxstab.rounding import Rounding, quantize, round_samples  # noqa: E402
+from fxstab.numerics.digits import digit_stats  # noqa: E402
+from fxstab.numerics.rounding import Rounding, quantize, round_samples  # noqa: E402
 
 
 def _time(fn, min_time: float, min_reps: int) -> float:

@@ -46,7 +46,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxstab
-from fxstab import inject
+from fxstab.monitor import inject
 from fxstab.monitor import Mode, StabilityMonitor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

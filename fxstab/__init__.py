@@ -1,25 +1,20 @@
 """fxstab: find where a PyTorch program loses significant digits in low precision."""
 
-from . import inject
+from .monitor import inject
 from .backend import FxstabBackend, backend, get_default_backend
-from .counters import instability_counters
+from .records.counters import instability_counters
 from .digitmap import DiffResult, DigitMap, DigitMapError, diff
-from .digits import (
-    DigitStats,
-    cestac_digits,
-    computational_zero,
-    digit_stats,
-    format_stochastic,
-    student_t,
+from .numerics.digits import (
+    DigitStats, cestac_digits, computational_zero, digit_stats, format_stochastic, student_t,
 )
-from .formats import FORMATS, Format, get_format
+from .numerics.formats import FORMATS, Format, get_format
 from .monitor import Mode, MonitorConfig, StabilityMonitor
-from .operator import operator
-from .report import OpReport
-from .rounding import Rounding, quantize, round_samples
-from .stochastic import AnalysisResult, StochasticTensor, analyze, stochastic
+from .capture.user_ops import operator
+from .records.report import OpReport
+from .numerics.rounding import Rounding, quantize, round_samples
+from .eager.stochastic import AnalysisResult, StochasticTensor, analyze, stochastic
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "FORMATS", "Format", "get_format", "Rounding", "quantize", "round_samples",

@@ -22,7 +22,7 @@ the operator found, so all samples draw what the deterministic pass drew. Buffer
 mutates (BatchNorm running statistics, inputs updated in place) are cloned for the stochastic
 path, and BatchNorm in training mode runs per sample so samples never mix statistics. Fused
 fast paths (``torch._transformer_encoder_layer_fwd``) run their composite on the samples; how
-each operator ran is :meth:`FxstabBackend.coverage` (``fxstab/coverage.py``).
+each operator ran is :meth:`FxstabBackend.coverage` (``fxstab/records/coverage.py``).
 """
 
 from __future__ import annotations
@@ -40,27 +40,29 @@ import torch.fx
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.utils import _pytree as pytree
 
-from . import alloc, native, randbits
-from . import operator as user_operator
+from .cpu import alloc, bindings as native
+from .numerics import randbits
+from .capture import user_ops as user_operator
 from .config import AnalysisConfig
-from .digits import (
-    digits_cap, empty_stats, extra_stats, merge_stats, stats_vector, student_t,
-    underflow_count,
+from .numerics.digits import (
+    digits_cap, empty_stats, extra_stats, merge_stats, stats_vector, student_t, underflow_count,
 )
-from .formats import working_dtype_for
-from .naming import NameRegistry, module_path, qualified_name, source_location
-from .coverage import ANALYSED, SKIPPED, UNROUNDED, Coverage, CoverageEntry
+from .numerics.formats import working_dtype_for
+from .capture.naming import NameRegistry, module_path, qualified_name, source_location
+from .records.coverage import ANALYSED, SKIPPED, UNROUNDED, Coverage, CoverageEntry
 from .passes import steps
-from .passes.sample import SampledGraph, SampledGraphs, signature
-from .opsets import (
+from .analysis.sampled_graph import SampledGraph, SampledGraphs, signature
+from .capture.opsets import (
     COMPOSITE_KINDS, DEFAULT_KINDS, DROPOUT_KINDS, EXACT_KINDS, FAMILIES, RANDOM_KINDS,
     RNN_KINDS, is_custom, is_gemm, node_kind,
 )
-from .report import (PER_SAMPLE, ROUNDED, UNLIFTED, OpReport, ReportLog, block_builder,
-                     report_builder, stats_row)
-from .flat import flatten_call as _flatten, unflatten_call as _unflatten
-from .rounding import round_samples
-from .surrogate import perturb_samples
+from .records.report import (
+    PER_SAMPLE, ROUNDED, UNLIFTED, OpReport, ReportLog, block_builder, report_builder,
+    stats_row,
+)
+from .capture.flat import flatten_call as _flatten, unflatten_call as _unflatten
+from .numerics.rounding import round_samples
+from .numerics.surrogate import perturb_samples
 
 
 __all__ = ["backend", "FxstabBackend", "GraphAnalysis", "GraphInfo", "default_backend",
@@ -187,7 +189,7 @@ class GraphInfo:
     failures: list = field(default_factory=list)  # exceptions swallowed on the stochastic path
     calls: int = 0
     analysed_calls: int = 0
-    # node name -> how it ran in the latest analysed call (fxstab.coverage)
+    # node name -> how it ran in the latest analysed call (fxstab.records.coverage)
     coverage: dict = field(default_factory=dict)
     # fused node name -> the kinds of the composite its samples ran as
     composites: dict = field(default_factory=dict)
@@ -368,7 +370,7 @@ _COMPOSITES = {"transformer_encoder_layer_fwd": _encoder_layer_composite}
 
 def _expand_composites(graph: torch.fx.Graph, info: "GraphInfo") -> torch.fx.Graph:
     """The graph the stochastic path runs: ``graph`` itself, or a copy in which each fused
-    operator of :data:`fxstab.opsets.COMPOSITE_KINDS` is replaced by its composite."""
+    operator of :data:`fxstab.capture.opsets.COMPOSITE_KINDS` is replaced by its composite."""
     if not any(n.op == "call_function" and node_kind(n) in COMPOSITE_KINDS for n in graph.nodes):
         return graph
     new = torch.fx.Graph()
@@ -401,7 +403,7 @@ class GraphAnalysis:
         self.free_after = self._last_uses(gm.graph)
         self.sampled = SampledGraphs()  # the generated stochastic paths, by signature
         # what the model runs: the captured graph (backward=True: through AOTAutograd, whose
-        # backward graph fxstab.backward analyses)
+        # backward graph fxstab.analysis.backward analyses)
         self.deterministic: Callable = gm
         self.last_tracer: Optional["SampleTracer"] = None  # of the latest analysed call
         self._plan()
@@ -424,7 +426,7 @@ class GraphAnalysis:
     def _placeholders(self) -> list:
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
 
-    direction = "forward"  # of this graph's operators (fxstab.backward: "backward")
+    direction = "forward"  # of this graph's operators (fxstab.analysis.backward: "backward")
 
     def _selected(self, node: torch.fx.Node, kind: str, qn: str) -> bool:
         """Whether the node is an instrumented operator (rounded and recorded)."""
@@ -440,7 +442,7 @@ class GraphAnalysis:
         lowered graph's value)."""
         if not self.cfg.auto_format:
             return self.cfg.format
-        from .formats import get_format
+        from .numerics.formats import get_format
 
         value = node.meta.get("example_value", node.meta.get("val"))
         for leaf in pytree.tree_leaves(value):
@@ -533,7 +535,7 @@ class GraphAnalysis:
         if call % self.cfg.every != 0 or not self.owner.enabled:
             return self.deterministic(*args)
         info.analysed_calls += 1
-        alloc.tune()  # once per process: see fxstab/alloc.py
+        alloc.tune()  # once per process: see fxstab/cpu/alloc.py
         states = _rng_states(args)
         out = self.deterministic(*args)
         after = _rng_states(args)
@@ -741,7 +743,7 @@ class SampleTracer:
     """The stochastic rules of one graph: what each operator becomes on N stacked samples.
 
     :meth:`run` walks the graph once per input signature, under ``make_fx``
-    (:class:`fxstab.passes.sample.SampledGraph`): what it computes with torch operators (lifted
+    (:class:`fxstab.analysis.sampled_graph.SampledGraph`): what it computes with torch operators (lifted
     with ``vmap``, batched, elementwise on the samples) is recorded as aten nodes, and what
     must run as fxstab's code at every call (rounding and recording, the GEMM surrogate,
     operators run once per sample with the deterministic pass's random numbers) as
@@ -984,7 +986,7 @@ class SampleTracer:
         return out
 
     def _note(self, plan: NodePlan, how: str, reason: str, floating: bool) -> None:
-        """Record how the node ran (fxstab.coverage)."""
+        """Record how the node ran (fxstab.records.coverage)."""
         kind = plan.kind
         exact = kind in EXACT_KINDS or (kind in RANDOM_KINDS and kind not in DROPOUT_KINDS)
         if plan.name is None and exact and floating:
@@ -1552,19 +1554,19 @@ class FxstabBackend:
 
     def uses_native(self, t: torch.Tensor) -> bool:
         """Whether rounding/statistics of ``t`` go through the fused CPU kernels
-        (:mod:`fxstab.native`): ``kernels="cpu"``, or ``"auto"`` on a CPU tensor."""
+        (:mod:`fxstab.cpu.bindings`): ``kernels="cpu"``, or ``"auto"`` on a CPU tensor."""
         return self.config.kernels in ("auto", "cpu") and native.supports(t, self.config.n_samples)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         if self.config.granularity == "aten":
-            from .aten_backend import compile_aten  # arithmetic level
+            from .analysis.aten_level import compile_aten  # arithmetic level
 
             analysis = compile_aten(self, gm, example_inputs)
         else:
             analysis = GraphAnalysis(gm, self, len(self.graphs))
             self.graphs.append(analysis)
         if self.config.backward:
-            from .backward import through_autograd
+            from .analysis.backward import through_autograd
 
             through_autograd(analysis, example_inputs)
         return analysis
@@ -1573,7 +1575,7 @@ class FxstabBackend:
     @property
     def reports(self) -> ReportLog:
         """One ``OpReport`` per instrumented operator and analysed call, in order (a list to
-        read; its reports are built when first read: ``fxstab.report.ReportLog``)."""
+        read; its reports are built when first read: ``fxstab.records.report.ReportLog``)."""
         return self._reports
 
     @reports.setter
@@ -1628,14 +1630,14 @@ class FxstabBackend:
     def coverage(self) -> Coverage:
         """How every operator of the captured graphs ran in its latest analysed call:
         analysed (rounded and recorded; how: vmap, per sample, ...), run unrounded, or
-        skipped, each with its reason (:mod:`fxstab.coverage`)."""
+        skipped, each with its reason (:mod:`fxstab.records.coverage`)."""
         entries: list = []
         for g in self.graphs:  # both levels fill GraphInfo.coverage
             entries += g.coverage_entries()
         return Coverage(entries)
 
     def sampled_graphs(self) -> list:
-        """The generated stochastic paths (:class:`fxstab.passes.sample.SampledGraph`), the
+        """The generated stochastic paths (:class:`fxstab.analysis.sampled_graph.SampledGraph`), the
         latest signature of each captured graph first: ``print(be.sampled_graphs()[0].code)``
         shows the rewritten graph (both granularities)."""
         out: list = []
@@ -1720,7 +1722,7 @@ def backend(
         every: Analyse one call in ``every``; the others only run the deterministic path.
         confidence: Confidence of the CESTAC estimator (Student t).
         kernels: Implementation of rounding, statistics and the surrogate: ``auto`` (Triton on
-            CUDA tensors, the fused CPU kernels of :mod:`fxstab.native` on CPU tensors, the
+            CUDA tensors, the fused CPU kernels of :mod:`fxstab.cpu.bindings` on CPU tensors, the
             plain-torch references where neither applies), ``triton``, ``cpu`` or ``torch``.
         **options: ``diagnostics``, ``cancel_digits``, ``zero_threshold``,
             ``data_perturbation_threshold``, ``saturate``, ``trace_rnn`` (see AnalysisConfig).

@@ -24,7 +24,7 @@ class CLIError(Exception):
 
 
 def _cmd_formats(args: argparse.Namespace) -> int:
-    from .formats import FORMATS, working_dtype_for
+    from .numerics.formats import FORMATS, working_dtype_for
 
     print(f"{'format':<10} {'e':>2} {'m':>2} {'p':>2} {'u':>10} {'max':>11} {'min normal':>11} "
           f"{'min subnorm':>11} {'digits':>6} {'work':>8}")
@@ -43,7 +43,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _format_arg(text: str) -> Any:
     """A --format value: a format name, or ``E,M`` (exponent and significand bits)."""
-    from .formats import get_format
+    from .numerics.formats import get_format
 
     if text.strip().lower() == "auto":  # each operator in its dtype in the program
         return "auto"
@@ -164,8 +164,8 @@ def _cmd_record(args: argparse.Namespace) -> int:
 
 def _warn_coverage(cov: Any) -> None:
     """Warn (stderr) when less than 90% of the model's floating operators were analysed,
-    saying which were not and why (fxstab.coverage)."""
-    from .coverage import WARN_BELOW, coverage_lines
+    saying which were not and why (fxstab.records.coverage)."""
+    from .records.coverage import WARN_BELOW, coverage_lines
 
     if not isinstance(cov, dict) or cov.get("fraction") is None:
         return
@@ -219,7 +219,7 @@ def _write_text(path: str, text: str) -> None:
 
 def _cmd_show(args: argparse.Namespace) -> int:
     from . import plots
-    from .coverage import coverage_lines
+    from .records.coverage import coverage_lines
 
     dm = _load(args.digits)
     if args.top < 1:

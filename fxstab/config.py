@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
-from .formats import Format, get_format
-from .rounding import Rounding
+from .numerics.formats import Format, get_format
+from .numerics.rounding import Rounding
 
 GRANULARITIES = ("op", "aten")
 OUTPUTS = ("deterministic", "mean")

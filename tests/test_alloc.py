@@ -1,4 +1,4 @@
-"""fxstab.alloc: glibc keeps the analysis's freed temporaries instead of refaulting them."""
+"""fxstab.cpu.alloc: glibc keeps the analysis's freed temporaries instead of refaulting them."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 _PROBE = """
 import resource, sys, torch
-import fxstab.alloc as alloc
+import fxstab.cpu.alloc as alloc
 print(alloc.tune())
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -161,10 +161,10 @@ def test_cpu_kernels_match_the_torch_references(fmt):
             cancelled = (x + 1e5) - 1e5  # a cancellation in every format
             return torch.softmax(h / 0.7, dim=-1) + 2 * h[:, :1] - (h.t() * 0.5).t() + cancelled
 
-    from fxstab import native
+    from fxstab.cpu import bindings as native
 
     if not native.available():
-        pytest.skip("no C compiler for fxstab.native")
+        pytest.skip("no C compiler for fxstab.cpu.bindings")
     torch.manual_seed(0)
     m, x = Block(), torch.randn(6, 24)
     got = {}
@@ -186,7 +186,7 @@ def test_cpu_kernels_match_the_torch_references(fmt):
 def test_context_for_a_call_keeps_the_settings_and_starts_afresh():
     """The backend checks its settings once per graph (AtenContext) and analyses each call in
     a copy with fresh running state: its own seed, recorder, counters and occurrence counts."""
-    from fxstab.aten_rules import AtenContext, apply_primitive
+    from fxstab.rules.aten import AtenContext, apply_primitive
 
     proto = AtenContext(format="bf16", n_samples=3, diagnostics="summary")
     x = torch.tensor([1.0, 1.0 + 2.0 ** -7, 2.0])
@@ -209,7 +209,7 @@ def test_operand_needs_says_what_counters_read():
     """The rounding pass writes an operand's digits only for consumers that can see a
     cancellation in them, and its zero mask only for consumers whose counters read one:
     divisors (not numerators), factors, math arguments."""
-    from fxstab.aten_rules import op_info, operand_needs
+    from fxstab.rules.aten import op_info, operand_needs
 
     aten = torch.ops.aten
     a, b = object(), object()
@@ -229,7 +229,7 @@ def test_operand_needs_says_what_counters_read():
 def test_divisions_counted_with_the_planned_zero_masks():
     """Division counts at the arithmetic level are the same whether the divisor's zero mask
     was written in its rounding pass (the plan) or measured when the division read it."""
-    from fxstab.aten_rules import AtenContext, apply_primitive
+    from fxstab.rules.aten import AtenContext, apply_primitive
 
     aten = torch.ops.aten
     x = torch.linspace(-1, 1, 64)

@@ -1,4 +1,4 @@
-"""Gradient digit maps (backward=True, fxstab/backward.py)."""
+"""Gradient digit maps (backward=True, fxstab/analysis/backward.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import fxstab
 from fxstab.digitmap import DigitMap
-from fxstab.digits import cestac_digits
+from fxstab.numerics.digits import cestac_digits
 
 from models import GPT, MLP
 

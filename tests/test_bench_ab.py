@@ -21,9 +21,10 @@ def test_reference_is_a_separate_package(tmp_path, clean_ref_modules):
     ref = bench_ab.load_ref(bench_ab.extract_ref(str(bench_ab.ROOT), tmp_path))
     assert ref is not fxstab and ref.backend is not fxstab.backend
     # its own modules, reading its own kernel source from the copy
-    assert sys.modules["fxstab_ref.native"] is not sys.modules["fxstab.native"]
-    assert str(ref.native._SOURCE).startswith(str(tmp_path))
-    assert ref.native._SOURCE.read_bytes() == fxstab.native._SOURCE.read_bytes()
+    ref_bindings = sys.modules["fxstab_ref.cpu.bindings"]
+    assert ref_bindings is not sys.modules["fxstab.cpu.bindings"]
+    assert str(ref_bindings._SOURCE).startswith(str(tmp_path))
+    assert ref_bindings._SOURCE.read_bytes() == fxstab.cpu.bindings._SOURCE.read_bytes()
 
 
 def test_times_both_and_writes_the_ratio(tmp_path, capsys, clean_ref_modules):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fxstab import randbits
-from fxstab.digits import stats_vector
-from fxstab.rounding import round_samples
-from fxstab.surrogate import perturb_samples
+from fxstab.numerics import randbits
+from fxstab.numerics.digits import stats_vector
+from fxstab.numerics.rounding import round_samples
+from fxstab.numerics.surrogate import perturb_samples
 
 
 @pytest.mark.parametrize("mode", ["random", "stochastic", "nearest", "up"])
@@ -22,8 +22,8 @@ def test_chunked_rounding_equals_one_pass(monkeypatch, mode):
 
 
 def test_chunked_perturbation_and_statistics_equal_one_pass(monkeypatch):
-    import fxstab.digits as digits
-    import fxstab.surrogate as surrogate
+    import fxstab.numerics.digits as digits
+    import fxstab.numerics.surrogate as surrogate
 
     torch.manual_seed(0)
     x = torch.randn(1, 1000).repeat(3, 1)

@@ -19,8 +19,8 @@ import torch
 import fxstab
 from fxstab.cli import main
 from fxstab.digitmap import DEFAULT_METRIC, DigitMap
-from fxstab.opsets import node_kind
-from fxstab.report import OpReport
+from fxstab.capture.opsets import node_kind
+from fxstab.records.report import OpReport
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = ROOT / "examples" / "ci" / "target.py"

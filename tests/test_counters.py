@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 import fxstab
-from fxstab.aten_rules import AtenContext, Stacked, apply_primitive
-from fxstab.counters import Counters, instability_counters
-from fxstab.report import COUNTER_KEYS
+from fxstab.rules.aten import AtenContext, Stacked, apply_primitive
+from fxstab.records.counters import Counters, instability_counters
+from fxstab.records.report import COUNTER_KEYS
 
 aten = torch.ops.aten
 
@@ -185,7 +185,7 @@ def test_finite_mask_matches_isfinite_over_samples(dtype):
     """The anomaly counter's per-element finiteness (every sample finite): against
     torch.isfinite, with one infinite or NaN sample among finite ones, values near the dtype's
     maximum (their sum overflows; the mask must not), signed zeros and subnormals."""
-    from fxstab.aten_rules import _Analysis
+    from fxstab.rules.aten import _Analysis
 
     big = torch.finfo(dtype).max
     tiny = torch.finfo(dtype).smallest_normal / 4

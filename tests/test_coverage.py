@@ -1,5 +1,5 @@
 """Issue 17 at the operator level: every operator analysed, and a coverage report that says
-how each one ran (fxstab/coverage.py, fxstab/backend.py, fxstab/operator.py)."""
+how each one ran (fxstab/records/coverage.py, fxstab/backend.py, fxstab/capture/user_ops.py)."""
 
 from __future__ import annotations
 

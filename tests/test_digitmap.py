@@ -16,7 +16,7 @@ from fxstab.digitmap import (
     DigitMapError,
     diff,
 )
-from fxstab.report import COUNTER_KEYS, OBSERVED, UNLIFTED, OpReport
+from fxstab.records.report import COUNTER_KEYS, OBSERVED, UNLIFTED, OpReport
 
 BF16_CAP = 8 * math.log10(2.0)
 
@@ -473,7 +473,7 @@ def test_diff_names_where_the_lost_digits_start():
 
 
 def test_difference_of_two_maps():
-    from fxstab.report import OpReport
+    from fxstab.records.report import OpReport
 
     def dm(avg, status="rounded"):
         r = OpReport(name="a/linear#0", kind="linear", module_path="a", format="bf16",

@@ -1,4 +1,4 @@
-"""The CESTAC digit estimator (fxstab.digits) against hand computation and mpmath."""
+"""The CESTAC digit estimator (fxstab.numerics.digits) against hand computation and mpmath."""
 
 from __future__ import annotations
 
@@ -8,15 +8,10 @@ import mpmath
 import pytest
 import torch
 
-from fxstab.digits import (
-    DigitStats,
-    cestac_digits,
-    computational_zero,
-    digit_stats,
-    format_stochastic,
-    student_t,
+from fxstab.numerics.digits import (
+    DigitStats, cestac_digits, computational_zero, digit_stats, format_stochastic, student_t,
 )
-from fxstab.formats import get_format
+from fxstab.numerics.formats import get_format
 
 # Two-sided 95% Student-t with 2 degrees of freedom: the CDF is 1/2 + t / (2 sqrt(2 + t^2)), so
 # t / sqrt(2 + t^2) = 0.95 gives t = 0.95 sqrt(2 / (1 - 0.95^2)) = 4.3027.
@@ -291,7 +286,7 @@ def test_quantiles_at_the_clamps():
 
 
 def test_underflow_count():
-    from fxstab.digits import underflow_count
+    from fxstab.numerics.digits import underflow_count
     fp16 = get_format("fp16")
     x = torch.tensor([[1.0, 1e-6, 0.0, -1e-5, 6.2e-5, math.inf],
                       [1.0, 1e-6, 0.0, -1e-4, 6.2e-5, math.nan],

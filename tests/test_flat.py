@@ -1,4 +1,4 @@
-"""fxstab.flat: an operator call's (args, kwargs) as leaves and back, as pytree does it."""
+"""fxstab.capture.flat: an operator call's (args, kwargs) as leaves and back, as pytree does it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-from fxstab.flat import flatten_call, unflatten_call
+from fxstab.capture.flat import flatten_call, unflatten_call
 
 _NT = collections.namedtuple("_NT", "a b")
 _X = torch.randn(2)

@@ -1,4 +1,4 @@
-"""Formats (fxstab.formats): constants against ml_dtypes/NumPy finfo and validation."""
+"""Formats (fxstab.numerics.formats): constants against ml_dtypes/NumPy finfo and validation."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fxstab.formats import FORMATS, Format, get_format, working_dtype_for
+from fxstab.numerics.formats import FORMATS, Format, get_format, working_dtype_for
 
 FINFO = {
     "fp64": np.finfo(np.float64),

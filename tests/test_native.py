@@ -1,4 +1,4 @@
-"""The fused CPU kernels (fxstab.native) against the plain-torch references, bit for bit."""
+"""The fused CPU kernels (fxstab.cpu.bindings) against the plain-torch references, bit for bit."""
 
 from __future__ import annotations
 
@@ -11,13 +11,15 @@ import pytest
 import torch
 
 import fxstab
-from fxstab import native
-from fxstab.digits import cestac_digits, computational_zero, digits_cap, stats_vector, student_t
-from fxstab.formats import get_format
-from fxstab.rounding import Rounding, round_samples
-from fxstab.surrogate import perturb_samples
+from fxstab.cpu import bindings as native
+from fxstab.numerics.digits import (
+    cestac_digits, computational_zero, digits_cap, stats_vector, student_t,
+)
+from fxstab.numerics.formats import get_format
+from fxstab.numerics.rounding import Rounding, round_samples
+from fxstab.numerics.surrogate import perturb_samples
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler for fxstab.native")
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler for fxstab.cpu.bindings")
 
 FORMATS = ["bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "tf32", (3, 2), (8, 23)]
 _INT = {torch.float32: torch.int32, torch.float64: torch.int64}
@@ -263,7 +265,7 @@ def test_threads_do_not_change_results(dtype, fmt):
 
 
 def test_disabled_by_environment(tmp_path):
-    code = ("import warnings, fxstab.native as n; warnings.simplefilter('error'); "
+    code = ("import warnings, fxstab.cpu.bindings as n; warnings.simplefilter('error'); "
             "print(n.available())")
     env = dict(os.environ, FXSTAB_NATIVE="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
@@ -272,7 +274,7 @@ def test_disabled_by_environment(tmp_path):
 
 
 def test_missing_compiler_falls_back_with_one_warning(tmp_path):
-    code = ("import warnings, fxstab.native as n\n"
+    code = ("import warnings, fxstab.cpu.bindings as n\n"
             "with warnings.catch_warnings(record=True) as w:\n"
             "    warnings.simplefilter('always')\n"
             "    print(n.available(), n.available(), len(w), 'unavailable' in str(w[0].message))\n")
@@ -290,7 +292,7 @@ def test_first_build_says_so_once_on_stderr(tmp_path):
     cc = tmp_path / "fake-cc"
     cc.write_text('#!/bin/sh\nwhile [ "$1" != "-o" ]; do shift; done\ncp "%s" "$2"\n' % built)
     cc.chmod(0o755)
-    code = "import fxstab.native as n; print(n.available())"
+    code = "import fxstab.cpu.bindings as n; print(n.available())"
     env = dict(os.environ, CC=str(cc), FXSTAB_CACHE_DIR=str(tmp_path / "cache"))
     runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                            text=True, check=True) for _ in range(2)]
@@ -438,7 +440,7 @@ def test_statistics_of_many_groups_match_the_digits(threads):
 @pytest.mark.parametrize("n", [2, 3, 5])
 @pytest.mark.parametrize("threshold", ["default", "none", "above the cap"])
 def test_zero_mask_matches_computational_zero(dtype, fmt, n, threshold):
-    """The kernel's zero mask is fxstab.digits.computational_zero of the samples it measured
+    """The kernel's zero mask is fxstab.numerics.digits.computational_zero of the samples it measured
     (rounded or not), with or without per-element digits; odd sizes and special values; the
     default zero threshold, one no element is below, and one above the digit cap (every finite
     element that is not an exact zero)."""
@@ -570,12 +572,12 @@ def test_prepared_kernel_with_the_surrogate_is_round_perturb(dtype, fmt):
 
 
 def test_derive_seeds_are_derive_seed():
-    """A call's seeds derived at once in C are fxstab.randbits.derive_seed's, bit for bit (the
+    """A call's seeds derived at once in C are fxstab.numerics.randbits.derive_seed's, bit for bit (the
     arithmetic level's primitives round with them), 64-bit extremes included."""
     import random
 
-    from fxstab.aten_rules import AtenContext
-    from fxstab.randbits import M64, derive_seed
+    from fxstab.rules.aten import AtenContext
+    from fxstab.numerics.randbits import M64, derive_seed
 
     r = random.Random(2)
     for _ in range(50):
@@ -607,7 +609,7 @@ def test_underflow_norms_and_quantiles_match_the_reference(dtype, fmt, in_place)
     x = (base * (1 + 1e-3 * torch.randn(3, numel, generator=g, dtype=torch.float64))).to(dtype)
     x[:, 2000:2500] = torch.randn(3, 500, generator=g).to(dtype)  # a normal stretch
     x[:, 100:110] = 0.0
-    from fxstab.digits import underflow_count
+    from fxstab.numerics.digits import underflow_count
     want_under = underflow_count(x, f)
     assert 0 < want_under < numel
     ref = round_samples(x, f, Rounding.RANDOM, seed=5)
@@ -623,7 +625,7 @@ def test_underflow_norms_and_quantiles_match_the_reference(dtype, fmt, in_place)
 
 
 def test_call_seeds_are_derive_seed_of_each_pair():
-    from fxstab.randbits import derive_seed
+    from fxstab.numerics.randbits import derive_seed
 
     bases = [0, 1, 2**63 + 5, 2**64 - 1, 12345678901234567]
     purposes = [0, 1000, 3, 2**40, 7]

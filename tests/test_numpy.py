@@ -1,4 +1,4 @@
-"""NumPy programs analysed as NumPy programs (fxstab/numpy_interop.py): ufuncs, array
+"""NumPy programs analysed as NumPy programs (fxstab/eager/arrays.py): ufuncs, array
 functions, CESTAC control flow, NumPy results, and the torch twins' digits."""
 
 import contextlib
@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import fxstab
-from fxstab.aten_rules import AtenContext, Stacked
-from fxstab.formats import get_format
-from fxstab.numpy_interop import SUPPORTED_FUNCTIONS, SUPPORTED_UFUNCS, StochasticArray
-from fxstab.report import ROUNDED
-from fxstab.stochastic import StochasticTensor
+from fxstab.rules.aten import AtenContext, Stacked
+from fxstab.numerics.formats import get_format
+from fxstab.eager.arrays import SUPPORTED_FUNCTIONS, SUPPORTED_UFUNCS, StochasticArray
+from fxstab.records.report import ROUNDED
+from fxstab.eager.stochastic import StochasticTensor
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CAP32 = get_format("fp32").digit_cap

@@ -214,7 +214,7 @@ def _runs(model, inputs, granularity="op", untraced=False, monkeypatch=None, cal
     compiled)."""
     import copy
 
-    from fxstab.passes.sample import SampledGraph
+    from fxstab.analysis.sampled_graph import SampledGraph
 
     if untraced:
         def refuse(*a, **k):
@@ -316,7 +316,7 @@ def test_replayed_reports_hold_every_field_and_their_own_call():
     its own."""
     import dataclasses
 
-    from fxstab.report import OpReport
+    from fxstab.records.report import OpReport
 
     be = fxstab.backend()
     f = torch.compile(MLP(), backend=be)

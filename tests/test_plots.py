@@ -12,7 +12,7 @@ import pytest
 
 from fxstab import digitmap, plots
 from fxstab.digitmap import DigitMap
-from fxstab.report import OpReport
+from fxstab.records.report import OpReport
 
 BF16_CAP = 8 * math.log10(2.0)
 

@@ -1,4 +1,4 @@
-"""Philox random bits (fxstab.randbits) against a pure-Python Philox4x32-10."""
+"""Philox random bits (fxstab.numerics.randbits) against a pure-Python Philox4x32-10."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from _oracles import M32, philox4x32, philox_seeded
-from fxstab import randbits
+from fxstab.numerics import randbits
 
 SEEDS = [0, 1, 12345, 2**32 - 1, 2**32, 2**32 + 7, 2**40 + 3, 2**63 + 11, 2**64 - 1]
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fxstab
-from fxstab.report import OpReport, ReportLog, row_values, stats_row
+from fxstab.records.report import OpReport, ReportLog, row_values, stats_row
 
 from models import GPT2, MLP
 

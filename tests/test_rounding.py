@@ -1,4 +1,4 @@
-"""Rounding into simulated formats (fxstab.rounding) against independent oracles.
+"""Rounding into simulated formats (fxstab.numerics.rounding) against independent oracles.
 
 Oracles: ml_dtypes casts (bf16, fp8) and NumPy casts (fp16, fp32) for round-to-nearest, their
 ``nextafter`` for the two neighbours, and the pure-Python grid arithmetic of ``_oracles`` for
@@ -17,9 +17,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from _oracles import assert_same_bits, neighbours, oracle_round
-from fxstab import randbits
-from fxstab.formats import FORMATS, Format, get_format
-from fxstab.rounding import Rounding, quantize, round_samples, round_with_bits, sample_draws
+from fxstab.numerics import randbits
+from fxstab.numerics.formats import FORMATS, Format, get_format
+from fxstab.numerics.rounding import (
+    Rounding, quantize, round_samples, round_with_bits, sample_draws,
+)
 
 MODES = [m.value for m in Rounding]
 RANDOM_MODES = ("random", "stochastic")

@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 
 import fxstab
-from fxstab import randbits
-from fxstab.aten_rules import AtenContext, Stacked, apply_primitive, round_stacked
-from fxstab.formats import get_format
-from fxstab.report import ROUNDED, UNLIFTED
-from fxstab.rounding import Rounding, quantize, round_samples
+from fxstab.numerics import randbits
+from fxstab.rules.aten import AtenContext, Stacked, apply_primitive, round_stacked
+from fxstab.numerics.formats import get_format
+from fxstab.records.report import ROUNDED, UNLIFTED
+from fxstab.numerics.rounding import Rounding, quantize, round_samples
 
 aten = torch.ops.aten
 
@@ -91,7 +91,7 @@ def test_kernels_setting_is_validated():
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp16", (5, 2)])
 def test_rounding_picks_neighbours_antithetically(fmt, kernels):
     f = get_format(fmt)
-    wd = fxstab.formats.working_dtype_for(f)
+    wd = fxstab.numerics.formats.working_dtype_for(f)
     g = torch.Generator().manual_seed(1)
     base = torch.randn(311, generator=g, dtype=torch.float64).to(wd) * 3
     if f.max_normal < 1e5:
@@ -275,7 +275,7 @@ def test_integer_and_bool_tensors_pass_through():
 def test_analyze_numpy_and_python_floats():
     res = fxstab.analyze(lambda a, b: (a * b).sum() / 3.0, format="fp32", seed=1)(
         np.linspace(0.1, 1, 10), 0.7)
-    assert set(res.counters) == set(fxstab.report.COUNTER_KEYS)
+    assert set(res.counters) == set(fxstab.records.report.COUNTER_KEYS)
     assert abs(float(res.value) - 0.7 * np.linspace(0.1, 1, 10).sum() / 3) < 1e-6
     assert res.samples.shape == (3,) and 5 < float(res.digits) <= 7.23
     # a NumPy program's results come back in NumPy
@@ -298,7 +298,7 @@ def test_analyze_detailed_events():
 @pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp32", "fp8_e4m3"])
 def test_rounding_with_zeros_and_subnormals(fmt, kernels):
     f = get_format(fmt)
-    wd = fxstab.formats.working_dtype_for(f)
+    wd = fxstab.numerics.formats.working_dtype_for(f)
     vals = torch.tensor([0.0, -0.0, 1.0, f.min_normal * 0.3, -f.min_normal * 0.77,
                          f.min_subnormal * 2.5, f.min_normal * 1.01], dtype=wd)
     samples = vals.expand(3, -1).contiguous()

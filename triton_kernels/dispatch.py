@@ -19,9 +19,9 @@ from typing import Union
 
 import torch
 
-from fxstab.digits import DigitStats
-from fxstab.formats import FORMATS, Format, FormatLike, get_format
-from fxstab.rounding import Rounding
+from fxstab.numerics.digits import DigitStats
+from fxstab.numerics.formats import FORMATS, Format, FormatLike, get_format
+from fxstab.numerics.rounding import Rounding
 
 __all__ = ["round_and_stats", "perturb", "register_ops", "resolve_kernels", "KERNEL_OPTIONS"]
 

@@ -3,8 +3,8 @@
 For stacked input samples ``[N, numel]`` an element is *close* when every sample is within
 ``eta * |mean|`` of the mean (identical samples included); close elements are multiplied, per
 sample, by ``1 + eta * r`` with ``r = (2b + 1) / 256 - 1`` and ``b`` the byte of
-``fxstab.randbits.random_bytes`` for (sample k, element e), exactly as
-``fxstab.surrogate.perturb_samples``.
+``fxstab.numerics.randbits.random_bytes`` for (sample k, element e), exactly as
+``fxstab.numerics.surrogate.perturb_samples``.
 
 One program owns ``BLOCK`` elements of every sample: it sums the samples (mean), re-reads them
 for the separation test and a third time to perturb and store; the re-reads hit L1/L2, so HBM
@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fxstab import randbits
-from fxstab.surrogate import perturb_samples
+from fxstab.numerics import randbits
+from fxstab.numerics.surrogate import perturb_samples
 
 from .round_digits import check_launchable, interpreter_active
 
@@ -57,7 +57,7 @@ def _perturb_kernel(x_ptr, out_ptr, count_ptr, numel, seed, eta,
         x = tl.load(x_ptr + i * stride + offs, mask=mask, other=0.0)
         # all(|x_k - mean| <= bound) == (max_k |x_k - mean| <= bound), NaN giving False in both
         close = close & (tl.abs(x - mean) <= bound)
-    # fxstab.randbits.random_bytes: byte e % 4 of word (e // 4) % 4 of
+    # fxstab.numerics.randbits.random_bytes: byte e % 4 of word (e // 4) % 4 of
     # philox(seed, lo32(e // 16), k, hi32(e // 16), 0) for sample k, element e.
     g = offs // 16
     c0 = (g & 0xFFFFFFFF).to(tl.uint32)
@@ -130,7 +130,7 @@ def perturb(samples: torch.Tensor, eta: float, seed: int) -> tuple[torch.Tensor,
 
 
 def perturb_torch(samples: torch.Tensor, eta: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain-torch reference of :func:`perturb` (``fxstab.surrogate.perturb_samples``)."""
+    """Plain-torch reference of :func:`perturb` (``fxstab.numerics.surrogate.perturb_samples``)."""
     eta = _check_eta(eta)
     out, count = perturb_samples(samples, eta, seed & randbits.M64)
     if out is samples:  # nothing perturbed or empty: the reference returns its input

@@ -8,9 +8,9 @@ once) for the squared relative deviations, then computes the per-element digits,
 stores them, and writes one row of block partials ``[sum of digits, min, max, computational
 zeros, non-finite]``. A small torch reduction over the partials finishes the statistics.
 
-Rounding is ``fxstab.rounding.round_with_bits`` in Triton: the same integer tricks on the fp32
+Rounding is ``fxstab.numerics.rounding.round_with_bits`` in Triton: the same integer tricks on the fp32
 (int32) or fp64 (int64) bit pattern, with the format's constants as ``tl.constexpr`` so every
-format specialises its own kernel. Random bits follow ``fxstab.randbits`` exactly:
+format specialises its own kernel. Random bits follow ``fxstab.numerics.randbits`` exactly:
 
 * ``random``: bit ``e % 32`` of word ``(e // 32) % 4`` of ``philox(seed, lo32(e // 128), d,
   hi32(e // 128), 0)``. A tile row is one such group of 128 elements, so Philox runs on a
@@ -25,7 +25,7 @@ format specialises its own kernel. Random bits follow ``fxstab.randbits`` exactl
   uses draw i, so one Philox per element serves four samples.
 
 The plain-torch reference ``round_digits_torch`` computes the same outputs from
-``fxstab.rounding.round_samples`` and ``fxstab.digits``; the rounded samples agree bit for bit
+``fxstab.numerics.rounding.round_samples`` and ``fxstab.numerics.digits``; the rounded samples agree bit for bit
 and the digits to a few units in the last place (``log2`` vs ``log10``, sum order).
 """
 
@@ -39,10 +39,10 @@ import torch
 import triton
 import triton.language as tl
 
-from fxstab import randbits
-from fxstab.digits import cestac_digits, computational_zero, student_t
-from fxstab.formats import Format, FormatLike, get_format
-from fxstab.rounding import Rounding, round_samples
+from fxstab.numerics import randbits
+from fxstab.numerics.digits import cestac_digits, computational_zero, student_t
+from fxstab.numerics.formats import Format, FormatLike, get_format
+from fxstab.numerics.rounding import Rounding, round_samples
 
 __all__ = ["round_digits", "round_digits_torch", "STATS_FIELDS"]
 
@@ -249,7 +249,7 @@ def _round_digits_kernel(
             else:
                 acc = acc + rel * rel
                 s1 = s1 + rel
-        # Corrected two-pass variance (as fxstab.digits): subtracting (sum r)^2 / N removes the
+        # Corrected two-pass variance (as fxstab.numerics.digits): subtracting (sum r)^2 / N removes the
         # error of the rounded mean.
         # (where, not maximum: a NaN from inf - inf must survive, as torch's clamp keeps it)
         v = acc - s1 * s1 / N
@@ -330,7 +330,7 @@ def check_launchable(t: torch.Tensor, what: str) -> None:
 
 def _normalise_seed(seed: Optional[int]) -> int:
     if seed is None:
-        # Drawn from torch's global generator, as fxstab.rounding does.
+        # Drawn from torch's global generator, as fxstab.numerics.rounding does.
         return int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an int or None, got {seed!r}")
@@ -384,7 +384,7 @@ def validate_samples(samples: torch.Tensor, fmt: Format, what: str, need_two: bo
 
 
 def empty_stats(fmt: Format, device) -> torch.Tensor:
-    """Statistics of an empty tensor: no element lost digits (as fxstab.digits.digit_stats)."""
+    """Statistics of an empty tensor: no element lost digits (as fxstab.numerics.digits.digit_stats)."""
     cap = fmt.digit_cap
     return torch.tensor([cap, cap, cap, 0.0, 0.0], dtype=torch.float64, device=device)
 
@@ -506,8 +506,8 @@ def round_digits_torch(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Plain-torch reference of :func:`round_digits` (same arguments, same outputs).
 
-    Rounds with :func:`fxstab.rounding.round_samples` and computes the digits with
-    :func:`fxstab.digits.cestac_digits` / :func:`computational_zero`, without host syncs, so it
+    Rounds with :func:`fxstab.numerics.rounding.round_samples` and computes the digits with
+    :func:`fxstab.numerics.digits.cestac_digits` / :func:`computational_zero`, without host syncs, so it
     can be compiled with inductor for the unfused-versus-fused ablation.
     """
     fmt = get_format(format)

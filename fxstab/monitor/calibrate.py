@@ -23,7 +23,7 @@ class FamilyCalibration:
     """Separation and thresholds of one family.
 
     Attributes:
-        family: The family (``fxstab.opsets`` family or a custom op's registered family).
+        family: The family (``fxstab.capture.opsets`` family or a custom op's registered family).
         max_clean: Largest clean dispersion of the family.
         min_injected: Smallest finite injected dispersion of the family (``inf`` when it had
             no injected operator or only non-finite measurements).

@@ -1,7 +1,7 @@
 """``monitor.backend()``: a ``torch.compile`` backend whose graphs call into the monitor.
 
 An FX pass over each dynamo graph replaces every candidate ``call_function`` / ``call_method``
-node (selected by ``fxstab.opsets.node_kind`` and family, or by identity for registered custom
+node (selected by ``fxstab.capture.opsets.node_kind`` and family, or by identity for registered custom
 ops) with a call to a per-operator dispatcher bound to the monitor's operator table. The mode
 lives in that table, so promotions and demotions take effect on the next call without any
 recompilation: dynamo's guards never see the monitor's state. The transformed graph runs as
@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from ..opsets import family_of, node_kind
+from ..capture.opsets import family_of, node_kind
 from .core import OpState, StabilityMonitor, custom_op_of
 from .modes import method_caller
 

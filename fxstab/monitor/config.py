@@ -7,8 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ..formats import Format, FormatLike, get_format
-from ..opsets import FAMILIES
+from ..numerics.formats import Format, FormatLike, get_format
+from ..capture.opsets import FAMILIES
 
 __all__ = ["Mode", "MonitorConfig", "DEFAULT_MONITOR_FAMILIES", "ESTIMATORS"]
 
@@ -91,7 +91,7 @@ class MonitorConfig:
             ``monitor.calibrate`` sets): operators of different families disperse differently
             when clean (a GEMM with cancelling dot products more than a softmax with small
             logits), so one global pair is either too low for one or too high for another.
-            A family is an ``fxstab.opsets`` family or the family a custom op was registered
+            A family is an ``fxstab.capture.opsets`` family or the family a custom op was registered
             with; operators of families not listed use ``tau_warn`` / ``tau_safe``. Stored as
             a sorted tuple of ``(family, tau_warn, tau_safe)``.
         recheck: A promoted operator's NORMAL kernel is re-measured every ``recheck`` steps.
@@ -109,7 +109,7 @@ class MonitorConfig:
         estimator: ``"projection"`` (default), ``"block"`` or ``"full"`` (no reduction).
         seed: Seed of the perturbations and of the projection signs.
         eps: Added to the mean's norm in the dispersion ratio.
-        families: Operator families (``fxstab.opsets.FAMILIES``) that are candidates.
+        families: Operator families (``fxstab.capture.opsets.FAMILIES``) that are candidates.
         stable_dtype: Working dtype of STABLE_KERNEL, ``"fp64"`` or ``"fp32"``.
         promote: ``False`` observes only (scores are kept, modes never change): used to
             collect calibration scores.

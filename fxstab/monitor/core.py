@@ -17,9 +17,9 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ..flat import flatten_call, unflatten_call
-from ..opsets import family_of
-from ..randbits import derive_seed
+from ..capture.flat import flatten_call, unflatten_call
+from ..capture.opsets import family_of
+from ..numerics.randbits import derive_seed
 from .config import MonitorConfig, Mode
 from .modes import CustomOp, implementations
 
@@ -41,7 +41,7 @@ def custom_op_of(fn: Any) -> Optional[CustomOp]:
 
 
 def op_family(name_or_kind: str) -> str:
-    """Threshold family of an operator name (``path/kind#k``) or kind: the ``fxstab.opsets``
+    """Threshold family of an operator name (``path/kind#k``) or kind: the ``fxstab.capture.opsets``
     family of the kind, the family a custom op was registered with, else the kind itself."""
     kind = name_or_kind.rsplit("/", 1)[-1].split("#", 1)[0]
     return _CUSTOM_FAMILIES.get(kind) or family_of(kind) or kind

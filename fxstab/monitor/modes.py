@@ -162,7 +162,7 @@ class CustomOp:
 
     ``fp32_fn`` defaults to ``fn`` with floating inputs upcast to fp32, ``stable_fn`` to
     ``fp32_fn or fn`` upcast to the stable dtype. ``family`` is the family whose calibrated
-    thresholds apply to it (an ``fxstab.opsets`` family such as ``"linear"``, or any name;
+    thresholds apply to it (an ``fxstab.capture.opsets`` family such as ``"linear"``, or any name;
     ``None``: its own name).
     """
 
@@ -178,7 +178,7 @@ def implementations(kind: str, fn: Callable, stable_dtype: torch.dtype,
     """The (NORMAL, FP32_ACCUMULATION, STABLE_KERNEL) implementations of one operator.
 
     Args:
-        kind: Operator kind (``fxstab.opsets``) or the custom op's name.
+        kind: Operator kind (``fxstab.capture.opsets``) or the custom op's name.
         fn: The callable the model invoked (the NORMAL kernel).
         stable_dtype: Working dtype of STABLE_KERNEL.
         custom: The registered op, for user-registered kinds.

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..opsets import family_of, target_kind
+from ..capture.opsets import family_of, target_kind
 from .compile import op_name
 from .core import _EAGER_STACK, StabilityMonitor
 from .modes import CustomOp

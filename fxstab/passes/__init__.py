@@ -1,8 +1,8 @@
 """Graph passes of the stochastic path (docs/compiled-path.md).
 
-At the second analysed call per input signature, :mod:`fxstab.passes.sample` traces the
+At the second analysed call per input signature, :mod:`fxstab.analysis.sampled_graph` traces the
 stochastic rules (of the operator level, :class:`fxstab.backend.SampleTracer`; of the
-arithmetic level, :class:`fxstab.aten_backend.AtenTracer`) with ``make_fx`` into one
+arithmetic level, :class:`fxstab.analysis.aten_level.AtenTracer`) with ``make_fx`` into one
 ``fx.GraphModule`` over the N samples; :mod:`fxstab.passes.steps` holds the nodes that run
 fxstab's own code in it (rounding and recording, counters, the GEMM surrogate, per-sample
 operators) and the passes that check the traced graph (no value-dependent shapes), clean it

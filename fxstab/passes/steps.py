@@ -1,6 +1,6 @@
 """Steps: the nodes of a generated stochastic graph that run fxstab's own code.
 
-While the stochastic rules are traced (``make_fx`` over the rules, :mod:`fxstab.passes.sample`),
+While the stochastic rules are traced (``make_fx`` over the rules, :mod:`fxstab.analysis.sampled_graph`),
 everything they compute with torch operators becomes aten nodes; what must run as Python at
 every call (rounding and recording the statistics, the GEMM surrogate, operators that run once
 per sample with the deterministic pass's random numbers) goes through :func:`emit`: one

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from fxstab.formats import Format
+from fxstab.numerics.formats import Format
 
 INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
             torch.bfloat16: torch.int16}

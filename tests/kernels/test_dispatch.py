@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import fxstab.kernels as K
-from fxstab.digits import digit_stats
-from fxstab.rounding import round_samples
+from fxstab.numerics.digits import digit_stats
+from fxstab.numerics.rounding import round_samples
 
 from kernel_testutil import adversarial_samples, assert_bits_equal, needs_cuda, needs_interpreter
-from fxstab.formats import get_format
+from fxstab.numerics.formats import get_format
 
 
 def test_kernels_option_validated():

@@ -1,4 +1,4 @@
-"""Fused GEMM perturbation kernel against fxstab.surrogate.perturb_samples (bit-exact)."""
+"""Fused GEMM perturbation kernel against fxstab.numerics.surrogate.perturb_samples (bit-exact)."""
 
 from __future__ import annotations
 

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from fxstab.formats import get_format
+from fxstab.numerics.formats import get_format
 from fxstab.kernels.round_digits import round_digits, round_digits_torch
-from fxstab.rounding import Rounding
+from fxstab.numerics.rounding import Rounding
 
 from kernel_testutil import adversarial_samples, assert_bits_equal, needs_cuda, needs_interpreter
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from fxstab import inject
+from fxstab.monitor import inject
 from fxstab.monitor import StabilityMonitor, choose_thresholds, op_family
 
 

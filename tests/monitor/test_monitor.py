@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 from torch._dynamo.utils import counters
 
-from fxstab import inject
+from fxstab.monitor import inject
 from fxstab.monitor import Mode, StabilityMonitor
 from fxstab.monitor.core import OpState
 

@@ -4,11 +4,11 @@ The dynamo graph keeps running as is on the deterministic path. For the stochast
 lowered to aten primitives with decompositions (softmax becomes exp/sum/div, layer_norm becomes
 mean/var/sub/rsqrt/mul, ...) by ``make_fx`` over an ``fx.Interpreter`` of the graph, with
 ``preserve_node_meta`` so every primitive knows which torch-level operator it came from. The
-lowered graph is then walked with :func:`fxstab.aten_rules.apply_primitive`, the same
+lowered graph is then walked with :func:`fxstab.rules.aten.apply_primitive`, the same
 per-primitive rules the eager driver uses (every floating primitive's output is rounded and
 recorded, GEMM-like primitives get the data-perturbation surrogate, CADNA's counters run), by
 :class:`AtenTracer`, untraced on the first analysed call per signature and under ``make_fx``
-on the second, which leaves a generated graph (:class:`fxstab.passes.sample.SampledGraph`)
+on the second, which leaves a generated graph (:class:`fxstab.analysis.sampled_graph.SampledGraph`)
 that later calls run (docs/compiled-path.md).
 
 Names keep the operator context: ``blocks.3.attn/softmax#0/aten.exp#0`` is the first ``exp``
@@ -37,16 +37,18 @@ import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-from . import randbits
-from .flat import flatten_call, unflatten_call
-from .passes import steps
-from .passes.sample import SampledGraph
-from .backend import (GraphAnalysis, _callable, _expand_composites, _fetch_attr,
-                      _mutated_placeholders, _rng_states, _set_rng_states)
-from .coverage import ANALYSED, SKIPPED, UNROUNDED, CoverageEntry
-from .naming import module_path, qualified_name, source_location
-from .opsets import node_kind
-from .report import OBSERVED, PER_SAMPLE, UNLIFTED, OpReport, report_builder, stats_row
+from ..numerics import randbits
+from ..capture.flat import flatten_call, unflatten_call
+from ..passes import steps
+from .sampled_graph import SampledGraph
+from ..backend import (
+    GraphAnalysis, _callable, _expand_composites, _fetch_attr, _mutated_placeholders,
+    _rng_states, _set_rng_states,
+)
+from ..records.coverage import ANALYSED, SKIPPED, UNROUNDED, CoverageEntry
+from ..capture.naming import module_path, qualified_name, source_location
+from ..capture.opsets import node_kind
+from ..records.report import OBSERVED, PER_SAMPLE, UNLIFTED, OpReport, report_builder, stats_row
 
 aten = torch.ops.aten
 
@@ -101,7 +103,7 @@ class AtenGraphAnalysis(GraphAnalysis):
         """Name every torch-level operator (the context of its primitives)."""
         pred = None
         if self.cfg.select is not None:
-            from .backend import _selector
+            from ..backend import _selector
 
             pred = _selector(self.cfg.select)
         # the graph the samples run: fused fast paths replaced by their composite
@@ -248,7 +250,7 @@ class AtenGraphAnalysis(GraphAnalysis):
         """What each node of the lowered graph does, decided once per lowering: a
         :class:`_NodePlan` (primitive, stable name, record?, digits needed?) or None; and per
         operator (dynamo node name) what its primitives are (:class:`_Origin`)."""
-        from .aten_rules import op_info, operand_needs
+        from ..rules.aten import op_info, operand_needs
 
         counts: dict[tuple[str, str], int] = {}
         plans: list = []
@@ -313,9 +315,9 @@ class AtenGraphAnalysis(GraphAnalysis):
 
         As at the operator level: the first call with a signature runs the rules untraced
         (:class:`AtenTracer` outside a trace), the second traces them over the lowered graph
-        into a :class:`~fxstab.passes.sample.SampledGraph`, later calls run the generated
+        into a :class:`~fxstab.analysis.sampled_graph.SampledGraph`, later calls run the generated
         graph; where the trace fails, the rules run untraced (``info.untraced`` says why)."""
-        from .aten_rules import AtenContext, Stacked
+        from ..rules.aten import AtenContext, Stacked
 
         cfg = self.cfg
         placeholders = self._placeholders()
@@ -437,15 +439,15 @@ class AtenTracer:
     """The arithmetic level's rules over one lowered graph, traced into its sampled graph.
 
     :meth:`run` walks the lowered graph on stacked samples with
-    :func:`~fxstab.aten_rules.apply_primitive`, under ``make_fx``
-    (:class:`fxstab.passes.sample.SampledGraph`): what the rules compute with torch operators
+    :func:`~fxstab.rules.aten.apply_primitive`, under ``make_fx``
+    (:class:`fxstab.analysis.sampled_graph.SampledGraph`): what the rules compute with torch operators
     (the batched primitives) becomes aten nodes, and what reads values (rounding and the
     statistics, counters, CESTAC comparisons, the surrogate: :meth:`AtenContext.emit`) becomes
     one :class:`~fxstab.passes.steps.Step` per primitive, which runs with this call's context
     (:meth:`begin`: seeds, counters, records) when the generated graph runs.
 
     A step's operands keep what their producer's step measured (per-element digits, zero
-    masks, the statistics: the :class:`~fxstab.aten_rules.Stacked` analyses the counters of
+    masks, the statistics: the :class:`~fxstab.rules.aten.Stacked` analyses the counters of
     its consumers read): each stacked output of a step has a slot, the call's ``live`` table
     holds it from its step to its last reader. Called outside a trace (a graph the tracer
     refused), :meth:`run` is the same rules run directly.
@@ -514,7 +516,7 @@ class AtenTracer:
     def _step(self, what: str, name: Optional[str], fn: Callable, raw: list, args: tuple,
               kwargs: dict, op: Optional[Callable] = None) -> Any:
         """:meth:`AtenContext.emit` while tracing: ``fn`` as one step of the graph."""
-        from .aten_rules import Stacked
+        from ..rules.aten import Stacked
 
         call_leaves, cspec = flatten_call(args, kwargs)
         nraw = len(raw)
@@ -596,7 +598,7 @@ class AtenTracer:
     def run(self, args: tuple) -> Any:
         """Walk the lowered graph on ``args`` (under ``make_fx``: the trace); returns the
         outputs' samples."""
-        from .aten_rules import Stacked, apply_primitive, observe
+        from ..rules.aten import Stacked, apply_primitive, observe
 
         a, low = self.a, self.low
         ctx = self.ctx
@@ -681,7 +683,7 @@ class AtenTracer:
 def _provisional(owner: Any):
     """The reports and counts a trace makes (it runs the rules for real) are kept only if it
     succeeds: a refused trace is followed by the same call untraced, which makes them again."""
-    from .counters import Counters, active_collectors
+    from ..records.counters import Counters, active_collectors
 
     n = len(owner.reports)
     stack = active_collectors()
@@ -702,7 +704,7 @@ def _provisional(owner: Any):
 
 def _forget(live: dict, value: Any) -> None:
     """A value the walk frees: the slots of its samples (a traced step's outputs) go too."""
-    from .aten_rules import Stacked
+    from ..rules.aten import Stacked
 
     for x in (value,) if type(value) is Stacked else \
             value if isinstance(value, (tuple, list)) else ():
@@ -712,7 +714,7 @@ def _forget(live: dict, value: Any) -> None:
 
 def _random_step(op: Any) -> Callable:
     def run(ctx: Any, raw: list, args: tuple, kwargs: dict) -> Any:
-        from .aten_rules import Stacked
+        from ..rules.aten import Stacked
 
         return _random_call(op, args, kwargs, Stacked)
     return run
@@ -720,7 +722,7 @@ def _random_step(op: Any) -> Callable:
 
 def _observe_step(op: Any, name: str) -> Callable:
     def run(ctx: Any, raw: list, args: tuple, kwargs: dict) -> bool:
-        from .aten_rules import observe
+        from ..rules.aten import observe
 
         return observe(args[0], op, ctx, name)
     return run

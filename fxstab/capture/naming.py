@@ -2,7 +2,7 @@
 
 The module path is the innermost module in the node's ``nn_module_stack`` (dynamo records it), in
 the dotted form of ``model.named_modules()`` (``blocks.3.attn``); ``kind`` is the operator kind
-(:mod:`fxstab.opsets`); ``k`` numbers the distinct operators of that kind within that module in
+(:mod:`fxstab.capture.opsets`); ``k`` numbers the distinct operators of that kind within that module in
 the order they first appear. An operator is identified by (module path, kind, source line,
 repeat index on that line), so recompiling the same code (new batch size, graph breaks) gives
 the same names, and adding a layer elsewhere changes none of them.

@@ -11,7 +11,7 @@ Every call node of an analysed graph gets one :class:`CoverageEntry`:
   fused operator whose composite ran instead) or the graph's stochastic path failed.
 
 The *coverage* is the fraction of the floating operators that were analysed. Exact data
-movement (views, concatenation, copies: :data:`fxstab.opsets.EXACT_KINDS`) left unselected and
+movement (views, concatenation, copies: :data:`fxstab.capture.opsets.EXACT_KINDS`) left unselected and
 random draws are not counted: they cannot lose digits. ``fxstab record`` warns below
 :data:`WARN_BELOW`; the digit map keeps :meth:`Coverage.as_dict` as ``metadata["coverage"]``.
 """

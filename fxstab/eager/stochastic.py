@@ -2,7 +2,7 @@
 
 ``fxstab.stochastic(x, format="fp32")`` returns a :class:`StochasticTensor`, a wrapper tensor
 subclass that holds N stacked samples and runs every aten primitive it meets through the
-arithmetic-level rules of :mod:`fxstab.aten_rules` (rounding into the format, digits, CADNA's
+arithmetic-level rules of :mod:`fxstab.rules.aten` (rounding into the format, digits, CADNA's
 counters). Composite operators (softmax, layer_norm, batch_norm, gelu, silu, logsumexp, var...)
 are decomposed into primitives first, so the digits and counters are those of the arithmetic.
 
@@ -14,7 +14,7 @@ branching. Data-dependent loops (Newton iterations, sums run until they stop cha
 stop where CADNA's do.
 
 Approximations (see docs/arithmetic-level.md): every primitive is computed in the working dtype
-(:func:`fxstab.formats.working_dtype_for`, fp64 for fp32/tf32) and the result is rounded into the
+(:func:`fxstab.numerics.formats.working_dtype_for`, fp64 for fp32/tf32) and the result is rounded into the
 format; for an fp32 format that reproduces random-rounded fp32 arithmetic for the basic
 operations (the fp64 result of +, -, *, / of fp32 values rounds to the same fp32 neighbours as the
 exact result, since 53 >= 2*24+2) and to within fp64 accuracy for library functions. For the fp64
@@ -32,12 +32,13 @@ import torch
 from torch._decomp import get_decompositions
 from torch.utils import _pytree as pytree
 
-from .aten_rules import (AtenContext, PrimitiveRecord, Stacked, apply_primitive, op_info,
-                         to_op_report)
-from .counters import Counters, active_collectors, instability_counters
-from .digits import format_stochastic
-from .formats import FormatLike, get_format
-from .rounding import quantize
+from ..rules.aten import (
+    AtenContext, PrimitiveRecord, Stacked, apply_primitive, op_info, to_op_report,
+)
+from ..records.counters import Counters, active_collectors, instability_counters
+from ..numerics.digits import format_stochastic
+from ..numerics.formats import FormatLike, get_format
+from ..numerics.rounding import quantize
 
 aten = torch.ops.aten
 
@@ -136,7 +137,7 @@ class StochasticTensor(torch.Tensor):
     def __setitem__(self, key, v) -> None:
         # torch writes x[1:3] = v into a view, and views of stochastic tensors are copies:
         # the base would not change. One index_put on the flat positions does reach it.
-        from .numpy_interop import _key, _set  # noqa: PLC0415 - shared with NumPy's indexing
+        from .arrays import _key, _set  # noqa: PLC0415 - shared with NumPy's indexing
         k = _key(key)
         self._st = _set(self, k, v if isinstance(v, torch.Tensor) else
                         torch.tensor(v, dtype=torch.float64))._st
@@ -148,11 +149,11 @@ class StochasticTensor(torch.Tensor):
                         "analysis), or fxstab.stochastic(np_array) to analyse NumPy code")
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        from .numpy_interop import tensor_array_ufunc  # noqa: PLC0415 - it imports this module
+        from .arrays import tensor_array_ufunc  # noqa: PLC0415 - it imports this module
         return tensor_array_ufunc(ufunc, method, inputs, kwargs)
 
     def __array_function__(self, func, types, args, kwargs):
-        from .numpy_interop import tensor_array_function  # noqa: PLC0415
+        from .arrays import tensor_array_function  # noqa: PLC0415
         return tensor_array_function(func, args, kwargs)
 
     # -- dispatch -------------------------------------------------------------------------
@@ -313,7 +314,7 @@ def stochastic(
     The input is rounded to nearest into the format (as assigning a double to a ``float_st``
     does) and enters as N identical samples; every operation on it then rounds randomly.
 
-    A NumPy array or NumPy scalar gives a :class:`~fxstab.numpy_interop.StochasticArray`
+    A NumPy array or NumPy scalar gives a :class:`~fxstab.eager.arrays.StochasticArray`
     (NumPy functions run on it, and its ``value``, ``samples`` and ``digits`` are NumPy);
     a tensor, a Python number or a list gives a :class:`StochasticTensor`.
 
@@ -327,12 +328,12 @@ def stochastic(
         rounding: Rounding mode of every result (``random``: CESTAC).
         confidence: Student-t confidence of the digits.
         diagnostics: Counters: ``off`` | ``summary`` | ``detailed``.
-        kernels: ``auto`` (the fused CPU kernels of :mod:`fxstab.native` where they run) or
+        kernels: ``auto`` (the fused CPU kernels of :mod:`fxstab.cpu.bindings` where they run) or
             ``torch`` (the plain-torch references; the same rounded bits, slower).
-        context: An explicit :class:`~fxstab.aten_rules.AtenContext` (overrides the settings).
+        context: An explicit :class:`~fxstab.rules.aten.AtenContext` (overrides the settings).
     """
     ctx = context or _context(format, n_samples, seed, rounding, confidence, diagnostics, kernels)
-    from .numpy_interop import StochasticArray  # noqa: PLC0415 - it imports this module
+    from .arrays import StochasticArray  # noqa: PLC0415 - it imports this module
     if isinstance(x, (StochasticTensor, StochasticArray)):
         return x
     if isinstance(x, (np.ndarray, np.generic)):
@@ -371,7 +372,7 @@ _HARDWARE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float1
 
 def _nearest(t: torch.Tensor, ctx: AtenContext) -> torch.Tensor:
     """Round-to-nearest into the format, in the working dtype: a hardware cast where the format
-    is a torch dtype (IEEE, same as ml_dtypes), else :func:`fxstab.rounding.quantize`."""
+    is a torch dtype (IEEE, same as ml_dtypes), else :func:`fxstab.numerics.rounding.quantize`."""
     hw = _HARDWARE.get(ctx.fmt.name)
     if hw is not None and ctx.fmt == get_format(hw):
         return t.to(hw).to(ctx.working_dtype)
@@ -393,13 +394,13 @@ class AnalysisResult:
         digits: Output(s) as per-element digits (``None`` where not stochastic).
         counters: CADNA's counters over the whole call (dict with ``COUNTER_KEYS``).
         events: Per-event records (``diagnostics="detailed"``).
-        reports: One :class:`~fxstab.report.OpReport` per recorded primitive, in call order.
+        reports: One :class:`~fxstab.records.report.OpReport` per recorded primitive, in call order.
         output: The raw output (stochastic tensors).
     """
 
     def __init__(self, output, counters: Counters, reports: list):
         self.output = output
-        from .numpy_interop import StochasticArray  # noqa: PLC0415 - it imports this module
+        from .arrays import StochasticArray  # noqa: PLC0415 - it imports this module
 
         def pick(f, plain):
             return pytree.tree_map(
@@ -435,7 +436,7 @@ def analyze(fn: Callable, *, format: FormatLike = "fp32", n_samples: int = 3, se
     a fresh context, so the same call with the same seed gives the same samples.
 
     Floating tensors become :class:`StochasticTensor`; floating NumPy arrays and scalars become
-    :class:`~fxstab.numpy_interop.StochasticArray` (NumPy functions run on them; results come
+    :class:`~fxstab.eager.arrays.StochasticArray` (NumPy functions run on them; results come
     back as NumPy). Python floats join the NumPy side when any argument is NumPy (as float64
     scalars: a NumPy program), else the torch side. Integer arguments are not lifted.
     """

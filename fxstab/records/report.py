@@ -12,7 +12,7 @@ from collections.abc import MutableSequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional
 
-from .digits import STATS_LEN, normwise_digits
+from ..numerics.digits import STATS_LEN, normwise_digits
 
 COUNTER_KEYS = (
     "cancellation",
@@ -88,8 +88,8 @@ class OpReport:
                    cap: float) -> "OpReport":
         """A report from the fields its operator's reports share (``fixed``: the values of
         :data:`FIXED_FIELDS`, see :meth:`fixed_of`), this call's, and a statistics list
-        (:func:`fxstab.digits.stats_vector`'s layout; empty: the cap), with the digits of
-        :func:`fxstab.digits.stats_from_list`: how the backends build their reports (one
+        (:func:`fxstab.numerics.digits.stats_vector`'s layout; empty: the cap), with the digits of
+        :func:`fxstab.numerics.digits.stats_from_list`: how the backends build their reports (one
         positional call, no keyword parsing)."""
         name, kind, module_path, source, fmt, n_samples, status, shape, inputs, direction = fixed
         total, mn, mx, zeros, nf, numel, msq, vsq, under, p10, p50 = v
@@ -203,7 +203,7 @@ class ReportLog(MutableSequence):
 
 
 def stats_row(v: Any) -> bytes:
-    """A statistics row (:func:`fxstab.digits.stats_vector`'s layout) kept past its call as
+    """A statistics row (:func:`fxstab.numerics.digits.stats_vector`'s layout) kept past its call as
     bytes: a CPU kernel's own buffer (reused by its next call) copied, a list packed (88 bytes
     instead of ~400 for a list of floats)."""
     return v if type(v) is bytes else _ROW.pack(*v) if isinstance(v, (list, tuple)) else bytes(v)

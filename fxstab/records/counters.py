@@ -74,7 +74,7 @@ class CounterEvent:
 
 @dataclass
 class Counters:
-    """Counts per key (the keys of :data:`fxstab.report.COUNTER_KEYS`) and, in detailed mode,
+    """Counts per key (the keys of :data:`fxstab.records.report.COUNTER_KEYS`) and, in detailed mode,
     the events."""
 
     diagnostics: str = "summary"

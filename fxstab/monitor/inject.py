@@ -32,8 +32,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .formats import get_format
-from .rounding import quantize
+from ..numerics.formats import get_format
+from ..numerics.rounding import quantize
 
 __all__ = ["Injection", "fp16_accumulation", "naive_softmax", "overflow_activation",
            "blocked_sum", "INJECTIONS"]
@@ -159,7 +159,7 @@ _OPS: dict[str, Callable] = {}
 def _op(name: str) -> Callable:
     """The registered custom op ``name`` (registered on first use)."""
     if not _OPS:
-        from .monitor.core import register_op
+        from .core import register_op
         # Each injected op is judged by the thresholds of the family it stands in for.
         _OPS["inject_fp16acc_linear"] = register_op(
             "inject_fp16acc_linear", _fp16acc_linear, _fp16acc_linear_fp32,

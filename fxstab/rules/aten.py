@@ -2,7 +2,7 @@
 
 One function, :func:`apply_primitive`, runs one aten primitive on stacked samples and applies
 every rule of the arithmetic level to it; the eager driver (:mod:`fxstab.stochastic`) and the
-backend's graph walk (``granularity="aten"``, :class:`fxstab.aten_backend.AtenTracer`, traced
+backend's graph walk (``granularity="aten"``, :class:`fxstab.analysis.aten_level.AtenTracer`, traced
 once per signature into a generated graph) both call it, primitive by primitive:
 
 * Arguments that carry samples are :class:`Stacked` (a tensor ``[N, ...]`` plus cached per-element
@@ -13,7 +13,7 @@ once per signature into a generated graph) both call it, primitive by primitive:
   ``torch.vmap``; a primitive that cannot be batched runs once per sample, unrounded, and its
   record says ``unlifted``. Integer and boolean results pass through unrounded.
 * Every floating result of an arithmetic primitive is rounded into the format (``random``
-  rounding by default, one seed per call from :func:`fxstab.randbits.derive_seed`) and its digit
+  rounding by default, one seed per call from :func:`fxstab.numerics.randbits.derive_seed`) and its digit
   statistics are recorded. Data movement and selection primitives (views, cat, index, neg, abs,
   max/min, where...) are exact: not rounded, not recorded, but their counters run.
 * GEMM-like primitives (mm, bmm, addmm, baddbmm, convolution, SDPA kernels) are trusted: stacked
@@ -27,13 +27,13 @@ once per signature into a generated graph) both call it, primitive by primitive:
   ``a < b`` when the mean difference is negative and not a computational zero, ``a <= b`` when
   it is negative or a computational zero. Every sample then takes the same branch, as in CADNA's
   synchronous arithmetic, and a computational-zero difference counts as unstable branching.
-* CADNA's counters (:mod:`fxstab.counters`) are computed from the per-element digits the rules
+* CADNA's counters (:mod:`fxstab.records.counters`) are computed from the per-element digits the rules
   already have.
 
 Randomness and speed: the rounding directions and the surrogate's factors are the Philox streams
-of :mod:`fxstab.randbits`, the same bits as :func:`fxstab.rounding.round_samples` and
-:func:`fxstab.surrogate.perturb_samples`. On CPU fp32/fp64 samples the fused kernels of
-:mod:`fxstab.native` round and measure each output in one pass (``kernels="torch"`` uses the
+of :mod:`fxstab.numerics.randbits`, the same bits as :func:`fxstab.numerics.rounding.round_samples` and
+:func:`fxstab.numerics.surrogate.perturb_samples`. On CPU fp32/fp64 samples the fused kernels of
+:mod:`fxstab.cpu.bindings` round and measure each output in one pass (``kernels="torch"`` uses the
 references instead, for the same bits). Per-element digits are measured only where a counter
 reads them; the other masks (computational zeros, finiteness...) are derived on first use.
 """
@@ -49,16 +49,17 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from . import native, randbits
-from .counters import CounterEvent, Counters, active_collectors, check_diagnostics
-from .digits import (
+from ..cpu import bindings as native
+from ..numerics import randbits
+from ..records.counters import CounterEvent, Counters, active_collectors, check_diagnostics
+from ..numerics.digits import (
     ZERO_THRESHOLD, DigitStats, empty_stats, extra_stats, stats_from_list, student_t,
     underflow_count,
 )
-from .formats import Format, FormatLike, get_format, working_dtype_for
-from .report import OBSERVED, PER_SAMPLE, ROUNDED, UNLIFTED, OpReport, empty_counters
-from .rounding import Rounding, round_samples, sample_draws
-from .surrogate import perturb_samples
+from ..numerics.formats import Format, FormatLike, get_format, working_dtype_for
+from ..records.report import OBSERVED, PER_SAMPLE, ROUNDED, UNLIFTED, OpReport, empty_counters
+from ..numerics.rounding import Rounding, round_samples, sample_draws
+from ..numerics.surrogate import perturb_samples
 
 aten = torch.ops.aten
 
@@ -270,7 +271,7 @@ class Stacked:
 
     @property
     def t(self) -> torch.Tensor:
-        """The samples (the name :class:`fxstab.passes.sample.SampledGraph` reads)."""
+        """The samples (the name :class:`fxstab.analysis.sampled_graph.SampledGraph` reads)."""
         return self.samples
 
     def analysis(self, ctx: "AtenContext") -> "_Analysis":
@@ -419,7 +420,7 @@ class PrimitiveRecord:
     name: str
     primitive: str
     kind: str
-    values: Optional[list]  # the statistics list (fxstab.digits.stats_vector's layout)
+    values: Optional[list]  # the statistics list (fxstab.numerics.digits.stats_vector's layout)
     counters: dict
     surrogate: bool = False
     status: str = ROUNDED
@@ -456,7 +457,7 @@ class AtenContext:
         cancel_digits: Digits an add/sub must lose to count as a cancellation (CADNA: 4).
         zero_threshold: Digits below which a value is a computational zero (0.5).
         recorder: Called with a :class:`PrimitiveRecord` for every recorded primitive.
-        kernels: ``auto``/``cpu``: the fused CPU kernels (:mod:`fxstab.native`) where they run
+        kernels: ``auto``/``cpu``: the fused CPU kernels (:mod:`fxstab.cpu.bindings`) where they run
             (CPU fp32/fp64 samples), the plain-torch references elsewhere; ``torch``: always
             the references. Both draw the same Philox streams: the rounded samples are the same
             bits either way.
@@ -483,7 +484,7 @@ class AtenContext:
     counters: Counters = field(init=False)
     calls: int = field(default=0, init=False)
     # emits the parts of the rules that read values as steps of a graph being traced (the
-    # backend's sampled graph, fxstab.aten_backend); None: they run directly
+    # backend's sampled graph, fxstab.analysis.aten_level); None: they run directly
     stepper: Optional[Callable] = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -611,7 +612,7 @@ def round_stacked(samples: torch.Tensor, fmt: Format, mode: Rounding, seed: int,
                   saturate: bool = False, kernels: str = "auto") -> torch.Tensor:
     """Round stacked samples into ``fmt`` with the cross-sample scheme of DESIGN.md §1.
 
-    The same bits as :func:`fxstab.rounding.round_samples` (Philox streams), through the fused
+    The same bits as :func:`fxstab.numerics.rounding.round_samples` (Philox streams), through the fused
     CPU kernel where it runs (``kernels`` ``auto``/``cpu``) and the reference elsewhere.
     """
     if kernels != "torch" and samples.device.type == "cpu" and \
@@ -667,7 +668,7 @@ def _round_measure(v: torch.Tensor, ctx: AtenContext, seed: Optional[int], want_
 
 def _random_up(n: int, numel: int, seed: int, ctx: AtenContext, device) -> torch.Tensor:
     """Rounding directions [N, numel] (True: away from zero) of ``random`` rounding: the
-    Philox bits of :func:`fxstab.rounding.round_samples` with CADNA's cross-sample scheme.
+    Philox bits of :func:`fxstab.numerics.rounding.round_samples` with CADNA's cross-sample scheme.
 
     Through the fused kernel: rounding a value halfway inside a bf16 interval reads the bit
     (it goes up exactly when the bit says so), the same bits as the reference below.
@@ -767,7 +768,7 @@ def _round_fp64(kind: str, op, args: tuple, kwargs: dict, y: torch.Tensor, seed:
 
 
 def _perturb(samples: torch.Tensor, eta: float, seed: int, ctx: AtenContext) -> tuple[torch.Tensor, int]:
-    """The GEMM surrogate (DESIGN.md §4): :func:`fxstab.surrogate.perturb_samples`, through the
+    """The GEMM surrogate (DESIGN.md §4): :func:`fxstab.numerics.surrogate.perturb_samples`, through the
     fused kernel where it runs (same bits)."""
     if ctx.native_for(samples):
         return native.perturb(samples, eta, seed)
@@ -1591,7 +1592,7 @@ class _Rule:
 
 def _counting(ctx: AtenContext) -> tuple[bool, bool]:
     """(whether counters run, whether they keep per-event records): the context's
-    diagnostics, or an open :func:`fxstab.counters.instability_counters` block."""
+    diagnostics, or an open :func:`fxstab.records.counters.instability_counters` block."""
     collectors = active_collectors()
     counting = ctx.diagnostics != "off" or bool(collectors)
     detailed = counting and (ctx.diagnostics == "detailed" or bool(collectors) and any(
@@ -1739,7 +1740,7 @@ def _event(key, mask, count, out, ctx, rec_name, op, diff) -> CounterEvent:
 
 def to_op_report(record: PrimitiveRecord, ctx: AtenContext, *, module_path: str = "",
                  **fields) -> OpReport:
-    """An :class:`~fxstab.report.OpReport` for one primitive record (``fields``: the other
+    """An :class:`~fxstab.records.report.OpReport` for one primitive record (``fields``: the other
     report fields: phase, step, call, inputs...)."""
     rep = OpReport(
         name=record.name if not module_path else f"{module_path}/{record.name}",

@@ -12,7 +12,7 @@ largest finite value when it went toward zero; ``saturate=True`` clamps every ov
 infinite inputs) to ±max, NVIDIA "satfinite" style. NaN passes through; zeros keep their sign.
 
 The same function is the plain-torch reference of the fused Triton kernel in
-``fxstab.kernels``: given the same seed it draws the same bits (``fxstab.randbits``).
+``fxstab.kernels``: given the same seed it draws the same bits (``fxstab.numerics.randbits``).
 """
 
 from __future__ import annotations
@@ -243,7 +243,7 @@ def quantize(
             draws one from torch's global generator.
         saturate: Clamp overflow to ±max instead of producing inf/NaN.
 
-    Element ``e`` of ``x.flatten()`` uses draw 0 of the streams in :mod:`fxstab.randbits`.
+    Element ``e`` of ``x.flatten()`` uses draw 0 of the streams in :mod:`fxstab.numerics.randbits`.
     """
     fmt = get_format(format)
     mode = Rounding.parse(mode)

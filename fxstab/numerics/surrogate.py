@@ -10,7 +10,7 @@ eta * |mean_e| (identical samples included). The fused Triton kernel in ``fxstab
 computes the same function with the same bits:
 
 * r for (sample k, element e) is ``(2*b + 1) * 2**-8 - 1`` (256 levels, symmetric, mean 0) with
-  ``b`` the byte of draw k, element e of ``fxstab.randbits.random_bytes`` (one Philox per 16
+  ``b`` the byte of draw k, element e of ``fxstab.numerics.randbits.random_bytes`` (one Philox per 16
   elements: the weights of every GEMM are perturbed for every sample, so this must be cheap);
   eta*r is exact (eta is a power of two), so 1 + eta*r is rounded once whether or not the
   compiler fuses it into an FMA.

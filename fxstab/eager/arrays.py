@@ -4,7 +4,7 @@
 :class:`StochasticArray`. NumPy's ufuncs (``__array_ufunc__``: calls with ``out=`` and
 ``where=``, ``reduce``, ``accumulate``, ``outer``) and its array functions
 (``__array_function__``: ``np.sum``, ``np.dot``, ``np.where``, ``np.linalg.norm``...) run on it
-through the same per-primitive rules as torch code (:mod:`fxstab.aten_rules`): each NumPy
+through the same per-primitive rules as torch code (:mod:`fxstab.rules.aten`): each NumPy
 operation is the torch operation a torch program would write for it (``np.add`` is ``+``,
 ``np.sqrt`` is ``torch.sqrt``, ``np.dot`` of vectors is ``@``...), applied to the
 :class:`~fxstab.stochastic.StochasticTensor` inside, so a NumPy program and its torch twin run
@@ -44,14 +44,14 @@ import numpy as np
 import torch
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
-from .counters import active_collectors
-from .rounding import quantize
+from ..records.counters import active_collectors
+from ..numerics.rounding import quantize
 from .stochastic import StochasticTensor, _mean, stochastic
 
 __all__ = ["StochasticArray", "SUPPORTED_UFUNCS", "SUPPORTED_FUNCTIONS", "as_numpy_value"]
 
 _LEAVE = ("leave the analysis with np.asarray(x.value) (the sample mean) or write it with the "
-          "supported NumPy operations (fxstab.numpy_interop.SUPPORTED_UFUNCS and "
+          "supported NumPy operations (fxstab.eager.arrays.SUPPORTED_UFUNCS and "
           "SUPPORTED_FUNCTIONS list them)")
 
 
@@ -549,7 +549,7 @@ def _grid_step(x, toward):
     down = quantize(torch.nextafter(xs, torch.full_like(xs, -math.inf)), ctx.fmt, "down")
     out = torch.where(ys > xs, up, torch.where(ys < xs, down, ys.expand_as(xs)))
     out = torch.where(torch.isnan(xs) | torch.isnan(ys), math.nan, out)
-    from .aten_rules import Stacked  # noqa: PLC0415 - the rules' value type
+    from ..rules.aten import Stacked  # noqa: PLC0415 - the rules' value type
     return StochasticTensor(Stacked(out.contiguous()), ctx, st.dtype)
 
 
@@ -557,7 +557,7 @@ def _spacing(x):
     x = _tensor(x)
     s = x._st.samples
     away = torch.where(s < 0, -math.inf, math.inf)  # NumPy: spacing(-0.0) > 0
-    from .aten_rules import Stacked  # noqa: PLC0415
+    from ..rules.aten import Stacked  # noqa: PLC0415
     return _grid_step(x, StochasticTensor(Stacked(away), x._ctx, x.dtype)) - x
 
 

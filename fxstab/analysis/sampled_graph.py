@@ -2,7 +2,7 @@
 
 :class:`SampledGraph` traces the operator level's stochastic rules
 (:class:`fxstab.backend.SampleTracer`, or the arithmetic level's
-:class:`fxstab.aten_backend.AtenTracer`) with ``make_fx`` on the second analysed call with a
+:class:`fxstab.analysis.aten_level.AtenTracer`) with ``make_fx`` on the second analysed call with a
 given input signature (:meth:`SampledGraphs.first_sight`). The trace runs the rules for real,
 so it is that call's stochastic path; the
 graph it leaves, cleaned by :class:`~fxstab.passes.steps.EliminateDeadCode` and
@@ -22,8 +22,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-from . import steps
-from .bindings import DirectBindings
+from ..passes import steps
+from ..passes.bindings import DirectBindings
 
 __all__ = ["SampledGraph", "signature", "SampledGraphs"]
 

@@ -32,9 +32,9 @@ import torch
 import torch.fx
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 
-from .backend import GraphAnalysis, NodePlan, SampleTracer, Stacked
-from .naming import qualified_name, source_location
-from .report import OBSERVED
+from ..backend import GraphAnalysis, NodePlan, SampleTracer, Stacked
+from ..capture.naming import qualified_name, source_location
+from ..records.report import OBSERVED
 
 __all__ = ["through_autograd", "BackwardAnalysis", "parameter_name"]
 
@@ -107,7 +107,7 @@ class BackwardAnalysis(GraphAnalysis):
 
     # -- compile time -------------------------------------------------------------------
     def _selected(self, node: torch.fx.Node, kind: str, qn: str) -> bool:
-        from .aten_rules import op_info
+        from ..rules.aten import op_info
 
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             return False
@@ -132,7 +132,7 @@ class BackwardAnalysis(GraphAnalysis):
     def _producer(self, node: Any) -> Optional[tuple]:
         """(instrumented node, output index) whose rounded output a backward output is,
         through getitem and exact views; None if there is none. Decided once per graph."""
-        from .aten_rules import op_info
+        from ..rules.aten import op_info
 
         instrumented = {p.node for p in self.plans if p.name is not None}
         j = 0

@@ -1,9 +1,9 @@
 """Fused CPU kernels: rounding + digit statistics and the GEMM surrogate in one pass each.
 
-The plain-torch references (:func:`fxstab.rounding.round_samples`,
-:func:`fxstab.digits.stats_vector`, :func:`fxstab.surrogate.perturb_samples`) make about thirty
+The plain-torch references (:func:`fxstab.numerics.rounding.round_samples`,
+:func:`fxstab.numerics.digits.stats_vector`, :func:`fxstab.numerics.surrogate.perturb_samples`) make about thirty
 passes over every element; on a CPU that costs more than the model's matmuls. The C source in
-``fxstab/csrc/cpu_kernels.c`` does the same work in one pass per element, on all cores
+``fxstab/cpu/csrc/cpu_kernels.c`` does the same work in one pass per element, on all cores
 (OpenMP, ``torch.get_num_threads()`` threads), with the same Philox streams: rounded and
 perturbed samples are bit-identical to the references and the statistics agree to a few ulps.
 
@@ -32,9 +32,9 @@ from typing import Optional
 
 import torch
 
-from .digits import STATS_LEN, digits_cap, empty_stats, student_t
-from .formats import Format
-from .rounding import Rounding, _WORKING, _float_bits
+from ..numerics.digits import STATS_LEN, digits_cap, empty_stats, student_t
+from ..numerics.formats import Format
+from ..numerics.rounding import Rounding, _WORKING, _float_bits
 
 __all__ = ["available", "supports", "round_stats", "round_perturb", "perturb", "library_path",
            "Rounder", "rounder", "lookup_bf16", "LOOKUP_OPS", "derive_seeds", "CallSeeds",
@@ -157,7 +157,7 @@ def _lib() -> Optional[ctypes.CDLL]:
 
 def derive_seeds(seed: int, salts: list, then: int) -> Optional[tuple[list, list]]:
     """``[derive_seed(seed, s) for s in salts]`` and ``derive_seed`` of each of those with
-    ``then`` (fxstab.randbits), in one C call; None without the kernels."""
+    ``then`` (fxstab.numerics.randbits), in one C call; None without the kernels."""
     lib = _lib()
     if lib is None:
         return None
@@ -202,10 +202,10 @@ def _checked(samples: torch.Tensor, n_samples: Optional[int], what: str):
     """The library and the layout of ``samples``, or a clear error."""
     lib = _lib()
     if lib is None:
-        raise RuntimeError("fxstab.native: the fused CPU kernels are unavailable")
+        raise RuntimeError("fxstab.cpu.bindings: the fused CPU kernels are unavailable")
     x, n, xs, shape = _layout(samples, n_samples)
     if not (x.is_cpu and x.dtype in _WORKING and 1 <= n <= MAX_SAMPLES):
-        raise ValueError(f"fxstab.native.{what}: CPU float32/float64 samples with "
+        raise ValueError(f"fxstab.cpu.bindings.{what}: CPU float32/float64 samples with "
                          f"1..{MAX_SAMPLES} samples, got {x.dtype} on {x.device}, N={n}")
     return lib, (x, n, xs, shape)
 
@@ -270,9 +270,9 @@ def round_stats(
         fmt: Simulated format (must fit the samples' dtype).
         mode: Rounding mode, or ``None`` to measure without rounding.
         seed: Seed of the random streams (the same streams as ``round_samples``).
-        want_stats: Return the statistics in the layout of :func:`fxstab.digits.stats_vector`
+        want_stats: Return the statistics in the layout of :func:`fxstab.numerics.digits.stats_vector`
             (float64: sum of digits, min, max, computational zeros, non-finite, numel, then the
-            extras of :data:`fxstab.digits.EXTRA_STATS`).
+            extras of :data:`fxstab.numerics.digits.EXTRA_STATS`).
         want_digits: Return the per-element digits (shape ``[...]``, samples' dtype).
         in_place: Write the rounded samples over ``samples`` (contiguous stacked samples
             only; each element is read before it is written, so the bits are the same).
@@ -340,7 +340,7 @@ _Stats = ctypes.c_double * STATS_LEN
 
 def stats_block(rows: int) -> ctypes.Array:
     """``rows`` statistics rows in one buffer (:meth:`Prepared.use_row`); ``bytes(block)``
-    copies them all, each :data:`~fxstab.digits.STATS_LEN` doubles."""
+    copies them all, each :data:`~fxstab.numerics.digits.STATS_LEN` doubles."""
     return (_Stats * rows)()
 
 
@@ -372,7 +372,7 @@ class Rounder:
                  in_place: bool = False) -> tuple:
         n = self.n
         if not (x.dtype is self.dtype and x.is_cpu and x.dim() and x.shape[0] == n):
-            raise ValueError(f"fxstab.native.Rounder: CPU {self.dtype} samples [{n}, ...], "
+            raise ValueError(f"fxstab.cpu.bindings.Rounder: CPU {self.dtype} samples [{n}, ...], "
                              f"got {x.dtype} {tuple(x.shape)} on {x.device}")
         shape = tuple(x.shape[1:])
         if x.is_contiguous():
@@ -384,7 +384,7 @@ class Rounder:
                 torch.empty(n, *shape, dtype=self.dtype)
             xs = 0
         else:
-            raise ValueError("fxstab.native.Rounder: contiguous samples, or one contiguous "
+            raise ValueError("fxstab.cpu.bindings.Rounder: contiguous samples, or one contiguous "
                              "value expanded along the sample dim")
         stats, digits, zeros = self._run(x, xs, out, shape, seed, want_stats, want_digits,
                                          want_zero_mask, None)
@@ -440,7 +440,7 @@ class Prepared:
         lib = _lib()
         self.n, self.rounds, self.in_place = r.n, r.mode is not None, in_place
         if eta is not None and r.mode is None:
-            raise ValueError("fxstab.native.Prepared: the fused surrogate needs a rounding mode")
+            raise ValueError("fxstab.cpu.bindings.Prepared: the fused surrogate needs a rounding mode")
         self._p = _Params.from_buffer_copy(r._base)
         lib.fxstab_prepare_params(ctypes.byref(self._p), r.n)
         self.stats = _Stats()
@@ -509,9 +509,9 @@ def rounder(fmt: Format, mode: Optional[Rounding], dtype: torch.dtype, n: int, *
     """The :class:`Rounder` of these settings (cached)."""
     lib = _lib()
     if lib is None:
-        raise RuntimeError("fxstab.native: the fused CPU kernels are unavailable")
+        raise RuntimeError("fxstab.cpu.bindings: the fused CPU kernels are unavailable")
     if dtype not in _WORKING or not 1 <= n <= MAX_SAMPLES:
-        raise ValueError(f"fxstab.native: float32/float64 samples with 1..{MAX_SAMPLES} "
+        raise ValueError(f"fxstab.cpu.bindings: float32/float64 samples with 1..{MAX_SAMPLES} "
                          f"samples, got {dtype}, N={n}")
     fn = lib.fxstab_round_stats_f32 if dtype == torch.float32 else lib.fxstab_round_stats_f64
     base = _base_params(fmt, mode, dtype, bool(saturate), n, float(confidence),
@@ -531,7 +531,7 @@ def _bf16_table(fn) -> torch.Tensor:
     values = (torch.arange(1 << 16, dtype=torch.int32) << 16).view(torch.float32)
     table = fn(values)
     if table.dtype != torch.float32 or table.shape != values.shape:
-        raise ValueError(f"fxstab.native.lookup_bf16: {fn} must map fp32 to fp32 elementwise")
+        raise ValueError(f"fxstab.cpu.bindings.lookup_bf16: {fn} must map fp32 to fp32 elementwise")
     return table.contiguous()
 
 
@@ -554,7 +554,7 @@ def lookup_bf16(fn, x: torch.Tensor) -> Optional[torch.Tensor]:
 
 def perturb(samples: torch.Tensor, eta: float, seed: int, *,
             n_samples: Optional[int] = None) -> tuple[torch.Tensor, int]:
-    """The GEMM surrogate of :func:`fxstab.surrogate.perturb_samples`, bit for bit.
+    """The GEMM surrogate of :func:`fxstab.numerics.surrogate.perturb_samples`, bit for bit.
 
     ``samples`` is ``[N, ...]``, or one plain value with ``n_samples`` (every sample identical:
     all elements are perturbed, the result is ``[N, ...]``). Returns the perturbed samples and
