@@ -257,7 +257,7 @@ def test_load_missing_file(tmp_path):
 def test_save_is_atomic(tmp_path, monkeypatch):
     path = tmp_path / "d.json"
     path.write_text("previous")
-    import fxstab.digitmap as mod
+    import fxstab.digitmap.map as mod
 
     def broken_replace(src, dst):
         raise OSError("disk full")

@@ -1,4 +1,4 @@
-"""fxstab/plots.py (bars, the operator graph and its layout, series) and the monitor
+"""fxstab/plots/ (bars, the operator graph and its layout, series) and the monitor
 experiment's loss plot and data lookup (benchmarks/exp_monitor_wikitext2.py)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import pytest
 
 from fxstab import digitmap, plots
 from fxstab.digitmap import DigitMap
+from fxstab.plots import draw
 from fxstab.records.report import OpReport
 
 BF16_CAP = 8 * math.log10(2.0)
@@ -70,7 +71,7 @@ def _is_png(path: Path) -> bool:
 def figures(monkeypatch):
     """What each plot drew, read off its figure just before it is saved."""
     drawn = []
-    save = plots._save
+    save = draw._save
 
     def spy(fig, path, **kw):
         ax = fig.axes[0]
@@ -86,7 +87,7 @@ def figures(monkeypatch):
         })
         return save(fig, path, **kw)
 
-    monkeypatch.setattr(plots, "_save", spy)
+    monkeypatch.setattr(draw, "_save", spy)
     return drawn
 
 
@@ -248,7 +249,7 @@ def test_node_styles_mark_nonfinite_origins_and_colour_by_metric():
     assert not clean.origin and clean.edge != plots.NONFINITE_COLOUR
     assert clean.text == f"{dm['blocks.0.attn/softmax#0'].avg_digits:.2f}"
     # fill by the metric's digits: the min digits of a softmax are 0, red at the scale's end
-    cmap, norm = plots._digit_scale(dm)
+    cmap, norm = draw._digit_scale(dm)
     assert st["blocks.0.ln1/layer_norm#0"].face == pytest.approx(cmap(norm(2.3)))
     assert plots.node_styles(dm, "min")["blocks.0.attn/softmax#0"].face == \
         pytest.approx(cmap(norm(0.0)))
@@ -307,7 +308,7 @@ def test_series_draws_the_chosen_metric_over_steps(tmp_path, figures):
     plots.plot_series(dm, tmp_path / "avg.png", top=3, metric="avg")
     plots.plot_series(dm, tmp_path / "min.png", top=3, metric="min")
     for fig, metric in zip(figures, ("avg", "min")):
-        worst = plots._worst_first(dm, metric)[:3]
+        worst = draw._worst_first(dm, metric)[:3]
         assert "3 steps" in fig["title"] and metric in fig["title"]
         for op in worst:
             xs, ys = fig["lines"][op.name]
@@ -320,7 +321,7 @@ def test_series_of_a_one_step_map(tmp_path, figures):
     dm = transformer_map(blocks=2, nan_block=0, steps=(4,))  # `fxstab record --calls 1`
     assert _is_png(plots.plot_series(dm, tmp_path / "one.png", top=4))
     fig = figures[-1]
-    worst = plots._worst_first(dm, digitmap.DEFAULT_METRIC)[:4]
+    worst = draw._worst_first(dm, digitmap.DEFAULT_METRIC)[:4]
     assert "one step (step 4)" in fig["title"]
     assert fig["xticklabels"] == [op.name for op in worst]  # side by side, worst first
     (xs, ys), = [v for k, v in fig["lines"].items() if not k.startswith("cap")]
@@ -328,7 +329,7 @@ def test_series_of_a_one_step_map(tmp_path, figures):
     assert ys == pytest.approx([op.digits(digitmap.DEFAULT_METRIC) for op in worst])
     plots.plot_series(dm, tmp_path / "min.png", top=2, metric="min")
     (xs, ys), = [v for k, v in figures[-1]["lines"].items() if not k.startswith("cap")]
-    assert ys == pytest.approx([op.min_digits for op in plots._worst_first(dm, "min")[:2]])
+    assert ys == pytest.approx([op.min_digits for op in draw._worst_first(dm, "min")[:2]])
 
 
 def test_plot_errors(tmp_path):

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
-from . import digitmap
-from .digitmap import DigitMap
+from .. import digitmap
+from ..digitmap import DigitMap
 
 PathLike = Union[str, Path]
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence, Union
 
-from .records.report import COUNTER_KEYS, OBSERVED, PER_SAMPLE, ROUNDED, UNLIFTED, OpReport
+from ..records.report import COUNTER_KEYS, OBSERVED, PER_SAMPLE, ROUNDED, UNLIFTED, OpReport
 
 SCHEMA_NAME = "fxstab-digit-map"
 SCHEMA_VERSION = 2
@@ -231,7 +231,7 @@ def _git_commit(cwd: Optional[PathLike] = None) -> Optional[str]:
 def _default_metadata() -> dict:
     import torch
 
-    from ._version import __version__
+    from .._version import __version__
 
     meta: dict[str, Any] = {"fxstab_version": __version__,
                             "torch_version": str(torch.__version__)}
@@ -443,7 +443,7 @@ class DigitMap:
         """The digit cap of one operator's format (format="auto": its own; else the map's)."""
         if op.format:
             try:
-                from .numerics.formats import get_format
+                from ..numerics.formats import get_format
 
                 return get_format(op.format).digit_cap
             except ValueError:
@@ -459,7 +459,7 @@ class DigitMap:
             return max(self.cap_of(op) for op in self.operators.values() if op.format)
         if isinstance(fmt, str) and fmt:
             try:
-                from .numerics.formats import get_format
+                from ..numerics.formats import get_format
 
                 return get_format(fmt).digit_cap
             except ValueError:
