@@ -39,28 +39,14 @@ import torch
 import triton
 import triton.language as tl
 
-from fxstab.numerics import randbits
 from fxstab.numerics.digits import cestac_digits, computational_zero, student_t
-from fxstab.numerics.formats import Format, FormatLike, get_format
-from fxstab.numerics.rounding import Rounding, round_samples
+from fxstab.numerics.formats import WORKING_DTYPES, Format, FormatLike, float_bits, get_format
+from fxstab.numerics.rounding import MODE_CODES, Rounding, default_seed, round_samples
 
 __all__ = ["round_digits", "round_digits_torch", "STATS_FIELDS"]
 
 # Order of the five statistics in the stats tensor returned by both paths.
 STATS_FIELDS = ("avg", "min", "max", "zero_fraction", "non_finite")
-
-_MODE_CODE = {
-    Rounding.RANDOM: 0, Rounding.STOCHASTIC: 1, Rounding.NEAREST: 2,
-    Rounding.UP: 3, Rounding.DOWN: 4, Rounding.ZERO: 5,
-}
-
-# (mantissa bits, exponent bias, exponent all-ones, largest useful shift) of the working dtype.
-# The shift clamp keeps ``1 << sh`` inside the signed integer type; beyond it the value is
-# below the smallest subnormal, where only ``rem`` (< 2**(wm+1)) and ``half`` (> rem) matter.
-_WORKING = {
-    torch.float32: (23, 127, 0xFF, 30),
-    torch.float64: (52, 1023, 0x7FF, 62),
-}
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -328,30 +314,17 @@ def check_launchable(t: torch.Tensor, what: str) -> None:
         f"fxstab.kernels), otherwise use kernels='torch' or kernels='auto'")
 
 
-def _normalise_seed(seed: Optional[int]) -> int:
-    if seed is None:
-        # Drawn from torch's global generator, as fxstab.numerics.rounding does.
-        return int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an int or None, got {seed!r}")
-    return seed & randbits.M64
-
-
-def _float_bits(value: float, dtype: torch.dtype) -> int:
-    t = torch.tensor(value, dtype=dtype)
-    return int(t.view(torch.int32 if dtype == torch.float32 else torch.int64).item())
-
-
 def format_constants(fmt: Format, dtype: torch.dtype) -> dict:
     """The constexpr parameters that specialise the rounding for ``fmt`` in ``dtype``."""
-    wm, wbias, exp_ones, shmax = _WORKING[dtype]
+    w = WORKING_DTYPES[dtype]
+    wm, wbias, exp_ones, shmax = w.man_bits, w.bias, w.exp_ones, w.max_shift
     inf_bits = exp_ones << wm
     nan_bits = inf_bits | (1 << (wm - 1))
     return dict(
         IS64=dtype == torch.float64, WM=wm, EXP_ONES=exp_ones, SHMAX=shmax,
         SHIFT0=wm - fmt.man_bits, EB=fmt.emin + wbias,
-        MAX_BITS=_float_bits(fmt.max_normal, dtype),
-        MINSUB_BITS=_float_bits(fmt.min_subnormal, dtype),
+        MAX_BITS=float_bits(fmt.max_normal, dtype),
+        MINSUB_BITS=float_bits(fmt.min_subnormal, dtype),
         INF_BITS=inf_bits, NAN_BITS=nan_bits,
         BIG_BITS=nan_bits if fmt.finite_only else inf_bits,
         FINITE_ONLY=fmt.finite_only,
@@ -365,7 +338,7 @@ def validate_samples(samples: torch.Tensor, fmt: Format, what: str, need_two: bo
     """Checks shared by the launchers: tensor, dtype, contiguity, sample dimension."""
     if not isinstance(samples, torch.Tensor):
         raise ValueError(f"{what}: samples must be a tensor, got {type(samples).__name__}")
-    if samples.dtype not in _WORKING:
+    if samples.dtype not in WORKING_DTYPES:
         raise ValueError(f"{what}: samples must be float32 or float64 (the working dtype), got "
                          f"{samples.dtype}; convert with .float() or .double() first")
     if samples.dim() < 1 or samples.shape[0] < 1:
@@ -434,7 +407,7 @@ def round_digits(
         raise ValueError(f"round_digits: out must be a contiguous {samples.dtype} tensor of shape "
                          f"{tuple(samples.shape)} on {samples.device}, got {out.dtype} "
                          f"{tuple(out.shape)} on {out.device}")
-    s = _normalise_seed(seed) if mode in (Rounding.RANDOM, Rounding.STOCHASTIC) else 0
+    s = default_seed(seed) if mode in (Rounding.RANDOM, Rounding.STOCHASTIC) else 0
     n = samples.shape[0]
     numel = samples[0].numel()
     digits = (torch.empty(samples.shape[1:], dtype=samples.dtype, device=samples.device)
@@ -450,7 +423,7 @@ def round_digits(
         logk = math.log10(math.sqrt(n) / student_t(n, confidence))
     else:
         logk = 0.0
-    kw.update(N=n, MODE=_MODE_CODE[mode], SATURATE=bool(saturate), CAP=fmt.digit_cap,
+    kw.update(N=n, MODE=MODE_CODES[mode], SATURATE=bool(saturate), CAP=fmt.digit_cap,
               LOGK=logk, THR=float(zero_threshold), STATS=bool(stats or want_digits),
               WANT_DIGITS=bool(want_digits),
               FAST_LOG2=samples.dtype == torch.float32 and not interpreter_active())
@@ -512,7 +485,7 @@ def round_digits_torch(
     """
     fmt = get_format(format)
     mode = Rounding.parse(mode)
-    s = _normalise_seed(seed) if mode in (Rounding.RANDOM, Rounding.STOCHASTIC) else 0
+    s = default_seed(seed) if mode in (Rounding.RANDOM, Rounding.STOCHASTIC) else 0
     rounded = round_samples(samples, fmt, mode, s, saturate=saturate)
     if rounded.data_ptr() == samples.data_ptr() and samples.numel():  # never alias the input
         rounded = rounded.clone()

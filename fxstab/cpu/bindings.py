@@ -33,8 +33,8 @@ from typing import Optional
 import torch
 
 from ..numerics.digits import STATS_LEN, digits_cap, empty_stats, student_t
-from ..numerics.formats import Format
-from ..numerics.rounding import Rounding, _WORKING, _float_bits
+from ..numerics.formats import WORKING_DTYPES, Format, float_bits
+from ..numerics.rounding import MODE_CODES, Rounding
 
 __all__ = ["available", "supports", "round_stats", "round_perturb", "perturb", "library_path",
            "Rounder", "rounder", "lookup_bf16", "LOOKUP_OPS", "derive_seeds", "CallSeeds",
@@ -51,8 +51,6 @@ _FLAGS = ["-O3", "-march=native", "-funroll-loops", "-fopenmp", "-ffp-contract=o
           "-fno-trapping-math", "-fPIC", "-shared", "-std=gnu11"]
 MAX_SAMPLES = 256  # cpu_kernels.c: per-thread stack buffers
 _M64 = (1 << 64) - 1
-_MODES = {Rounding.RANDOM: 0, Rounding.STOCHASTIC: 1, Rounding.NEAREST: 2, Rounding.UP: 3,
-          Rounding.DOWN: 4, Rounding.ZERO: 5}
 
 
 class _Params(ctypes.Structure):
@@ -204,7 +202,7 @@ def _checked(samples: torch.Tensor, n_samples: Optional[int], what: str):
     if lib is None:
         raise RuntimeError("fxstab.cpu.bindings: the fused CPU kernels are unavailable")
     x, n, xs, shape = _layout(samples, n_samples)
-    if not (x.is_cpu and x.dtype in _WORKING and 1 <= n <= MAX_SAMPLES):
+    if not (x.is_cpu and x.dtype in WORKING_DTYPES and 1 <= n <= MAX_SAMPLES):
         raise ValueError(f"fxstab.cpu.bindings.{what}: CPU float32/float64 samples with "
                          f"1..{MAX_SAMPLES} samples, got {x.dtype} on {x.device}, N={n}")
     return lib, (x, n, xs, shape)
@@ -237,11 +235,11 @@ def _base_params(fmt: Format, mode: Optional[Rounding], dtype: torch.dtype, satu
     threads and the mask's address per call)."""
     if not fmt.fits_in(dtype):
         raise ValueError(f"format {fmt.name} does not fit in {dtype}")
-    _, _, wbias, _, _ = _WORKING[dtype]
+    wbias = WORKING_DTYPES[dtype].bias
     return _Params(
-        man_bits=fmt.man_bits, k=fmt.emin + wbias, max_bits=_float_bits(fmt.max_normal, dtype),
-        min_sub_bits=_float_bits(fmt.min_subnormal, dtype), finite_only=int(fmt.finite_only),
-        mode=-1 if mode is None else _MODES[mode], saturate=int(saturate),
+        man_bits=fmt.man_bits, k=fmt.emin + wbias, max_bits=float_bits(fmt.max_normal, dtype),
+        min_sub_bits=float_bits(fmt.min_subnormal, dtype), finite_only=int(fmt.finite_only),
+        mode=-1 if mode is None else MODE_CODES[mode], saturate=int(saturate),
         t=student_t(n, confidence) if n >= 2 else 1.0, cap=digits_cap(fmt, dtype),
         zero_threshold=zero_threshold)
 
@@ -510,7 +508,7 @@ def rounder(fmt: Format, mode: Optional[Rounding], dtype: torch.dtype, n: int, *
     lib = _lib()
     if lib is None:
         raise RuntimeError("fxstab.cpu.bindings: the fused CPU kernels are unavailable")
-    if dtype not in _WORKING or not 1 <= n <= MAX_SAMPLES:
+    if dtype not in WORKING_DTYPES or not 1 <= n <= MAX_SAMPLES:
         raise ValueError(f"fxstab.cpu.bindings: float32/float64 samples with 1..{MAX_SAMPLES} "
                          f"samples, got {dtype}, N={n}")
     fn = lib.fxstab_round_stats_f32 if dtype == torch.float32 else lib.fxstab_round_stats_f64

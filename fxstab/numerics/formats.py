@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import math
 import operator
+import struct
 from dataclasses import dataclass
-from typing import Union
+from typing import NamedTuple, Union
 
 import torch
 
-__all__ = ["Format", "get_format", "FORMATS", "FormatLike", "working_dtype_for"]
+__all__ = ["Format", "get_format", "FORMATS", "FormatLike", "working_dtype_for", "WorkingBits",
+           "WORKING_DTYPES", "float_bits"]
 
 _MIN_EXP_BITS, _MAX_EXP_BITS = 2, 11
 _MIN_MAN_BITS, _MAX_MAN_BITS = 1, 52
@@ -189,3 +191,34 @@ def working_dtype_for(fmt: Format) -> torch.dtype:
     if fmt.bits <= 16 and fmt.fits_in(torch.float32):
         return torch.float32
     return torch.float64
+
+
+class WorkingBits(NamedTuple):
+    """The bit layout of a working dtype, as the rounding reads it (every rounding path: the
+    references of :mod:`fxstab.numerics.rounding`, the Triton kernel, the CPU kernels)."""
+
+    int_dtype: torch.dtype  # the integer dtype of the same width (``x.view(int_dtype)``)
+    man_bits: int
+    bias: int  # exponent bias
+    exp_ones: int  # the all-ones exponent field (inf/NaN)
+    # The largest shift keeps ``1 << shift`` and ``half`` inside the int type; shifts beyond it
+    # only occur for |x| < min_subnormal, where any half larger than the significand decides
+    # the same (2**29 > 2**24 > an fp32 significand; 2**61 > 2**53 for fp64).
+    max_shift: int
+
+
+WORKING_DTYPES: dict[torch.dtype, WorkingBits] = {
+    torch.float32: WorkingBits(torch.int32, 23, 127, 0xFF, 30),
+    torch.float64: WorkingBits(torch.int64, 52, 1023, 0x7FF, 62),
+}
+"""The dtypes the rounding computes in (fp32, fp64) and their bit layouts."""
+
+
+def float_bits(value: float, dtype: torch.dtype) -> int:
+    """Bit pattern (as a Python int) of a finite non-negative float in ``dtype`` (fp32/fp64).
+
+    Plain Python (struct), so no tensor is made and a torch.compile'd caller keeps one graph.
+    """
+    if dtype == torch.float32:
+        return struct.unpack("<i", struct.pack("<f", value))[0]
+    return struct.unpack("<q", struct.pack("<d", value))[0]

@@ -17,16 +17,16 @@ The same function is the plain-torch reference of the fused Triton kernel in
 
 from __future__ import annotations
 
-import struct
 from enum import Enum
 from typing import Optional
 
 import torch
 
 from . import randbits
-from .formats import Format, FormatLike, get_format
+from .formats import WORKING_DTYPES, Format, FormatLike, float_bits, get_format
 
-__all__ = ["Rounding", "quantize", "round_samples", "sample_draws", "round_with_bits"]
+__all__ = ["Rounding", "MODE_CODES", "default_seed", "quantize", "round_samples", "sample_draws",
+           "round_with_bits"]
 
 
 class Rounding(str, Enum):
@@ -50,25 +50,12 @@ class Rounding(str, Enum):
                              f"{', '.join(m.value for m in cls)}") from None
 
 
-_WORKING = {
-    # dtype: (int view dtype, mantissa bits, exponent bias, exponent all-ones, largest shift)
-    # The largest shift keeps ``1 << shift`` and ``half`` inside the int type; shifts beyond it
-    # only occur for |x| < min_subnormal, where any half larger than the significand decides
-    # the same (2**29 > 2**24 > an fp32 significand; 2**61 > 2**53 for fp64).
-    torch.float32: (torch.int32, 23, 127, 0xFF, 30),
-    torch.float64: (torch.int64, 52, 1023, 0x7FF, 62),
-}
+MODE_CODES = {Rounding.RANDOM: 0, Rounding.STOCHASTIC: 1, Rounding.NEAREST: 2, Rounding.UP: 3,
+              Rounding.DOWN: 4, Rounding.ZERO: 5}
+"""The integer code of each mode in the fused kernels (the Triton kernel's ``MODE``, the
+``MODE_*`` constants of ``fxstab/cpu/csrc/cpu_kernels.c``)."""
+
 _SIGN = {torch.int32: -(1 << 31), torch.int64: -(1 << 63)}
-
-
-def _float_bits(value: float, dtype: torch.dtype) -> int:
-    """Bit pattern (as a Python int) of a finite non-negative float in ``dtype``.
-
-    Plain Python (struct), so no tensor is made and a torch.compile'd caller keeps one graph.
-    """
-    if dtype == torch.float32:
-        return struct.unpack("<i", struct.pack("<f", value))[0]
-    return struct.unpack("<q", struct.pack("<d", value))[0]
 
 
 def sample_draws(n_samples: int) -> tuple[list[int], list[bool]]:
@@ -111,12 +98,12 @@ def round_with_bits(
     iff ``word < floor(frac * 2**32)``, ``nearest`` ties to an even integral significand;
     values on the grid never move. fp32 works on int32 patterns, fp64 on int64.
     """
-    int_dtype, wm, wbias, wexp_ones, sh_max = _WORKING[x.dtype]
+    int_dtype, wm, wbias, wexp_ones, sh_max = WORKING_DTYPES[x.dtype]
     m = fmt.man_bits
     bits = x.view(int_dtype)  # a view: never modified in place below
     mag = bits & ~_SIGN[int_dtype]
     inf_bits = wexp_ones << wm
-    max_bits = _float_bits(fmt.max_normal, x.dtype)
+    max_bits = float_bits(fmt.max_normal, x.dtype)
 
     # Low bits below the format's quantum: shift = (wm - m) + clamp(emin - e_eff, 0), with
     # e_eff = max(E, 1) - wbias the unbiased exponent (working subnormals count as its emin).
@@ -165,7 +152,7 @@ def round_with_bits(
     res = mag - rem  # lo; exact values (rem == 0) are their own lo and never go up
     if tiny is not None:
         res.masked_fill_(tiny, 0)
-        unit.masked_fill_(tiny, _float_bits(fmt.min_subnormal, x.dtype))
+        unit.masked_fill_(tiny, float_bits(fmt.min_subnormal, x.dtype))
     if go is not None:
         res += torch.where(go, unit, 0)
 
@@ -215,7 +202,8 @@ def _working(x: torch.Tensor, fmt: Format) -> torch.dtype:
     return torch.float64
 
 
-def _default_seed(seed: Optional[int]) -> int:
+def default_seed(seed: Optional[int]) -> int:
+    """``seed`` as a 64-bit stream seed (validated); ``None`` draws one from torch's generator."""
     if seed is None:
         # Drawn from torch's global generator, so torch.manual_seed makes it reproducible.
         return int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
@@ -251,7 +239,7 @@ def quantize(
     xw = x.to(wdtype).contiguous()
     rand = None
     if mode in (Rounding.RANDOM, Rounding.STOCHASTIC):
-        s = _default_seed(seed)
+        s = default_seed(seed)
         gen = randbits.random_bits if mode is Rounding.RANDOM else randbits.uniform_words
         rand = gen(s, xw.numel(), [0], device=x.device).reshape(xw.shape)
     return round_with_bits(xw, fmt, mode, rand, saturate).to(x.dtype)
@@ -280,7 +268,7 @@ def round_samples(
     n = samples.shape[0]
     xw = samples.to(wdtype).contiguous().reshape(n, -1)
     numel = xw.shape[1]
-    s = _default_seed(seed) if mode in (Rounding.RANDOM, Rounding.STOCHASTIC) else 0
+    s = default_seed(seed) if mode in (Rounding.RANDOM, Rounding.STOCHASTIC) else 0
     if numel <= randbits.CPU_CHUNK or xw.device.type != "cpu":
         out = _round_columns(xw, fmt, mode, s, saturate, 0)
     else:
