@@ -49,17 +49,17 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from ..cpu import bindings as native
-from ..numerics import randbits
-from ..records.counters import CounterEvent, Counters, active_collectors, check_diagnostics
-from ..numerics.digits import (
+from ...cpu import bindings as native
+from ...numerics import randbits
+from ...records.counters import CounterEvent, Counters, active_collectors, check_diagnostics
+from ...numerics.digits import (
     ZERO_THRESHOLD, DigitStats, empty_stats, extra_stats, stats_from_list, student_t,
     underflow_count,
 )
-from ..numerics.formats import Format, FormatLike, get_format, working_dtype_for
-from ..records.report import OBSERVED, PER_SAMPLE, ROUNDED, UNLIFTED, OpReport, empty_counters
-from ..numerics.rounding import Rounding, round_samples, sample_draws
-from ..numerics.surrogate import perturb_samples
+from ...numerics.formats import Format, FormatLike, get_format, working_dtype_for
+from ...records.report import OBSERVED, PER_SAMPLE, ROUNDED, UNLIFTED, OpReport, empty_counters
+from ...numerics.rounding import Rounding, round_samples, sample_draws
+from ...numerics.surrogate import perturb_samples
 
 aten = torch.ops.aten
 
