@@ -34,7 +34,7 @@ from benchmarks.common import save_json  # noqa: E402
 
 from fxstab import digitmap  # noqa: E402
 
-METRICS = tuple(digitmap._METRICS)
+METRICS = tuple(digitmap.METRICS)
 ZERO = 0.005  # digits below this print as 0.00
 
 

@@ -362,9 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _metrics() -> tuple:
-    from .digitmap import _METRICS
+    from .digitmap import METRICS
 
-    return _METRICS
+    return METRICS
 
 
 def _default_metric() -> str:

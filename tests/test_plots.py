@@ -279,7 +279,7 @@ def test_plot_graph_writes_pictures_that_name_the_origin(tmp_path, figures):
 
 def test_default_metric_is_read_when_plotting(tmp_path, monkeypatch, figures):
     dm = transformer_map(blocks=1)
-    monkeypatch.setattr(digitmap, "DEFAULT_METRIC", "min")
+    monkeypatch.setattr(digitmap.operators, "DEFAULT_METRIC", "min")
     assert plots.node_styles(dm) == plots.node_styles(dm, "min")
     assert plots.node_styles(dm) != plots.node_styles(dm, "avg")
     plots.plot_graph(dm, tmp_path / "g.png")

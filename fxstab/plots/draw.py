@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
-from .. import digitmap
-from ..digitmap import DigitMap
+from ..digitmap import DigitMap, operators
 
 PathLike = Union[str, Path]
 
@@ -58,9 +57,9 @@ def _metric(dm: DigitMap, metric: Optional[str]) -> str:
     The map's operators validate the name (``op.digits`` raises ``ValueError`` for an unknown
     metric), so a plot accepts exactly the metrics the digit map knows.
     """
-    m = digitmap.DEFAULT_METRIC if metric is None else metric
+    m = operators.DEFAULT_METRIC if metric is None else metric
     if not isinstance(m, str):
-        raise ValueError(f"metric must be a metric name such as {digitmap.DEFAULT_METRIC!r}, "
+        raise ValueError(f"metric must be a metric name such as {operators.DEFAULT_METRIC!r}, "
                          f"got {m!r}")
     for op in dm.operators.values():
         op.digits(m)

@@ -1,0 +1,309 @@
+"""Comparing two digit maps: :func:`diff`, the CI gate, and its :class:`DiffResult`."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .map import DigitMap
+from .operators import LocalLoss, OperatorDigits, as_digits, check_metric
+from .schema import DigitMapError, encode
+
+@dataclass
+class OpChange:
+    """One operator present in both maps: its digits under the diff's metric."""
+
+    name: str
+    kind: str
+    base: float
+    head: float
+
+    @property
+    def delta(self) -> float:
+        """head - base (negative: digits lost)."""
+        return self.head - self.base
+
+
+@dataclass
+class OpPresence:
+    """An operator present in only one of the two maps."""
+
+    name: str
+    kind: str
+    digits: float
+
+
+@dataclass
+class DiffResult:
+    """Outcome of :func:`diff`.
+
+    ``drops`` lost more than ``max_drop`` digits (largest loss first), ``gains`` gained more than
+    ``max_drop`` (largest gain first), ``unchanged`` counts the operators within ``max_drop``
+    either way. ``module_drops`` compares the modules whose operators were renamed (a rewrite
+    inside a module): a module's digits are those of its worst operator. ``new_origins`` are
+    operators where NaN/inf first appear in head but not in base; ``vanished`` are base
+    operators of a module that is still in the model (head's ``metadata["modules"]``) but has
+    no analysed operator any more. ``failed`` is True when any of drops, module drops, new
+    NaN/inf origins or vanished operators is non-empty; added and removed operators are listed
+    but do not fail. ``origins`` ranks the dropped operators by their local loss in the head map
+    (:meth:`DigitMap.localize`): the first is where the lost digits start.
+    """
+
+    metric: str
+    max_drop: float
+    drops: list[OpChange]
+    gains: list[OpChange]
+    added: list[OpPresence]
+    removed: list[OpPresence]
+    unchanged: int
+    notes: list[str] = field(default_factory=list)
+    base_label: str = "base"
+    head_label: str = "head"
+    origins: list[LocalLoss] = field(default_factory=list)
+    new_origins: list[str] = field(default_factory=list)
+    module_drops: list[OpChange] = field(default_factory=list)
+    vanished: list[OpPresence] = field(default_factory=list)
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.drops or self.module_drops or self.new_origins or self.vanished)
+
+    @property
+    def exit_code(self) -> int:
+        """0 when the gate passes, 1 when it fails."""
+        return 1 if self.failed else 0
+
+    def summary(self) -> str:
+        if not self.failed:
+            return f"OK: no operator lost more than {self.max_drop:g} {self.metric} digits"
+        why = []
+        if self.new_origins:
+            why.append(f"{len(self.new_origins)} new NaN/inf origin(s)")
+        if self.drops:
+            why.append(f"{len(self.drops)} operator(s) lost more than {self.max_drop:g} "
+                       f"{self.metric} digits")
+        if self.module_drops:
+            why.append(f"{len(self.module_drops)} module(s) lost more than {self.max_drop:g} "
+                       f"{self.metric} digits")
+        if self.vanished:
+            why.append(f"{len(self.vanished)} operator(s) no longer analysed")
+        return "FAIL: " + "; ".join(why)
+
+    def to_text(self) -> str:
+        lines = [f"fxstab diff {self.base_label} -> {self.head_label}: {self.summary()}"]
+        lines += [f"note: {n}" for n in self.notes]
+        if self.new_origins:
+            lines.append(f"NaN/inf now first appear at ({len(self.new_origins)}):")
+            lines.extend(f"  {n}" for n in self.new_origins)
+
+        def changes(title: str, rows: list[OpChange]) -> None:
+            if rows:
+                w = max(len(r.name) for r in rows)
+                lines.append(f"{title} ({len(rows)}):")
+                lines.extend(f"  {r.name:<{w}}  {r.kind:<12} {r.base:5.2f} -> {r.head:5.2f}  "
+                             f"({r.delta:+.2f})" for r in rows)
+
+        def presence(title: str, rows: list[OpPresence]) -> None:
+            if rows:
+                w = max(len(r.name) for r in rows)
+                lines.append(f"{title} ({len(rows)}):")
+                lines.extend(f"  {r.name:<{w}}  {r.kind:<12} {r.digits:5.2f}" for r in rows)
+
+        changes("drops", self.drops)
+        if self.origins:
+            o = self.origins[0]
+            lines.append(f"digits are lost first at {o.name} (local loss {o.local_loss:.2f}: "
+                         f"{o.digits:.2f} against {o.reference:.2f} "
+                         f"{'of ' + o.worst_input if o.worst_input else '(cap)'})")
+        changes("module drops (operators renamed inside)", self.module_drops)
+        presence("no longer analysed (their module is still there)", self.vanished)
+        changes("gains", self.gains)
+        presence("added", self.added)
+        presence("removed", self.removed)
+        lines.append(f"unchanged: {self.unchanged} operator(s) within "
+                     f"+/-{self.max_drop:g} digits")
+        return "\n".join(lines)
+
+    def to_markdown(self) -> str:
+        """A pull-request comment: verdict, NaN/inf origins, drops table, the rest folded."""
+        icon = ":x:" if self.failed else ":white_check_mark:"
+        lines = ["<!-- fxstab-digit-map-diff -->",
+                 f"### fxstab digit map {icon} {_md_text(self.summary())}", "",
+                 f"Metric: **{self.metric} digits** per operator, threshold {self.max_drop:g}; "
+                 f"{_md(self.base_label)} → {_md(self.head_label)}."]
+        for n in self.notes:
+            lines.append(f"> **Note:** {_md_text(n)}")
+        lines.append("")
+        if self.new_origins:
+            lines += ["**NaN/inf now first appear at** "
+                      + ", ".join(_md(n) for n in self.new_origins), ""]
+
+        def change_table(rows: list[OpChange]) -> list[str]:
+            out = ["| operator | kind | base | head | change |", "|---|---|--:|--:|--:|"]
+            out += [f"| {_md(r.name)} | {_md_text(r.kind)} | {r.base:.2f} | {r.head:.2f} | "
+                    f"**{r.delta:+.2f}** |" for r in rows]
+            return out
+
+        def presence_table(rows: list[OpPresence]) -> list[str]:
+            out = ["| operator | kind | digits |", "|---|---|--:|"]
+            out += [f"| {_md(r.name)} | {_md_text(r.kind)} | {r.digits:.2f} |" for r in rows]
+            return out
+
+        for title, rows, fn in (("Lost digits", self.drops, change_table),
+                                ("Modules that lost digits", self.module_drops, change_table),
+                                ("No longer analysed", self.vanished, presence_table)):
+            if rows:
+                lines += [f"**{title} ({len(rows)})**", ""] + fn(rows) + [""]
+        if self.origins:
+            o = self.origins[0]
+            ref = f"its least accurate input {_md(o.worst_input)}" if o.worst_input \
+                else "the format's cap"
+            lines += [f"Digits are lost first at {_md(o.name)}: {o.digits:.2f} digits against "
+                      f"{o.reference:.2f} of {ref} (local loss {o.local_loss:.2f}).", ""]
+        for title, rows, fn in (("Gained digits", self.gains, change_table),
+                                ("Added operators", self.added, presence_table),
+                                ("Removed operators", self.removed, presence_table)):
+            if rows:
+                lines += [f"<details><summary>{title} ({len(rows)})</summary>", ""]
+                lines += fn(rows)
+                lines += ["", "</details>", ""]
+        lines.append(f"{self.unchanged} operator(s) unchanged within ±{self.max_drop:g} digits.")
+        return "\n".join(lines) + "\n"
+
+    def as_dict(self) -> dict:
+        def ch(r: OpChange) -> dict:
+            return {"name": r.name, "kind": r.kind, "base": r.base, "head": r.head,
+                    "delta": r.delta}
+
+        def pr(r: OpPresence) -> dict:
+            return {"name": r.name, "kind": r.kind, "digits": r.digits}
+
+        return {"metric": self.metric, "max_drop": self.max_drop, "failed": self.failed,
+                "base": self.base_label, "head": self.head_label,
+                "new_nonfinite_origins": list(self.new_origins),
+                "drops": [ch(r) for r in self.drops],
+                "module_drops": [ch(r) for r in self.module_drops],
+                "vanished": [pr(r) for r in self.vanished],
+                "gains": [ch(r) for r in self.gains],
+                "added": [pr(r) for r in self.added], "removed": [pr(r) for r in self.removed],
+                "unchanged": self.unchanged, "notes": list(self.notes),
+                "origins": [{"name": o.name, "local_loss": o.local_loss, "digits": o.digits,
+                             "reference": o.reference, "worst_input": o.worst_input}
+                            for o in self.origins]}
+
+    def to_json(self, indent: Optional[int] = 1) -> str:
+        return json.dumps(encode(self.as_dict()), indent=indent, allow_nan=False)
+
+
+def _md_text(s: str) -> str:
+    return s.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _md(s: str) -> str:
+    """Inline code for names (backticks in a name fall back to escaped text)."""
+    return f"`{s}`".replace("|", "\\|") if "`" not in s else _md_text(s)
+
+
+_COMPARED_SETTINGS = ("format", "n_samples", "granularity", "confidence", "rounding", "seed",
+                      "target")
+
+
+def diff(base: DigitMap, head: DigitMap, max_drop: float = 0.5, metric: Optional[str] = None,
+         base_label: Optional[str] = None, head_label: Optional[str] = None) -> DiffResult:
+    """The CI gate: match operators by name (and modules by path) and compare their digits.
+
+    Args:
+        base: the reference map (e.g. the main branch).
+        head: the map under test (e.g. the pull request).
+        max_drop: tolerance in digits: a drop larger than this fails; changes within it either
+            way count as unchanged.
+        metric: per-operator digits compared (default :data:`DEFAULT_METRIC`). NaN digits
+            count as 0.
+        base_label, head_label: names in the rendering (default: the maps' git commits).
+
+    Returns:
+        A :class:`DiffResult` (see it for what fails); ``notes`` lists analysis settings that
+        differ between the maps (a diff across formats or sample counts compares different
+        things); ``origins`` ranks the dropped operators by local loss in ``head``.
+
+    Raises:
+        DigitMapError: a map has no analysed operator (nothing to compare is no pass), or holds
+            no value of ``metric`` (a schema 1 map has no normwise digits or quantiles).
+    """
+    metric = check_metric(metric)
+    if isinstance(max_drop, bool) or not isinstance(max_drop, (int, float)) \
+            or not math.isfinite(max_drop) or max_drop < 0:
+        raise ValueError(f"max_drop must be a finite number >= 0, got {max_drop!r}")
+    for dm, what in ((base, "base"), (head, "head")):
+        src = str(dm.metadata.get("target") or what)
+        if not dm.operators:
+            raise DigitMapError(f"the {what} map has no analysed operator: nothing was "
+                                f"compared (was the model analysed? see `fxstab record`)", src)
+        if all(math.isnan(op.digits(metric)) for op in dm.operators.values()):
+            raise DigitMapError(f"the {what} map has no {metric} digits (a schema version 1 "
+                                f"map): record it again, or compare with --metric avg", src)
+    drops, gains, unchanged = [], [], 0
+    for name, b in base.operators.items():
+        if name not in head.operators:
+            continue
+        h = head.operators[name]
+        c = OpChange(name, h.kind, as_digits(b.digits(metric)), as_digits(h.digits(metric)))
+        if -c.delta > max_drop:
+            drops.append(c)
+        elif c.delta > max_drop:
+            gains.append(c)
+        else:
+            unchanged += 1
+    drops.sort(key=lambda c: (c.delta, c.name))
+    gains.sort(key=lambda c: (-c.delta, c.name))
+    added = [OpPresence(n, o.kind, as_digits(o.digits(metric)))
+             for n, o in head.operators.items() if n not in base.operators]
+    removed = [OpPresence(n, o.kind, as_digits(o.digits(metric)))
+               for n, o in base.operators.items() if n not in head.operators]
+
+    # modules whose operators were renamed: compare their worst operators
+    def by_module(dm: DigitMap) -> dict[str, list[OperatorDigits]]:
+        out: dict[str, list[OperatorDigits]] = {}
+        for op in dm.operators.values():
+            out.setdefault(op.module_path, []).append(op)
+        return out
+
+    bm, hm = by_module(base), by_module(head)
+    module_drops = []
+    for path, bops in bm.items():
+        hops = hm.get(path)
+        if not hops or {o.name for o in bops} == {o.name for o in hops}:
+            continue
+        bd = min(as_digits(o.digits(metric)) for o in bops)
+        hd = min(as_digits(o.digits(metric)) for o in hops)
+        if bd - hd > max_drop:
+            module_drops.append(OpChange(path or "(top level)", "module", bd, hd))
+    module_drops.sort(key=lambda c: (c.delta, c.name))
+    still = head.metadata.get("modules")
+    still = set(still) if isinstance(still, list) else set()
+    vanished = [r for r in removed
+                if base.operators[r.name].module_path not in hm
+                and base.operators[r.name].module_path in still]
+    gone = {r.name for r in vanished}
+    removed = [r for r in removed if r.name not in gone]
+    base_origins = set(base.nonfinite_sources())
+    new_origins = [n for n in head.nonfinite_sources() if n not in base_origins]
+
+    notes = []
+    for key in _COMPARED_SETTINGS:
+        bv, hv = base.metadata.get(key), head.metadata.get(key)
+        if bv is not None and hv is not None and bv != hv:
+            notes.append(f"{key} differs: {bv!r} (base) vs {hv!r} (head)")
+
+    def label(dm: DigitMap, default: str) -> str:
+        commit = dm.metadata.get("git_commit")
+        return f"{default} {commit[:10]}" if isinstance(commit, str) and commit else default
+
+    dropped = {c.name for c in drops}
+    origins = [x for x in head.localize(metric) if x.name in dropped]
+    return DiffResult(metric, float(max_drop), drops, gains, added, removed, unchanged, notes,
+                      base_label or label(base, "base"), head_label or label(head, "head"),
+                      origins, new_origins, module_drops, vanished)
+

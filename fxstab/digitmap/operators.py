@@ -1,0 +1,173 @@
+"""The records of a digit map and how reports aggregate into them (DESIGN.md §7).
+
+:class:`OperatorDigits` is one operator aggregated over its analysed calls, :class:`StepDigits`
+one operator at one (phase, step), :class:`LocalLoss` one line of the localization ranking.
+The metrics (:data:`METRICS`, :data:`DEFAULT_METRIC`) name the per-operator statistic that
+tables, rankings, plots and the CI gate compare; :func:`aggregate` folds
+:class:`fxstab.records.report.OpReport` records into those statistics.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence
+
+from ..records.report import COUNTER_KEYS, OBSERVED, PER_SAMPLE, ROUNDED, UNLIFTED, OpReport
+
+# An operator aggregated over calls takes its most severe status: a single call that could not
+# be lifted onto the samples means its digits are incomplete for the whole map.
+STATUS_SEVERITY = {ROUNDED: 0, PER_SAMPLE: 1, OBSERVED: 2, UNLIFTED: 3}
+# Per-operator statistics a metric can name, and the OperatorDigits/StepDigits field of each.
+_METRIC_FIELDS = {"normwise": "normwise_digits", "p10": "p10_digits", "p50": "p50_digits",
+                  "avg": "avg_digits", "min": "min_digits"}
+METRICS = tuple(_METRIC_FIELDS)
+# The metric of tables, rankings, plots and the CI gate (docs/digit-maps.md says why).
+DEFAULT_METRIC = "avg"
+
+
+# --------------------------------------------------------------------------- records
+class _Metrics:
+    """The metric accessor of the records that carry per-operator statistics."""
+
+    def digits(self, metric: Optional[str] = None) -> float:
+        """The digits under ``metric`` (default :data:`DEFAULT_METRIC`)."""
+        return getattr(self, _METRIC_FIELDS[check_metric(metric)])
+
+
+@dataclass
+class OperatorDigits(_Metrics):
+    """One operator of a digit map, aggregated over all its analysed calls.
+
+    ``numel`` is the total number of output elements analysed over those calls (the weight of
+    ``avg_digits``); ``shape`` is the output shape of the first analysed call. ``status`` is the
+    most severe status of any call (unlifted > observed > rounded). ``inputs`` names the
+    instrumented operators feeding this one (the graph edges).
+    """
+
+    name: str
+    kind: str
+    module_path: str
+    calls: int
+    numel: int
+    avg_digits: float
+    min_digits: float
+    max_digits: float
+    zero_fraction: float = 0.0
+    non_finite: int = 0
+    surrogate: bool = False
+    status: str = ROUNDED
+    source: str = ""
+    shape: tuple = ()
+    counters: dict = field(default_factory=lambda: {k: 0 for k in COUNTER_KEYS})
+    inputs: tuple = ()
+    normwise_digits: float = math.nan
+    p10_digits: float = math.nan
+    p50_digits: float = math.nan
+    underflow: int = 0
+    direction: str = "forward"  # or "backward": an operator of the backward graph, a gradient
+    format: str = ""  # the format its output rounded into (format="auto"); "": the map's
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name, "kind": self.kind, "module_path": self.module_path,
+            "direction": self.direction, **({"format": self.format} if self.format else {}),
+            "source": self.source, "shape": list(self.shape), "status": self.status,
+            "calls": self.calls, "numel": self.numel, "avg_digits": self.avg_digits,
+            "min_digits": self.min_digits, "max_digits": self.max_digits,
+            "normwise_digits": self.normwise_digits, "p10_digits": self.p10_digits,
+            "p50_digits": self.p50_digits,
+            "zero_fraction": self.zero_fraction, "non_finite": self.non_finite,
+            "underflow": self.underflow,
+            "surrogate": self.surrogate, "counters": dict(self.counters),
+            "inputs": list(self.inputs),
+        }
+
+
+@dataclass
+class StepDigits(_Metrics):
+    """Digits of one operator at one (phase, step): a point of the time series."""
+
+    phase: str
+    step: Optional[int]
+    name: str
+    calls: int
+    numel: int
+    avg_digits: float
+    min_digits: float
+    max_digits: float
+    zero_fraction: float = 0.0
+    non_finite: int = 0
+    normwise_digits: float = math.nan
+    p10_digits: float = math.nan
+    p50_digits: float = math.nan
+    underflow: int = 0
+
+
+@dataclass
+class LocalLoss:
+    """Where an operator loses digits: its digits against the least accurate of its inputs.
+
+    ``worst_input`` is None for an operator without instrumented inputs, whose reference is
+    then the format's digit cap (``reference``). ``nonfinite_origin`` marks an operator whose
+    output holds NaN/inf while none of its instrumented inputs does (it ranks first).
+    """
+
+    name: str
+    kind: str
+    digits: float
+    reference: float
+    worst_input: Optional[str]
+    local_loss: float
+    nonfinite_origin: bool = False
+
+
+# --------------------------------------------------------------------------- aggregation
+def check_metric(metric: Optional[str]) -> str:
+    """``metric``, or the default metric for None; a clear error for an unknown name."""
+    if metric is None:
+        return DEFAULT_METRIC
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {', '.join(METRICS)}, got {metric!r}")
+    return metric
+
+
+def _nanmin(values: Iterable[float]) -> float:
+    vals = [v for v in values if not math.isnan(v)]
+    return min(vals) if vals else math.nan
+
+
+def nanmax(values: Iterable[float]) -> float:
+    vals = [v for v in values if not math.isnan(v)]
+    return max(vals) if vals else math.nan
+
+
+def _weighted(values: Sequence[float], weights: Sequence[int]) -> float:
+    """numel-weighted mean; a plain mean when every call was empty."""
+    total = sum(weights)
+    if total > 0:
+        return sum(v * w for v, w in zip(values, weights) if w) / total
+    return sum(values) / len(values) if values else math.nan
+
+
+def aggregate(reports: Sequence[OpReport]) -> dict:
+    numels = [int(r.numel) for r in reports]
+    return {
+        "calls": len(reports),
+        "numel": sum(numels),
+        "avg_digits": _weighted([float(r.avg_digits) for r in reports], numels),
+        "min_digits": _nanmin(float(r.min_digits) for r in reports),
+        "max_digits": nanmax(float(r.max_digits) for r in reports),
+        "zero_fraction": _weighted([float(r.zero_fraction) for r in reports], numels),
+        "non_finite": sum(int(r.non_finite) for r in reports),
+        # over calls: numel-weighted means (an operator's calls usually have one shape)
+        "normwise_digits": _weighted([float(r.normwise_digits) for r in reports], numels),
+        "p10_digits": _weighted([float(r.p10_digits) for r in reports], numels),
+        "p50_digits": _weighted([float(r.p50_digits) for r in reports], numels),
+        "underflow": sum(int(r.underflow) for r in reports),
+    }
+
+
+def as_digits(v: float) -> float:
+    """NaN digits (unknown) count as 0 reliable digits in rankings and diffs."""
+    return 0.0 if math.isnan(v) else v
