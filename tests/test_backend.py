@@ -335,14 +335,12 @@ def test_backend_by_name_uses_defaults():
 
 
 def test_a_failing_stochastic_path_never_breaks_the_model(monkeypatch):
-    import sys
-
-    backend_module = sys.modules["fxstab.backend"]  # fxstab.backend is the function
+    from fxstab.rules.op_level import SampleTracer
 
     def broken(*args, **kwargs):
         raise RuntimeError("simulated failure inside the stochastic path")
 
-    monkeypatch.setattr(backend_module.SampleTracer, "_round_and_record", broken)  # every rounding
+    monkeypatch.setattr(SampleTracer, "_round_and_record", broken)  # every rounding
     torch.manual_seed(0)
     m, x = MLP(), torch.randn(4, 16)
     be = fxstab.backend()
@@ -403,11 +401,11 @@ def test_invalid_options_are_rejected_clearly(kwargs, match):
 
 def test_surrogate_perturbs_data_operands_not_weights(monkeypatch):
     """A GEMM that meets the model's inputs perturbs its data operands, never the weights."""
-    import sys
+    from fxstab.cpu import bindings
+    from fxstab.rules import op_level
 
-    backend_module = sys.modules["fxstab.backend"]
     seen = []
-    for mod, name in ((backend_module.native, "perturb"), (backend_module, "perturb_samples")):
+    for mod, name in ((bindings, "perturb"), (op_level, "perturb_samples")):
         original = getattr(mod, name)
 
         def spy(samples, *args, _original=original, **kwargs):
@@ -553,7 +551,7 @@ def test_capture_samples_gives_the_outputs_samples(granularity):
     assert s.shape == (3, *y.shape) and len(cap.graphs) == 1
     assert not torch.equal(s[0], s[1])  # the samples differ
     assert torch.equal(s.mean(0).to(y.dtype), results["mean"][0])
-    assert not be._captures
+    assert not be.state.captures
     with pytest.raises(RuntimeError, match="no graph was analysed"):
         with be.capture_samples() as empty, be.paused():
             f(x)
@@ -567,7 +565,7 @@ def test_attention_on_the_samples_is_n_calls_of_the_fused_kernel(mask):
     (a plain mask with a batch dim of its own is repeated per sample)."""
     import torch.nn.functional as F
 
-    from fxstab.backend import _attention_folded
+    from fxstab.rules.lifting import attention_folded
 
     g = torch.Generator().manual_seed(3)
     n, b, h, length, e = 3, 2, 4, 16, 8
@@ -583,7 +581,7 @@ def test_attention_on_the_samples_is_n_calls_of_the_fused_kernel(mask):
         kw = {"attn_mask": torch.randn(1, h, length, length, generator=g)}
     elif mask == "positional":
         args = [torch.randn(b, h, length, length, generator=g), 0.0]
-    got = _attention_folded(F.scaled_dot_product_attention, [q, k, v, *args], kw)
+    got = attention_folded(F.scaled_dot_product_attention, [q, k, v, *args], kw)
     want = torch.stack([F.scaled_dot_product_attention(q[i], k[i], v[i], *args, **kw)
                         for i in range(n)])
     assert got.shape == want.shape and torch.equal(got, want)
@@ -608,7 +606,7 @@ def test_attention_whose_folded_call_fails_runs_as_called():
     was called, on the five-dim samples."""
     import torch.nn.functional as F
 
-    from fxstab.backend import _attention_folded
+    from fxstab.rules.lifting import attention_folded
 
     calls = []
 
@@ -620,12 +618,12 @@ def test_attention_whose_folded_call_fails_runs_as_called():
 
     q, k, v = (torch.randn(3, 2, 4, 8, 8, generator=torch.Generator().manual_seed(i))
                for i in range(3))
-    got = _attention_folded(sdpa, [q, k, v], {"is_causal": True})
+    got = attention_folded(sdpa, [q, k, v], {"is_causal": True})
     assert calls == [4, 5]
     assert torch.equal(got, F.scaled_dot_product_attention(q, k, v, is_causal=True))
     mask = torch.randn(2, 1, 8, 8, generator=torch.Generator().manual_seed(5))  # repeated...
     for args, kw in (([mask], {}), ([], {"attn_mask": mask})):
         calls.clear()  # ...for the folded call only: the call as made gets the user's mask
-        got = _attention_folded(sdpa, [q, k, v, *args], kw)
+        got = attention_folded(sdpa, [q, k, v, *args], kw)
         assert calls == [4, 5]
         assert torch.equal(got, F.scaled_dot_product_attention(q, k, v, mask))

@@ -41,10 +41,10 @@ from ..numerics import randbits
 from ..capture.flat import flatten_call, unflatten_call
 from ..passes import steps
 from .sampled_graph import SampledGraph
-from ..backend import (
-    GraphAnalysis, _callable, _expand_composites, _fetch_attr, _mutated_placeholders,
-    _rng_states, _set_rng_states,
-)
+from ..capture.graph import fetch_attr, mutated_placeholders, node_callable, selector
+from ..rules.lifting import rng_states, set_rng_states
+from .composites import expand_composites
+from .op_level import GraphAnalysis
 from ..records.coverage import ANALYSED, SKIPPED, UNROUNDED, CoverageEntry
 from ..capture.naming import module_path, qualified_name, source_location
 from ..capture.opsets import node_kind
@@ -103,16 +103,14 @@ class AtenGraphAnalysis(GraphAnalysis):
         """Name every torch-level operator (the context of its primitives)."""
         pred = None
         if self.cfg.select is not None:
-            from ..backend import _selector
-
-            pred = _selector(self.cfg.select)
+            pred = selector(self.cfg.select)
         # the graph the samples run: fused fast paths replaced by their composite
-        self.sgraph = _expand_composites(self.gm.graph, self.info)
+        self.sgraph = expand_composites(self.gm.graph, self.info.composites)
         if self.sgraph is self.gm.graph:
             self.sgm = self.gm
         else:
             self.sgm = torch.fx.GraphModule(self.gm, self.sgraph)
-            self.mutated = _mutated_placeholders(self.sgraph)
+            self.mutated = mutated_placeholders(self.sgraph)
             self.free_after = self._last_uses(self.sgraph)
         repeats: dict[tuple, int] = {}
         # dynamo node name -> (stable name, module path, kind); the operators of coverage()
@@ -171,14 +169,14 @@ class AtenGraphAnalysis(GraphAnalysis):
         if found is not None:
             self._lowered.move_to_end(key)
             return found
-        states = _rng_states(args)
+        states = rng_states(args)
         try:
             lowered = self._trace(args, "real")
         except Exception as exc:
             self.lowering_error = exc  # never traced again: every call would fail the same way
             raise
         finally:
-            _set_rng_states(states)
+            set_rng_states(states)
         low = self._lowered[key] = self._plan_lowering(lowered)
         while len(self._lowered) > _MAX_LOWERINGS:
             self._lowered.popitem(last=False)
@@ -200,7 +198,7 @@ class AtenGraphAnalysis(GraphAnalysis):
                 if i:
                     entries.insert(0, entries.pop(i))
                 return low
-        states = _rng_states(args)
+        states = rng_states(args)
         try:
             lowered = self._trace(args, "symbolic")
             fakes = [n.meta.get("val") for n in lowered.graph.nodes if n.op == "placeholder"]
@@ -214,7 +212,7 @@ class AtenGraphAnalysis(GraphAnalysis):
             self._symbolic = None
             return None
         finally:
-            _set_rng_states(states)
+            set_rng_states(states)
         low = self._plan_lowering(lowered)
         low.shape_env = env
         entries.insert(0, (code, low))
@@ -328,7 +326,7 @@ class AtenGraphAnalysis(GraphAnalysis):
             args = tuple(a.detach().clone() if i in low.written and isinstance(a, torch.Tensor)
                          and placeholders[i] not in self.mutated else a
                          for i, a in enumerate(args))
-        _set_rng_states(rng_states)  # the deterministic pass's random numbers, again
+        set_rng_states(rng_states)  # the deterministic pass's random numbers, again
         if self._context is None:  # the settings, checked and derived once per graph
             self._context = AtenContext(format=cfg.format, n_samples=cfg.n_samples,
                                         rounding=cfg.rounding, confidence=cfg.confidence,
@@ -351,7 +349,7 @@ class AtenGraphAnalysis(GraphAnalysis):
         except Exception as exc:  # noqa: BLE001 - the rules, untraced, for this signature
             self._refused(key, exc)
             tracer.discard()
-            _set_rng_states(rng_states)
+            set_rng_states(rng_states)
             return self.run_samples(args, call, rng_states)
         tracer.seal()
         sg.coverage = self.info.coverage
@@ -473,7 +471,7 @@ class AtenTracer:
         self.ctx = ctx = a._context.for_call(randbits.derive_seed(a.cfg.seed, a.index, call),
                                              self._record, self.low.salts)
         owner = a.owner
-        self._build = report_builder(owner._phase, owner._step, call, ctx.n_samples, ctx._t)
+        self._build = report_builder(owner.phase, owner.step, call, ctx.n_samples, ctx._t)
         self._defer = owner.reports.defer()
 
     def _record(self, rec: Any) -> None:
@@ -637,7 +635,7 @@ class AtenTracer:
                 env[node] = v
                 continue
             if node.op == "get_attr":
-                env[node] = _fetch_attr(lowered, node.target)
+                env[node] = fetch_attr(lowered, node.target)
                 continue
             if node.op == "output":
                 result = torch.fx.node.map_arg(node.args[0], lambda m: env[m])
@@ -646,7 +644,7 @@ class AtenTracer:
             kw = torch.fx.node.map_arg(node.kwargs, fetch) if node.kwargs else {}
             if plan is None or plan.action == "plain":
                 # Python operators on sizes, getitem on tuples, symbolic sizes: plain values.
-                env[node] = _plain_call(_callable(lowered, node), args_, kw, Stacked)
+                env[node] = _plain_call(node_callable(lowered, node), args_, kw, Stacked)
                 continue
             if plan.record:
                 self._meta[plan.name] = (plan.path, tuple(sorted(ins)))

@@ -32,7 +32,9 @@ import torch
 import torch.fx
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 
-from ..backend import GraphAnalysis, NodePlan, SampleTracer, Stacked
+from ..rules.lifting import NodePlan, Stacked
+from ..rules.op_level import SampleTracer
+from .op_level import GraphAnalysis
 from ..capture.naming import qualified_name, source_location
 from ..records.report import OBSERVED
 
@@ -177,7 +179,7 @@ class BackwardAnalysis(GraphAnalysis):
                 continue
             samples = t if isinstance(v, Stacked) else t.unsqueeze(0).expand(self.cfg.n_samples,
                                                                              *t.shape)
-            for cap in self.owner._captures:
+            for cap in self.owner.captures:
                 cap.gradients[name] = samples.detach().clone()
             stats = pending.get(source[0]) if source is not None else None
             vec = stats[source[1]] if stats is not None and source[1] < len(stats) else None

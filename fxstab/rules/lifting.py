@@ -1,0 +1,135 @@
+"""How a torch-level operator runs on N stacked samples: the value that carries them
+(:class:`Stacked`), the compile-time plan of one node (:class:`NodePlan`), the kinds that run
+batched, elementwise or once per sample, SDPA folded over the samples, and the RNG state the
+deterministic pass saw (so every sample draws what it drew).
+
+Shared by the operator-level tracer (:mod:`fxstab.rules.op_level`) and the analyses that plan
+and run it (:mod:`fxstab.analysis`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx
+from torch.utils import _pytree as pytree
+
+from ..capture.opsets import FAMILIES
+
+__all__ = ["Stacked", "NodePlan", "CAST_METHODS", "PER_SAMPLE_KINDS", "MASK_DROPOUT_KINDS",
+           "BATCHED_KINDS", "ELEMENTWISE_KINDS", "RESHAPE_VIEWS", "reshape", "attention_folded",
+           "has_floating", "rng_states", "set_rng_states"]
+
+# Floating dtype conversions keep the working dtype on the stochastic path: the simulated format
+# is what rounds, not the dtype the model happens to cast to.
+CAST_METHODS = frozenset({"to", "type", "float", "half", "bfloat16", "double", "type_as"})
+# Run per sample: BatchNorm/InstanceNorm in training mode must not mix the samples' statistics,
+# and their in-place running-stat updates cannot be batched.
+PER_SAMPLE_KINDS = frozenset({"batch_norm", "instance_norm"})
+
+# Dropout that multiplies by a mask (scaled by 1/(1-p)): the mask is drawn once. Alpha dropout
+# is affine in the mask and runs per sample, each sample with the deterministic pass's draws.
+MASK_DROPOUT_KINDS = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d"})
+
+# Operators that take stacked samples directly in their leading arguments (count): SDPA batches
+# over leading dims, and linear with a plain weight runs as one addmm over N * batch rows
+# (vmap would split it into mm + add).
+BATCHED_KINDS = {"scaled_dot_product_attention": 3, "linear": 1}
+# Elementwise operators (no dim argument): the stacked samples broadcast against the other
+# operands as the plain values do, so the operator runs once on them, without vmap's dispatch,
+# whenever the sample dim cannot meet another operand's dims (see _broadcasts_directly).
+ELEMENTWISE_KINDS = ((FAMILIES["activation"] - {"glu", "prelu"}) | FAMILIES["elementwise"]
+                      | FAMILIES["addsub"] | {"mul", "neg", "abs"})
+
+
+# Views whose samples may have to be copied (reshape): the deterministic pass's strides allowed
+# the view, the samples' need not.
+RESHAPE_VIEWS = frozenset({"view", "unsafe_view"})
+
+
+def reshape(x: torch.Tensor, *shape: Any) -> torch.Tensor:
+    return x.reshape(*shape)
+
+
+def attention_folded(fn: Callable, a: list, kw: dict) -> torch.Tensor:
+    """SDPA (``fn``) of stacked q, k, v ``[N, B, H, L, E]`` (``a``; the rest of its arguments
+    after them) as one call over ``N * B`` batches. SDPA takes any leading dims, but on five
+    dims the CPU dispatch leaves the fused kernel for the math path (two bmm, a safe softmax
+    that scans for fully masked rows, its where and isneginf): on the test GPT that path cost
+    about twice three calls of the fused kernel. Each (batch, head) is computed alone by
+    the fused kernel, so the samples are those of N separate calls. A plain attn_mask with a
+    batch dim of its own is repeated N times along it; any other layout, or a folded call that
+    raises, calls ``fn`` as is."""
+    q, k, v = a[:3]
+    n = q.shape[0]
+    mask = a[3] if len(a) > 3 else kw.get("attn_mask")
+    if not (q.dim() == k.dim() == v.dim() == 5 and q.shape[1] == k.shape[1] == v.shape[1]) or \
+            (isinstance(mask, torch.Tensor) and mask.dim() > 4):
+        return fn(*a, **kw)
+    rest, fkw = a[3:], kw
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[0] != 1:
+        mask = mask.expand(n, *mask.shape).reshape(n * mask.shape[0], *mask.shape[1:])
+        if rest:
+            rest = [mask, *rest[1:]]
+        else:
+            fkw = {**kw, "attn_mask": mask}
+    b = q.shape[1]
+    try:
+        out = fn(*[t.reshape(n * b, *t.shape[2:]) for t in (q, k, v)], *rest, **fkw)
+    except Exception:  # noqa: BLE001 - a layout the fold does not suit: SDPA as called
+        return fn(*a, **kw)
+    return out.reshape(n, b, *out.shape[1:])
+
+
+class Stacked:
+    """N samples of one value, stacked on dim 0. A pytree leaf."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def __repr__(self) -> str:  # pragma: no cover
+        return f"Stacked({tuple(self.t.shape)}, {self.t.dtype})"
+
+
+@dataclass
+class NodePlan:
+    node: torch.fx.Node
+    kind: str
+    name: Optional[str] = None  # set when instrumented
+    module_path: str = ""
+    source: str = ""
+    gemm: bool = False
+    inputs: tuple = ()
+    index: int = 0
+    custom: bool = False  # a custom operator (torch.library, @fxstab.operator)
+    # (consumer GEMM's plan, operand's leaf index): this output's only consumer is that GEMM,
+    # whose surrogate then runs in this output's rounding pass (native.round_perturb)
+    fuse: Optional[tuple["NodePlan", int]] = None
+    report: dict = field(default_factory=dict)  # the fields of its reports fixed at compile time
+    format: Any = None  # format="auto": the format its output rounds into (its dtype's)
+
+
+def has_floating(out: Any) -> bool:
+    """Whether an output holds a floating or complex tensor (stacked or plain)."""
+    for v in pytree.tree_leaves(out, is_leaf=lambda x: isinstance(x, Stacked)):
+        t = v.t if isinstance(v, Stacked) else v
+        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
+            return True
+    return False
+
+
+def rng_states(args: tuple) -> dict:
+    states = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state_all(states["cuda"])
