@@ -21,10 +21,11 @@ def test_reference_is_a_separate_package(tmp_path, clean_ref_modules):
     ref = bench_ab.load_ref(bench_ab.extract_ref(str(bench_ab.ROOT), tmp_path))
     assert ref is not fxstab and ref.backend is not fxstab.backend
     # its own modules, reading its own kernel source from the copy
-    ref_bindings = sys.modules["fxstab_ref.cpu.bindings"]
-    assert ref_bindings is not sys.modules["fxstab.cpu.bindings"]
-    assert str(ref_bindings._SOURCE).startswith(str(tmp_path))
-    assert ref_bindings._SOURCE.read_bytes() == fxstab.cpu.bindings._SOURCE.read_bytes()
+    assert sys.modules["fxstab_ref.cpu.bindings"] is not sys.modules["fxstab.cpu.bindings"]
+    ref_build = sys.modules["fxstab_ref.cpu.build"]
+    assert ref_build is not sys.modules["fxstab.cpu.build"]
+    assert str(ref_build.SOURCE).startswith(str(tmp_path))
+    assert ref_build.SOURCE.read_bytes() == fxstab.cpu.build.SOURCE.read_bytes()
 
 
 def test_times_both_and_writes_the_ratio(tmp_path, capsys, clean_ref_modules):

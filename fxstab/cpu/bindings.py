@@ -7,50 +7,34 @@ passes over every element; on a CPU that costs more than the model's matmuls. Th
 (OpenMP, ``torch.get_num_threads()`` threads), with the same Philox streams: rounded and
 perturbed samples are bit-identical to the references and the statistics agree to a few ulps.
 
-The library is compiled on first use with the system C compiler (``$CC``, else ``cc``; about
-40 s on a 2-core machine, announced with one line on stderr) into a cache directory
-(``$FXSTAB_CACHE_DIR``, else ``$XDG_CACHE_HOME/fxstab``, else ``~/.cache/fxstab``), keyed by a
-hash of the source, the flags and the CPU. Without a compiler, or with ``FXSTAB_NATIVE=0``,
-:func:`available` is False and callers use the references (one warning).
+This module holds the Python functions over the library (its ctypes declarations included);
+:mod:`fxstab.cpu.build` compiles and loads it (on first use, into a cache directory). Without
+a compiler, or with ``FXSTAB_NATIVE=0``, :func:`available` is False and callers use the
+references (one warning).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import math
-import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
 import warnings
-from pathlib import Path
 from typing import Optional
 
 import torch
 
 from ..numerics.digits import STATS_LEN, digits_cap, empty_stats, student_t
 from ..numerics.formats import WORKING_DTYPES, Format, float_bits
+from ..numerics.randbits import M64
 from ..numerics.rounding import MODE_CODES, Rounding
+from . import build
+from .build import library_path
 
 __all__ = ["available", "supports", "round_stats", "round_perturb", "perturb", "library_path",
            "Rounder", "rounder", "lookup_bf16", "LOOKUP_OPS", "derive_seeds", "CallSeeds",
            "Prepared"]
 
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.c"
-# -march=native: the element loops vectorise (variable shifts need AVX2 on x86); the cache key
-# includes the CPU's feature flags, so a cache shared between machines never loads code built
-# for another CPU. No -ffast-math: the rounding must follow IEEE arithmetic exactly
-# (-fno-trapping-math only lets the vectoriser evaluate both sides of a select).
-# -funroll-loops: 3-5% off round_stats (two builds alternated in one process, session 5); the
-# build takes about 40 s on this 2-core machine, once per source version and CPU.
-_FLAGS = ["-O3", "-march=native", "-funroll-loops", "-fopenmp", "-ffp-contract=off",
-          "-fno-trapping-math", "-fPIC", "-shared", "-std=gnu11"]
 MAX_SAMPLES = 256  # cpu_kernels.c: per-thread stack buffers
-_M64 = (1 << 64) - 1
 
 
 class _Params(ctypes.Structure):
@@ -67,64 +51,12 @@ class _Params(ctypes.Structure):
     ]
 
 
-def _cache_dir() -> Path:
-    if os.environ.get("FXSTAB_CACHE_DIR"):
-        return Path(os.environ["FXSTAB_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "fxstab"
-
-
-def _cpu_signature() -> str:
-    """The machine and its CPU's feature flags (what -march=native compiles for)."""
-    sig = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features", "model name")):
-                    sig += line
-    except OSError:
-        sig += platform.processor()
-    return sig
-
-
-def library_path() -> Path:
-    """Where the compiled library for this source and these flags lives (or will)."""
-    cc = os.environ.get("CC", "cc")
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join([cc] + _FLAGS).encode()
-                         + _cpu_signature().encode()).hexdigest()[:16]
-    return _cache_dir() / f"cpu_kernels-{key}.so"
-
-
-def _build(path: Path) -> None:
-    cc = os.environ.get("CC", "cc")
-    if shutil.which(cc) is None:
-        raise RuntimeError(f"no C compiler ({cc!r} not found; set CC)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # a first use can take half a minute: say why the program pauses (stderr, once)
-    print(f"fxstab: compiling the CPU kernels into {path.parent} (once per version and CPU; "
-          f"about 40 s on 2 cores)", file=sys.stderr, flush=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed:\n{proc.stderr.strip()}")
-        os.replace(tmp, path)  # atomic: concurrent first uses never load a partial file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 @functools.lru_cache(maxsize=None)
 def _lib() -> Optional[ctypes.CDLL]:
-    if os.environ.get("FXSTAB_NATIVE", "1") == "0":
+    if not build.enabled():
         return None
     try:
-        path = library_path()
-        if not path.exists():
-            _build(path)
-        lib = ctypes.CDLL(str(path))
+        lib = build.load_library()
     except (OSError, RuntimeError) as exc:
         warnings.warn(f"fxstab: the fused CPU kernels are unavailable ({exc}); using the "
                       f"plain-torch path, which is several times slower", RuntimeWarning,
@@ -162,7 +94,7 @@ def derive_seeds(seed: int, salts: list, then: int) -> Optional[tuple[list, list
     n = len(salts)
     arr = ctypes.c_uint64 * n
     seeds, after = arr(), arr()
-    lib.fxstab_derive_seeds(seed & _M64, arr(*[s & _M64 for s in salts]), n, then & _M64,
+    lib.fxstab_derive_seeds(seed & M64, arr(*[s & M64 for s in salts]), n, then & M64,
                             seeds, after)
     return list(seeds), list(after)
 
@@ -175,12 +107,12 @@ class CallSeeds:
     def __init__(self, bases: list, purposes: list) -> None:
         arr = ctypes.c_uint64 * len(bases)
         self.n = len(bases)
-        self._bases = arr(*[b & _M64 for b in bases])
-        self._purposes = arr(*[q & _M64 for q in purposes])
+        self._bases = arr(*[b & M64 for b in bases])
+        self._purposes = arr(*[q & M64 for q in purposes])
         self._out = arr()
 
     def __call__(self, call: int) -> list:
-        _lib().fxstab_call_seeds(self._bases, self._purposes, self.n, call & _M64, self._out)
+        _lib().fxstab_call_seeds(self._bases, self._purposes, self.n, call & M64, self._out)
         return self._out[:]
 
 
@@ -327,7 +259,7 @@ def _round_stats(samples, fmt, mode, seed, saturate, confidence, zero_threshold,
     if perturb_args is not None:
         if mode is None:
             raise ValueError("round_perturb needs a rounding mode")
-        fused = _Fused(eta=float(perturb_args[0]), seed=perturb_args[1] & _M64)
+        fused = _Fused(eta=float(perturb_args[0]), seed=perturb_args[1] & M64)
     stats, digits, zeros = r._run(x, xs, out, shape, seed, want_stats, want_digits,
                                   want_zero_mask, fused)
     return out, stats, digits, 0 if fused is None else int(fused.count), zeros
@@ -390,7 +322,7 @@ class Rounder:
 
     def _run(self, x, xs, out, shape, seed, want_stats, want_digits, want_zero_mask, fused):
         p = _Params.from_buffer_copy(self._base)
-        p.seed = seed & _M64
+        p.seed = seed & M64
         p.nthreads = torch.get_num_threads()
         stats = _Stats() if want_stats else None
         digits = empty(shape, x.dtype) if want_digits else None
@@ -491,7 +423,7 @@ class Prepared:
         else:
             return None
         p = self._p
-        p.seed = seed & _M64
+        p.seed = seed & M64
         nt = torch.get_num_threads()
         if nt != self._nt:
             p.nthreads = self._nt = nt
@@ -566,7 +498,7 @@ def perturb(samples: torch.Tensor, eta: float, seed: int, *,
         return out, 0
     fn = lib.fxstab_perturb_f32 if x.dtype == torch.float32 else lib.fxstab_perturb_f64
     moved = ctypes.c_int64(1)
-    count = fn(x.data_ptr(), xs, out.data_ptr(), n, numel, float(eta), seed & ((1 << 64) - 1),
+    count = fn(x.data_ptr(), xs, out.data_ptr(), n, numel, float(eta), seed & M64,
                torch.get_num_threads(), ctypes.byref(moved))
     if not moved.value:  # nothing changes: keep the samples, write nothing
         return samples, int(count)
