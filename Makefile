@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # torch 2.13.0 (CPU build) installs from this machine's disk; an unpinned torch pulls CUDA.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test test-fast install bench clean
+.PHONY: demo test test-fast install lint bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -19,8 +19,16 @@ install: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(VENV)/bin/fxstab demo
 
+# The layer contract of pyproject.toml ([tool.importlinter]), on a copy of the tree laid out as
+# the wheel installs it (triton_kernels/ as fxstab/kernels).
+LAYOUT := build/layout
+lint: $(VENV)/.installed
+	rm -rf $(LAYOUT) && mkdir -p $(LAYOUT)
+	cp -R fxstab $(LAYOUT)/fxstab && cp -R triton_kernels $(LAYOUT)/fxstab/kernels
+	cd $(LAYOUT) && $(abspath $(VENV))/bin/lint-imports $(CURDIR)/pyproject.toml --no-cache
+
 # Kernel tests run the Triton kernels on the CPU under the interpreter.
-test: $(VENV)/.installed
+test: $(VENV)/.installed lint
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider
 
 bench: $(VENV)/.installed
