@@ -4,14 +4,59 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from enum import Enum
+from typing import Any, Callable, Iterable, Optional, Union
 
 from .numerics.formats import Format, get_format
 from .numerics.rounding import Rounding
 
+__all__ = ["AnalysisConfig", "Kernels", "KERNELS", "GRANULARITIES", "OUTPUTS", "DIAGNOSTICS"]
+
+
+class Kernels(str, Enum):
+    """The ``kernels`` option: which implementation rounds the samples, measures their digits and
+    applies the GEMM surrogate. Every choice draws the same Philox bits, so the rounded samples
+    are the same; they differ in speed (and the statistics in the last few ulps).
+
+    * ``AUTO`` (``"auto"``): the Triton kernels on CUDA tensors, the fused CPU kernels on CPU
+      tensors where they build, the plain-torch references otherwise.
+    * ``TRITON`` (``"triton"``): the fused Triton kernels of :mod:`fxstab.kernels` (a GPU, or CPU
+      tensors under ``TRITON_INTERPRET=1``). The arithmetic level has no Triton path yet: there
+      it means ``auto``.
+    * ``CPU`` (``"cpu"``): the fused C kernels of :mod:`fxstab.cpu` (CPU fp32/fp64 tensors).
+    * ``TORCH`` (``"torch"``): the plain-torch references (the unfused side of the ablation).
+
+    Users pass the strings; :meth:`parse` validates them (or a member) against the choices a
+    caller takes.
+    """
+
+    AUTO = "auto"
+    TRITON = "triton"
+    CPU = "cpu"
+    TORCH = "torch"
+
+    @classmethod
+    def values(cls, members: Iterable["Kernels"] = ()) -> tuple[str, ...]:
+        """The option strings of ``members`` (default: every member), in declaration order."""
+        chosen = set(members) or set(cls)
+        return tuple(k.value for k in cls if k in chosen)
+
+    @classmethod
+    def parse(cls, value: Any, allowed: Iterable["Kernels"] = (), why: str = "") -> "Kernels":
+        """The member ``value`` names (a member or its string), if it is in ``allowed`` (default:
+        every member); otherwise a ValueError that lists the choices (and says ``why`` for a
+        known option a caller does not take)."""
+        choices = cls.values(allowed)
+        if isinstance(value, str) and value in choices:
+            return cls(value)
+        known = isinstance(value, str) and value in cls.values()
+        raise ValueError(f"kernels must be one of {', '.join(map(repr, choices))}; got {value!r}"
+                         + (f" ({why})" if known and why else ""))
+
+
 GRANULARITIES = ("op", "aten")
 OUTPUTS = ("deterministic", "mean")
-KERNELS = ("auto", "triton", "cpu", "torch")
+KERNELS = Kernels.values()
 DIAGNOSTICS = ("off", "summary", "detailed")
 
 Select = Union[None, str, Callable[..., bool], "list[str]", "tuple[str, ...]", "set[str]", "frozenset[str]"]
@@ -46,7 +91,8 @@ class AnalysisConfig:
 
         choice("granularity", self.granularity, GRANULARITIES)
         choice("output", self.output, OUTPUTS)
-        choice("kernels", self.kernels, KERNELS)
+        # stored as the plain string: the config's repr and JSON stay what users passed
+        object.__setattr__(self, "kernels", Kernels.parse(self.kernels).value)
         choice("diagnostics", self.diagnostics, DIAGNOSTICS)
         if not isinstance(self.backward, bool):
             raise ValueError(f"backward must be True or False (analyse the backward graph too), "

@@ -1,4 +1,6 @@
-"""The entry points the backend calls, with the ``kernels="auto" | "triton" | "torch"`` option.
+"""The entry points the backend calls, with the ``kernels="auto" | "triton" | "torch"`` option
+(:class:`fxstab.config.Kernels`; ``"cpu"``, the fused C kernels of :mod:`fxstab.cpu`, is not
+one of this package's).
 
 ``auto`` runs the fused Triton kernels on CUDA tensors and the plain-torch references
 elsewhere; ``triton`` forces the kernels (on CPU tensors only under the Triton interpreter,
@@ -19,34 +21,37 @@ from typing import Union
 
 import torch
 
+from fxstab.config import Kernels
+from fxstab.numerics import randbits
 from fxstab.numerics.digits import DigitStats
 from fxstab.numerics.formats import FORMATS, Format, FormatLike, get_format
 from fxstab.numerics.rounding import Rounding
 
 __all__ = ["round_and_stats", "perturb", "register_ops", "resolve_kernels", "KERNEL_OPTIONS"]
 
-KERNEL_OPTIONS = ("auto", "triton", "torch")
-_M64 = (1 << 64) - 1
+_OPTIONS = (Kernels.AUTO, Kernels.TRITON, Kernels.TORCH)
+KERNEL_OPTIONS = Kernels.values(_OPTIONS)
+"""The ``kernels`` strings this package takes: ``"auto"``, ``"triton"``, ``"torch"``."""
 
 
-def resolve_kernels(kernels: str, t: torch.Tensor) -> str:
+def resolve_kernels(kernels: "str | Kernels", t: torch.Tensor) -> str:
     """``"triton"`` or ``"torch"`` for tensor ``t`` under option ``kernels`` (validated)."""
-    if kernels not in KERNEL_OPTIONS:
-        raise ValueError(f"kernels must be one of {', '.join(map(repr, KERNEL_OPTIONS))}, got "
-                         f"{kernels!r}")
-    if kernels == "auto":
+    k = Kernels.parse(kernels, _OPTIONS, why="the fused CPU kernels are fxstab.cpu's, chosen by "
+                      "fxstab.backend(kernels='cpu'); fxstab.kernels runs the Triton kernels "
+                      "or the plain-torch references")
+    if k is Kernels.AUTO:
         return "triton" if t.device.type == "cuda" and t.dtype in (torch.float32,
                                                                     torch.float64) else "torch"
-    if kernels == "triton":
+    if k is Kernels.TRITON:
         from .round_digits import check_launchable
 
         check_launchable(t, "kernels='triton'")
-    return kernels
+    return k.value
 
 
 def _signed64(seed: int) -> int:
     """Custom-op schemas carry int64: map a seed in [0, 2**64) to a signed value and back."""
-    seed &= _M64
+    seed &= randbits.M64
     return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
@@ -73,7 +78,7 @@ def register_ops() -> tuple:
         per-element digits (empty unless ``want_digits``)."""
         fmt = _format_from(exp_bits, man_bits, finite_only)
         fn = _rd.round_digits if impl == "triton" else _rd.round_digits_torch
-        rounded, stats, digits = fn(samples, fmt, mode, seed & _M64, saturate=saturate,
+        rounded, stats, digits = fn(samples, fmt, mode, seed & randbits.M64, saturate=saturate,
                                     confidence=confidence, zero_threshold=zero_threshold,
                                     want_digits=want_digits)
         if digits is None:
@@ -92,7 +97,7 @@ def register_ops() -> tuple:
                    impl: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Perturbed samples and the number of perturbed elements (0-dim int64)."""
         fn = _perturb.perturb if impl == "triton" else _perturb.perturb_torch
-        return fn(samples, eta, seed & _M64)
+        return fn(samples, eta, seed & randbits.M64)
 
     @perturb_op.register_fake
     def _(samples, eta, seed, impl):

@@ -26,6 +26,26 @@ def test_kernels_option_validated():
     assert K.resolve_kernels("torch", x) == "torch"
 
 
+def test_one_kernels_enum_for_every_layer():
+    """fxstab.config.Kernels lists the options once: the backend takes all four, this package
+    "auto"/"triton"/"torch" (a "cpu" here says whose option it is), members or strings."""
+    from fxstab.config import KERNELS, AnalysisConfig, Kernels
+
+    assert KERNELS == ("auto", "triton", "cpu", "torch") == tuple(k.value for k in Kernels)
+    assert K.KERNEL_OPTIONS == ("auto", "triton", "torch")
+    x = torch.randn(3, 10)
+    assert K.resolve_kernels(Kernels.TORCH, x) == "torch"
+    with pytest.raises(ValueError, match="one of 'auto', 'triton', 'torch'; got 'cpu' "
+                                         r"\(the fused CPU kernels are fxstab.cpu's"):
+        K.round_and_stats(x, "bf16", "random", 0, kernels="cpu")
+    for k in KERNELS:  # the config keeps the string users passed (its repr, its JSON)
+        assert type(AnalysisConfig(kernels=k).kernels) is str
+    assert AnalysisConfig(kernels=Kernels.CPU).kernels == "cpu"
+    with pytest.raises(ValueError, match="kernels must be one of 'auto', 'triton', 'cpu', "
+                                         "'torch'; got 'gpu'"):
+        AnalysisConfig(kernels="gpu")
+
+
 def test_no_import_side_effects_and_triton_on_cpu_says_why():
     # One subprocess (importing torch costs seconds here) checks three things: `import fxstab`
     # and `import fxstab.kernels` neither import Triton nor register the ops; kernels='triton'
