@@ -92,14 +92,16 @@ _SMOKE = textwrap.dedent("""
     import torch.nn as nn
 
     import fxstab
+    import fxstab.cpu
     import fxstab.kernels
     from fxstab.cpu import bindings
 
     site = Path(sys.argv[1]).resolve()
     for mod in (fxstab, fxstab.kernels, bindings):
         assert site in Path(mod.__file__).resolve().parents, (mod.__name__, mod.__file__)
-    assert site in bindings._SOURCE.resolve().parents and bindings._SOURCE.is_file()
-    # the C kernels build (or load, keyed by this copy's source) from the installed package
+    assert (Path(fxstab.cpu.__file__).parent / "csrc" / "cpu_kernels.c").is_file()
+    # the C kernels build (or load from the cache, keyed by this copy's source) from the
+    # installed package
     assert bindings.available(), "the fused CPU kernels are unavailable from the wheel"
 
     class Small(nn.Module):
