@@ -185,7 +185,7 @@ def test_finite_mask_matches_isfinite_over_samples(dtype):
     """The anomaly counter's per-element finiteness (every sample finite): against
     torch.isfinite, with one infinite or NaN sample among finite ones, values near the dtype's
     maximum (their sum overflows; the mask must not), signed zeros and subnormals."""
-    from fxstab.rules.aten import _Analysis
+    from fxstab.rules.aten import Analysis
 
     big = torch.finfo(dtype).max
     tiny = torch.finfo(dtype).smallest_normal / 4
@@ -194,6 +194,6 @@ def test_finite_mask_matches_isfinite_over_samples(dtype):
             [math.inf, -math.inf, math.nan], [-math.inf, -math.inf, -math.inf]]
     s = torch.tensor(cols, dtype=dtype).T.contiguous()  # [3 samples, 10 elements]
     ctx = AtenContext(format="bf16" if dtype == torch.float32 else "fp32", n_samples=3)
-    got = _Analysis(s, ctx).finite
+    got = Analysis(s, ctx).finite
     assert torch.equal(got, torch.isfinite(s).all(0))
     assert got.tolist() == [True, False, False, False, True, True, True, True, False, False]

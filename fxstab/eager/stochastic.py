@@ -25,15 +25,15 @@ per operation. Views are copies: an in-place update of a view does not reach its
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
-from torch._decomp import get_decompositions
 from torch.utils import _pytree as pytree
 
 from ..rules.aten import (
-    AtenContext, PrimitiveRecord, Stacked, apply_primitive, op_info, to_op_report,
+    AtenContext, PrimitiveRecord, Stacked, apply_primitive, decompositions, op_info, to_op_report,
 )
 from ..records.counters import Counters, active_collectors, instability_counters
 from ..numerics.digits import format_stochastic
@@ -44,23 +44,12 @@ aten = torch.ops.aten
 
 __all__ = ["StochasticTensor", "stochastic", "analyze", "AnalysisResult", "instability_counters"]
 
-_DECOMPOSED_NAMES = [
-    "_softmax", "_log_softmax", "native_layer_norm", "native_batch_norm",
-    "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
-    "_native_batch_norm_legit_functional", "native_group_norm", "gelu", "silu", "mish",
-    "hardswish", "hardsigmoid", "softplus", "elu", "leaky_relu", "logsumexp", "var_mean", "var",
-    "std", "std_mean", "mse_loss", "addcmul", "addcdiv", "linalg_vector_norm", "norm", "lerp",
-    "_rms_norm", "rms_norm", "huber_loss", "smooth_l1_loss", "log_sigmoid_forward", "softshrink",
-    "hardshrink", "celu", "selu", "glu", "nll_loss_forward", "binary_cross_entropy",
-]
 
-
+@functools.lru_cache(maxsize=None)
 def _decompositions() -> dict:
-    table = getattr(_decompositions, "_table", None)
-    if table is None:
-        ops = [getattr(aten, n) for n in _DECOMPOSED_NAMES if hasattr(aten, n)]
-        table = _decompositions._table = get_decompositions(ops)
-    return table
+    """The arithmetic level's decompositions as the eager driver meets operators
+    (:func:`fxstab.rules.aten.decompositions`, ``core=False``), built on first use."""
+    return decompositions(core=False)
 
 
 _CONTEXTS: dict = {}

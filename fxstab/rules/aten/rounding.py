@@ -1,0 +1,209 @@
+"""Rounding of a primitive's results into the format (DESIGN.md §1), with their measurement.
+
+:func:`round_measure` rounds stacked samples and measures their digits in one pass of the fused
+CPU kernel (or the references: :func:`fxstab.numerics.rounding.round_samples` and torch digits);
+the fp64 format rounds through error-free transformations (:func:`round_fp64`), complex values
+part by part (:func:`round_complex`); :func:`perturb_operand` is the GEMM surrogate
+(DESIGN.md §4).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ...cpu import bindings as native
+from ...numerics import randbits
+from ...numerics.digits import empty_stats, extra_stats, underflow_count
+from ...numerics.formats import Format, get_format
+from ...numerics.rounding import Rounding, round_samples, sample_draws
+from ...numerics.surrogate import perturb_samples
+from .batching import aligned
+from .context import AtenContext
+from .stacked import Analysis
+
+__all__ = ["round_stacked", "round_measure", "round_fp64", "round_complex", "perturb_operand"]
+
+
+def round_stacked(samples: torch.Tensor, fmt: Format, mode: Rounding, seed: int, *,
+                  saturate: bool = False, kernels: str = "auto") -> torch.Tensor:
+    """Round stacked samples into ``fmt`` with the cross-sample scheme of DESIGN.md §1.
+
+    The same bits as :func:`fxstab.numerics.rounding.round_samples` (Philox streams), through the fused
+    CPU kernel where it runs (``kernels`` ``auto``/``cpu``) and the reference elsewhere.
+    """
+    if kernels != "torch" and samples.device.type == "cpu" and \
+            samples.dtype in (torch.float32, torch.float64) and native.available():
+        return native.round_stats(samples, fmt, mode, seed, saturate=saturate,
+                                  want_stats=False)[0]
+    return round_samples(samples, fmt, mode, seed, saturate=saturate)
+
+
+def round_measure(v: torch.Tensor, ctx: AtenContext, seed: Optional[int], want_stats: bool,
+                   want_digits: bool, want_zeros: bool = False, own: bool = False):
+    """Round ``v`` ([N, ...], unless ``seed`` is None: measure only) and measure it.
+
+    Returns (samples, stats list [sum, min, max, zeros, non-finite, numel] or None, analysis):
+    one pass of the fused kernel, or the references (``round_samples`` + torch digits). The
+    kernel also writes the computational-zero mask with ``want_zeros`` (a consumer's counters
+    read it; a byte per element instead of the digits).
+    """
+    if seed is None and not (want_stats or want_digits):
+        return v, None, Analysis(v, ctx)
+    if ctx.native_for(v) and v.dim() and v.numel():
+        want_stats = want_stats or want_digits or want_zeros
+        if not v.is_contiguous() and not (v.stride(0) == 0 and v[0].is_contiguous()):
+            v = v.contiguous()
+        # the settings are bound once per context; an expanded view (identical samples) is
+        # read N times, not copied
+        r = ctx.rounder(v.dtype, seed is not None)
+        out, st, d, z = r(v, 0 if seed is None else seed, want_stats, want_digits, want_zeros, own)
+        return out, st, Analysis(out, ctx, digits=d, stats=st, zero=z)
+    numel = v.numel() // v.shape[0] if v.dim() and v.shape[0] else (0 if v.dim() else 1)
+    under = 0
+    if seed is not None:
+        if want_stats and numel and v.is_floating_point():
+            under = underflow_count(v, ctx.fmt)
+        v = round_samples(v, ctx.fmt, ctx.rounding, seed, saturate=ctx.saturate)
+    an = Analysis(v, ctx)
+    st = None
+    if want_stats and numel:
+        d = an.digits
+        dmin, dmax = torch.aminmax(d)
+        st = torch.stack([d.sum(dtype=torch.float64), dmin.double(), dmax.double(),
+                          an.zero.sum().double(), (~an.finite).sum().double()]).tolist()
+        st.append(float(numel))
+        if v.is_floating_point():  # the extras: norms, underflow, quantiles
+            st += extra_stats(v, ctx.t, ctx.cap, under)
+        else:
+            st += empty_stats(ctx.cap)[6:]
+        an.set_stats(st)
+    elif want_stats:
+        st = empty_stats(ctx.cap)
+    return v, st, an
+
+
+def _random_up(n: int, numel: int, seed: int, ctx: AtenContext, device) -> torch.Tensor:
+    """Rounding directions [N, numel] (True: away from zero) of ``random`` rounding: the
+    Philox bits of :func:`fxstab.numerics.rounding.round_samples` with CADNA's cross-sample scheme.
+
+    Through the fused kernel: rounding a value halfway inside a bf16 interval reads the bit
+    (it goes up exactly when the bit says so), the same bits as the reference below.
+    """
+    if ctx.use_native and device.type == "cpu" and numel:
+        probe = torch.full((numel,), _PROBE, dtype=torch.float32)
+        out = native.round_stats(probe, _PROBE_FORMAT, Rounding.RANDOM, seed, n_samples=n,
+                                 want_stats=False)[0]
+        return out > _PROBE
+    draws, flips = sample_draws(n)
+    bits = randbits.random_bits(seed, numel, sorted(set(draws)), device=device)
+    flip = torch.tensor(flips, dtype=torch.int64, device=device).reshape(n, 1)
+    return (bits[torch.tensor(draws, device=device)] ^ flip).bool()
+
+
+_PROBE = 1.0 + 2.0 ** -9  # between bf16's neighbours 1 and 1 + 2**-7
+_PROBE_FORMAT = get_format("bf16")
+
+
+# Error-free transformations for the fp64 format (DESIGN.md §1): the working dtype is the
+# format, so the side of the exact result must be computed, not read off extra bits.
+_SPLIT = 134217729.0  # 2**27 + 1, Veltkamp's splitter for binary64
+
+
+def _two_prod_err(a: torch.Tensor, b: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """a*b - p exactly (Dekker), p = fl(a*b); valid without overflow in the splitting."""
+    ca = _SPLIT * a
+    ah = ca - (ca - a)
+    al = a - ah
+    cb = _SPLIT * b
+    bh = cb - (cb - b)
+    bl = b - bh
+    return al * bl - (((p - ah * bh) - al * bh) - ah * bl)
+
+
+def _fp64_side(kind: str, op, args: tuple, kwargs: dict, y: torch.Tensor) -> Optional[torch.Tensor]:
+    """Sign of (exact result - y) for add/sub/mul/div/sqrt in fp64, or None if unknown."""
+    name = getattr(op, "_overloadname", "")
+    if kind in ("add", "sub", "rsub"):
+        if kwargs.get("alpha", args[2] if len(args) > 2 else 1) != 1:
+            return None
+        a, b = aligned(args[:2], y.dim() - 1)
+        a = torch.as_tensor(a, dtype=y.dtype, device=y.device)
+        b = torch.as_tensor(b, dtype=y.dtype, device=y.device)
+        if kind == "sub":
+            b = -b
+        elif kind == "rsub":
+            a, b = b, -a
+        bb = y - a
+        err = (a - (y - bb)) + (b - bb)
+        return torch.sign(err)
+    if kind == "mul":
+        a, b = (torch.as_tensor(v, dtype=y.dtype, device=y.device)
+                for v in aligned(args[:2], y.dim() - 1))
+        return torch.sign(_two_prod_err(a, b, y))
+    if kind == "div" and name in ("Tensor", "Scalar") and not kwargs.get("rounding_mode"):
+        a, b = (torch.as_tensor(v, dtype=y.dtype, device=y.device)
+                for v in aligned(args[:2], y.dim() - 1))
+        ph = y * b
+        r = (a - ph) - _two_prod_err(y, b, ph)
+        return torch.sign(r) * torch.sign(b)
+    if kind == "reciprocal":
+        b = args[0].samples
+        ph = y * b
+        return torch.sign((1.0 - ph) - _two_prod_err(y, b, ph)) * torch.sign(b)
+    if kind == "sqrt":
+        a = args[0].samples
+        ph = y * y
+        return torch.sign((a - ph) - _two_prod_err(y, y, ph))
+    return None
+
+
+def round_fp64(kind: str, op, args: tuple, kwargs: dict, y: torch.Tensor, seed: int,
+                ctx: AtenContext) -> torch.Tensor:
+    """Random rounding in the fp64 format on fp64 results (already rounded to nearest).
+
+    With the exact side known (TwoSum/TwoProd), a sample keeps y or moves to the neighbour on the
+    exact result's side, each with probability 1/2 (exactly CESTAC's random rounding). For other
+    primitives the side is unknown: one shared random side per element stands in for it, so a
+    result moves by at most one unit in the last place, as a rounding error would. The coins are
+    the Philox bits of ``random`` rounding (:func:`_random_up`).
+    """
+    n = y.shape[0]
+    numel = y[0].numel()
+    if numel == 0:
+        return y
+    side = _fp64_side(kind, op, args, kwargs, y)
+    up = _random_up(n, numel, seed, ctx, y.device).reshape(y.shape)
+    if side is None:
+        shared = _random_up(1, numel, randbits.derive_seed(seed, 1), ctx, y.device)
+        side = torch.where(shared.reshape((1,) + y.shape[1:]), 1.0, -1.0).to(y.dtype)
+        moved = torch.nextafter(y, side * math.inf)
+        return torch.where(up & torch.isfinite(y), moved, y)
+    side = side.expand(y.shape) if side.shape != y.shape else side
+    moved = torch.nextafter(y, side * math.inf)
+    return torch.where(up & (side != 0) & torch.isfinite(y), moved, y)
+
+
+def perturb_operand(samples: torch.Tensor, eta: float, seed: int, ctx: AtenContext) -> tuple[torch.Tensor, int]:
+    """The GEMM surrogate (DESIGN.md §4): :func:`fxstab.numerics.surrogate.perturb_samples`, through the
+    fused kernel where it runs (same bits)."""
+    if ctx.native_for(samples):
+        return native.perturb(samples, eta, seed)
+    return perturb_samples(samples, eta, seed)
+
+
+def round_complex(v: torch.Tensor, ctx: AtenContext, seed: Optional[int], want_stats: bool,
+                   own: bool):
+    """Round complex samples ``v`` (unless ``seed`` is None: measure only) part by part: their
+    real view ``[N, ..., 2]`` is rounded and measured like real samples (statistics over
+    2 x numel values: the digits of each part). Returns (complex samples, stats or None)."""
+    r = torch.view_as_real(v.resolve_conj().resolve_neg())
+    own = own and r.is_contiguous() and not v.is_conj() and not v.is_neg()
+    r = r.contiguous()
+    if seed is not None and ctx.eft:  # the fp64 format: one shared random side per part
+        r = round_fp64("complex", None, (), {}, r, seed, ctx)
+        seed = None
+    out, st, _ = round_measure(r, ctx, seed, want_stats, False, False, own)
+    return torch.view_as_complex(out.contiguous()), st
