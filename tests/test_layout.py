@@ -137,6 +137,29 @@ def test_import_contract(tmp_path):
     assert proc.returncode == 0, f"lint-imports: contracts broken\n{report}\n{proc.stderr[-2000:]}"
 
 
+def _layer_contract() -> dict:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (layers,) = [c for c in config["contracts"] if c["type"] == "layers"]
+    return layers
+
+
+def test_every_top_level_module_has_a_layer():
+    """A module or package added under fxstab/ is checked only once the contract names it."""
+    contract = _layer_contract()
+    assert contract["containers"] == ["fxstab"]
+    named = [part.strip() for layer in contract["layers"] for part in layer.split("|")]
+    assert len(named) == len(set(named)), named
+    top = {name.split(".")[1] for name in MODULES if name.count(".") >= 1}
+    missing = sorted(top - set(named) - {"__main__"})
+    assert not missing, f"top-level modules of fxstab in no layer of pyproject.toml: {missing}"
+    stale = sorted(set(named) - top)
+    assert not stale, f"layers of pyproject.toml that name no module of fxstab: {stale}"
+
+
 # ---------------------------------------------------------------- import circles
 
 def _cycles(edges: dict) -> list:
