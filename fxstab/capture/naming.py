@@ -13,25 +13,46 @@ from __future__ import annotations
 import re
 import torch
 
-_PREFIX = re.compile(r"^L\[['\"][^'\"]*['\"]\]\.?")
-_BRACKET = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
+# One parser for every spelling of a dynamo module path that torch versions have written:
+# ``L['self'].blocks.0.attn`` (torch 2.13), ``L['self'].blocks[0]._modules['attn']``,
+# ``L["self"].d['k']``, ``getattr(L['self'].blocks, '0')``. Used by the analysis
+# (fxstab.backend, fxstab.analysis) and by the monitor's compiled front end alike.
+_GETATTR = re.compile(r"""getattr\(([^()]*), (['"])([^'"]*)\2\)""")  # innermost first
+_PREFIX = re.compile(r"""^L\[(['"])[^'"]*\1\]\.?""")
+_MODULES = re.compile(r"""(^|\.)_modules\[(['"])([^'"]*)\2\]""")  # nn.Module._modules['x']
+_SUBSCRIPT = re.compile(r"""\[(['"]?)([^\]'"]+)\1\]""")  # [0], ['k'], ["k"]
 
 
 def normalize_module_path(raw: str) -> str:
-    """``L['self'].blocks[0]._modules['attn']`` -> ``blocks.0.attn``."""
-    path = _PREFIX.sub("", raw)
-    path = path.replace("._modules", "").replace("_modules", "")
-    path = _BRACKET.sub(r".\1", path)
-    path = re.sub(r"\.+", ".", path).strip(".")
-    return path
+    """A dynamo module path in the dotted form of ``model.named_modules()``:
+    ``L['self'].blocks[0]._modules['attn']`` -> ``blocks.0.attn``; ``""`` at the root.
+
+    An attribute whose name merely contains ``_modules`` (``sub_modules``) is kept whole.
+    """
+    path = str(raw)
+    while True:
+        unwrapped = _GETATTR.sub(r"\1.\3", path)
+        if unwrapped == path:
+            break
+        path = unwrapped
+    path = _PREFIX.sub("", path)
+    path = _MODULES.sub(r"\1\3", path)
+    path = _SUBSCRIPT.sub(r".\2", path)
+    return re.sub(r"\.+", ".", path).strip(".")
 
 
 def module_path(node: torch.fx.Node) -> str:
+    """Model-relative module path of a dynamo node (``blocks.3.attn``; ``""`` at the root)."""
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
         return ""
     raw = list(stack.values())[-1][0]
     return normalize_module_path(str(raw))
+
+
+def op_name(path: str, kind: str, index: int) -> str:
+    """Stable operator name ``path/kind#index`` (``kind#index`` at the root; DESIGN.md §7)."""
+    return f"{path}/{kind}#{index}" if path else f"{kind}#{index}"
 
 
 def source_location(node: torch.fx.Node) -> str:
@@ -58,7 +79,7 @@ class NameRegistry:
             return found
         k = self._count.get((path, kind), 0)
         self._count[(path, kind)] = k + 1
-        name = f"{path}/{kind}#{k}" if path else f"{kind}#{k}"
+        name = op_name(path, kind, k)
         self._by_identity[identity] = name
         return name
 
@@ -67,5 +88,5 @@ def qualified_name(path: str, kind: str) -> str:
     return f"{path}/{kind}" if path else kind
 
 
-__all__ = ["normalize_module_path", "module_path", "source_location", "NameRegistry",
+__all__ = ["normalize_module_path", "module_path", "op_name", "source_location", "NameRegistry",
            "qualified_name"]
