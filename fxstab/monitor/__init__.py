@@ -7,7 +7,8 @@ Entry point: :class:`StabilityMonitor` (``monitor.backend()`` for ``torch.compil
 
 from .calibrate import Calibration, FamilyCalibration, choose_thresholds
 from .config import DEFAULT_MONITOR_FAMILIES, Mode, MonitorConfig
-from .core import OpState, Promotion, StabilityMonitor, op_family, register_op
+from .core import Promotion, StabilityMonitor
+from .ops import OpState, op_family, register_op
 
 __all__ = ["StabilityMonitor", "MonitorConfig", "Mode", "Promotion", "OpState", "register_op",
            "Calibration", "FamilyCalibration", "choose_thresholds", "op_family",

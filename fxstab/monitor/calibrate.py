@@ -157,7 +157,7 @@ def choose_thresholds(clean: Any, injected: Any, *, safe_ratio: float = 10.0,
         injected: Dispersions measured on the injected operators only.
         safe_ratio: tau_safe / tau_warn (> 1).
         margin: Factor above the clean maximum when there is nothing to separate from (> 1).
-        family: Operator name -> family (``fxstab.monitor.core.op_family``); needs mappings.
+        family: Operator name -> family (``fxstab.monitor.ops.op_family``); needs mappings.
 
     Raises:
         ValueError: empty or non-finite clean scores, or bad ratios.

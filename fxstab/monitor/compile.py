@@ -11,7 +11,6 @@ AOT tracing could not keep.
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -19,36 +18,18 @@ from typing import Any, Callable, Optional
 import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
+from ..capture.naming import module_path, op_name
 from ..capture.opsets import family_of, node_kind
-from .core import OpState, StabilityMonitor, custom_op_of
 from .modes import method_caller
+from .ops import OpRouter, OpState, custom_op_of
 
-__all__ = ["MonitorBackend", "MonitorPass", "module_path"]
+# module_path and op_name live in fxstab.capture.naming (one parser for the analysis and the
+# monitor); they stay importable from here.
+__all__ = ["MonitorBackend", "MonitorPass", "GraphInfo"]
 
-_ROOT = re.compile(r"^L\['[^']*'\]\.?")
-
-
-def module_path(node: torch.fx.Node) -> str:
-    """Model-relative module path of a dynamo node (``blocks.3.attn``; ``""`` at the root)."""
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    path = _ROOT.sub("", str(path))
-    path = re.sub(r"\._modules\['([^']*)'\]", r".\1", path)
-    path = re.sub(r"\[(\d+)\]", r".\1", path)
-    path = re.sub(r"^getattr\((.*), '([^']*)'\)$", r"\1.\2", path)
-    return path.strip(".")
-
-
-def op_name(path: str, kind: str, index: int) -> str:
-    """Stable operator name ``path/kind#index`` (``kind#index`` at the root; DESIGN.md §7)."""
-    return f"{path}/{kind}#{index}" if path else f"{kind}#{index}"
-
-
-def _dispatcher(monitor: StabilityMonitor, op: OpState) -> Callable:
+def _dispatcher(monitor: OpRouter, op: OpState) -> Callable:
     def monitored(*args, **kwargs):
-        return monitor._call(op, args, kwargs)
+        return monitor.route(op, args, kwargs)
     monitored.__name__ = monitored.__qualname__ = f"fxstab_monitored_{op.kind}"
     return monitored
 
@@ -56,7 +37,7 @@ def _dispatcher(monitor: StabilityMonitor, op: OpState) -> Callable:
 class MonitorPass(PassBase):
     """Route candidate nodes of one graph through ``monitor`` (records what it did)."""
 
-    def __init__(self, monitor: StabilityMonitor) -> None:
+    def __init__(self, monitor: OpRouter) -> None:
         super().__init__()
         self.monitor = monitor
         self.instrumented: list[str] = []
@@ -90,7 +71,7 @@ class MonitorPass(PassBase):
             path = module_path(node)
             name = op_name(path, kind, counts[(path, kind)])
             counts[(path, kind)] += 1
-            op = self.monitor._discover(name, kind, fn, spec)
+            op = self.monitor.discover(name, kind, fn, spec)
             with gm.graph.inserting_before(node):
                 new = gm.graph.call_function(_dispatcher(self.monitor, op), tuple(node.args),
                                              dict(node.kwargs))
@@ -119,7 +100,7 @@ class MonitorBackend:
     ``compiles`` counts the graphs dynamo handed over: promotions must not change it.
     """
 
-    def __init__(self, monitor: StabilityMonitor) -> None:
+    def __init__(self, monitor: OpRouter) -> None:
         self.monitor = monitor
         self.graphs: list[GraphInfo] = []
 

@@ -2,7 +2,7 @@
 
 Both front ends (``monitor.backend()`` for ``torch.compile`` and ``monitor.wrap(model)`` for
 eager models) discover operators, name them ``module.path/kind#k`` and route every call of a
-candidate through :meth:`StabilityMonitor._call`, which runs the operator's current mode and,
+candidate through :meth:`StabilityMonitor.route`, which runs the operator's current mode and,
 when the schedule says so, K perturbed replicas of it (DESIGN.md §8).
 """
 
@@ -11,82 +11,22 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 from ..capture.flat import flatten_call, unflatten_call
-from ..capture.opsets import family_of
 from ..numerics.randbits import derive_seed
 from .config import MonitorConfig, Mode
 from .modes import CustomOp, implementations
+from .ops import OpState, custom_op_of, op_family, register_op
 
-__all__ = ["StabilityMonitor", "OpState", "Promotion", "register_op", "custom_op_of",
+# OpState, register_op, custom_op_of and op_family live in .ops (below the front ends); they
+# stay importable from here.
+__all__ = ["StabilityMonitor", "Promotion", "OpState", "register_op", "custom_op_of",
            "op_family"]
-
-# Registered custom ops, keyed by the public callable's id (the callable is kept alive here).
-_CUSTOM_OPS: dict[int, tuple[Callable, CustomOp]] = {}
-# Threshold family of each registered custom op kind.
-_CUSTOM_FAMILIES: dict[str, str] = {}
-# Eager monitors currently running a forward (innermost last); see wrap.py.
-_EAGER_STACK: list = []
-
-
-def custom_op_of(fn: Any) -> Optional[CustomOp]:
-    """The registered :class:`CustomOp` behind a public callable, or ``None``."""
-    entry = _CUSTOM_OPS.get(id(fn))
-    return entry[1] if entry is not None and entry[0] is fn else None
-
-
-def op_family(name_or_kind: str) -> str:
-    """Threshold family of an operator name (``path/kind#k``) or kind: the ``fxstab.capture.opsets``
-    family of the kind, the family a custom op was registered with, else the kind itself."""
-    kind = name_or_kind.rsplit("/", 1)[-1].split("#", 1)[0]
-    return _CUSTOM_FAMILIES.get(kind) or family_of(kind) or kind
-
-
-def register_op(name: str, fn: Callable, fp32_fn: Optional[Callable] = None,
-                stable_fn: Optional[Callable] = None, family: Optional[str] = None) -> Callable:
-    """Register a custom operator with the monitor's modes; returns the callable to use.
-
-    The returned function runs ``fn`` (NORMAL) when no monitor is active; inside a monitored
-    model it is one candidate operator of kind ``name`` whose mode the monitor switches. It is
-    ``torch.compiler.allow_in_graph``-ed so dynamo keeps it as one graph node (``fn`` must then
-    work on fake tensors: no ``.item()`` or data-dependent Python control flow).
-
-    Args:
-        name: Kind name of the operator (a Python identifier, e.g. ``"my_fused_norm"``).
-        fn: NORMAL implementation.
-        fp32_fn: FP32_ACCUMULATION implementation (default: ``fn`` on fp32-upcast inputs).
-        stable_fn: STABLE_KERNEL implementation (default: ``fp32_fn or fn`` upcast to the
-            monitor's stable dtype).
-        family: Whose thresholds apply (``MonitorConfig.thresholds``, ``monitor.calibrate``):
-            e.g. ``"norm"`` for a fused normalization; default: the op's own name.
-    """
-    if not isinstance(name, str) or not name.isidentifier():
-        raise ValueError(f"a custom op name must be a Python identifier, got {name!r}")
-    for label, f in (("fn", fn), ("fp32_fn", fp32_fn), ("stable_fn", stable_fn)):
-        if f is not None and not callable(f) or (label == "fn" and f is None):
-            raise ValueError(f"{label} must be callable, got {f!r}")
-    if family is not None and (not isinstance(family, str) or not family):
-        raise ValueError(f"family must be a non-empty string or None, got {family!r}")
-    spec = CustomOp(name, fn, fp32_fn, stable_fn, family)
-    _CUSTOM_FAMILIES[name] = family or name
-
-    def op(*args, **kwargs):
-        if _EAGER_STACK:
-            return _EAGER_STACK[-1].call_custom(op, spec, args, kwargs)
-        return fn(*args, **kwargs)
-
-    op.__name__ = op.__qualname__ = name
-    op.__doc__ = fn.__doc__
-    op.fxstab_custom_op = spec  # type: ignore[attr-defined]
-    op = torch.compiler.allow_in_graph(op)
-    _CUSTOM_OPS[id(op)] = (op, spec)
-    return op
-
 
 @dataclass
 class Promotion:
@@ -98,29 +38,6 @@ class Promotion:
     new: str
     score: float
     reason: str
-
-
-@dataclass
-class OpState:
-    """What the monitor knows about one candidate operator."""
-
-    name: str
-    kind: str
-    index: int
-    family: str = ""
-    impls: tuple = field(repr=False, default=())
-    mode: Mode = Mode.NORMAL
-    score: float = 0.0
-    n: int = 0  # measurements since the last reset of the EMA
-    checks: int = 0
-    checked_step: int = -1
-    scored_step: int = -1  # step of the last measurement that updated the EMA
-    inherited_nonfinite: int = 0  # non-finite checks blamed on the inputs (not counted)
-    last_recheck: int = 0
-    pinned: bool = False
-    skip_reason: str = ""
-    ever_promoted: bool = False
-    history: list = field(default_factory=list, repr=False)  # (step, S, score, probe mode)
 
 
 def _floats_of(out: Any) -> list[torch.Tensor]:
@@ -197,8 +114,10 @@ class StabilityMonitor:
         return register_op(name, fn, fp32_fn, stable_fn, family)
 
     # -- operator table ------------------------------------------------------------------------
-    def _discover(self, name: str, kind: str, fn: Callable,
-                  custom: Optional[CustomOp] = None) -> OpState:
+    def discover(self, name: str, kind: str, fn: Callable,
+                 custom: Optional[CustomOp] = None) -> OpState:
+        """The operator ``name`` of ``kind`` that calls ``fn`` (a registered ``custom`` op's
+        spec), added to the table on its first call: what a front end calls per operator."""
         op = self._ops.get(name)
         if op is None:
             stable = torch.float64 if self.config.stable_dtype == "fp64" else torch.float32
@@ -218,7 +137,9 @@ class StabilityMonitor:
         return list(self._order)
 
     # -- runtime -------------------------------------------------------------------------------
-    def _call(self, op: OpState, args: tuple, kwargs: dict) -> Any:
+    def route(self, op: OpState, args: tuple, kwargs: dict) -> Any:
+        """One call of ``op``: its current mode's implementation, checked (K replicas, score,
+        promotion) when the schedule says so. Front ends route every candidate call here."""
         if self._t_start is None:
             self._t_start = time.perf_counter()
         out = op.impls[op.mode](args, kwargs)

@@ -34,6 +34,8 @@ import torch.nn.functional as F
 
 from ..numerics.formats import get_format
 from ..numerics.rounding import quantize
+from .modes import safe_softmax
+from .ops import register_op
 
 __all__ = ["Injection", "fp16_accumulation", "naive_softmax", "overflow_activation",
            "blocked_sum", "INJECTIONS"]
@@ -90,17 +92,10 @@ def _fp16acc_linear_stable(x, weight, bias, offset, block: int = DEFAULT_BLOCK):
     return _cancel_linear(x, weight, bias, offset, torch.float64).to(x.dtype)
 
 
-def _safe_softmax(logits, dim):
-    m = logits.amax(dim=dim, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    e = torch.exp(logits - m)
-    return e / e.sum(dim=dim, keepdim=True)
-
-
 def _naive_softmax(x, scale, dim: int = -1, block: int = DEFAULT_BLOCK):
     fmt = get_format(x.dtype)
     logits = x.float() * scale.float()
-    exact = _safe_softmax(logits, dim)
+    exact = safe_softmax(logits, dim)
     with torch.no_grad():
         e = quantize(torch.exp(logits), fmt, "nearest")  # no max subtraction: overflows > 88.7
         s = blocked_sum(e, dim, block, fmt)
@@ -109,11 +104,11 @@ def _naive_softmax(x, scale, dim: int = -1, block: int = DEFAULT_BLOCK):
 
 
 def _naive_softmax_fp32(x, scale, dim: int = -1, block: int = DEFAULT_BLOCK):
-    return _safe_softmax(x.float() * scale.float(), dim).to(x.dtype)
+    return safe_softmax(x.float() * scale.float(), dim).to(x.dtype)
 
 
 def _naive_softmax_stable(x, scale, dim: int = -1, block: int = DEFAULT_BLOCK):
-    return _safe_softmax(x.double() * scale.double(), dim).to(x.dtype)
+    return safe_softmax(x.double() * scale.double(), dim).to(x.dtype)
 
 
 def _ln_prescaled(xs, weight, bias, eps, dtype):
@@ -159,7 +154,6 @@ _OPS: dict[str, Callable] = {}
 def _op(name: str) -> Callable:
     """The registered custom op ``name`` (registered on first use)."""
     if not _OPS:
-        from .core import register_op
         # Each injected op is judged by the thresholds of the family it stands in for.
         _OPS["inject_fp16acc_linear"] = register_op(
             "inject_fp16acc_linear", _fp16acc_linear, _fp16acc_linear_fp32,

@@ -27,7 +27,8 @@ from torch.utils._pytree import tree_map
 
 from .config import Mode
 
-__all__ = ["Impl", "CustomOp", "implementations", "upcast_call", "method_caller", "out_dtype"]
+__all__ = ["Impl", "CustomOp", "implementations", "upcast_call", "method_caller", "out_dtype",
+           "safe_softmax"]
 
 Impl = Callable[[tuple, dict], Any]
 
@@ -78,19 +79,24 @@ def _arg(args: tuple, kwargs: dict, i: int, name: str, default: Any = None) -> A
 
 
 # -- softmax -----------------------------------------------------------------------------------
-def _safe_softmax(args: tuple, kwargs: dict, dtype: torch.dtype, log: bool) -> torch.Tensor:
+def safe_softmax(x: torch.Tensor, dim: int, log: bool = False) -> torch.Tensor:
+    """Softmax (``log``: log-softmax) of ``x`` along ``dim`` in ``x``'s dtype, the row maximum
+    subtracted first so that no exponential overflows; a fully masked row (maximum ``-inf``)
+    subtracts 0. The monitor's safer softmax kernels and the injections' exact softmax."""
+    m = x.amax(dim=dim, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # fully masked (-inf) rows
+    z = x - m
+    s = torch.exp(z).sum(dim=dim, keepdim=True)
+    return z - torch.log(s) if log else torch.exp(z) / s
+
+
+def _softmax_in(args: tuple, kwargs: dict, dtype: torch.dtype, log: bool) -> torch.Tensor:
+    """``F.softmax``/``F.log_softmax``'s call computed by :func:`safe_softmax` in ``dtype``."""
     x = args[0]
     dim = _arg(args, kwargs, 1, "dim")
     if dim is None:  # legacy implicit dim of F.softmax
         dim = 0 if x.dim() in (0, 1, 3) else 1
-    target = out_dtype(args, kwargs)
-    xw = x.to(dtype)
-    m = xw.amax(dim=dim, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # fully masked (-inf) rows
-    z = xw - m
-    s = torch.exp(z).sum(dim=dim, keepdim=True)
-    y = z - torch.log(s) if log else torch.exp(z) / s
-    return y.to(target)
+    return safe_softmax(x.to(dtype), dim, log).to(out_dtype(args, kwargs))
 
 
 # -- normalization -----------------------------------------------------------------------------
@@ -201,8 +207,8 @@ def implementations(kind: str, fn: Callable, stable_dtype: torch.dtype,
     if kind in ("softmax", "log_softmax"):
         log = kind == "log_softmax"
         return (normal,
-                lambda a, k: _safe_softmax(a, k, torch.float32, log),
-                lambda a, k: _safe_softmax(a, k, stable_dtype, log))
+                lambda a, k: _softmax_in(a, k, torch.float32, log),
+                lambda a, k: _softmax_in(a, k, stable_dtype, log))
     if kind == "layer_norm":
         return normal, _layer_norm_fp32, lambda a, k: _layer_norm_stable(a, k, stable_dtype)
     if kind == "rms_norm":

@@ -16,10 +16,10 @@ from typing import Any, Callable, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..capture.naming import op_name
 from ..capture.opsets import family_of, target_kind
-from .compile import op_name
-from .core import _EAGER_STACK, StabilityMonitor
 from .modes import CustomOp
+from .ops import OpRouter, eager_forward
 
 __all__ = ["MonitoredModule"]
 
@@ -53,10 +53,10 @@ class MonitoredModule(torch.nn.Module):
 
     Attributes:
         module: The wrapped model (its parameters are this module's parameters).
-        monitor: The :class:`StabilityMonitor`.
+        monitor: The :class:`~fxstab.monitor.core.StabilityMonitor`.
     """
 
-    def __init__(self, model: torch.nn.Module, monitor: StabilityMonitor) -> None:
+    def __init__(self, model: torch.nn.Module, monitor: OpRouter) -> None:
         super().__init__()
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"wrap() takes an nn.Module, got {type(model).__name__}")
@@ -98,8 +98,8 @@ class MonitoredModule(torch.nn.Module):
         path = self._paths[-1]
         name = op_name(path, kind, self._counts[(path, kind)])
         self._counts[(path, kind)] += 1
-        op = self.monitor._discover(name, kind, fn, spec)
-        return self.monitor._call(op, args, kwargs)
+        op = self.monitor.discover(name, kind, fn, spec)
+        return self.monitor.route(op, args, kwargs)
 
     def call_custom(self, fn: Callable, spec: CustomOp, args: tuple, kwargs: dict) -> Any:
         # A registered op called inside the forward: its body must not be seen op by op.
@@ -109,9 +109,5 @@ class MonitoredModule(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._counts.clear()
         del self._paths[1:]
-        _EAGER_STACK.append(self)
-        try:
-            with _Mode(self):
-                return self.module(*args, **kwargs)
-        finally:
-            _EAGER_STACK.pop()
+        with eager_forward(self), _Mode(self):
+            return self.module(*args, **kwargs)
