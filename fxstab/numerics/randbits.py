@@ -24,6 +24,10 @@ from __future__ import annotations
 
 import torch
 
+__all__ = ["philox", "random_bits", "uniform_words", "random_bytes", "derive_seed", "split_seed",
+           "PHILOX_KEY_A", "PHILOX_KEY_B", "PHILOX_ROUND_A", "PHILOX_ROUND_B", "N_ROUNDS", "M32",
+           "M64", "CPU_CHUNK"]
+
 PHILOX_KEY_A = 0x9E3779B9
 PHILOX_KEY_B = 0xBB67AE85
 PHILOX_ROUND_A = 0xD2511F53
