@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copy
-import operator
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.fx
@@ -37,18 +35,16 @@ import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-from ..numerics import randbits
-from ..capture.flat import flatten_call, unflatten_call
-from ..passes import steps
 from .sampled_graph import SampledGraph
-from ..capture.graph import fetch_attr, mutated_placeholders, node_callable, selector
+from ..capture.graph import mutated_placeholders, selector
 from ..rules.lifting import rng_states, set_rng_states
 from .composites import expand_composites
 from .op_level import GraphAnalysis
 from ..records.coverage import ANALYSED, SKIPPED, UNROUNDED, CoverageEntry
 from ..capture.naming import module_path, qualified_name, source_location
 from ..capture.opsets import node_kind
-from ..records.report import OBSERVED, PER_SAMPLE, UNLIFTED, OpReport, report_builder, stats_row
+from ..records.report import OBSERVED, PER_SAMPLE, UNLIFTED
+from ..rules.aten.tracer import AtenTracer, LoweredGraph, PrimitivePlan
 
 aten = torch.ops.aten
 
@@ -89,7 +85,7 @@ class AtenGraphAnalysis(GraphAnalysis):
     """One dynamo graph analysed at the arithmetic level."""
 
     def __init__(self, gm: torch.fx.GraphModule, owner: Any, index: int) -> None:
-        self._lowered: "collections.OrderedDict[tuple, _Lowered]" = collections.OrderedDict()
+        self._lowered: "collections.OrderedDict[tuple, LoweredGraph]" = collections.OrderedDict()
         self._context = None
         self.lowerings = 0  # make_fx traces of this graph (each signature once)
         self.lowering_error: Optional[Exception] = None  # a failed lowering, remembered
@@ -154,7 +150,7 @@ class AtenGraphAnalysis(GraphAnalysis):
                       args[i].numel() == 1 else None for i in self._item_inputs)
         return key + (items,) if items else key
 
-    def _lower(self, args: tuple) -> "_Lowered":
+    def _lower(self, args: tuple) -> "LoweredGraph":
         if self.lowering_error is not None:
             err = self.lowering_error
             raise RuntimeError(f"the lowering to aten primitives failed on an earlier call and "
@@ -182,7 +178,7 @@ class AtenGraphAnalysis(GraphAnalysis):
             self._lowered.popitem(last=False)
         return low
 
-    def _lower_symbolic(self, args: tuple) -> Optional["_Lowered"]:
+    def _lower_symbolic(self, args: tuple) -> Optional["LoweredGraph"]:
         """A graph dynamo captured with dynamic shapes is lowered with symbolic shapes: one
         lowering serves every shape its guards accept (the decompositions' own conditions on
         sizes: 0/1 specialisation, equal sizes...), checked on each call. None when symbolic
@@ -236,17 +232,17 @@ class AtenGraphAnalysis(GraphAnalysis):
             return make_fx(_Specializing(self.sgm, values).run,
                            decomposition_table=_decompositions(), tracing_mode=mode)(*inputs)
 
-    def _plan_lowering(self, lowered: torch.fx.GraphModule) -> "_Lowered":
+    def _plan_lowering(self, lowered: torch.fx.GraphModule) -> "LoweredGraph":
         """A lowering with its node plans, decided once."""
         mutates = any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
                       and n.target._schema.is_mutable for n in lowered.graph.nodes)
         plans, origins = self._node_plans(lowered)
-        return _Lowered(lowered, plans, self._last_uses(lowered.graph), mutates, origins,
+        return LoweredGraph(lowered, plans, self._last_uses(lowered.graph), mutates, origins,
                         _written_inputs(lowered.graph))
 
     def _node_plans(self, lowered: torch.fx.GraphModule) -> tuple[list, dict]:
         """What each node of the lowered graph does, decided once per lowering: a
-        :class:`_NodePlan` (primitive, stable name, record?, digits needed?) or None; and per
+        :class:`PrimitivePlan` (primitive, stable name, record?, digits needed?) or None; and per
         operator (dynamo node name) what its primitives are (:class:`_Origin`)."""
         from ..rules.aten import op_info, operand_needs
 
@@ -267,7 +263,7 @@ class AtenGraphAnalysis(GraphAnalysis):
                 record = origin in self.recorded_ops if self.cfg.select is not None else True
                 action = ("plain" if info.kind in _SYMBOLIC else
                           "random" if info.kind in _RANDOM_PRIMITIVES else "rule")
-                plan = _NodePlan(i, action, node.target, name, path, record, False, False,
+                plan = PrimitivePlan(i, action, node.target, name, path, record, False, False,
                                  origin, info.inplace)
                 by_node[node] = plan
                 if origin is not None and action != "plain":
@@ -358,7 +354,7 @@ class AtenGraphAnalysis(GraphAnalysis):
         return out
 
     # -- coverage ---------------------------------------------------------------------------
-    def _floating(self, node: torch.fx.Node, low: Optional["_Lowered"]) -> bool:
+    def _floating(self, node: torch.fx.Node, low: Optional["LoweredGraph"]) -> bool:
         """Whether an operator's output holds a floating or complex tensor: dynamo's example
         value, else (the nodes of a fused operator's composite have none) its primitives'."""
         ev = node.meta.get("example_value")
@@ -367,7 +363,7 @@ class AtenGraphAnalysis(GraphAnalysis):
         o = low.origins.get(node.name) if low is not None else None
         return o is not None and o.floating
 
-    def _note_coverage(self, low: "_Lowered", statuses: dict) -> None:
+    def _note_coverage(self, low: "LoweredGraph", statuses: dict) -> None:
         """How each operator ran in this call (``be.coverage()``), from its primitives."""
         cov = self.info.coverage = {}  # a sampled graph's own notes stay as they are
         last = self._last_coverage
@@ -433,250 +429,6 @@ class AtenGraphAnalysis(GraphAnalysis):
                                            counted=floating)
 
 
-class AtenTracer:
-    """The arithmetic level's rules over one lowered graph, traced into its sampled graph.
-
-    :meth:`run` walks the lowered graph on stacked samples with
-    :func:`~fxstab.rules.aten.apply_primitive`, under ``make_fx``
-    (:class:`fxstab.analysis.sampled_graph.SampledGraph`): what the rules compute with torch operators
-    (the batched primitives) becomes aten nodes, and what reads values (rounding and the
-    statistics, counters, CESTAC comparisons, the surrogate: :meth:`AtenContext.emit`) becomes
-    one :class:`~fxstab.passes.steps.Step` per primitive, which runs with this call's context
-    (:meth:`begin`: seeds, counters, records) when the generated graph runs.
-
-    A step's operands keep what their producer's step measured (per-element digits, zero
-    masks, the statistics: the :class:`~fxstab.rules.aten.Stacked` analyses the counters of
-    its consumers read): each stacked output of a step has a slot, the call's ``live`` table
-    holds it from its step to its last reader. Called outside a trace (a graph the tracer
-    refused), :meth:`run` is the same rules run directly.
-    """
-
-    def __init__(self, analysis: "AtenGraphAnalysis", low: "_Lowered", call: int) -> None:
-        self.a = analysis
-        self.low = low
-        self._reads: list[list[int]] = []  # per step: the slots it reads
-        self._drop: Optional[list] = None  # per step: the slots it reads last (seal)
-        self._kept: Optional[set] = None  # the slots some step reads (seal)
-        self._slots = 0
-        self._meta: dict[str, tuple] = {}  # record name -> (module path, inputs)
-        self._templates: dict[tuple, tuple] = {}  # (name, status, shape) -> fixed fields
-        self.begin(call)
-
-    def begin(self, call: int) -> None:
-        """The state of one analysed call, which the steps use and fill."""
-        a = self.a
-        self.call = call
-        self.live: dict[int, Any] = {}
-        self.noted: list = []  # this call's records
-        self.ctx = ctx = a._context.for_call(randbits.derive_seed(a.cfg.seed, a.index, call),
-                                             self._record, self.low.salts)
-        owner = a.owner
-        self._build = report_builder(owner.phase, owner.step, call, ctx.n_samples, ctx._t)
-        self._defer = owner.reports.defer()
-
-    def _record(self, rec: Any) -> None:
-        """A primitive's record becomes its report, from the fields its reports share (built
-        once per name, status and shape)."""
-        self.noted.append(rec)
-        meta = self._meta.get(rec.name)
-        if meta is None:  # not selected
-            return
-        key = (rec.name, rec.status, rec.shape)
-        ctx = self.ctx
-        fixed = self._templates.get(key)
-        if fixed is None:
-            fixed = self._templates[key] = OpReport.fixed_of(
-                {"name": rec.name, "kind": rec.kind, "module_path": meta[0],
-                 "format": ctx.fmt.name, "n_samples": ctx.n_samples, "status": rec.status,
-                 "shape": rec.shape, "inputs": meta[1]})
-        counters = rec.counters  # none counted (the usual case): nothing kept until read
-        self._defer((self._build, (fixed, ctx.cap, rec.surrogate,
-                                   counters if any(counters.values()) else None,
-                                   stats_row(rec.values))))
-
-    def seal(self) -> None:
-        """After the trace: when each slot is read last, and which ones are read at all."""
-        last: dict[int, int] = {}
-        for k, reads in enumerate(self._reads):
-            for s in reads:
-                last[s] = k
-        drop: list = [[] for _ in self._reads]
-        for s, k in last.items():
-            drop[k].append(s)
-        self._drop, self._kept = drop, set(last)
-        self.discard()
-
-    def discard(self) -> None:
-        """Forget the trace's own values."""
-        self.live = {}
-
-    # -- steps ----------------------------------------------------------------------------
-    def _step(self, what: str, name: Optional[str], fn: Callable, raw: list, args: tuple,
-              kwargs: dict, op: Optional[Callable] = None) -> Any:
-        """:meth:`AtenContext.emit` while tracing: ``fn`` as one step of the graph."""
-        from ..rules.aten import Stacked
-
-        call_leaves, cspec = flatten_call(args, kwargs)
-        nraw = len(raw)
-        leaves = [*raw, *call_leaves]
-        pos: list[int] = []
-        slots: list[int] = []  # a step output's slot, -1 other samples, -2 a plain tensor
-        template: list = []
-        for i, v in enumerate(leaves):
-            if type(v) is Stacked:
-                pos.append(i)
-                slots.append(v.slot)
-                template.append(None)
-            elif isinstance(v, torch.Tensor):
-                pos.append(i)
-                slots.append(-2)
-                template.append(None)
-            else:
-                template.append(v)
-        k = len(self._reads)
-        self._reads.append([s for s in slots if s >= 0])
-        layout: list = []  # the outputs: constants, structure, [(leaf, slot or -2)]
-        tracer = self
-
-        def run(ts: list) -> list:
-            live = tracer.live
-            new = template.copy()
-            for i, s, t in zip(pos, slots, ts):
-                if s == -2:
-                    new[i] = t
-                else:
-                    st = live.get(s) if s >= 0 else None
-                    new[i] = st if st is not None and st.samples is t else Stacked(t)
-            if tracer._drop is not None:
-                for s in tracer._drop[k]:
-                    live.pop(s, None)
-            a, kw = unflatten_call(new[nraw:], cspec)
-            out = fn(tracer.ctx, new[:nraw], a, kw)
-            if type(out) is Stacked:
-                flat, spec = [out], None
-            else:
-                flat, spec = pytree.tree_flatten(out, is_leaf=lambda x: type(x) is Stacked)
-            if not layout:  # the trace: how to rebuild the output (no tensor kept)
-                where = []
-                for j, v in enumerate(flat):
-                    if type(v) is Stacked:
-                        where.append((j, tracer._slots))
-                        tracer._slots += 1
-                    elif isinstance(v, torch.Tensor):
-                        where.append((j, -2))
-                layout[:] = [[None if type(v) is Stacked or isinstance(v, torch.Tensor) else v
-                              for v in flat], spec, where]
-            res = []
-            kept = tracer._kept
-            for j, s in layout[2]:
-                v = flat[j]
-                if s >= 0:
-                    if kept is None or s in kept:
-                        live[s] = v
-                    res.append(v.samples)
-                else:
-                    res.append(v)
-            return res
-
-        outs = steps.emit(steps.Step(what, name or what, run, op=op, direct=True),
-                          [leaves[i].samples if s != -2 else leaves[i]
-                           for i, s in zip(pos, slots)])
-        consts, spec, where = layout
-        flat = list(consts)
-        for (j, s), t in zip(where, outs):
-            if s >= 0:
-                st = Stacked(t)
-                st.slot = s
-                flat[j] = st
-            else:
-                flat[j] = t
-        return flat[0] if spec is None else pytree.tree_unflatten(flat, spec)
-
-    # -- the walk -------------------------------------------------------------------------
-    def run(self, args: tuple) -> Any:
-        """Walk the lowered graph on ``args`` (under ``make_fx``: the trace); returns the
-        outputs' samples."""
-        from ..rules.aten import Stacked, apply_primitive, observe
-
-        a, low = self.a, self.low
-        ctx = self.ctx
-        if steps.active():
-            ctx = copy.copy(ctx)  # decides and traces; the steps run with self.ctx
-            ctx.stepper = self._step
-        lowered, plans, free_after = low.gm, low.plans, low.free_after
-        env: dict[torch.fx.Node, Any] = {}
-        frontier: dict[torch.fx.Node, frozenset] = {}
-        # per operator: the statuses of its recorded primitives in this call
-        statuses: dict[str, set] = {}
-        inputs = iter(args)
-        # Samples of inputs are expanded views of one value; a graph that updates values in
-        # place (BatchNorm's running statistics) gets N real copies instead.
-        copies = iter([low.mutates or node in a.mutated for node in a._placeholders()])
-        result = None
-        empty: frozenset = frozenset()
-        fetch = env.__getitem__
-        noted = self.noted
-        for node, plan, inputs_of in zip(lowered.graph.nodes, plans, low.input_nodes):
-            ins = empty
-            for m in inputs_of:
-                f = frontier.get(m, empty)
-                if f:
-                    ins = ins | f if ins else f
-            frontier[node] = ins
-            if node.op == "placeholder":
-                v = next(inputs)
-                copy_ = next(copies)
-                # Inputs and buffers enter as N identical samples (an expanded view: no copy
-                # unless the graph updates them in place); parameters stay plain (the rules
-                # broadcast plain operands) so weights are never copied N times.
-                if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) \
-                        and not isinstance(v, torch.nn.Parameter):
-                    v = ctx.stack(v, materialize=copy_)
-                env[node] = v
-                continue
-            if node.op == "get_attr":
-                env[node] = fetch_attr(lowered, node.target)
-                continue
-            if node.op == "output":
-                result = torch.fx.node.map_arg(node.args[0], lambda m: env[m])
-                continue
-            args_ = torch.fx.node.map_arg(node.args, fetch)
-            kw = torch.fx.node.map_arg(node.kwargs, fetch) if node.kwargs else {}
-            if plan is None or plan.action == "plain":
-                # Python operators on sizes, getitem on tuples, symbolic sizes: plain values.
-                env[node] = _plain_call(node_callable(lowered, node), args_, kw, Stacked)
-                continue
-            if plan.record:
-                self._meta[plan.name] = (plan.path, tuple(sorted(ins)))
-            before = len(noted)
-            if plan.action == "random":
-                out = ctx.emit("random", plan.name, _random_step(plan.target), (), args_, kw)
-            else:
-                out = apply_primitive(plan.target, args_, kw, ctx, name=plan.name,
-                                      salt=plan.index, need_digits=plan.need_digits,
-                                      need_zeros=plan.need_zeros)
-                if plan.inplace and isinstance(out, Stacked) and args_ and \
-                        isinstance(node.args[0], torch.fx.Node) and \
-                        not isinstance(args_[0], Stacked):
-                    # a plain tensor updated in place from samples now holds samples: later
-                    # readers of the target see them
-                    env[node.args[0]] = out
-            env[node] = out
-            if plan.observe and len(noted) == before and plan.record:
-                ctx.emit("observe", plan.name, _observe_step(plan.target, plan.name), (),
-                         (out,), {})
-            if len(noted) > before and plan.record:
-                for rec in noted[before:]:
-                    frontier[node] = frozenset({rec.name})
-                    if plan.origin is not None:
-                        statuses.setdefault(plan.origin, {}).setdefault(rec.status, rec.name)
-            for dead in free_after.get(node, ()):
-                # no name holds the freed value (one full-size tensor more at the peak)
-                _forget(self.live, env.pop(dead, None))
-        a._note_coverage(low, statuses)
-        return result
-
-
 @contextlib.contextmanager
 def _provisional(owner: Any):
     """The reports and counts a trace makes (it runs the rules for real) are kept only if it
@@ -698,32 +450,6 @@ def _provisional(owner: Any):
             c.merge(h.counts, h.events)
     finally:
         stack[:] = saved
-
-
-def _forget(live: dict, value: Any) -> None:
-    """A value the walk frees: the slots of its samples (a traced step's outputs) go too."""
-    from ..rules.aten import Stacked
-
-    for x in (value,) if type(value) is Stacked else \
-            value if isinstance(value, (tuple, list)) else ():
-        if type(x) is Stacked and x.slot >= 0:
-            live.pop(x.slot, None)
-
-
-def _random_step(op: Any) -> Callable:
-    def run(ctx: Any, raw: list, args: tuple, kwargs: dict) -> Any:
-        from ..rules.aten import Stacked
-
-        return _random_call(op, args, kwargs, Stacked)
-    return run
-
-
-def _observe_step(op: Any, name: str) -> Callable:
-    def run(ctx: Any, raw: list, args: tuple, kwargs: dict) -> bool:
-        from ..rules.aten import observe
-
-        return observe(args[0], op, ctx, name)
-    return run
 
 
 class _Specializing(torch.fx.Interpreter):
@@ -803,38 +529,6 @@ def _floating(v: Any) -> bool:
                for t in pytree.tree_leaves(v))
 
 
-class _NodePlan:
-    """One lowered node's decisions, made once per lowering (see ``_node_plans``)."""
-
-    __slots__ = ("index", "action", "target", "name", "path", "record", "need_digits",
-                 "need_zeros", "origin", "inplace", "observe")
-
-    def __init__(self, index, action, target, name, path, record, need_digits, need_zeros,
-                 origin=None, inplace=False):
-        self.index, self.action, self.target, self.name = index, action, target, name
-        self.path, self.record = path, record
-        self.need_digits, self.need_zeros = need_digits, need_zeros
-        self.origin, self.inplace = origin, inplace  # the dynamo node it came from
-        self.observe = False  # record it as observed when the rules did not record it
-
-
-class _Lowered:
-    """A lowered graph with its node plans, each node's input nodes and the values each node
-    frees."""
-
-    __slots__ = ("gm", "plans", "free_after", "mutates", "input_nodes", "salts", "origins",
-                 "written", "shape_env")
-
-    def __init__(self, gm, plans, free_after, mutates, origins, written=frozenset()):
-        self.gm, self.plans, self.free_after, self.mutates = gm, plans, free_after, mutates
-        self.origins = origins  # dynamo node name -> _Origin
-        self.written = written  # indices of the inputs a primitive writes into
-        self.shape_env = None  # a symbolic lowering's shape environment (its guards)
-        self.input_nodes = [tuple(node.all_input_nodes) for node in gm.graph.nodes]
-        # the seed salts of the primitives, derived together once per call
-        self.salts = [p.index for p in plans if p is not None and p.action == "rule"]
-
-
 def _origin(node: torch.fx.Node, known: dict) -> Any:
     """Name of the dynamo-graph node a lowered primitive came from (``from_node`` provenance,
     else the source function's node name), or None."""
@@ -846,29 +540,6 @@ def _origin(node: torch.fx.Node, known: dict) -> Any:
     if stack and stack[-1][0] in known:
         return stack[-1][0]
     return None
-
-
-def _plain_call(fn: Callable, args: Any, kwargs: Any, stacked_type: type) -> Any:
-    """Run on the first sample of every stacked value (metadata, sizes, tuple access)."""
-    is_s = lambda v: isinstance(v, stacked_type)  # noqa: E731
-    if fn is operator.getitem and isinstance(args[0], (tuple, list)):
-        return args[0][args[1]]
-    a, k = pytree.tree_map(lambda v: v.samples[0] if is_s(v) else v, (args, kwargs), is_leaf=is_s)
-    return fn(*a, **k)
-
-
-def _random_call(op: Any, args: Any, kwargs: Any, stacked_type: type) -> Any:
-    """Random primitives run once, on the first sample's shape: every sample gets the
-    deterministic pass's random numbers (dropout masks)."""
-    is_s = lambda v: isinstance(v, stacked_type)  # noqa: E731
-    if "native_dropout" in str(op):
-        x = args[0]
-        ones = torch.ones_like(x.samples[0] if is_s(x) else x)
-        scaled, mask = op(ones, *args[1:], **kwargs)
-        xs = x.samples if is_s(x) else x
-        return (stacked_type(xs * scaled) if is_s(x) else xs * scaled), mask
-    a, k = pytree.tree_map(lambda v: v.samples[0] if is_s(v) else v, (args, kwargs), is_leaf=is_s)
-    return op(*a, **k)
 
 
 def compile_aten(owner: Any, gm: torch.fx.GraphModule, example_inputs: list) -> AtenGraphAnalysis:

@@ -106,7 +106,7 @@ class GraphAnalysis:
         lowered graph's value)."""
         if not self.cfg.auto_format:
             return self.cfg.format
-        from .numerics.formats import get_format
+        from ..numerics.formats import get_format
 
         value = node.meta.get("example_value", node.meta.get("val"))
         for leaf in pytree.tree_leaves(value):

@@ -488,7 +488,7 @@ class SampleTracer:
         else:
             samples = (x if stacked else x.unsqueeze(0).expand(self.n, *x.shape)).contiguous()
             if self.a.owner.uses_triton(samples):
-                from .kernels.dispatch import perturb
+                from ..kernels.dispatch import perturb
 
                 out, count = perturb(samples, eta, seed, kernels=self.cfg.kernels)
             else:
@@ -664,7 +664,7 @@ class SampleTracer:
         t = student_t(n, cfg.confidence)
         under = underflow_count(samples, fmt) if rounded else 0
         if rounded and self.a.owner.uses_triton(samples):
-            from .kernels.dispatch import round_and_stats
+            from ..kernels.dispatch import round_and_stats
 
             out, st = round_and_stats(samples, fmt, cfg.rounding, seed,
                                       saturate=cfg.saturate, confidence=cfg.confidence,
