@@ -464,6 +464,26 @@ def test_refuse_dynamic_shapes_alone():
     assert not RefuseDynamicShapes()(gather).modified  # integer indices keep their shape
 
 
+def test_the_pipeline_runs_every_pass_and_names_the_one_that_refused():
+    from fxstab.passes import SampledGraphPasses, run_sampled_graph_passes
+
+    assert [type(p).__name__ for p in SampledGraphPasses().passes] == [
+        "RefuseDynamicShapes", "EliminateDeadCode", "DropDetach", "LowerSteps", "DirectBindings"]
+    assert "DirectBindings" not in [type(p).__name__
+                                    for p in SampledGraphPasses(bindings=False).passes]
+    gm = make_fx(lambda x: (x.exp() + 1, x.detach().sin())[0], tracing_mode="real")(torch.randn(4))
+    before = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    run_sampled_graph_passes(gm)
+    after = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.sin.default in before and len(after) == 2  # dead code gone
+    assert after == [torch.exp, torch.add]  # torch's own bindings
+    x = torch.randn(4)
+    assert torch.equal(gm(x), x.exp() + 1)
+    masked = make_fx(lambda x: x[x > 0].sum(), tracing_mode="real")(torch.randn(8))
+    with pytest.raises(RuntimeError, match="'RefuseDynamicShapes' pass.*depends on the values"):
+        run_sampled_graph_passes(masked)
+
+
 @pytest.mark.parametrize("granularity", ["op", "aten"])
 def test_value_dependent_shapes_run_untraced_with_the_shapes_of_each_call(granularity):
     """A sampled graph would keep the traced call's sizes: such a graph runs its rules

@@ -5,10 +5,9 @@
 :class:`fxstab.analysis.aten_level.AtenTracer`) with ``make_fx`` on the second analysed call with a
 given input signature (:meth:`SampledGraphs.first_sight`). The trace runs the rules for real,
 so it is that call's stochastic path; the
-graph it leaves, cleaned by :class:`~fxstab.passes.steps.EliminateDeadCode` and
-:class:`~fxstab.passes.steps.DropDetach`, its steps lowered by
-:class:`~fxstab.passes.steps.LowerSteps` and its aten calls made through torch's own bindings
-(:class:`~fxstab.passes.bindings.DirectBindings`), is every later call's: one call of
+graph it leaves, through the passes of :mod:`fxstab.passes.pipeline` (cleaned, its steps
+lowered to direct calls, its aten calls made through torch's own bindings), is every later
+call's: one call of
 generated code, whose cost follows the work, not the number of nodes. ``print(sg.code)``
 shows it (``be.sampled_graphs()``).
 """
@@ -23,7 +22,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from ..passes import steps
-from ..passes.bindings import DirectBindings
+from ..passes.pipeline import run_sampled_graph_passes
 
 __all__ = ["SampledGraph", "signature", "SampledGraphs"]
 
@@ -98,9 +97,7 @@ class SampledGraph:
         plain = all(type(args[i]) in (torch.Tensor, torch.nn.Parameter) for i in positions)
         with steps.tracing():
             gm = make_fx(rules, tracing_mode="real")(*[args[i] for i in positions])
-            for p in (steps.RefuseDynamicShapes(), steps.EliminateDeadCode(), steps.DropDetach(),
-                      steps.LowerSteps(), *([DirectBindings()] if plain else [])):
-                p(gm)
+            run_sampled_graph_passes(gm, bindings=plain)
         sg = cls(gm, tracer, positions, held["layout"], stacked_type)
         sg.first = held["first"]
         return sg
