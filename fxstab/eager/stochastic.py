@@ -26,6 +26,7 @@ per operation. Views are copies: an in-place update of a view does not reach its
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -42,7 +43,9 @@ from ..numerics.rounding import quantize
 
 aten = torch.ops.aten
 
-__all__ = ["StochasticTensor", "stochastic", "analyze", "AnalysisResult", "instability_counters"]
+__all__ = ["StochasticTensor", "stochastic", "analyze", "AnalysisResult", "instability_counters",
+           "ValueType", "register_value_type", "sample_mean", "decide", "index_key", "set_items",
+           "assign"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -91,7 +94,7 @@ class StochasticTensor(torch.Tensor):
 
     @property
     def value(self) -> torch.Tensor:
-        return _mean(self._st.samples).to(self.dtype)
+        return sample_mean(self._st.samples).to(self.dtype)
 
     @property
     def digits(self) -> torch.Tensor:
@@ -126,10 +129,9 @@ class StochasticTensor(torch.Tensor):
     def __setitem__(self, key, v) -> None:
         # torch writes x[1:3] = v into a view, and views of stochastic tensors are copies:
         # the base would not change. One index_put on the flat positions does reach it.
-        from .arrays import _key, _set  # noqa: PLC0415 - shared with NumPy's indexing
-        k = _key(key)
-        self._st = _set(self, k, v if isinstance(v, torch.Tensor) else
-                        torch.tensor(v, dtype=torch.float64))._st
+        k = index_key(key)
+        self._st = set_items(self, k, v if isinstance(v, torch.Tensor) else
+                             torch.tensor(v, dtype=torch.float64))._st
 
     # -- NumPy's protocols: np.sqrt(x), np.sum(x)... run the same rules -------------------
     def __array__(self, dtype=None, copy=None):
@@ -138,12 +140,16 @@ class StochasticTensor(torch.Tensor):
                         "analysis), or fxstab.stochastic(np_array) to analyse NumPy code")
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        from .arrays import tensor_array_ufunc  # noqa: PLC0415 - it imports this module
-        return tensor_array_ufunc(ufunc, method, inputs, kwargs)
+        for vt in _VALUE_TYPES:  # NumPy arrays' rules (fxstab.eager.arrays registers them)
+            if vt.array_ufunc is not None:
+                return vt.array_ufunc(ufunc, method, inputs, kwargs)
+        return NotImplemented
 
     def __array_function__(self, func, types, args, kwargs):
-        from .arrays import tensor_array_function  # noqa: PLC0415
-        return tensor_array_function(func, args, kwargs)
+        for vt in _VALUE_TYPES:
+            if vt.array_function is not None:
+                return vt.array_function(func, args, kwargs)
+        return NotImplemented
 
     # -- dispatch -------------------------------------------------------------------------
     @classmethod
@@ -178,7 +184,7 @@ class StochasticTensor(torch.Tensor):
                                is_leaf=lambda x: isinstance(x, Stacked))
 
 
-def _mean(s: torch.Tensor) -> torch.Tensor:
+def sample_mean(s: torch.Tensor) -> torch.Tensor:
     """The sample mean (fp64) of floating samples; where all samples agree, that sample itself
     (a signed zero stays signed, an exact value exact); sample 0 of integer or boolean ones."""
     if not s.is_floating_point():
@@ -285,6 +291,108 @@ def _inplace(func, args, kwargs, ctx):
     return self_
 
 
+def assign(t: StochasticTensor, value: StochasticTensor) -> StochasticTensor:
+    """``t[...] = value`` for a stochastic tensor of the same shape: ``t`` takes ``value``'s
+    samples (and analysis) in place and is returned."""
+    t._st = value._st
+    return t
+
+
+def decide(t: StochasticTensor, *, index: bool = False) -> Any:
+    """Integer/boolean samples as one plain NumPy array: the majority per element. Samples that
+    disagree are CADNA's unstable branching (booleans, and indices: ``index``) or unstable
+    intrinsic (other integers), counted as ``int()``/``bool()`` of a stochastic scalar counts."""
+    s = t._st.samples
+    n = s.shape[0]
+    flat = s.reshape(n, -1)
+    # the most frequent sample value (ties: the smallest); torch.mode has no bool kernel
+    mode = torch.mode(flat.to(torch.int64), dim=0).values.to(s.dtype) if flat.shape[1] \
+        else flat[0]
+    differ = int((flat != flat[:1]).any(0).sum()) if flat.shape[1] else 0
+    if differ:
+        key = "branching" if s.dtype == torch.bool or index else "intrinsic"
+        t._ctx.counters.add(key, differ)
+        for c in active_collectors():
+            c.add(key, differ)
+    a = mode.reshape(s.shape[1:]).numpy()
+    return a[()] if a.ndim == 0 else a
+
+
+def index_key(key: Any) -> Any:
+    """An index for a stochastic tensor: plain arrays as tensors, stochastic indices (tensors or
+    registered value types) decided (:func:`decide`, disagreement counted as branching)."""
+    if isinstance(key, tuple):
+        return tuple(index_key(k) for k in key)
+    for vt in _VALUE_TYPES:
+        if isinstance(key, vt.cls):
+            key = vt.tensor(key)
+            break
+    if isinstance(key, StochasticTensor):
+        if key._st.samples.is_floating_point():
+            raise IndexError("only integers, slices, ellipsis, None and integer or boolean "
+                             "arrays are valid indices (got a floating stochastic value)")
+        return torch.as_tensor(decide(key, index=True))
+    if isinstance(key, (np.ndarray, list)):
+        return torch.as_tensor(np.asarray(key))
+    if isinstance(key, np.generic):
+        return key.item()
+    return key
+
+
+def set_items(t: StochasticTensor, key: Any, v: Any) -> StochasticTensor:
+    """``t[key] = v`` without views (``key`` from :func:`index_key`): the selected elements'
+    flat positions are found on an index tensor, then one ``index_put`` (exact) writes them;
+    returns the updated tensor."""
+    pos = torch.arange(t.numel()).reshape(t.shape)[key]
+    flat = t.reshape(-1)
+    vals = v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float64)
+    if t.is_floating_point() and not vals.is_floating_point():
+        vals = vals.to(torch.float64)  # integers written into floats (NumPy casts them)
+    vals = vals.expand(pos.shape) if vals.shape != pos.shape else vals
+    out = flat.index_put((pos.reshape(-1),), vals.reshape(-1))
+    return out.reshape(t.shape)
+
+
+# --------------------------------------------------------------------------- value types
+@dataclass(frozen=True)
+class ValueType:
+    """A value type that joins the eager analysis beside :class:`StochasticTensor` (as JAX's
+    ``register_vmappable``): this module never imports it; it registers itself here.
+
+    Attributes:
+        cls: The type of its stochastic values (returned as they are by :func:`stochastic`,
+            read by :class:`AnalysisResult` through their ``value``, ``samples`` and
+            ``digits``).
+        inputs: The plain types :func:`stochastic` lifts into ``cls`` values.
+        lift: ``(plain value, context) -> cls value``.
+        tensor: ``cls value -> the StochasticTensor holding its samples``.
+        array_ufunc: ``(ufunc, method, inputs, kwargs)``: NumPy's ufuncs on stochastic tensors
+            (``np.sqrt(t)``), or None.
+        array_function: ``(func, args, kwargs)``: NumPy's array functions on stochastic
+            tensors (``np.sum(t)``), or None.
+    """
+
+    cls: type
+    inputs: tuple
+    lift: Callable[[Any, AtenContext], Any]
+    tensor: Callable[[Any], StochasticTensor]
+    array_ufunc: Optional[Callable] = None
+    array_function: Optional[Callable] = None
+
+
+_VALUE_TYPES: list[ValueType] = []
+
+
+def register_value_type(value_type: ValueType) -> None:
+    """Let ``value_type`` join the analysis (:class:`ValueType`); registering a class again
+    replaces its entry."""
+    if not isinstance(value_type, ValueType):
+        raise TypeError(f"register_value_type takes a ValueType, got "
+                        f"{type(value_type).__name__}")
+    _VALUE_TYPES[:] = [vt for vt in _VALUE_TYPES if vt.cls is not value_type.cls]
+    _VALUE_TYPES.append(value_type)
+
+
 # --------------------------------------------------------------------------- entry points
 def stochastic(
     x: Any,
@@ -322,20 +430,13 @@ def stochastic(
         context: An explicit :class:`~fxstab.rules.aten.AtenContext` (overrides the settings).
     """
     ctx = context or _context(format, n_samples, seed, rounding, confidence, diagnostics, kernels)
-    from .arrays import StochasticArray  # noqa: PLC0415 - it imports this module
-    if isinstance(x, (StochasticTensor, StochasticArray)):
+    if isinstance(x, StochasticTensor):
         return x
-    if isinstance(x, (np.ndarray, np.generic)):
-        if isinstance(x, np.generic) and not isinstance(x, (np.floating, np.integer)) or \
-                isinstance(x, np.ndarray) and x.dtype.kind not in "iuf":
-            raise ValueError(f"fxstab.stochastic needs floating values, got NumPy dtype "
-                             f"{x.dtype}; convert with .astype(np.float64) first")
-        a = np.asarray(x)
-        a = a if a.dtype.kind == "f" else a.astype(np.float64)
-        # long double enters as float64 (torch has no wider dtype; the format is narrower)
-        w = a if a.dtype.itemsize <= 8 else a.astype(np.float64)
-        t = stochastic(torch.from_numpy(np.array(w, copy=True, order="C")), context=ctx)
-        return StochasticArray(t, a.dtype)
+    for vt in _VALUE_TYPES:  # registered value types (NumPy arrays: fxstab.eager.arrays)
+        if isinstance(x, vt.cls):
+            return x
+        if isinstance(x, vt.inputs):
+            return vt.lift(x, ctx)
     if isinstance(x, torch.Tensor):
         t = x.detach()
     elif isinstance(x, (list, tuple)):
@@ -389,12 +490,11 @@ class AnalysisResult:
 
     def __init__(self, output, counters: Counters, reports: list):
         self.output = output
-        from .arrays import StochasticArray  # noqa: PLC0415 - it imports this module
+        stochastic_types = (StochasticTensor,) + tuple(vt.cls for vt in _VALUE_TYPES)
 
         def pick(f, plain):
             return pytree.tree_map(
-                lambda x: f(x) if isinstance(x, (StochasticTensor, StochasticArray))
-                else plain(x), output)
+                lambda x: f(x) if isinstance(x, stochastic_types) else plain(x), output)
         self.value = pick(lambda t: t.value, lambda x: x)
         self.samples = pick(lambda t: t.samples, lambda x: None)
         self.digits = pick(lambda t: t.digits, lambda x: None)
