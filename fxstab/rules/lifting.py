@@ -16,11 +16,13 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
+from ..capture import user_ops as user_operator
 from ..capture.opsets import FAMILIES
 
 __all__ = ["Stacked", "NodePlan", "CAST_METHODS", "PER_SAMPLE_KINDS", "MASK_DROPOUT_KINDS",
            "BATCHED_KINDS", "ELEMENTWISE_KINDS", "RESHAPE_VIEWS", "reshape", "attention_folded",
-           "has_floating", "rng_states", "set_rng_states"]
+           "has_floating", "rng_states", "set_rng_states", "broadcasts_directly", "has_vmap_rule",
+           "is_float_cast"]
 
 # Floating dtype conversions keep the working dtype on the stochastic path: the simulated format
 # is what rounds, not the dtype the model happens to cast to.
@@ -133,3 +135,48 @@ def set_rng_states(states: dict) -> None:
     torch.set_rng_state(states["cpu"])
     if "cuda" in states:
         torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def broadcasts_directly(leaves: list) -> bool:
+    """Whether an elementwise operator can run on the stacked samples as they are: every stacked
+    operand has the same number of dims (sample dim included) and no plain tensor has as many
+    (right-aligned broadcasting then matches logical dims only), nothing asks for an in-place
+    update (a ``True`` flag: ``inplace``) or an ``out`` tensor."""
+    nd = -1
+    for v in leaves:
+        if isinstance(v, Stacked):
+            if nd not in (-1, v.t.dim()):
+                return False
+            nd = v.t.dim()
+    for v in leaves:
+        if v is True or (isinstance(v, torch.Tensor) and v.dim() >= nd):
+            return False
+    return nd > 0
+
+
+def has_vmap_rule(target: Any) -> bool:
+    """Whether a custom operator batches under vmap (a FuncTorchBatched kernel, or a composite
+    that decomposes into operators that do); an @fxstab.operator is lifted as its function."""
+    if user_operator.implementation(target) is not None:
+        return True
+    name = target.name()
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    return has(name, "FuncTorchBatched") or has(name, "CompositeImplicitAutograd")
+
+
+def is_float_cast(node: torch.fx.Node, leaves: list) -> bool:
+    """Whether a cast method keeps a floating tensor floating (so it is a no-op here)."""
+    target = node.args[1] if len(node.args) > 1 else node.kwargs.get("dtype")
+    name = node.target
+    if name in ("float", "half", "bfloat16", "double"):
+        return True
+    if name == "type_as":
+        other = leaves[1] if len(leaves) > 1 else None
+        t = other.t if isinstance(other, Stacked) else other
+        return isinstance(t, torch.Tensor) and t.is_floating_point()
+    if isinstance(target, torch.dtype):
+        return target.is_floating_point
+    if isinstance(target, torch.fx.Node):
+        return False
+    dt = node.kwargs.get("dtype")
+    return dt is None or (isinstance(dt, torch.dtype) and dt.is_floating_point)

@@ -36,8 +36,8 @@ from ..records.report import (
 )
 from .lifting import (
     BATCHED_KINDS, CAST_METHODS, ELEMENTWISE_KINDS, MASK_DROPOUT_KINDS, PER_SAMPLE_KINDS,
-    RESHAPE_VIEWS, NodePlan, Stacked, attention_folded, has_floating, reshape, rng_states,
-    set_rng_states,
+    RESHAPE_VIEWS, NodePlan, Stacked, attention_folded, broadcasts_directly, has_floating,
+    has_vmap_rule, is_float_cast, reshape, rng_states, set_rng_states,
 )
 
 __all__ = ["SampleTracer"]
@@ -258,11 +258,11 @@ class SampleTracer:
             first = [v.t[0] if isinstance(v, Stacked) else v for v in leaves]
             a, k = _unflatten(first, spec)
             out, status, how = fn(*a, **k), ROUNDED, "metadata: read on the first sample"
-        elif node.op == "call_method" and kind in CAST_METHODS and _is_float_cast(node, leaves):
+        elif node.op == "call_method" and kind in CAST_METHODS and is_float_cast(node, leaves):
             out, status, how = leaves[0], ROUNDED, "floating cast: kept in the working dtype"
         elif kind == "getitem" and isinstance(args[0], (tuple, list)):
             out, status, how = args[0][args[1]], ROUNDED, "item of a tuple"
-        elif kind in ELEMENTWISE_KINDS and _broadcasts_directly(leaves):
+        elif kind in ELEMENTWISE_KINDS and broadcasts_directly(leaves):
             a, k = _unflatten([v.t if isinstance(v, Stacked) else v for v in leaves], spec)
             out, status, how = self._wrap_out(fn(*a, **k)), ROUNDED, "elementwise on the samples"
         elif kind in BATCHED_KINDS and all(i < BATCHED_KINDS[kind] for i in stacked):
@@ -320,7 +320,7 @@ class SampleTracer:
         if kind in RNN_KINDS:
             return per_sample(), ROUNDED, \
                 "per sample: no vmap rule for recurrent layers (deterministic pass's dropout)"
-        if plan.custom and key not in info.unlifted and not _has_vmap_rule(plan.node.target):
+        if plan.custom and key not in info.unlifted and not has_vmap_rule(plan.node.target):
             info.unlifted[key] = "custom operator without a vmap rule"
         if key not in info.unlifted:
             def call(*ts):
@@ -749,31 +749,8 @@ class SampleTracer:
         return fixed, digits_cap(fmt, self.wdtype)
 
 
-def _broadcasts_directly(leaves: list) -> bool:
-    """Whether an elementwise operator can run on the stacked samples as they are: every stacked
-    operand has the same number of dims (sample dim included) and no plain tensor has as many
-    (right-aligned broadcasting then matches logical dims only), nothing asks for an in-place
-    update (a ``True`` flag: ``inplace``) or an ``out`` tensor."""
-    nd = -1
-    for v in leaves:
-        if isinstance(v, Stacked):
-            if nd not in (-1, v.t.dim()):
-                return False
-            nd = v.t.dim()
-    for v in leaves:
-        if v is True or (isinstance(v, torch.Tensor) and v.dim() >= nd):
-            return False
-    return nd > 0
 
 
-def _has_vmap_rule(target: Any) -> bool:
-    """Whether a custom operator batches under vmap (a FuncTorchBatched kernel, or a composite
-    that decomposes into operators that do); an @fxstab.operator is lifted as its function."""
-    if user_operator.implementation(target) is not None:
-        return True
-    name = target.name()
-    has = torch._C._dispatch_has_kernel_for_dispatch_key
-    return has(name, "FuncTorchBatched") or has(name, "CompositeImplicitAutograd")
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -785,21 +762,3 @@ def _is_weight(node: torch.fx.Node, value: torch.Tensor) -> bool:
     inputs named ``L_self_modules_fc_parameters_weight_``, ``..._buffers_running_mean_``)."""
     return (isinstance(value, torch.nn.Parameter) or "_parameters_" in node.name
             or "_buffers_" in node.name)
-
-
-def _is_float_cast(node: torch.fx.Node, leaves: list) -> bool:
-    """Whether a cast method keeps a floating tensor floating (so it is a no-op here)."""
-    target = node.args[1] if len(node.args) > 1 else node.kwargs.get("dtype")
-    name = node.target
-    if name in ("float", "half", "bfloat16", "double"):
-        return True
-    if name == "type_as":
-        other = leaves[1] if len(leaves) > 1 else None
-        t = other.t if isinstance(other, Stacked) else other
-        return isinstance(t, torch.Tensor) and t.is_floating_point()
-    if isinstance(target, torch.dtype):
-        return target.is_floating_point
-    if isinstance(target, torch.fx.Node):
-        return False
-    dt = node.kwargs.get("dtype")
-    return dt is None or (isinstance(dt, torch.dtype) and dt.is_floating_point)
