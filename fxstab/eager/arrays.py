@@ -67,11 +67,13 @@ _LEAVE = ("leave the analysis with np.asarray(x.value) (the sample mean) or writ
 
 
 def refuse(what: str) -> TypeError:
+    """The ``TypeError`` for an operation stochastic arrays do not support (``what``)."""
     return TypeError(f"fxstab: {what} is not supported on stochastic arrays; {_LEAVE}")
 
 
 # --------------------------------------------------------------------------- dtypes, conversion
 def np_dtype(td: torch.dtype) -> np.dtype:
+    """The NumPy dtype of a torch dtype (bfloat16: float32)."""
     if td == torch.bfloat16:
         return np.dtype(np.float32)  # NumPy has no bfloat16: its nearest wider dtype
     return np.dtype(str(td).removeprefix("torch."))
@@ -152,6 +154,7 @@ def numpy_dtypes(fn: Callable, inputs: tuple, dtype=None) -> list:
 
 
 def result_dtype(*operands) -> np.dtype:
+    """NumPy's result dtype for these operands (``None`` ones left out)."""
     return np.result_type(*[dummy(x) for x in operands if x is not None])
 
 
@@ -195,6 +198,7 @@ def truth(x):
 
 
 def is_stochastic(x) -> bool:
+    """Whether ``x`` carries samples (a stochastic array or tensor)."""
     return isinstance(x, (StochasticArray, StochasticTensor))
 
 
@@ -480,6 +484,7 @@ class StochasticArray(NDArrayOperatorsMixin):
 
 
 def qualname(func) -> str:
+    """How an error names a NumPy function: ``np.sum``, ``np.linalg.norm``..."""
     mod = getattr(func, "__module__", "") or ""
     name = getattr(func, "__name__", str(func))
     if mod.startswith("numpy.linalg"):

@@ -21,6 +21,12 @@ exact result, since 53 >= 2*24+2) and to within fp64 accuracy for library functi
 format the working dtype is fp64 itself: results are already rounded to nearest and the random
 rounding cannot see the exact result's side, so fp64 digits are optimistic by up to one half unit
 per operation. Views are copies: an in-place update of a view does not reach its base.
+
+Other value types join the analysis by registering a :class:`ValueType` here
+(:func:`register_value_type`, as JAX's ``register_vmappable``): NumPy arrays do, from
+:mod:`fxstab.eager.arrays`, so this module never imports them. The composite operators decomposed
+before the rules run are :func:`fxstab.rules.aten.decompositions`'s (``core=False``: the
+operators this driver meets stay as the program dispatches them).
 """
 
 from __future__ import annotations

@@ -157,6 +157,9 @@ _UFUNC_KWARGS = {"out", "where", "dtype", "casting", "order", "subok"}
 
 
 def array_ufunc(ufunc, method, inputs, kwargs):
+    """``__array_ufunc__`` of stochastic values: a call (with ``out=``, ``where=``,
+    ``dtype=``) or the methods ``reduce``, ``accumulate``, ``outer``; any other ufunc or method
+    raises a ``TypeError`` naming it."""
     impl = UFUNCS.get(ufunc)
     if impl is None:
         raise refuse(f"the ufunc np.{ufunc.__name__}")
@@ -208,6 +211,7 @@ def _masked(r, where, old):
 
 
 def norm_axes(axis, ndim: int) -> tuple:
+    """``axis`` (None, an int or a tuple) as sorted non-negative axes, checked as NumPy does."""
     if axis is None:
         return tuple(range(ndim))
     axes = axis if isinstance(axis, (tuple, list)) else (axis,)
@@ -283,6 +287,7 @@ def reduce_ufunc(ufunc, a, axis=0, dtype=None, out=None, keepdims=False, initial
 
 
 def masked_cond(where):
+    """A ``where=`` mask as a boolean tensor (stochastic masks decided CESTAC-style)."""
     m = truth(where) if is_stochastic(where) else to_tensor(where)
     return m if m.dtype == torch.bool else m != 0
 

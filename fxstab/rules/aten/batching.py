@@ -62,6 +62,7 @@ def aligned(args: tuple, ndim_out: Optional[int] = None) -> tuple:
 
 
 def logical_ndim(args) -> int:
+    """The largest logical rank among the arguments (samples without their sample dim)."""
     nd = 0
     for a in args:
         if type(a) is Stacked:

@@ -192,6 +192,7 @@ def limit_diff(kind: str, args: tuple, kwargs: dict, ctx: AtenContext) -> Option
 
 
 def no_counts(ctx: AtenContext) -> dict:
+    """Empty counters for a primitive that triggers none (and no events)."""
     ctx.last_events = []
     return empty_counters()
 
