@@ -1,0 +1,15 @@
+"""What an operator becomes on N stacked samples: the rules, per level (DESIGN.md §3).
+
+* :mod:`fxstab.rules.lifting`: the operator level's values (:class:`~fxstab.rules.lifting.Stacked`,
+  :class:`~fxstab.rules.lifting.NodePlan`) and its lifting decisions (batched, elementwise, per
+  sample, vmap).
+* :mod:`fxstab.rules.op_level`: the operator level's tracer (:class:`SampleTracer`).
+* :mod:`fxstab.rules.aten`: the arithmetic level's per-primitive rules
+  (:func:`~fxstab.rules.aten.apply_primitive`, its context, rounding, batching, counters, the
+  decomposition table) and its tracer (:mod:`fxstab.rules.aten.tracer`).
+
+The subpackages are imported by name (``from fxstab.rules.aten import apply_primitive``); this
+package imports none of them.
+"""
+
+__all__ = ["aten", "lifting", "op_level"]
