@@ -1,5 +1,5 @@
 """Issue 17 at the arithmetic level (granularity="aten"): every operator analysed, with no
-crash and the deterministic path bit-identical (fxstab/analysis/aten_level.py, fxstab/rules/aten.py)."""
+crash and the deterministic path bit-identical (fxstab/analysis/aten_level.py, fxstab/rules/aten/)."""
 
 from __future__ import annotations
 
