@@ -1,5 +1,6 @@
-"""NumPy programs analysed as NumPy programs (fxstab/eager/arrays.py, ufuncs.py, array_functions.py): ufuncs, array
-functions, CESTAC control flow, NumPy results, and the torch twins' digits."""
+"""NumPy programs analysed as NumPy programs (fxstab/eager/arrays.py, ufuncs.py,
+array_functions.py): ufuncs, array functions, CESTAC control flow, NumPy results, and the torch
+twins' digits."""
 
 import contextlib
 import io
