@@ -332,3 +332,18 @@ def test_primitives_batched_by_vmap_are_rounded_in_eager_code(name, fn):
     res = fxstab.analyze(fn, format="fp32")(torch.arange(1.0, 4.0))
     assert all(r.status == ROUNDED for r in res.reports), [(r.kind, r.status) for r in res.reports]
     assert torch.allclose(res.value.double(), fn(torch.arange(1.0, 4.0, dtype=torch.float64)))
+
+
+def test_one_decomposition_table_for_both_drivers():
+    """The eager driver decomposes with the compiled path's table (fxstab.rules.aten
+    .decompositions): its named composites, the very same functions; the compiled path adds
+    core ATen's decompositions on top."""
+    from fxstab.rules.aten import DECOMPOSED, decompositions
+
+    compiled, eager = decompositions(), decompositions(core=False)
+    assert len(eager) >= len(DECOMPOSED) and len(compiled) > len(eager)
+    assert all(compiled[op] is fn for op, fn in eager.items())
+    names = {str(op) for op in eager}
+    assert {"aten._softmax.default", "aten.native_layer_norm.default",
+            "aten.std.correction"} <= names
+    assert "aten.dot.default" in {str(op) for op in compiled} - names  # a GEMM in eager code
