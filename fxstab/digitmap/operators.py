@@ -138,6 +138,7 @@ def _nanmin(values: Iterable[float]) -> float:
 
 
 def nanmax(values: Iterable[float]) -> float:
+    """The largest value that is not NaN; NaN when there is none."""
     vals = [v for v in values if not math.isnan(v)]
     return max(vals) if vals else math.nan
 
@@ -151,6 +152,8 @@ def _weighted(values: Sequence[float], weights: Sequence[int]) -> float:
 
 
 def aggregate(reports: Sequence[OpReport]) -> dict:
+    """The statistics of one operator over its reports (calls), keyed by the field names
+    :class:`OperatorDigits` and :class:`StepDigits` share."""
     numels = [int(r.numel) for r in reports]
     return {
         "calls": len(reports),
