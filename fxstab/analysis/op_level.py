@@ -164,6 +164,7 @@ class GraphAnalysis:
                 frontier[node] = frozenset(ins)
             self.plans.append(plan)
         self.frontier = frontier
+        self.plan_of = {plan.node: plan for plan in self.plans}  # the tracer's lookup
         # placeholders read with .item() (dynamo passes a module's float as a 0-d tensor):
         # their values are part of a trace's signature
         self._item_inputs = [i for i, n in enumerate(self._placeholders())
@@ -174,7 +175,7 @@ class GraphAnalysis:
         """Mark the rounded outputs whose only consumer is an instrumented GEMM that reads them
         once: the GEMM surrogate's perturbation of that operand then runs in the same pass as
         the rounding (the samples in cache), with the seed the GEMM would have used."""
-        by_node = {plan.node: plan for plan in self.plans}
+        by_node = self.plan_of
         for plan in self.plans:
             read, users = plan.node, list(plan.node.users)
             # through identity dropouts (eval), which pass the samples on as they are

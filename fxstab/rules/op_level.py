@@ -42,10 +42,13 @@ from .lifting import (
 
 __all__ = ["SampleTracer"]
 
-class SampleTracer:
+class SampleTracer(torch.fx.Interpreter):
     """The stochastic rules of one graph: what each operator becomes on N stacked samples.
 
-    :meth:`run` walks the graph once per input signature, under ``make_fx``
+    A ``torch.fx.Interpreter`` of the graph the samples run (the captured one, fused operators
+    expanded): :meth:`run_node` takes each node with its compile-time plan to the handler of
+    its kind (an input, an attribute, an operator, the output). :meth:`run` interprets the
+    graph once per input signature, under ``make_fx``
     (:class:`fxstab.analysis.sampled_graph.SampledGraph`): what it computes with torch operators (lifted
     with ``vmap``, batched, elementwise on the samples) is recorded as aten nodes, and what
     must run as fxstab's code at every call (rounding and recording, the GEMM surrogate,
@@ -57,6 +60,11 @@ class SampleTracer:
     """
 
     def __init__(self, analysis: Any, call: int) -> None:
+        # values are freed after their last use by the plan's own table (free_after), which
+        # also forgets a freed weight's id; a failure keeps the operator's own message (the
+        # coverage and the warning quote it)
+        super().__init__(analysis.gm, garbage_collect_values=False, graph=analysis.sgraph)
+        self.extra_traceback = False
         self.a = analysis
         self.cfg = analysis.cfg
         self.n = self.cfg.n_samples
@@ -164,40 +172,51 @@ class SampleTracer:
 
     # -- main loop ------------------------------------------------------------------------
     def run(self, args: tuple) -> Any:
-        """Walk the graph on ``args`` (under ``make_fx``: the trace); returns the outputs'
+        """Interpret the graph on ``args`` (under ``make_fx``: the trace); returns the outputs'
         samples. :meth:`finish` then turns the steps' statistics into reports."""
-        env: dict[torch.fx.Node, Any] = {}
-        placeholders = iter(args)
-        result = None
-        for plan in self.a.plans:
-            node = plan.node
-            if node.op == "placeholder":
-                v = next(placeholders)
-                if isinstance(v, torch.Tensor):
-                    weight = _is_weight(node, v)
-                    if node in self.a.mutated:
-                        v = v.detach().clone()
-                    v = self._to_working(v.detach())
-                    if weight:
-                        self.weights.add(id(v))
-                env[node] = v
-            elif node.op == "get_attr":
-                v = fetch_attr(self.a.gm, node.target)
-                if isinstance(v, torch.Tensor):
-                    v = self._to_working(v.detach())
-                    self.weights.add(id(v))
-                env[node] = v
-            elif node.op == "output":
-                result = torch.fx.node.map_arg(node.args[0], lambda m: env[m])
-            else:
-                env[node] = self._run_node(plan, env)
-            for dead in self.a.free_after.get(node, ()):
-                gone = env.pop(dead, None)
-                if isinstance(gone, torch.Tensor):  # a freed id may be reused by a data tensor
-                    self.weights.discard(id(gone))
-                del gone  # no name holds the freed value (one output more at the peak)
-        self.preperturbed.clear()  # holds samples of the trace otherwise
-        return result
+        try:
+            return super().run(*args, enable_io_processing=False)
+        finally:
+            self.env = {}
+            self.preperturbed.clear()  # holds samples of the trace otherwise
+
+    def run_node(self, node: torch.fx.Node) -> Any:
+        plan = self.a.plan_of[node]
+        op = node.op
+        if op == "placeholder":
+            out = self._input(node, next(self.args_iter))
+        elif op == "get_attr":
+            out = self._attribute(node)
+        elif op == "output":
+            out = torch.fx.node.map_arg(node.args[0], self.env.__getitem__)
+        else:
+            out = self._run_node(plan, self.env)
+        for dead in self.a.free_after.get(node, ()):
+            gone = self.env.pop(dead, None)
+            if isinstance(gone, torch.Tensor):  # a freed id may be reused by a data tensor
+                self.weights.discard(id(gone))
+            del gone  # no name holds the freed value (one output more at the peak)
+        return out
+
+    def _input(self, node: torch.fx.Node, v: Any) -> Any:
+        """An argument of the graph: a tensor enters in the working dtype (a copy where the
+        graph writes into it); a parameter or buffer is remembered as a weight (the GEMM
+        surrogate perturbs data operands only)."""
+        if isinstance(v, torch.Tensor):
+            weight = _is_weight(node, v)
+            if node in self.a.mutated:
+                v = v.detach().clone()
+            v = self._to_working(v.detach())
+            if weight:
+                self.weights.add(id(v))
+        return v
+
+    def _attribute(self, node: torch.fx.Node) -> Any:
+        v = fetch_attr(self.a.gm, node.target)
+        if isinstance(v, torch.Tensor):
+            v = self._to_working(v.detach())
+            self.weights.add(id(v))
+        return v
 
     def _run_node(self, plan: NodePlan, env: dict) -> Any:
         node = plan.node
