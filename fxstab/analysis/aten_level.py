@@ -35,32 +35,18 @@ import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-from .sampled_graph import SampledGraph
 from ..capture.graph import mutated_placeholders, selector
+from ..capture.naming import module_path, qualified_name, source_location
+from ..capture.opsets import node_kind
+from ..records.coverage import ANALYSED, SKIPPED, UNROUNDED, CoverageEntry
+from ..records.report import OBSERVED, PER_SAMPLE, UNLIFTED
+from ..rules.aten import decompositions
+from ..rules.aten.tracer import AtenTracer, LoweredGraph, PrimitivePlan
 from ..rules.lifting import rng_states, set_rng_states
 from .composites import expand_composites
 from .op_level import GraphAnalysis
-from ..records.coverage import ANALYSED, SKIPPED, UNROUNDED, CoverageEntry
-from ..capture.naming import module_path, qualified_name, source_location
-from ..capture.opsets import node_kind
-from ..records.report import OBSERVED, PER_SAMPLE, UNLIFTED
-from ..rules.aten.tracer import AtenTracer, LoweredGraph, PrimitivePlan
+from .sampled_graph import SampledGraph
 
-aten = torch.ops.aten
-
-# Decomposed beyond the core aten set, so the primitives the arithmetic level counts are seen.
-_EXTRA_DECOMPOSITIONS = [
-    aten._softmax, aten._log_softmax, aten.native_layer_norm, aten.native_group_norm,
-    aten.native_batch_norm, aten._native_batch_norm_legit, aten._native_batch_norm_legit_functional,
-    aten._native_batch_norm_legit_no_training, aten.gelu, aten.silu, aten.mish, aten.hardswish,
-    aten.hardsigmoid, aten.elu, aten.leaky_relu, aten.softplus, aten.logsumexp, aten.var_mean,
-    aten.mse_loss, aten.nll_loss_forward, aten.huber_loss, aten.smooth_l1_loss, aten.addcmul,
-    aten.addcdiv, aten.lerp, aten.rsub, aten.norm, aten.linalg_vector_norm, aten._log_softmax,
-    aten.rms_norm if hasattr(aten, "rms_norm") else aten.native_layer_norm,
-    # BatchNorm's entry points of torch >= 2.4 (training and eval)
-    aten._batch_norm_with_update, aten._batch_norm_with_update_functional,
-    aten._batch_norm_no_update,
-]
 _RANDOM_PRIMITIVES = frozenset({
     "rand", "randn", "rand_like", "randn_like", "randint", "randint_like", "bernoulli",
     "uniform", "normal", "randperm", "multinomial", "native_dropout", "exponential",
@@ -71,14 +57,6 @@ _SYMBOLIC = frozenset({"sym_size", "sym_stride", "sym_numel", "sym_storage_offse
 # Lowerings kept per graph (input signatures: shapes, dtypes, scalars read with .item()); the
 # least recently used one goes first (a dynamic-shape model called with ever new lengths).
 _MAX_LOWERINGS = 16
-
-
-def _decompositions() -> dict:
-    from torch._decomp import core_aten_decompositions, get_decompositions
-
-    table = dict(core_aten_decompositions())
-    table.update(get_decompositions(_EXTRA_DECOMPOSITIONS))
-    return table
 
 
 class AtenGraphAnalysis(GraphAnalysis):
@@ -230,7 +208,7 @@ class AtenGraphAnalysis(GraphAnalysis):
                   if isinstance(a, torch.Tensor) else a for a in args]
         with fx_traceback.preserve_node_meta():
             return make_fx(_Specializing(self.sgm, values).run,
-                           decomposition_table=_decompositions(), tracing_mode=mode)(*inputs)
+                           decomposition_table=decompositions(), tracing_mode=mode)(*inputs)
 
     def _plan_lowering(self, lowered: torch.fx.GraphModule) -> "LoweredGraph":
         """A lowering with its node plans, decided once."""

@@ -146,11 +146,6 @@ class AtenContext:
                            and self.fmt.man_bits <= 7)
         self.last_events: list = []
 
-    @property
-    def _t(self) -> float:
-        # the name fxstab.rules.aten.tracer reads until it reads ``t``
-        return self.t
-
     def for_call(self, seed: int, recorder: Optional[Callable[[PrimitiveRecord], None]],
                  salts: Sequence[int] = ()) -> "AtenContext":
         """A context with this one's settings (checked and derived once) and fresh running

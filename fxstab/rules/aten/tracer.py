@@ -24,15 +24,20 @@ from ...capture.graph import fetch_attr, node_callable
 from ...numerics import randbits
 from ...passes import steps
 from ...records.report import OpReport, report_builder, stats_row
-from . import Stacked, apply_primitive, observe
+from .apply import apply_primitive, observe
+from .stacked import Stacked
 
 __all__ = ["AtenTracer", "PrimitivePlan", "LoweredGraph", "plain_call"]
 
+_EMPTY: frozenset = frozenset()
 
-class AtenTracer:
+
+class AtenTracer(torch.fx.Interpreter):
     """The arithmetic level's rules over one lowered graph, traced into its sampled graph.
 
-    :meth:`run` walks the lowered graph on stacked samples with
+    A ``torch.fx.Interpreter`` of the lowered graph: :meth:`run_node` takes each node with its
+    plan to the handler of its kind (an input, an attribute, a primitive, the output).
+    :meth:`run` interprets the lowered graph on stacked samples with
     :func:`~fxstab.rules.aten.apply_primitive`, under ``make_fx``
     (:class:`fxstab.analysis.sampled_graph.SampledGraph`): what the rules compute with torch operators
     (the batched primitives) becomes aten nodes, and what reads values (rounding and the
@@ -48,6 +53,10 @@ class AtenTracer:
     """
 
     def __init__(self, analysis: Any, low: "LoweredGraph", call: int) -> None:
+        # values are freed after their last use by the lowering's table (free_after), which also
+        # drops a freed value's slot; a failure keeps the primitive's own message
+        super().__init__(low.gm, garbage_collect_values=False)
+        self.extra_traceback = False
         self.a = analysis
         self.low = low
         self._reads: list[list[int]] = []  # per step: the slots it reads
@@ -67,7 +76,7 @@ class AtenTracer:
         self.ctx = ctx = a._context.for_call(randbits.derive_seed(a.cfg.seed, a.index, call),
                                              self._record, self.low.salts)
         owner = a.owner
-        self._build = report_builder(owner.phase, owner.step, call, ctx.n_samples, ctx._t)
+        self._build = report_builder(owner.phase, owner.step, call, ctx.n_samples, ctx.t)
         self._defer = owner.reports.defer()
 
     def _record(self, rec: Any) -> None:
@@ -188,85 +197,94 @@ class AtenTracer:
 
     # -- the walk -------------------------------------------------------------------------
     def run(self, args: tuple) -> Any:
-        """Walk the lowered graph on ``args`` (under ``make_fx``: the trace); returns the
+        """Interpret the lowered graph on ``args`` (under ``make_fx``: the trace); returns the
         outputs' samples."""
         a, low = self.a, self.low
         ctx = self.ctx
         if steps.active():
             ctx = copy.copy(ctx)  # decides and traces; the steps run with self.ctx
             ctx.stepper = self._step
-        lowered, plans, free_after = low.gm, low.plans, low.free_after
-        env: dict[torch.fx.Node, Any] = {}
-        frontier: dict[torch.fx.Node, frozenset] = {}
+        self._rules_ctx = ctx
+        self._frontier: dict[torch.fx.Node, frozenset] = {}
         # per operator: the statuses of its recorded primitives in this call
-        statuses: dict[str, set] = {}
-        inputs = iter(args)
+        self._statuses: dict[str, set] = {}
         # Samples of inputs are expanded views of one value; a graph that updates values in
         # place (BatchNorm's running statistics) gets N real copies instead.
-        copies = iter([low.mutates or node in a.mutated for node in a._placeholders()])
-        result = None
-        empty: frozenset = frozenset()
-        fetch = env.__getitem__
-        noted = self.noted
-        for node, plan, inputs_of in zip(lowered.graph.nodes, plans, low.input_nodes):
-            ins = empty
-            for m in inputs_of:
-                f = frontier.get(m, empty)
-                if f:
-                    ins = ins | f if ins else f
-            frontier[node] = ins
-            if node.op == "placeholder":
-                v = next(inputs)
-                copy_ = next(copies)
-                # Inputs and buffers enter as N identical samples (an expanded view: no copy
-                # unless the graph updates them in place); parameters stay plain (the rules
-                # broadcast plain operands) so weights are never copied N times.
-                if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) \
-                        and not isinstance(v, torch.nn.Parameter):
-                    v = ctx.stack(v, materialize=copy_)
-                env[node] = v
-                continue
-            if node.op == "get_attr":
-                env[node] = fetch_attr(lowered, node.target)
-                continue
-            if node.op == "output":
-                result = torch.fx.node.map_arg(node.args[0], lambda m: env[m])
-                continue
-            args_ = torch.fx.node.map_arg(node.args, fetch)
-            kw = torch.fx.node.map_arg(node.kwargs, fetch) if node.kwargs else {}
-            if plan is None or plan.action == "plain":
-                # Python operators on sizes, getitem on tuples, symbolic sizes: plain values.
-                env[node] = plain_call(node_callable(lowered, node), args_, kw, Stacked)
-                continue
-            if plan.record:
-                self._meta[plan.name] = (plan.path, tuple(sorted(ins)))
-            before = len(noted)
-            if plan.action == "random":
-                out = ctx.emit("random", plan.name, _random_step(plan.target), (), args_, kw)
-            else:
-                out = apply_primitive(plan.target, args_, kw, ctx, name=plan.name,
-                                      salt=plan.index, need_digits=plan.need_digits,
-                                      need_zeros=plan.need_zeros)
-                if plan.inplace and isinstance(out, Stacked) and args_ and \
-                        isinstance(node.args[0], torch.fx.Node) and \
-                        not isinstance(args_[0], Stacked):
-                    # a plain tensor updated in place from samples now holds samples: later
-                    # readers of the target see them
-                    env[node.args[0]] = out
-            env[node] = out
-            if plan.observe and len(noted) == before and plan.record:
-                ctx.emit("observe", plan.name, _observe_step(plan.target, plan.name), (),
-                         (out,), {})
-            if len(noted) > before and plan.record:
-                for rec in noted[before:]:
-                    frontier[node] = frozenset({rec.name})
-                    if plan.origin is not None:
-                        statuses.setdefault(plan.origin, {}).setdefault(rec.status, rec.name)
-            for dead in free_after.get(node, ()):
-                # no name holds the freed value (one full-size tensor more at the peak)
-                _forget(self.live, env.pop(dead, None))
-        a._note_coverage(low, statuses)
+        self._copies = iter([low.mutates or node in a.mutated for node in a._placeholders()])
+        try:
+            result = super().run(*args, enable_io_processing=False)
+        finally:
+            self.env = {}
+        a._note_coverage(low, self._statuses)
         return result
+
+    def run_node(self, node: torch.fx.Node) -> Any:
+        low = self.low
+        i = low.index[node]
+        plan = low.plans[i]
+        frontier = self._frontier
+        ins = _EMPTY
+        for m in low.input_nodes[i]:
+            f = frontier.get(m, _EMPTY)
+            if f:
+                ins = ins | f if ins else f
+        frontier[node] = ins
+        op = node.op
+        if op == "placeholder":
+            return self._input(next(self.args_iter), next(self._copies))
+        if op == "get_attr":
+            return fetch_attr(low.gm, node.target)
+        if op == "output":
+            return torch.fx.node.map_arg(node.args[0], self.env.__getitem__)
+        out = self._primitive(node, plan, ins)
+        for dead in low.free_after.get(node, ()):
+            # no name holds the freed value (one full-size tensor more at the peak)
+            _forget(self.live, self.env.pop(dead, None))
+        return out
+
+    def _input(self, v: Any, copy_: bool) -> Any:
+        """Inputs and buffers enter as N identical samples (an expanded view: no copy unless
+        the graph updates them in place); parameters stay plain (the rules broadcast plain
+        operands) so weights are never copied N times."""
+        if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) \
+                and not isinstance(v, torch.nn.Parameter):
+            return self._rules_ctx.stack(v, materialize=copy_)
+        return v
+
+    def _primitive(self, node: torch.fx.Node, plan: Optional["PrimitivePlan"],
+                   ins: frozenset) -> Any:
+        """One primitive of the lowered graph on the samples: its rule, or a plain call."""
+        ctx, env, noted = self._rules_ctx, self.env, self.noted
+        fetch = env.__getitem__
+        args_ = torch.fx.node.map_arg(node.args, fetch)
+        kw = torch.fx.node.map_arg(node.kwargs, fetch) if node.kwargs else {}
+        if plan is None or plan.action == "plain":
+            # Python operators on sizes, getitem on tuples, symbolic sizes: plain values.
+            return plain_call(node_callable(self.low.gm, node), args_, kw, Stacked)
+        if plan.record:
+            self._meta[plan.name] = (plan.path, tuple(sorted(ins)))
+        before = len(noted)
+        if plan.action == "random":
+            out = ctx.emit("random", plan.name, _random_step(plan.target), (), args_, kw)
+        else:
+            out = apply_primitive(plan.target, args_, kw, ctx, name=plan.name,
+                                  salt=plan.index, need_digits=plan.need_digits,
+                                  need_zeros=plan.need_zeros)
+            if plan.inplace and isinstance(out, Stacked) and args_ and \
+                    isinstance(node.args[0], torch.fx.Node) and \
+                    not isinstance(args_[0], Stacked):
+                # a plain tensor updated in place from samples now holds samples: later
+                # readers of the target see them
+                env[node.args[0]] = out
+        if plan.observe and len(noted) == before and plan.record:
+            ctx.emit("observe", plan.name, _observe_step(plan.target, plan.name), (),
+                     (out,), {})
+        if len(noted) > before and plan.record:
+            for rec in noted[before:]:
+                self._frontier[node] = frozenset({rec.name})
+                if plan.origin is not None:
+                    self._statuses.setdefault(plan.origin, {}).setdefault(rec.status, rec.name)
+        return out
 
 
 def _forget(live: dict, value: Any) -> None:
@@ -308,8 +326,8 @@ class LoweredGraph:
     """A lowered graph with its node plans, each node's input nodes and the values each node
     frees."""
 
-    __slots__ = ("gm", "plans", "free_after", "mutates", "input_nodes", "salts", "origins",
-                 "written", "shape_env")
+    __slots__ = ("gm", "plans", "free_after", "mutates", "input_nodes", "index", "salts",
+                 "origins", "written", "shape_env")
 
     def __init__(self, gm, plans, free_after, mutates, origins, written=frozenset()):
         self.gm, self.plans, self.free_after, self.mutates = gm, plans, free_after, mutates
@@ -317,6 +335,7 @@ class LoweredGraph:
         self.written = written  # indices of the inputs a primitive writes into
         self.shape_env = None  # a symbolic lowering's shape environment (its guards)
         self.input_nodes = [tuple(node.all_input_nodes) for node in gm.graph.nodes]
+        self.index = {node: i for i, node in enumerate(gm.graph.nodes)}  # node -> its plan's
         # the seed salts of the primitives, derived together once per call
         self.salts = [p.index for p in plans if p is not None and p.action == "rule"]
 
