@@ -174,7 +174,7 @@ class BackwardAnalysis(GraphAnalysis):
         tracer = SampleTracer(self, call)
         for i, name, node, source in self._grads:
             v = flat[i] if i < len(flat) else None
-            t = v.t if isinstance(v, Stacked) else v
+            t = v.samples if isinstance(v, Stacked) else v
             if not _floating(t):
                 continue
             samples = t if isinstance(v, Stacked) else t.unsqueeze(0).expand(self.cfg.n_samples,

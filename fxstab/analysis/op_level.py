@@ -353,7 +353,7 @@ class SampleCapture:
         s_flat, _ = pytree.tree_flatten(samples)
         out = []
         for d, s in zip(det_flat, s_flat):
-            t = getattr(s, "t", getattr(s, "samples", s))  # op-level or aten-level samples
+            t = s.samples if isinstance(s, Stacked) else s
             if isinstance(d, torch.Tensor) and d.is_floating_point() and \
                     isinstance(t, torch.Tensor):
                 if t.dim() == d.dim() + 1 and t.shape[1:] == d.shape:
@@ -370,7 +370,7 @@ def _straight_through_mean(det: Any, samples: Any) -> Any:
     s_flat, _ = pytree.tree_flatten(samples)
     out = []
     for d, s in zip(det_flat, s_flat):
-        t = getattr(s, "t", getattr(s, "samples", None))  # op-level or aten-level samples
+        t = s.samples if isinstance(s, Stacked) else None
         if isinstance(d, torch.Tensor) and d.is_floating_point() and isinstance(t, torch.Tensor):
             mean = t.mean(0).to(d.dtype)
             out.append(d + (mean - d).detach())

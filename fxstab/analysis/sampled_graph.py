@@ -90,7 +90,7 @@ class SampledGraph:
             held["layout"] = ([None if is_stacked(v) or isinstance(v, torch.Tensor) else v
                                for v in flat], spec, where)
             held["first"] = result
-            return [flat[j].t if s else flat[j] for j, s in where]
+            return [flat[j].samples if s else flat[j] for j, s in where]
 
         # a tensor subclass may override __torch_function__, which torch's bindings call and
         # an OpOverload does not (the trace already ran through it): its graph keeps them

@@ -86,15 +86,51 @@ def attention_folded(fn: Callable, a: list, kw: dict) -> torch.Tensor:
 
 
 class Stacked:
-    """N samples of one value, stacked on dim 0. A pytree leaf."""
+    """N samples ``[N, ...]`` of one value, stacked on dim 0: the value every rule of both
+    levels runs on (a pytree leaf).
 
-    __slots__ = ("t",)
+    The samples may be an ``expand``ed view of one plain value (identical samples, never
+    copied); the rules never write into samples in place. The arithmetic level also caches
+    what it measured of them (:meth:`analysis`: per-element digits and the masks the counters
+    read, made once, so each primitive's output is measured once and serves as operand of its
+    consumers), and the slot of a traced step's output in the sampled graph.
+    """
 
-    def __init__(self, t: torch.Tensor) -> None:
-        self.t = t
+    __slots__ = ("samples", "_an", "slot")
 
-    def __repr__(self) -> str:  # pragma: no cover
-        return f"Stacked({tuple(self.t.shape)}, {self.t.dtype})"
+    def __init__(self, samples: torch.Tensor, analysis: Any = None) -> None:
+        self.samples = samples
+        self._an = analysis
+        self.slot = -1  # a step output of a sampled graph being traced: its slot there
+
+    @property
+    def shape(self) -> torch.Size:
+        """Logical shape (without the sample dimension)."""
+        return self.samples.shape[1:]
+
+    @property
+    def ndim(self) -> int:
+        return self.samples.dim() - 1
+
+    def analysis(self, ctx: Any) -> Any:
+        """What the arithmetic level measured of these samples (``ctx.measure``: a
+        :class:`fxstab.rules.aten.measure.Analysis`), made on first use."""
+        if self._an is None:
+            self._an = ctx.measure(self.samples)
+        return self._an
+
+    @property
+    def measured(self) -> Any:
+        """The analysis if already made (None: nothing measured yet)."""
+        return self._an
+
+    @measured.setter
+    def measured(self, an: Any) -> None:
+        self._an = an
+
+    def __repr__(self) -> str:
+        return (f"Stacked(shape={tuple(self.shape)}, n={self.samples.shape[0]}, "
+                f"dtype={self.samples.dtype})")
 
 
 @dataclass
@@ -118,7 +154,7 @@ class NodePlan:
 def has_floating(out: Any) -> bool:
     """Whether an output holds a floating or complex tensor (stacked or plain)."""
     for v in pytree.tree_leaves(out, is_leaf=lambda x: isinstance(x, Stacked)):
-        t = v.t if isinstance(v, Stacked) else v
+        t = v.samples if isinstance(v, Stacked) else v
         if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
             return True
     return False
@@ -145,9 +181,9 @@ def broadcasts_directly(leaves: list) -> bool:
     nd = -1
     for v in leaves:
         if isinstance(v, Stacked):
-            if nd not in (-1, v.t.dim()):
+            if nd not in (-1, v.samples.dim()):
                 return False
-            nd = v.t.dim()
+            nd = v.samples.dim()
     for v in leaves:
         if v is True or (isinstance(v, torch.Tensor) and v.dim() >= nd):
             return False
@@ -172,7 +208,7 @@ def is_float_cast(node: torch.fx.Node, leaves: list) -> bool:
         return True
     if name == "type_as":
         other = leaves[1] if len(leaves) > 1 else None
-        t = other.t if isinstance(other, Stacked) else other
+        t = other.samples if isinstance(other, Stacked) else other
         return isinstance(t, torch.Tensor) and t.is_floating_point()
     if isinstance(target, torch.dtype):
         return target.is_floating_point

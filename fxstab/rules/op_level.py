@@ -136,7 +136,7 @@ class SampleTracer(torch.fx.Interpreter):
     def _stack(self, v: Any) -> torch.Tensor:
         """Samples of a leaf: stacked as is, or N identical copies of a plain tensor."""
         if isinstance(v, Stacked):
-            return v.t
+            return v.samples
         return v.unsqueeze(0).expand(self.n, *v.shape)
 
     def _step(self, what: str, plan: NodePlan, fn: Callable[[list], Any], leaves: list) -> Any:
@@ -159,11 +159,11 @@ class SampleTracer(torch.fx.Interpreter):
             if not layout:  # the trace: how to rebuild the output (no tensor kept)
                 layout[:] = [[None if isinstance(v, (Stacked, torch.Tensor)) else v
                               for v in flat], spec, where]
-            return [flat[j].t if s else flat[j] for j, s in where]
+            return [flat[j].samples if s else flat[j] for j, s in where]
 
         label = plan.name or f"{plan.module_path}/{plan.kind}"
         outs = steps.emit(steps.Step(what, label, run),
-                          [leaves[i].t if s else leaves[i] for i, s in zip(pos, stacked)])
+                          [leaves[i].samples if s else leaves[i] for i, s in zip(pos, stacked)])
         flat, spec, where = layout
         flat = list(flat)
         for (j, s), t in zip(where, outs):
@@ -274,7 +274,7 @@ class SampleTracer(torch.fx.Interpreter):
             status = ROUNDED
             how = "dropout: the deterministic pass's mask on every sample"
         elif is_metadata(node, kind):
-            first = [v.t[0] if isinstance(v, Stacked) else v for v in leaves]
+            first = [v.samples[0] if isinstance(v, Stacked) else v for v in leaves]
             a, k = _unflatten(first, spec)
             out, status, how = fn(*a, **k), ROUNDED, "metadata: read on the first sample"
         elif node.op == "call_method" and kind in CAST_METHODS and is_float_cast(node, leaves):
@@ -282,7 +282,7 @@ class SampleTracer(torch.fx.Interpreter):
         elif kind == "getitem" and isinstance(args[0], (tuple, list)):
             out, status, how = args[0][args[1]], ROUNDED, "item of a tuple"
         elif kind in ELEMENTWISE_KINDS and broadcasts_directly(leaves):
-            a, k = _unflatten([v.t if isinstance(v, Stacked) else v for v in leaves], spec)
+            a, k = _unflatten([v.samples if isinstance(v, Stacked) else v for v in leaves], spec)
             out, status, how = self._wrap_out(fn(*a, **k)), ROUNDED, "elementwise on the samples"
         elif kind in BATCHED_KINDS and all(i < BATCHED_KINDS[kind] for i in stacked):
             out = self._batched(fn, leaves, spec, BATCHED_KINDS[kind], kind)
@@ -356,7 +356,7 @@ class SampleTracer(torch.fx.Interpreter):
             holder: list = []
             states = rng_states(())
             try:
-                outs = torch.vmap(call, randomness="error")(*[leaves[i].t for i in stacked])
+                outs = torch.vmap(call, randomness="error")(*[leaves[i].samples for i in stacked])
                 flat, out_spec, where = holder
                 flat = list(flat)
                 for j, t in zip(where, outs):
@@ -412,7 +412,7 @@ class SampleTracer(torch.fx.Interpreter):
                                    else t, fn(*a, **kw))
         for k in range(self.n):
             set_rng_states(states)
-            sample = [v.t[k] if isinstance(v, Stacked) else v for v in leaves]
+            sample = [v.samples[k] if isinstance(v, Stacked) else v for v in leaves]
             if det is not None:
                 sample = [v.to(det) if isinstance(v, torch.Tensor) and v.is_floating_point()
                           else v for v in sample]
@@ -447,7 +447,7 @@ class SampleTracer(torch.fx.Interpreter):
         # The mask of the deterministic pass: same RNG state, same shape and dtype, ones as
         # input; the samples are multiplied by it (the 1/(1-p) scaling then rounds).
         det = self._det_dtype(plan)
-        first = [torch.ones_like(v.t[0], dtype=det or v.t.dtype) if isinstance(v, Stacked) else v
+        first = [torch.ones_like(v.samples[0], dtype=det or v.samples.dtype) if isinstance(v, Stacked) else v
                  for v in leaves]
         a, k = _unflatten(first, spec)
         k = dict(k)
@@ -455,7 +455,7 @@ class SampleTracer(torch.fx.Interpreter):
             k["inplace"] = False
         mask = fn(*a, **k)
         x = next(v for v in leaves if isinstance(v, Stacked))
-        return Stacked(x.t * mask.to(x.t.dtype))
+        return Stacked(x.samples * mask.to(x.samples.dtype))
 
     # -- surrogate, rounding, recording ----------------------------------------------------
     def _perturb(self, plan: NodePlan, leaves: list) -> list:
@@ -474,7 +474,7 @@ class SampleTracer(torch.fx.Interpreter):
         """
         new = list(leaves)
         floats = [i for i, v in enumerate(leaves)
-                  if isinstance(v, Stacked) and v.t.is_floating_point()]
+                  if isinstance(v, Stacked) and v.samples.is_floating_point()]
         plain = [i for i, v in enumerate(leaves)
                  if isinstance(v, torch.Tensor) and v.is_floating_point()]
         data = [i for i in plain if id(leaves[i]) not in self.weights]
@@ -486,7 +486,7 @@ class SampleTracer(torch.fx.Interpreter):
             v = leaves[i]
             if pre is not None and v is pre:  # perturbed in its producer's rounding step
                 continue
-            x = v.t if isinstance(v, Stacked) else self._to_working(v)
+            x = v.samples if isinstance(v, Stacked) else self._to_working(v)
             step = steps.Step("perturb", f"{plan.name}_{i}", functools.partial(
                 self._perturb_step, plan, 1000 + i, isinstance(v, Stacked)))
             new[i] = Stacked(steps.emit(step, [x])[0])
@@ -524,14 +524,14 @@ class SampleTracer(torch.fx.Interpreter):
         carries its GEMM consumer's surrogate in the same pass."""
         single = isinstance(out, (Stacked, torch.Tensor))
         flat, spec = ([out], None) if single else pytree.tree_flatten(out)
-        taken = {_storage(v.t if isinstance(v, Stacked) else v) for v in inputs
+        taken = {_storage(v.samples if isinstance(v, Stacked) else v) for v in inputs
                  if isinstance(v, (Stacked, torch.Tensor))}
         fuse = plan.fuse if status == ROUNDED and len(flat) == 1 else None
         to_round: list = []  # (leaf index, stacked, in place, complex, fused, prepared kernel)
         shape: tuple = ()
         cfg = self.cfg
         for j, v in enumerate(flat):
-            t = v.t if isinstance(v, Stacked) else v
+            t = v.samples if isinstance(v, Stacked) else v
             if not (isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())):
                 continue
             stacked = isinstance(v, Stacked)
@@ -561,7 +561,7 @@ class SampleTracer(torch.fx.Interpreter):
             step = steps.Step("round", plan.name, lambda xs: [one(xs)], one=one)
         else:
             step = steps.Step("round", plan.name, general)
-        rounded = steps.emit(step, [flat[j].t if s else flat[j] for j, s, *_ in to_round])
+        rounded = steps.emit(step, [flat[j].samples if s else flat[j] for j, s, *_ in to_round])
         new = list(flat)
         for (j, *_rest, fused, _prepared), r in zip(to_round, rounded):
             new[j] = Stacked(r)

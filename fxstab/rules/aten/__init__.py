@@ -53,7 +53,8 @@ from .kinds import (
     primitive_kind,
 )
 from .rounding import round_stacked
-from .stacked import Analysis, Stacked
+from ..lifting import Stacked
+from .measure import Analysis
 
 __all__ = ["Stacked", "Analysis", "AtenContext", "PrimitiveRecord", "apply_primitive",
            "round_stacked", "primitive_kind", "op_info", "OpInfo", "GEMM_PRIMITIVES",

@@ -30,7 +30,8 @@ from .kinds import (
     primitive_kind,
 )
 from .rounding import perturb_operand, round_complex, round_fp64, round_measure
-from .stacked import Analysis, Stacked
+from ..lifting import Stacked
+from .measure import Analysis
 
 __all__ = ["apply_primitive", "observe", "to_op_report"]
 

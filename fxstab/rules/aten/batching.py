@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 
 from .context import AtenContext
 from .kinds import OpInfo, broadcast_in_dim, prims_var
-from .stacked import Stacked
+from ..lifting import Stacked
 
 aten = torch.ops.aten
 

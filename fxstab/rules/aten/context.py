@@ -20,7 +20,8 @@ from ...numerics.rounding import Rounding
 from ...records.counters import Counters, check_diagnostics
 from ...records.report import ROUNDED
 from .kinds import primitive_kind
-from .stacked import Stacked
+from ..lifting import Stacked
+from .measure import Analysis
 
 __all__ = ["AtenContext", "PrimitiveRecord"]
 
@@ -145,6 +146,11 @@ class AtenContext:
         self.use_lookup = (self.use_native and self.working_dtype == torch.float32
                            and self.fmt.man_bits <= 7)
         self.last_events: list = []
+
+    def measure(self, samples: torch.Tensor) -> Analysis:
+        """What the counters read of ``samples``, measured on first use
+        (:meth:`fxstab.rules.lifting.Stacked.analysis`)."""
+        return Analysis(samples, self)
 
     def for_call(self, seed: int, recorder: Optional[Callable[[PrimitiveRecord], None]],
                  salts: Sequence[int] = ()) -> "AtenContext":

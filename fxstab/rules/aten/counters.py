@@ -19,7 +19,8 @@ from .kinds import (
     ADD_KINDS, DIV_KINDS, EXACT_PRIMITIVES, MATH_KINDS, POW_KINDS, REDUCE_SUM_KINDS,
     ROUNDING_INTRINSICS, COMPARISONS, SELECT2_KINDS,
 )
-from .stacked import Analysis, Stacked
+from ..lifting import Stacked
+from .measure import Analysis
 
 __all__ = ["differs", "diff_analysis", "compute_counters", "limit_diff", "counting_mode",
            "no_counts", "count_found"]

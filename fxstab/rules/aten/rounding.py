@@ -22,7 +22,7 @@ from ...numerics.rounding import Rounding, round_samples, sample_draws
 from ...numerics.surrogate import perturb_samples
 from .batching import aligned
 from .context import AtenContext
-from .stacked import Analysis
+from .measure import Analysis
 
 __all__ = ["round_stacked", "round_measure", "round_fp64", "round_complex", "perturb_operand"]
 

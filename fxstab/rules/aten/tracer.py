@@ -25,7 +25,7 @@ from ...numerics import randbits
 from ...passes import steps
 from ...records.report import OpReport, report_builder, stats_row
 from .apply import apply_primitive, observe
-from .stacked import Stacked
+from ..lifting import Stacked
 
 __all__ = ["AtenTracer", "PrimitivePlan", "LoweredGraph", "plain_call"]
 

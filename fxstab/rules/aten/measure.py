@@ -1,6 +1,6 @@
-"""The value the arithmetic-level rules run on: :class:`Stacked` samples ``[N, ...]`` of one
-value, and their :class:`Analysis` (per-element CESTAC digits and the masks the counters read,
-each measured on first use)."""
+"""What the arithmetic level measures of stacked samples (:class:`fxstab.rules.lifting.Stacked`):
+their :class:`Analysis`, per-element CESTAC digits and the masks the counters read, each
+measured on first use (``Stacked.analysis(ctx)`` asks the context, :meth:`AtenContext.measure`)."""
 
 from __future__ import annotations
 
@@ -12,56 +12,7 @@ from ...cpu import bindings as native
 
 # ``ctx`` below is the call's fxstab.rules.aten.context.AtenContext (that module imports this
 # one, so it is named in annotations only)
-__all__ = ["Stacked", "Analysis"]
-
-
-class Stacked:
-    """Samples ``[N, ...]`` of one value, with its analysis (digits, masks) cached once made.
-
-    The graph walk keeps these in its environment so each primitive's output is measured
-    once and its digits serve as operand digits of the consumers (cancellation counters). The
-    samples may be an ``expand``ed view of one plain value (identical samples, never copied);
-    the rules never write into samples in place.
-    """
-
-    __slots__ = ("samples", "_an", "slot")
-
-    def __init__(self, samples: torch.Tensor, analysis: Optional["Analysis"] = None):
-        self.samples = samples
-        self._an = analysis
-        self.slot = -1  # a step output of a sampled graph being traced: its slot there
-
-    @property
-    def shape(self) -> torch.Size:
-        """Logical shape (without the sample dimension)."""
-        return self.samples.shape[1:]
-
-    @property
-    def ndim(self) -> int:
-        return self.samples.dim() - 1
-
-    @property
-    def t(self) -> torch.Tensor:
-        """The samples (the name :class:`fxstab.analysis.sampled_graph.SampledGraph` reads)."""
-        return self.samples
-
-    def analysis(self, ctx: "AtenContext") -> "Analysis":
-        """The analysis of these samples, made on first use."""
-        if self._an is None:
-            self._an = Analysis(self.samples, ctx)
-        return self._an
-
-    @property
-    def measured(self) -> Optional["Analysis"]:
-        """The analysis if already made (None: nothing measured yet)."""
-        return self._an
-
-    @measured.setter
-    def measured(self, an: "Analysis") -> None:
-        self._an = an
-
-    def __repr__(self) -> str:
-        return f"Stacked(shape={tuple(self.shape)}, n={self.samples.shape[0]}, dtype={self.samples.dtype})"
+__all__ = ["Analysis"]
 
 
 class Analysis:
