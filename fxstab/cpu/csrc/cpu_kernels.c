@@ -1,13 +1,14 @@
 /* Fused CPU kernels of fxstab: rounding + CESTAC digit statistics, and the GEMM surrogate.
  *
  * One pass over the samples of each element does what the plain-torch references do in about
- * thirty tensor passes (fxstab/rounding.py: round_with_bits and round_samples; fxstab/digits.py:
- * stats_vector; fxstab/surrogate.py: perturb_samples). The random bits are the same Philox4x32-10
- * streams (fxstab/randbits.py), so rounded and perturbed samples are bit-identical to the
+ * thirty tensor passes (fxstab/numerics/rounding.py: round_with_bits and round_samples;
+ * fxstab/numerics/digits.py: stats_vector; fxstab/numerics/surrogate.py: perturb_samples). The
+ * random bits are the same Philox4x32-10 streams (fxstab/numerics/randbits.py), so rounded and
+ * perturbed samples are bit-identical to the
  * references; the digit statistics agree to a few ulps (products by reciprocals, a vectorised
  * log10 series, reassociated block sums).
  *
- * Built at first use by fxstab/native.py (plain C, OpenMP, no Python or torch headers) and
+ * Built at first use by fxstab/cpu/build.py (plain C, OpenMP, no Python or torch headers) and
  * called through ctypes with raw pointers. Samples are [n, numel] with sample k of element e at
  * x[k * xs + e]: xs = numel for stacked samples, xs = 0 for a plain tensor broadcast to every
  * sample.
@@ -55,15 +56,16 @@ typedef struct {
     int64_t b_cap, nbins;
 } params_t;
 
-/* The statistics beyond the six digit reductions (fxstab.digits: EXTRA_STATS): the squared
+/* The statistics beyond the six digit reductions (fxstab.numerics.digits: EXTRA_STATS): the squared
  * Frobenius norms of the sample means and of the sample standard deviations (normwise digits),
  * the elements that underflowed, and the histogram of per-element digits (quantiles). Bins:
  * the top 16 bits of the fp64 relative sample variance (sign, exponent, 4 significand bits:
  * 16 bins per octave, at most 0.013 digits wide), between the cap's and 0 digits' variances;
  * the elements with 0 digits and with the cap's are counted apart. */
 #define HBINS 2048
-/* The quantiles sample at most about this many groups of 128 elements (fxstab.digits): 512-1024
- * elements put a p10 within about 1% of its rank, at a histogram increment per element. */
+/* The quantiles sample at most about this many groups of 128 elements
+ * (fxstab.numerics.digits): 512-1024 elements put a p10 within about 1% of its rank, at a
+ * histogram increment per element. */
 #define QGROUPS 8
 typedef struct {
     double msq, vsq, under;
@@ -83,7 +85,7 @@ typedef struct {
     int64_t count;
 } fused_t;
 
-/* Philox4x32-10 exactly as tl.philox / fxstab.randbits.philox. */
+/* Philox4x32-10 exactly as tl.philox / fxstab.numerics.randbits.philox. */
 static inline void philox(uint64_t seed, uint32_t c[4]) {
     uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
     for (int r = 0; r < 10; r++) {
@@ -163,7 +165,8 @@ static inline void philox_lanes(uint64_t seed, uint32_t c[4][PHILOX_LANES], int 
     }
 }
 
-/* Cross-sample scheme of fxstab.rounding.sample_draws: draw index and flip of each sample. */
+/* Cross-sample scheme of fxstab.numerics.rounding.sample_draws: draw index and flip of each
+ * sample. */
 static int sample_draws(int64_t n, int *draws, int *flips) {
     int free_ = 0, start = (int)(n % 2);
     for (int i = 0; i < n; i++) {
@@ -363,7 +366,7 @@ ALWAYS_INLINE float log10_posf(float v) {
 _Static_assert(SB * SB_MAX_N <= MAX_SAMPLES, "a superblock's Philox words fit the buffer");
 
 /* ---------------------------------------------------------------------------------------
- * CESTAC digits (fxstab.digits._digits, in the working dtype) of `cnt` elements whose n
+ * CESTAC digits (fxstab.numerics.digits._digits, in the working dtype) of `cnt` elements whose n
  * samples are rows[i][el]; accumulates the statistics and writes digits to `dig` if given.
  */
 #define DEFINE_DIGITS_BLOCK(NAME, FT, DBL_MIN_, LOG10, IT, TINY_, SCALE_)                                   \
@@ -451,7 +454,7 @@ DEFINE_DIGITS_BLOCK(digits_block_f32_scalar, float, 1.1754943508222875e-38, log1
                     0x1p-100, 0x1p64)
 
 /* ---------------------------------------------------------------------------------------
- * The extras of `cnt` elements (ext_t), exactly as fxstab.digits._moments2: the mean in the
+ * The extras of `cnt` elements (ext_t), exactly as fxstab.numerics.digits._moments2: the mean in the
  * samples' dtype as the digits take it (sum of x_i * (1 / n), no overflow near the dtype's
  * maximum), then in fp64 the deviations x_i - mean, s^2 = sum of their squares * (1 / (n - 1))
  * and mean^2. An element whose mean^2 and s^2 are finite adds them to the norms (a mean beyond
@@ -1273,7 +1276,7 @@ NOINLINE void digits_block_f64(const double *const *rows, int64_t n, int64_t cnt
 }
 
 /* Random bits (random mode) or words (stochastic mode) of sample i for elements e0..e0+cnt-1
- * of group g (e0 = 128 g): fxstab.randbits.random_bits / uniform_words. */
+ * of group g (e0 = 128 g): fxstab.numerics.randbits.random_bits / uniform_words. */
 ALWAYS_INLINE void sample_bits(const params_t *p, const int mode, int64_t g, int64_t cnt,
                                int64_t i, const int *draws, const int *flips,
                                uint32_t (*dwords)[4], uint32_t (*swords)[PHILOX_LANES],
@@ -1302,7 +1305,7 @@ ALWAYS_INLINE void sample_bits(const params_t *p, const int mode, int64_t g, int
 }
 
 /* ---------------------------------------------------------------------------------------
- * GEMM surrogate (fxstab.surrogate.perturb_samples): element e is perturbed when
+ * GEMM surrogate (fxstab.numerics.surrogate.perturb_samples): element e is perturbed when
  * max_k |x_k - mean| <= eta * |mean|; sample k then becomes x_k * (1 + eta * r), r =
  * (2 b + 1) 2^-8 - 1 with b byte e % 4 of word (e / 4) % 4 of philox(seed, e / 16, k, ...).
  * Returns the number of perturbed elements.
@@ -1645,7 +1648,7 @@ static params_t derive_params(const params_t *p, int64_t n) {
 DEFINE_ROUND_STATS(fxstab_round_stats_f32, float, f32)
 DEFINE_ROUND_STATS(fxstab_round_stats_f64, double, f64)
 
-/* One call of fxstab.native.Prepared: its arguments in one struct (a ctypes call converts each
+/* One call of fxstab.cpu.bindings.Prepared: its arguments in one struct (a ctypes call converts each
  * argument it is given: 9 of them cost more than the kernel on a small tensor), the derived
  * constants computed once when it was prepared (fxstab_prepare_params). */
 typedef struct {
@@ -1783,7 +1786,7 @@ int64_t fxstab_lookup_bf16(const float *x, float *out, int64_t numel, const floa
 }
 
 /* ---------------------------------------------------------------------------------------
- * fxstab.randbits.derive_seed (SplitMix64 finalisation of the seed mixed with a salt) for a
+ * fxstab.numerics.randbits.derive_seed (SplitMix64 finalisation of the seed mixed with a salt) for a
  * call's primitives at once: seeds[i] = derive_seed(seed, salts[i]) and then[i] =
  * derive_seed(seeds[i], then_salt). In Python each is a dozen big-integer operations.
  */
@@ -1795,7 +1798,7 @@ static uint64_t derive1(uint64_t z, uint64_t s) {
 }
 
 /* derive_seed(bases[i], call, purposes[i]) for every i: the seeds of one analysed call's steps
- * (fxstab.backend.SampleTracer), in one call instead of one Python loop each. */
+ * (fxstab.rules.op_level.SampleTracer), in one call instead of one Python loop each. */
 void fxstab_call_seeds(const uint64_t *bases, const uint64_t *purposes, int64_t n,
                        uint64_t call, uint64_t *out) {
     for (int64_t i = 0; i < n; i++) out[i] = derive1(derive1(bases[i], call), purposes[i]);
