@@ -77,6 +77,18 @@ def load_ref(package_dir: Path):
     return module
 
 
+def submodule(pkg, *paths: str):
+    """The first of ``paths`` (``"cpu.bindings"``, ``"native"``) that ``pkg`` has: a module
+    found under its name in either layout (the revisions before the layout of issue 29 were
+    flat: ``fxstab.native``, ``fxstab.formats``)."""
+    for path in paths:
+        try:
+            return importlib.import_module(f"{pkg.__name__}.{path}")
+        except ModuleNotFoundError:
+            continue
+    raise SystemExit(f"bench_ab: {pkg.__name__} has none of the modules {', '.join(paths)}")
+
+
 def compiled_pair(ref, new, model, x: tuple, opts: dict) -> tuple:
     """Two fresh compilations of ``model``, one per fxstab package (``ref``, ``new``), as two
     callables doing one analysed call each and dropping its reports (every call the same

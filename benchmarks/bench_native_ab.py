@@ -32,14 +32,19 @@ DTYPES = {"float32": ("bf16", torch.float32), "float64": ("fp32", torch.float64)
 
 def calls(pkg, fmt: str, dtype: torch.dtype, x: torch.Tensor, mode: str) -> dict:
     """One callable per case, with ``pkg``'s kernels."""
-    r = pkg.native.rounder(pkg.formats.get_format(fmt), pkg.rounding.Rounding.parse(mode),
-                           dtype, x.shape[0])
+    from benchmarks.bench_ab import submodule
+
+    native = submodule(pkg, "cpu.bindings", "native")
+    formats = submodule(pkg, "numerics.formats", "formats")
+    rounding = submodule(pkg, "numerics.rounding", "rounding")
+    r = native.rounder(formats.get_format(fmt), rounding.Rounding.parse(mode), dtype,
+                       x.shape[0])
     return {case: (lambda kw=kw: r(x, 1, in_place=True, **kw)) for case, kw in CASES.items()}
 
 
 def main(argv=None) -> int:
     import fxstab
-    from benchmarks.bench_ab import extract_ref, load_ref
+    from benchmarks.bench_ab import extract_ref, load_ref, submodule
     from benchmarks.bench_overhead import timed_interleaved
     from benchmarks.common import save_json
 
@@ -57,9 +62,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    fxstab.cpu.alloc.tune()  # as an analysed call: freed buffers stay in the heap
+    from fxstab.cpu import alloc
+
+    alloc.tune()  # as an analysed call: freed buffers stay in the heap
     ref = load_ref(extract_ref(args.ref, Path(tempfile.mkdtemp(prefix="fxstab_ref_"))))
-    if not (fxstab.cpu.bindings.available() and ref.native.available()):
+    if not (fxstab.cpu.bindings.available() and
+            submodule(ref, "cpu.bindings", "native").available()):
         raise SystemExit("bench_native_ab: the CPU kernels could not be built")
     keys, fns = [], []
     for name in args.dtypes.split(","):
