@@ -25,7 +25,7 @@ from .ops import OpRouter, OpState, custom_op_of
 
 # module_path and op_name live in fxstab.capture.naming (one parser for the analysis and the
 # monitor); they stay importable from here.
-__all__ = ["MonitorBackend", "MonitorPass", "GraphInfo"]
+__all__ = ["MonitorBackend", "MonitorPass", "MonitoredGraph"]
 
 def _dispatcher(monitor: OpRouter, op: OpState) -> Callable:
     def monitored(*args, **kwargs):
@@ -86,8 +86,10 @@ class MonitorPass(PassBase):
 
 
 @dataclass
-class GraphInfo:
-    """One graph the backend compiled: its operators and the nodes it skipped (with why)."""
+class MonitoredGraph:
+    """One graph the monitor's backend compiled: its operators and the nodes it skipped (with
+    why). Not the analysis's :class:`fxstab.analysis.op_level.GraphInfo`, which records how a
+    graph's samples ran."""
 
     index: int
     instrumented: list = field(default_factory=list)
@@ -102,7 +104,7 @@ class MonitorBackend:
 
     def __init__(self, monitor: OpRouter) -> None:
         self.monitor = monitor
-        self.graphs: list[GraphInfo] = []
+        self.graphs: list[MonitoredGraph] = []
 
     @property
     def compiles(self) -> int:
@@ -111,5 +113,5 @@ class MonitorBackend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         p = MonitorPass(self.monitor)
         result = p(gm)
-        self.graphs.append(GraphInfo(len(self.graphs), p.instrumented, p.skipped))
+        self.graphs.append(MonitoredGraph(len(self.graphs), p.instrumented, p.skipped))
         return result.graph_module.forward
