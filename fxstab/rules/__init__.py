@@ -1,8 +1,8 @@
 """What an operator becomes on N stacked samples: the rules, per level (DESIGN.md §3).
 
-* :mod:`fxstab.rules.lifting`: the operator level's values (:class:`~fxstab.rules.lifting.Stacked`,
-  :class:`~fxstab.rules.lifting.NodePlan`) and its lifting decisions (batched, elementwise, per
-  sample, vmap).
+* :mod:`fxstab.rules.lifting`: the value both levels run on (:class:`~fxstab.rules.lifting.Stacked`),
+  the operator level's plan of a node (:class:`~fxstab.rules.lifting.NodePlan`) and its lifting
+  decisions (batched, elementwise, per sample, vmap).
 * :mod:`fxstab.rules.op_level`: the operator level's tracer (:class:`SampleTracer`).
 * :mod:`fxstab.rules.aten`: the arithmetic level's per-primitive rules
   (:func:`~fxstab.rules.aten.apply_primitive`, its context, rounding, batching, counters, the
