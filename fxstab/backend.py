@@ -26,6 +26,7 @@ each operator ran is :meth:`FxstabBackend.coverage` (``fxstab/records/coverage.p
 """
 
 import contextlib
+import warnings
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
@@ -39,7 +40,15 @@ from .records.coverage import Coverage
 from .records.report import OpReport, ReportLog
 from .records.run import RunState
 
-__all__ = ["backend", "FxstabBackend", "default_backend", "get_default_backend"]
+__all__ = ["backend", "FxstabBackend", "default_backend", "get_default_backend", "NEVER_RAN"]
+
+# What digit_map() says when torch.compile never handed this backend a graph.
+NEVER_RAN = (
+    "fxstab: this backend never ran: torch.compile handed it no graph, so the digit map is "
+    "empty. Dynamo compiles no frame for DistributedDataParallel's forward nor for a torch.nn "
+    "container it wraps (torch.compile(DDP(nn.Sequential(...)))): compile the inner module "
+    "(torch.compile(ddp.module, backend=be), or a model class of your own inside DDP), and "
+    "check that the compiled model was called.")
 
 
 class FxstabBackend:
@@ -194,6 +203,8 @@ class FxstabBackend:
         """
         from .digitmap import DigitMap
 
+        if not self.graphs:
+            warnings.warn(NEVER_RAN, RuntimeWarning, stacklevel=2)
         meta = self.metadata()
         if target:
             meta["target"] = target

@@ -92,3 +92,58 @@ def test_gather_without_a_process_group_says_what_to_do():
     be = fxstab.backend()
     with pytest.raises(ValueError, match="init_process_group"):
         be.digit_map(gather=True)
+
+
+def _never_compiled(rank: int, world: int, port: int, out: str) -> None:
+    import os
+    import warnings
+
+    import fxstab
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        be = fxstab.backend()
+        run = torch.compile(DDP(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())),
+                            backend=be)
+        run(torch.randn(2, 4)).sum().backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            gathered = be.digit_map(gather=True)
+        with open(f"{out}/rank{rank}.json", "w") as fh:
+            json.dump({"graphs": len(be.graphs), "operators": len(gathered.operators),
+                       "warnings": [str(w.message) for w in caught]}, fh)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_a_backend_that_never_ran_says_so():
+    """torch 2.13's dynamo compiles no frame of DDP(nn.Sequential(...)): the map is empty, and
+    digit_map says why and what to do instead of merging empty maps without a word."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_never_compiled, args=(1, _free_port(), tmp), nprocs=1, join=True)
+        result = json.loads(open(f"{tmp}/rank0.json").read())
+    assert result["graphs"] == 0 and result["operators"] == 0
+    assert any("never ran" in w and "ddp.module" in w for w in result["warnings"])
+
+
+def test_a_backend_that_ran_does_not_warn():
+    import warnings
+
+    import fxstab
+    from models import MLP
+
+    be = fxstab.backend()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert len(be.digit_map().operators) == 0
+    assert any("never ran" in str(w.message) for w in caught)
+    torch.compile(MLP(), backend=be)(torch.randn(4, 16))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert len(be.digit_map().operators) > 0
+    assert not any("never ran" in str(w.message) for w in caught)
