@@ -29,6 +29,12 @@ CASES = [
     ("L['fn'].layers[3]._modules['mlp'].fc1", "layers.3.mlp.fc1"),
     ("blocks.0.attn", "blocks.0.attn"),
     ("L['self']", ""),
+    # a decorator's wrapper as the outermost frame (Hugging Face's Llama): the model is its
+    # first positional argument, or its keyword self
+    ("L['args'][0].model.layers.0.self_attn", "model.layers.0.self_attn"),
+    ('L["args"][0].model', "model"),
+    ("L['kwargs']['self'].model.norm", "model.norm"),
+    ("L['args'][0]", ""),
     ("", ""),
 ]
 

@@ -16,9 +16,12 @@ import torch
 # One parser for every spelling of a dynamo module path that torch versions have written:
 # ``L['self'].blocks.0.attn`` (torch 2.13), ``L['self'].blocks[0]._modules['attn']``,
 # ``L["self"].d['k']``, ``getattr(L['self'].blocks, '0')``. Used by the analysis
-# (fxstab.backend, fxstab.analysis) and by the monitor's compiled front end alike.
+# (fxstab.backend, fxstab.analysis) and by the monitor's compiled front end alike. The root is
+# the outermost frame's local: ``L['self']``, or, when that frame is a decorator's wrapper
+# (``def wrapper(*args, **kwargs)``, as Hugging Face wraps its models' forward), the model as
+# ``L['args'][0]`` or ``L['kwargs']['self']``.
 _GETATTR = re.compile(r"""getattr\(([^()]*), (['"])([^'"]*)\2\)""")  # innermost first
-_PREFIX = re.compile(r"""^L\[(['"])[^'"]*\1\]\.?""")
+_PREFIX = re.compile(r"""^L\[(['"])(?:(?:args|kwargs)\1\]\[[^\]]*\]|[^'"]*\1\])\.?""")
 _MODULES = re.compile(r"""(^|\.)_modules\[(['"])([^'"]*)\2\]""")  # nn.Module._modules['x']
 _SUBSCRIPT = re.compile(r"""\[(['"]?)([^\]'"]+)\1\]""")  # [0], ['k'], ["k"]
 
