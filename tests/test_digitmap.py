@@ -407,6 +407,74 @@ def test_localize_ranks_nonfinite_origins_first():
     assert "NaN/inf" in dm.localize_table().splitlines()[2]
 
 
+def masked_attention_map(head_digits: float = 1.5) -> DigitMap:
+    """An additive finfo.min mask rounded to -inf (mask/add), absorbed by the softmax."""
+    return DigitMap.from_reports([
+        rep("q/linear#0", 2.3, 2.0, 2.41),
+        rep("attn/add#0", 1.2, 0.0, 2.41, non_finite=40, inputs=["q/linear#0"]),
+        rep("attn/softmax#0", 2.2, 1.5, 2.41, inputs=["attn/add#0"]),
+        rep("out/linear#0", head_digits, 1.5, 2.41, inputs=["attn/softmax#0"]),
+    ])
+
+
+def test_infinities_the_program_absorbs_are_a_note_not_an_origin():
+    dm = masked_attention_map()
+    assert dm.nonfinite_sources() == []
+    assert dm.absorbed_nonfinite() == {"attn/add#0": (("attn/add#0",), ("attn/softmax#0",))}
+    found = dm.findings()
+    assert not any(f.startswith("NaN/inf first appear") for f in found)
+    assert found[-1].startswith("note: NaN/inf appear at attn/add#0 (40 of 100 elements) and are "
+                                "absorbed by attn/softmax#0 before any output")
+    by = {r.name: r for r in dm.localize()}
+    assert not by["attn/add#0"].nonfinite_origin and by["attn/add#0"].local_loss == 0.0
+    # the masked elements count as 0 digits: the softmax is measured against the cap instead
+    assert by["attn/softmax#0"].worst_input is None
+    assert by["attn/softmax#0"].local_loss == pytest.approx(BF16_CAP - 2.2)
+    assert dm.localize()[0].name == "out/linear#0"  # ranks where digits are really lost
+
+
+def test_infinities_carried_on_then_absorbed_and_those_that_reach_an_output():
+    # the arithmetic level's softmax: x - max keeps the -inf, exp turns it into 0
+    carried = DigitMap.from_reports([
+        rep("a/add#0", 1.2, 0.0, 2.41, non_finite=40),
+        rep("s/amax#0", 2.41, 2.41, 2.41, inputs=["a/add#0"]),
+        rep("s/sub#0", 1.0, 0.0, 2.41, non_finite=40, inputs=["a/add#0", "s/amax#0"]),
+        rep("s/exp#0", 2.0, 1.0, 2.41, inputs=["s/sub#0"]),
+        rep("s/div#0", 2.0, 1.0, 2.41, inputs=["s/exp#0"]),
+    ])
+    assert carried.absorbed_nonfinite() == {
+        "a/add#0": (("a/add#0", "s/sub#0"), ("s/amax#0", "s/exp#0"))}
+    assert carried.nonfinite_sources() == []
+    assert {r.name: r.local_loss for r in carried.localize()}["s/sub#0"] == 0.0
+    # a NaN born from the infinity (inf * 0) that flows to an output is no absorbed value
+    leaks = DigitMap.from_reports([
+        rep("a/add#0", 1.2, 0.0, 2.41, non_finite=40),
+        rep("b/softmax#0", 2.0, 1.0, 2.41, inputs=["a/add#0"]),
+        rep("c/mul#0", 0.0, 0.0, 0.0, non_finite=40, inputs=["a/add#0"]),
+    ])
+    assert leaks.absorbed_nonfinite() == {} and leaks.nonfinite_sources() == ["a/add#0"]
+    assert leaks.findings()[0].startswith("NaN/inf first appear at a/add#0")
+    # an origin no instrumented operator reads may be an output: not absorbed
+    alone = DigitMap.from_reports([rep("a/add#0", 1.2, 0.0, 2.41, non_finite=40)])
+    assert alone.nonfinite_sources() == ["a/add#0"]
+
+
+def test_an_absorbed_mask_never_fails_the_gate_and_a_real_origin_does():
+    base = DigitMap.from_reports([
+        rep("q/linear#0", 2.3, 2.0, 2.41), rep("attn/add#0", 2.2, 2.0, 2.41, inputs=["q/linear#0"]),
+        rep("attn/softmax#0", 2.2, 1.5, 2.41, inputs=["attn/add#0"]),
+        rep("out/linear#0", 2.0, 1.5, 2.41, inputs=["attn/softmax#0"])])
+    result = diff(base, masked_attention_map(), max_drop=5.0)
+    assert not result.new_origins and not result.failed
+    overflow = DigitMap.from_reports([
+        rep("q/linear#0", 2.3, 2.0, 2.41),
+        rep("attn/add#0", 1.2, 0.0, 2.41, non_finite=40, inputs=["q/linear#0"]),
+        rep("attn/softmax#0", 0.0, 0.0, 0.0, non_finite=100, inputs=["attn/add#0"]),
+        rep("out/linear#0", 0.0, 0.0, 0.0, non_finite=100, inputs=["attn/softmax#0"])])
+    result = diff(base, overflow, max_drop=5.0)
+    assert result.new_origins == ["attn/add#0"] and result.failed
+
+
 def test_graph_has_edges_and_digit_attributes():
     g = chain_map().graph()
     assert set(g.edges) == {("l1/linear#0", "cancel/linear#0"),

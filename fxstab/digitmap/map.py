@@ -276,7 +276,8 @@ class DigitMap:
 
     def findings(self, top: int = 3, metric: Optional[str] = None) -> list[str]:
         """What to look at first, one line each with a hint: where NaN/inf first appear, then
-        the largest local losses (:meth:`localize`) and underflow."""
+        the largest local losses (:meth:`localize`) and underflow; last, as notes, NaN/inf that
+        the program absorbs before any output (:meth:`absorbed_nonfinite`)."""
         metric = check_metric(metric)
         out = []
         ranked = self.localize(metric)
@@ -300,6 +301,13 @@ class DigitMap:
                 out.append(f"underflow at {op.name}: {op.underflow} of {op.numel} elements fell "
                            f"below the format's smallest normal: {UNDERFLOW_HINT}")
                 break
+        for origin, (_, absorbers) in self.absorbed_nonfinite().items():
+            op = self.operators[origin]
+            out.append(f"note: NaN/inf appear at {origin} ({op.non_finite} of {op.numel} "
+                       f"elements) and are absorbed by {', '.join(absorbers)} before any output "
+                       f"(as an additive mask of fp32's finfo.min is, rounded to -inf in bf16 "
+                       f"or fp16): what a real run in {op.format or self.metadata.get('format')} "
+                       f"computes, not a finding")
         return out
 
     def __repr__(self) -> str:
@@ -398,11 +406,15 @@ class DigitMap:
         """
         metric = check_metric(metric)
         origins = set(self.nonfinite_sources())
+        # operators whose output holds infinities the program absorbs (an additive mask):
+        # their statistics count those elements as 0 digits, so they are no reference and
+        # lose nothing of their own (absorbed_nonfinite)
+        masked = {name for region, _ in self.absorbed_nonfinite().values() for name in region}
         out = []
         for op in self.operators.values():
             own = as_digits(op.digits(metric))
             cap = self.cap_of(op)
-            ins = [i for i in op.inputs if i in self.operators]
+            ins = [i for i in op.inputs if i in self.operators and i not in masked]
             if ins:
                 worst = min(ins, key=lambda i: (as_digits(self.operators[i].digits(metric)), i))
                 # no operator keeps more than its format holds (format="auto": an fp32 input
@@ -411,7 +423,7 @@ class DigitMap:
             else:
                 worst, ref = None, cap
             # an observed operator does no arithmetic: it loses nothing of its own
-            loss = 0.0 if op.status == OBSERVED else ref - own
+            loss = 0.0 if op.status == OBSERVED or op.name in masked else ref - own
             out.append(LocalLoss(op.name, op.kind, own, ref, worst, loss, op.name in origins))
         order = {name: i for i, name in enumerate(self.operators)}
         return sorted(out, key=lambda x: (not x.nonfinite_origin,
@@ -419,19 +431,70 @@ class DigitMap:
                                           -x.local_loss, x.digits, x.name))
 
     def nonfinite_sources(self) -> list[str]:
-        """Operators that produce NaN/inf although none of their instrumented inputs did.
+        """Operators where NaN/inf first appear and reach the program's outputs: an overflow or
+        an invalid operation starts there; everything downstream merely propagates it.
 
-        This is where an overflow or an invalid operation starts; everything downstream merely
-        propagates it. An observed operator (an exact primitive recorded without rounding,
-        such as an attention mask's ``masked_fill(-inf)`` at the aten level) writes its
-        infinities by design: it is no origin, but its consumers read them. Graph order (the
-        order of the map) is kept.
+        An origin is an operator whose output holds NaN/inf although none of its instrumented
+        inputs does. An observed operator (an exact primitive recorded without rounding, such
+        as an attention mask's ``masked_fill(-inf)`` at the arithmetic level) writes its
+        infinities by design: it is no origin, but its consumers read them. An origin whose
+        infinities the program absorbs before any output (:meth:`absorbed_nonfinite`: an
+        additive ``finfo.min`` mask that rounds to ``-inf`` and a softmax turns into 0) is a
+        note, not a source. Graph order (the order of the map) is kept.
         """
+        absorbed = self.absorbed_nonfinite()
+        return [name for name in self._nonfinite_origins() if name not in absorbed]
+
+    def _nonfinite_origins(self) -> list[str]:
+        """Every operator with NaN/inf in its output and none in its instrumented inputs."""
         out = []
         for op in self.operators.values():
             if op.non_finite and op.status != OBSERVED and not any(
                     self.operators[i].non_finite for i in op.inputs if i in self.operators):
                 out.append(op.name)
+        return out
+
+    def consumers(self) -> dict[str, list[str]]:
+        """Operator -> the instrumented operators that read it (the edges, reversed)."""
+        out: dict[str, list[str]] = {name: [] for name in self.operators}
+        for op in self.operators.values():
+            for i in op.inputs:
+                if i in out:
+                    out[i].append(op.name)
+        return out
+
+    def absorbed_nonfinite(self) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+        """NaN/inf origins whose non-finite values the program absorbs before any output:
+        origin -> (the operators that carry them, from the origin on; the operators that
+        absorb them).
+
+        Decided from the graph and the samples: from the origin, the operators that read a
+        non-finite value and hold non-finite values themselves carry them on; the origin is
+        absorbed when every operator so reached is read by instrumented operators and every
+        path ends at an operator whose samples are all finite (a softmax that turns ``-inf``
+        into 0). An operator of the region that no instrumented operator reads may be an
+        output: then the values are not absorbed, nor where a NaN is born from them and flows
+        on. What a real run in the format with an fp32 mask computes is exactly this, so it
+        stays visible as a note (:meth:`findings`), never as a finding, a rank or a gate.
+        """
+        consumers = self.consumers()
+        order = {name: i for i, name in enumerate(self.operators)}
+        out = {}
+        for origin in self._nonfinite_origins():
+            region, todo, absorbers, closed = {origin}, [origin], set(), True
+            while todo and closed:
+                readers = consumers[todo.pop()]
+                if not readers:  # an output, or read by no instrumented operator
+                    closed = False
+                for r in readers:
+                    if not self.operators[r].non_finite:
+                        absorbers.add(r)
+                    elif r not in region:
+                        region.add(r)
+                        todo.append(r)
+            if closed:
+                out[origin] = (tuple(sorted(region, key=order.__getitem__)),
+                               tuple(sorted(absorbers, key=order.__getitem__)))
         return out
 
     def localize_table(self, top: Optional[int] = None, metric: Optional[str] = None) -> str:
