@@ -84,6 +84,7 @@ def figures(monkeypatch):
             "lines": {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata()))
                       for ln in ax.get_lines()},
             "texts": [t.get_text() for t in fig.texts],
+            "axtexts": [t.get_text() for t in ax.texts],
         })
         return save(fig, path, **kw)
 
@@ -293,13 +294,31 @@ def test_default_metric_is_read_when_plotting(tmp_path, monkeypatch, figures):
 def test_bars_sort_by_the_chosen_metric(tmp_path, figures):
     dm = DigitMap.from_reports([rep("a/linear#0", 2.0, 0.1), rep("b/linear#0", 1.0, 0.9),
                                 rep("c/linear#0", 1.5, 0.5)])
-    plots.plot_digits(dm, tmp_path / "avg.png", metric="avg")
-    plots.plot_digits(dm, tmp_path / "min.png", metric="min", top=2)
+    plots.plot_digits(dm, tmp_path / "avg.png", metric="avg", order="worst")
+    plots.plot_digits(dm, tmp_path / "min.png", metric="min", top=2, order="worst")
     # worst at the top
     assert figures[0]["yticklabels"] == ["b/linear#0", "c/linear#0", "a/linear#0"]
     assert figures[1]["yticklabels"] == ["a/linear#0", "c/linear#0"]
     assert "avg digits" in figures[0]["title"] and "min digits" in figures[1]["title"]
     assert _is_png(tmp_path / "avg.png")
+
+
+def test_bars_rank_where_digits_are_lost_as_the_findings_do(tmp_path, figures):
+    """After an overflow every operator downstream keeps few digits: worst first, the bars
+    would show them; ranked as the findings rank, the origin and the real losses lead."""
+    dm = transformer_map(blocks=3, nan_block=1)
+    assert _is_png(plots.plot_digits(dm, tmp_path / "lost.png", top=5))
+    fig = figures[0]
+    assert fig["yticklabels"] == [r.name for r in dm.localize()][:5]
+    assert fig["yticklabels"][0] == "blocks.1.attn/softmax#0" == dm.nonfinite_sources()[0]
+    assert fig["axtexts"][0] == "NaN/inf origin"
+    assert all(t.startswith("loses ") for t in fig["axtexts"][1:])
+    assert "ranked where digits are lost" in fig["title"]
+    plots.plot_digits(dm, tmp_path / "worst.png", top=5, order="worst")
+    assert figures[1]["yticklabels"] == [op.name for op in draw._worst_first(dm, "avg")][:5]
+    assert figures[1]["yticklabels"] != fig["yticklabels"] and not figures[1]["axtexts"]
+    with pytest.raises(ValueError, match="order must be one of lost, worst"):
+        plots.plot_digits(dm, tmp_path / "x.png", order="best")
 
 
 # --------------------------------------------------------------------------- series

@@ -93,19 +93,33 @@ def _save(fig, path: PathLike, dpi: float = 120) -> Path:
 
 
 # --------------------------------------------------------------------------- bars
-def plot_digits(dm: DigitMap, path: PathLike, top: Optional[int] = None,
-                metric: Optional[str] = None) -> Path:
-    """Horizontal bar chart of digits per operator (worst at the top), coloured by severity.
+ORDERS = ("lost", "worst")
 
-    Bars show ``metric`` digits (default: the map's default metric), worst first; a black tick
-    marks the min digits (avg digits when the metric is min). (A bar of min digits is often
-    empty: one computational zero in a tensor makes it 0.) The dashed line is the format's cap.
+
+def plot_digits(dm: DigitMap, path: PathLike, top: Optional[int] = None,
+                metric: Optional[str] = None, order: str = "lost") -> Path:
+    """Horizontal bar chart of digits per operator, coloured by severity, the first at the top.
+
+    ``order="lost"`` (the default) ranks the operators as the findings do
+    (:meth:`DigitMap.localize`): where NaN/inf first appear, then the largest local loss, each
+    bar labelled with what it loses against its least accurate input; so the picture points
+    where the text does, not at the operators downstream of an overflow, which all keep 0
+    digits. ``order="worst"`` sorts by the digits themselves. Bars show ``metric`` digits
+    (default: the map's default metric); a black tick marks the min digits (avg digits when
+    the metric is min). (A bar of min digits is often empty: one computational zero in a
+    tensor makes it 0.) The dashed line is the format's cap.
     """
     _check_path(path)
     if top is not None and top < 1:
         raise ValueError(f"top must be >= 1 (or None for all operators), got {top}")
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
     metric = _metric(dm, metric)
-    ops = _worst_first(dm, metric)[:top]
+    if order == "lost":
+        ranked = dm.localize(metric)[:top]
+        ops = [dm.operators[r.name] for r in ranked]
+    else:
+        ranked, ops = None, _worst_first(dm, metric)[:top]
     if not ops:
         raise ValueError("the digit map has no operators to plot")
     plt = _pyplot()
@@ -122,11 +136,22 @@ def plot_digits(dm: DigitMap, path: PathLike, top: Optional[int] = None,
         ax.axvline(cap, color="grey", linestyle="--", linewidth=1, label=f"cap {cap:.2f}")
         ax.set_yticks(y)
         ax.set_yticklabels([op.name for op in ops], fontsize=8)
-        ax.set_xlim(0, max(cap, max(vals)) * 1.05 or 1.0)
+        right = max(cap, max(vals)) * 1.05 or 1.0
+        if ranked is not None:  # what each operator loses (the ranking's key)
+            right *= 1.3
+            for yy, r, v in zip(y, ranked, vals):
+                label = "NaN/inf origin" if r.nonfinite_origin else \
+                    f"loses {r.local_loss:.2f}" if r.local_loss >= 0.005 else ""
+                if label:
+                    ax.text(v + 0.02 * right, yy, label, va="center", fontsize=7,
+                            color=NONFINITE_COLOUR if r.nonfinite_origin else "black")
+        ax.set_xlim(0, right)
         ax.set_xlabel(f"{metric} reliable digits")
         fmt = dm.metadata.get("format", "?")
+        how = ("ranked where digits are lost: NaN/inf origins, then local loss"
+               if ranked is not None else "worst first")
         title = (f"digits per operator ({fmt}, N={dm.metadata.get('n_samples', '?')}, "
-                 f"{metric} digits, worst first)")
+                 f"{metric} digits, {how})")
         missing = sum(1 for op in ops if math.isnan(op.digits(metric)))
         if missing:  # e.g. a version-1 map has no normwise or quantile digits
             title += f"\n{missing} operator(s) without {metric} digits, drawn as 0"
@@ -137,7 +162,8 @@ def plot_digits(dm: DigitMap, path: PathLike, top: Optional[int] = None,
         for _, label, colour in SEVERITY_BANDS:
             handles.append(Patch(color=colour))
             labels.append(label)
-        ax.legend(handles, labels, fontsize=7, loc="lower right")
+        # beside the axes: the labels of the ranking fill the right of the plot
+        ax.legend(handles, labels, fontsize=7, loc="lower left", bbox_to_anchor=(1.01, 0.0))
         return _save(fig, path)
     finally:
         plt.close(fig)
