@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from fxstab.digitmap import (
     DEFAULT_METRIC,
@@ -552,3 +553,87 @@ def test_difference_of_two_maps():
     assert dm(1.5).difference(dm(1.5)) == 0.0  # NaN normwise digits on both sides agree
     assert dm(1.5).difference(dm(1.25)) == 0.25
     assert dm(1.5).difference(dm(1.5, status="per_sample")) == float("inf")
+
+
+# --------------------------------------------------------------------------- rewritten regions
+class _SharpAttention(torch.nn.Module):
+    """softmax(a), or the same module rewritten as e = exp(8a); e / e.sum(-1) (issue 30)."""
+
+    def __init__(self, rewritten: bool) -> None:
+        super().__init__()
+        self.rewritten = rewritten
+        self.qkv, self.proj = torch.nn.Linear(32, 96), torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        a = q @ k.transpose(-2, -1) / 32 ** 0.5
+        if self.rewritten:
+            e = torch.exp(8 * a)
+            p = e / e.sum(-1, keepdim=True)
+        else:
+            p = torch.softmax(a, -1)
+        return self.proj(p @ v)
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, rewritten: bool) -> None:
+        super().__init__()
+        self.attn, self.head = _SharpAttention(rewritten), torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.head(self.attn(x))
+
+
+def _analysed(rewritten: bool) -> DigitMap:
+    import fxstab
+
+    torch.manual_seed(0)
+    model = _Model(rewritten)
+    torch._dynamo.reset()
+    be = fxstab.backend(format="bf16")
+    torch.compile(model, backend=be)(torch.randn(4, 16, 32,
+                                                 generator=torch.Generator().manual_seed(1)))
+    return be.digit_map()
+
+
+def test_a_rewritten_softmax_fails_the_default_gate_with_the_rewrite_named():
+    """The rewrite renames every operator it touches, and the module's minimum is another
+    operator's: only the comparison at the region's boundary sees the lost digits."""
+    base, head = _analysed(False), _analysed(True)
+    result = diff(base, head)
+    assert not result.drops and not result.module_drops  # what the gate saw before
+    assert result.failed and result.exit_code == 1
+    (r,) = result.rewrite_drops
+    assert (r.consumer, r.removed) == ("attn/matmul#1", ["attn/softmax#0"])
+    assert r.added == ["attn/mul#0", "attn/exp#0", "attn/sum#0", "attn/div#1"]
+    assert r.base == pytest.approx(base.operators["attn/softmax#0"].avg_digits)
+    assert r.head == pytest.approx(head.operators["attn/div#1"].avg_digits)
+    assert r.delta < -0.5
+    said = f"rewritten: softmax#0 -> mul#0, exp#0, sum#0, div#1: {r.delta:+.2f} digits at the " \
+           f"input of attn/matmul#1"
+    assert said in result.to_text() and "1 rewritten region(s) lost" in result.summary()
+    assert "rewritten: softmax#0" in result.to_markdown()
+    doc = json.loads(result.to_json())
+    assert doc["rewrites"][0]["consumer"] == "attn/matmul#1" and doc["rewrites"][0]["failed"]
+    # the same rewrite kept to its own digits passes, listed as a rewrite
+    same = diff(base, base)
+    assert not same.rewrites and not same.failed
+
+
+def test_rewrites_are_found_at_every_consumer_of_the_region():
+    base = DigitMap.from_reports([
+        rep("a/linear#0", 2.3, 2.0, 2.41), rep("a/softmax#0", 2.0, 1.5, 2.41, inputs=["a/linear#0"]),
+        rep("b/linear#0", 2.0, 1.5, 2.41, inputs=["a/softmax#0"]),
+        rep("c/linear#0", 2.0, 1.5, 2.41, inputs=["a/softmax#0", "a/linear#0"])])
+    head = DigitMap.from_reports([
+        rep("a/linear#0", 2.3, 2.0, 2.41), rep("a/exp#0", 1.9, 1.5, 2.41, inputs=["a/linear#0"]),
+        rep("a/div#0", 1.8, 1.5, 2.41, inputs=["a/exp#0"]),
+        rep("b/linear#0", 2.0, 1.5, 2.41, inputs=["a/div#0"]),
+        rep("c/linear#0", 2.0, 1.5, 2.41, inputs=["a/div#0", "a/linear#0"])])
+    result = diff(base, head)
+    assert [(r.consumer, r.removed, r.added) for r in result.rewrites] == [
+        ("b/linear#0", ["a/softmax#0"], ["a/exp#0", "a/div#0"]),
+        ("c/linear#0", ["a/softmax#0"], ["a/exp#0", "a/div#0"])]
+    assert all(r.delta == pytest.approx(-0.2) for r in result.rewrites)
+    assert not result.failed  # within the threshold: listed, not failed
+    assert "rewritten: a/softmax#0 -> a/exp#0, a/div#0: -0.20" in result.to_text()

@@ -27,7 +27,7 @@ The package, in the order its modules build on each other:
 - :mod:`~fxstab.digitmap.compare`: :func:`diff`, the CI gate, and :class:`DiffResult`.
 """
 
-from .compare import DiffResult, OpChange, OpPresence, diff
+from .compare import DiffResult, OpChange, OpPresence, Rewrite, diff
 from .hints import LEGEND, MIN_FINDING, MIN_UNDERFLOW, hint
 from .map import DigitMap, PathLike
 from .operators import DEFAULT_METRIC, METRICS, LocalLoss, OperatorDigits, StepDigits
@@ -49,6 +49,7 @@ __all__ = [
     "OpPresence",
     "OperatorDigits",
     "PathLike",
+    "Rewrite",
     "StepDigits",
     "diff",
     "hint",

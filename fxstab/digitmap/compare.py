@@ -36,6 +36,41 @@ class OpPresence:
 
 
 @dataclass
+class Rewrite:
+    """A rewritten region: operators removed from base and added in head between matched
+    operators (``softmax`` rewritten as ``exp``, ``sum``, ``div``), compared at its boundary.
+
+    ``consumer`` is a matched operator that reads the region; ``base`` and ``head`` are the
+    digits of what it reads from the region (its least accurate producer there) in each map.
+    The names of the region's operators change, so nothing matches them by name: at the
+    boundary the value the rest of the program sees is the same one, and there it is compared.
+    """
+
+    consumer: str
+    removed: list[str]
+    added: list[str]
+    base: float
+    head: float
+
+    @property
+    def delta(self) -> float:
+        """head - base at the consumer's input (negative: digits lost)."""
+        return self.head - self.base
+
+    def describe(self) -> str:
+        """``rewritten: softmax#0 -> exp#0, sum#0, div#1: -0.74 digits at the input of
+        attn/matmul#1`` (region operators in the consumer's module by their short name)."""
+        module = self.consumer.rsplit("/", 1)[0] + "/" if "/" in self.consumer else ""
+
+        def short(names: list[str]) -> str:
+            return ", ".join(n[len(module):] if module and n.startswith(module) else n
+                             for n in names)
+
+        return (f"rewritten: {short(self.removed)} -> {short(self.added)}: {self.delta:+.2f} "
+                f"digits at the input of {self.consumer}")
+
+
+@dataclass
 class DiffResult:
     """Outcome of :func:`diff`.
 
@@ -45,9 +80,11 @@ class DiffResult:
     inside a module): a module's digits are those of its worst operator. ``new_origins`` are
     operators where NaN/inf first appear in head but not in base; ``vanished`` are base
     operators of a module that is still in the model (head's ``metadata["modules"]``) but has
-    no analysed operator any more. ``failed`` is True when any of drops, module drops, new
-    NaN/inf origins or vanished operators is non-empty; added and removed operators are listed
-    but do not fail. ``origins`` ranks the dropped operators by their local loss in the head map
+    no analysed operator any more. ``rewrites`` compares each rewritten region (operators
+    removed and added between matched ones) at its boundary (:class:`Rewrite`);
+    ``rewrite_drops`` are those that lost more than ``max_drop``. ``failed`` is True when any
+    of drops, rewrite drops, module drops, new NaN/inf origins or vanished operators is
+    non-empty; added and removed operators are listed but do not fail. ``origins`` ranks the dropped operators by their local loss in the head map
     (:meth:`DigitMap.localize`): the first is where the lost digits start.
     """
 
@@ -65,10 +102,17 @@ class DiffResult:
     new_origins: list[str] = field(default_factory=list)
     module_drops: list[OpChange] = field(default_factory=list)
     vanished: list[OpPresence] = field(default_factory=list)
+    rewrites: list[Rewrite] = field(default_factory=list)
+
+    @property
+    def rewrite_drops(self) -> list[Rewrite]:
+        """The rewritten regions that lost more than ``max_drop`` at their boundary."""
+        return [r for r in self.rewrites if -r.delta > self.max_drop]
 
     @property
     def failed(self) -> bool:
-        return bool(self.drops or self.module_drops or self.new_origins or self.vanished)
+        return bool(self.drops or self.rewrite_drops or self.module_drops or self.new_origins
+                    or self.vanished)
 
     @property
     def exit_code(self) -> int:
@@ -84,6 +128,9 @@ class DiffResult:
         if self.drops:
             why.append(f"{len(self.drops)} operator(s) lost more than {self.max_drop:g} "
                        f"{self.metric} digits")
+        if self.rewrite_drops:
+            why.append(f"{len(self.rewrite_drops)} rewritten region(s) lost more than "
+                       f"{self.max_drop:g} {self.metric} digits")
         if self.module_drops:
             why.append(f"{len(self.module_drops)} module(s) lost more than {self.max_drop:g} "
                        f"{self.metric} digits")
@@ -112,6 +159,7 @@ class DiffResult:
                 lines.extend(f"  {r.name:<{w}}  {r.kind:<12} {r.digits:5.2f}" for r in rows)
 
         changes("drops", self.drops)
+        lines.extend(r.describe() for r in self.rewrite_drops)
         if self.origins:
             o = self.origins[0]
             lines.append(f"digits are lost first at {o.name} (local loss {o.local_loss:.2f}: "
@@ -120,6 +168,7 @@ class DiffResult:
         changes("module drops (operators renamed inside)", self.module_drops)
         presence("no longer analysed (their module is still there)", self.vanished)
         changes("gains", self.gains)
+        lines.extend(r.describe() for r in self.rewrites if r not in self.rewrite_drops)
         presence("added", self.added)
         presence("removed", self.removed)
         lines.append(f"unchanged: {self.unchanged} operator(s) within "
@@ -151,6 +200,9 @@ class DiffResult:
             out += [f"| {_md(r.name)} | {_md_text(r.kind)} | {r.digits:.2f} |" for r in rows]
             return out
 
+        if self.rewrite_drops:
+            lines += [f"**Rewritten regions that lost digits ({len(self.rewrite_drops)})**", ""]
+            lines += [f"- {_md_text(r.describe())}" for r in self.rewrite_drops] + [""]
         for title, rows, fn in (("Lost digits", self.drops, change_table),
                                 ("Modules that lost digits", self.module_drops, change_table),
                                 ("No longer analysed", self.vanished, presence_table)):
@@ -188,6 +240,10 @@ class DiffResult:
                 "vanished": [pr(r) for r in self.vanished],
                 "gains": [ch(r) for r in self.gains],
                 "added": [pr(r) for r in self.added], "removed": [pr(r) for r in self.removed],
+                "rewrites": [{"consumer": r.consumer, "removed": list(r.removed),
+                              "added": list(r.added), "base": r.base, "head": r.head,
+                              "delta": r.delta, "failed": r in self.rewrite_drops}
+                             for r in self.rewrites],
                 "unchanged": self.unchanged, "notes": list(self.notes),
                 "origins": [{"name": o.name, "local_loss": o.local_loss, "digits": o.digits,
                              "reference": o.reference, "worst_input": o.worst_input}
@@ -305,5 +361,40 @@ def diff(base: DigitMap, head: DigitMap, max_drop: float = 0.5, metric: Optional
     origins = [x for x in head.localize(metric) if x.name in dropped]
     return DiffResult(metric, float(max_drop), drops, gains, added, removed, unchanged, notes,
                       base_label or label(base, "base"), head_label or label(head, "head"),
-                      origins, new_origins, module_drops, vanished)
+                      origins, new_origins, module_drops, vanished,
+                      rewrites(base, head, metric))
+
+
+def rewrites(base: DigitMap, head: DigitMap, metric: Optional[str] = None) -> list[Rewrite]:
+    """The rewritten regions between two maps, compared at their boundary: for each operator
+    of both maps that reads operators only base has (removed) and operators only head has
+    (added), the digits of what it reads from the region, base producer against head producer;
+    the region is those producers and the removed (added) operators they read, transitively.
+    One row per (region, consumer) pair; largest loss first."""
+    metric = check_metric(metric)
+
+    def region(dm: DigitMap, start: list[str], other: DigitMap) -> list[str]:
+        seen, todo = set(start), list(start)
+        while todo:
+            for i in dm.operators[todo.pop()].inputs:
+                if i in dm.operators and i not in other.operators and i not in seen:
+                    seen.add(i)
+                    todo.append(i)
+        return [n for n in dm.operators if n in seen]  # graph order
+
+    def digits(dm: DigitMap, names: list[str]) -> float:
+        return min(as_digits(dm.operators[n].digits(metric)) for n in names)
+
+    out = []
+    for name, h in head.operators.items():
+        b = base.operators.get(name)
+        if b is None:
+            continue
+        gone = [i for i in b.inputs if i in base.operators and i not in head.operators]
+        new = [i for i in h.inputs if i in head.operators and i not in base.operators]
+        if gone and new:
+            out.append(Rewrite(name, region(base, gone, head), region(head, new, base),
+                               digits(base, gone), digits(head, new)))
+    out.sort(key=lambda r: (r.delta, r.consumer))
+    return out
 
