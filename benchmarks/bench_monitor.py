@@ -1,6 +1,7 @@
 """Cost of the stability monitor per training step (issue 16): a bf16 GPT-style LM
-(``tests/models.py`` GPT, 3 blocks, d=64, seq 64, batch 8 by default) trained with SGD, each
-step timed three ways in the same process, interleaved step by step: the model compiled with
+(``tests/models.py`` GPT, 3 blocks, d=64, seq 64, batch 8 by default), each
+step timed three ways in the same process, interleaved step by step (AdamW by default, as
+training runs; ``--optimizer sgd``): the model compiled with
 dynamo's ``eager`` backend (the plain step: the monitor's own graphs run as plain Python too),
 with ``monitor.backend()`` and the monitor paused (its dispatch alone), and monitored
 (``period=1``: one operator checked every step). Prints the medians, the overhead of each over
@@ -15,7 +16,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 def main(argv=None) -> int:
     import fxstab
+    from benchmarks.bench_overhead import timed_interleaved
     from benchmarks.common import save_json
     from models import GPT
 
@@ -38,6 +39,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--period", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=80,
+                    help="untimed steps per arm first (compilation; the monitor's first "
+                         "rotations, after which clean operators settle: the steady state)")
+    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--front", default="backend", choices=["backend", "wrap"],
                     help="monitor.backend() under torch.compile, or monitor.wrap(model) eager")
@@ -49,7 +54,8 @@ def main(argv=None) -> int:
     def make():
         torch.manual_seed(0)
         m = GPT(vocab=256, d=args.d, heads=4, layers=args.layers, ctx=args.seq).to(torch.bfloat16)
-        return m, torch.optim.SGD(m.parameters(), lr=1e-3)
+        opt = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.SGD
+        return m, opt(m.parameters(), lr=1e-3)
 
     torch.manual_seed(1)
     data = [torch.randint(0, 256, (args.batch, args.seq + 1)) for _ in range(8)]
@@ -74,40 +80,51 @@ def main(argv=None) -> int:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    def run(name: str, i: int) -> float:
+    counter = {name: 0 for name in arms}
+
+    def run(name: str) -> None:
+        i = counter[name]
+        counter[name] += 1
         if name == "paused":
             with mon.paused():
-                t = time.perf_counter()
                 step(name, i)
-                return time.perf_counter() - t
-        t = time.perf_counter()
+            return
         step(name, i)
         if name == "monitored":
             mon.step()
-        return time.perf_counter() - t
 
-    for i in range(5):  # compile, warm up
+    for _ in range(args.warmup):  # compile, warm up, the first rotations
         for name in arms:
-            run(name, i)
-    m0, s0 = mon.monitor_time, mon.step_time
-    times = {name: [] for name in arms}
-    for i in range(args.steps):
-        for name in arms:
-            times[name].append(run(name, i))
+            run(name)
+    m0, c0 = mon.monitor_time, counter["monitored"]
+    # each timed step follows an untimed step of the same arm (bench_overhead.timed_interleaved):
+    # a fixed order of arms had timed each arm on the caches the previous arm left
+    names = list(arms)
+    raw = timed_interleaved([lambda n=n: run(n) for n in names], args.steps, raw=True)
+    times = dict(zip(names, raw))
     med = {name: statistics.median(ts) for name, ts in times.items()}
-    fraction = (mon.monitor_time - m0) / (mon.step_time - s0)
+    # the spread of the overhead: step i of each arm ran side by side, so their ratio is paired
+    ratios = sorted(m / p - 1 for m, p in zip(times["monitored"], times["plain"]))
+    q1, q3 = ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
+    # time inside checks per monitored step over the monitored step (the monitor's own
+    # time_fraction would count the other arms' steps run between two of its steps)
+    fraction = (mon.monitor_time - m0) / (counter["monitored"] - c0) / med["monitored"]
     rows = {"plain_ms": med["plain"] * 1e3, "paused_ms": med["paused"] * 1e3,
             "monitored_ms": med["monitored"] * 1e3,
             "dispatch_overhead": med["paused"] / med["plain"] - 1,
             "monitor_overhead": med["monitored"] / med["plain"] - 1,
+            "monitor_overhead_q1": q1, "monitor_overhead_q3": q3,
             "monitor_time_fraction": fraction, "checks": mon.checks_run,
+            "settled": len(mon.settled),
             "operators": len(mon.operators)}
-    print(f"{args.front}: GPT bf16, {args.layers} blocks, d={args.d}, batch {args.batch}, seq {args.seq}, "
-          f"period {args.period}, {torch.get_num_threads()} thread(s), {rows['operators']} "
-          f"monitored operators")
+    print(f"{args.front}: GPT bf16, {args.layers} blocks, d={args.d}, batch {args.batch}, "
+          f"seq {args.seq}, {args.optimizer}, period {args.period}, "
+          f"{torch.get_num_threads()} thread(s), {rows['operators']} monitored operators "
+          f"({rows['settled']} settled), {args.warmup} warm-up steps")
     print(f"plain step {rows['plain_ms']:.2f} ms | monitor paused {rows['paused_ms']:.2f} ms "
           f"(+{100 * rows['dispatch_overhead']:.1f}%) | monitored {rows['monitored_ms']:.2f} ms "
-          f"(+{100 * rows['monitor_overhead']:.1f}%) | time in checks "
+          f"(+{100 * rows['monitor_overhead']:.1f}%, per-step pairs: quartiles "
+          f"{100 * q1:+.1f}% .. {100 * q3:+.1f}%) | time in checks "
           f"{100 * fraction:.1f}% of the monitored steps")
     path = save_json(Path(args.out) / "bench_monitor.json",
                      {"benchmark": "bench_monitor", "args": vars(args), **rows})

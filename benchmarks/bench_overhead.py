@@ -70,7 +70,8 @@ def make(name: str, quick: bool):
     return m.eval(), x
 
 
-def timed_interleaved(fns: list, repeats: int, clock=time.perf_counter) -> list[float]:
+def timed_interleaved(fns: list, repeats: int, clock=time.perf_counter,
+                      raw: bool = False) -> list:
     """Median time of each function, calling them in turn in every repeat: on a shared machine
     a load change then hits all of them alike instead of one side of a ratio.
 
@@ -79,7 +80,8 @@ def timed_interleaved(fns: list, repeats: int, clock=time.perf_counter) -> list[
     function's call (fxstab's, which moves tens of MB) made a small eager model look up to
     twice as slow as it is, and the ratios that much better. ``clock``: ``time.process_time``
     counts the CPU time of this process (all its threads) instead of the wall clock, which a
-    machine shared with other jobs inflates by whatever they take."""
+    machine shared with other jobs inflates by whatever they take. ``raw``: every repeat's
+    time of each function instead of the medians (repeat i of each ran side by side: paired)."""
     for fn in fns:
         fn()
         fn()
@@ -90,7 +92,7 @@ def timed_interleaved(fns: list, repeats: int, clock=time.perf_counter) -> list[
             t = clock()
             fn()
             ts[i].append(clock() - t)
-    return [statistics.median(t) for t in ts]
+    return ts if raw else [statistics.median(t) for t in ts]
 
 
 def peak_child(model: str, mode: str, n: int, quick: bool, granularity: str = "op",

@@ -103,6 +103,14 @@ class MonitorConfig:
             ``watch_every`` (1: every check step). An operator whose score is already above
             its threshold is not watched but promoted; this only spaces out the checks of
             operators approaching it.
+        settle: An operator at NORMAL whose score stays below ``settle * tau_warn`` (of its
+            family) after ``settle_after`` checks is settled: the rotation checks it on one of
+            its turns in ``settle_every`` (in [0, 1); 0: nothing settles). Its score rising to
+            ``settle * tau_warn`` unsettles it at its next check; ``watch`` > ``settle``
+            operators are checked as before.
+        settle_after: Checks before an operator can settle (>= 1).
+        settle_every: A settled operator is checked on one rotation turn in this many (>= 1;
+            1: settled operators are checked as every other).
         projection_dim: Outputs with more elements than this are reduced before the norms
             (``estimator``): a fixed random sign projection to this many coordinates, or a
             fixed sampled block of this many elements.
@@ -127,6 +135,9 @@ class MonitorConfig:
     hysteresis: float = 0.5
     watch: float = 0.5
     watch_every: int = 1
+    settle: float = 0.25
+    settle_after: int = 3
+    settle_every: int = 2
     projection_dim: int = 4096
     estimator: str = "projection"
     seed: int = 0
@@ -159,6 +170,13 @@ class MonitorConfig:
         object.__setattr__(self, "thresholds", self._normalize_thresholds(self.thresholds))
         _check_float("hysteresis", self.hysteresis, 0.0, 1.0, lo_open=True, hi_open=False)
         _check_float("watch", self.watch, 0.0, 1.0, lo_open=True, hi_open=False)
+        _check_float("settle", self.settle, 0.0, 1.0, lo_open=False, hi_open=True)
+        if self.settle >= self.watch:
+            raise ValueError(f"settle must be below watch (a settled operator is far from "
+                             f"being watched), got settle={self.settle!r} and "
+                             f"watch={self.watch!r}")
+        _check_int("settle_after", self.settle_after, 1)
+        _check_int("settle_every", self.settle_every, 1)
         _check_float("eps", self.eps, 0.0, math.inf, lo_open=True, hi_open=True)
         if self.estimator not in ESTIMATORS:
             raise ValueError(f"estimator must be one of {ESTIMATORS}, got {self.estimator!r}")

@@ -40,6 +40,17 @@ class Promotion:
     reason: str
 
 
+def _perturbed(x: torch.Tensor, k: int, u: float, g: torch.Generator) -> torch.Tensor:
+    """``k`` replicas of ``x`` (fp32), each element times its own factor 1 + u r, r uniform in
+    [-1, 1) to 2^-15: ``[k, *x.shape]``."""
+    n = k * x.numel()
+    words = torch.randint(-2**63, 2**63 - 1, ((n + 3) // 4,), dtype=torch.int64,
+                          generator=g, device=x.device)
+    r = words.view(torch.int16)[:n].view(k, *x.shape).to(torch.float32)
+    # the factor first: x + u r x would turn an infinite element (a mask's -inf) into NaN
+    return r.mul_(u / 32768.0).add_(1.0).mul_(x)
+
+
 def _floats_of(out: Any) -> list[torch.Tensor]:
     if isinstance(out, torch.Tensor):  # the usual operator: one tensor, no pytree walk
         return [out] if out.is_floating_point() else []
@@ -187,11 +198,20 @@ class StabilityMonitor:
             return False
         check = self._step // cfg.period
         if op.index == check % len(self._order):
-            return True
+            # a settled operator (score far below its threshold, checked several times) is
+            # checked on one of its turns in settle_every: on a clean model most checks are
+            # of such operators, and their measurements feed an EMA that nothing promotes
+            return (not self._settled(op)
+                    or (check // len(self._order)) % cfg.settle_every == 0)
         # Watched operators (score approaching their threshold) are checked on one check step
         # in watch_every, staggered by index so that they do not all land on the same step.
         return (op.score >= cfg.watch * cfg.thresholds_for(op.family)[0]
                 and (check + op.index) % cfg.watch_every == 0)
+
+    def _settled(self, op: OpState) -> bool:
+        cfg = self.config
+        return (op.mode == Mode.NORMAL and op.n >= cfg.settle_after
+                and op.score < cfg.settle * cfg.thresholds_for(op.family)[0])
 
     def _check(self, op: OpState, args: tuple, kwargs: dict, out: Any,
                culprit: bool = False) -> Any:
@@ -289,7 +309,8 @@ class StabilityMonitor:
         return a
 
     def reduce(self, y: torch.Tensor, salt: int = 0) -> torch.Tensor:
-        """Reduce a flat fp32 output to at most ``projection_dim`` coordinates.
+        """Reduce a flat fp32 output (or a batch ``[k, n]`` of them) to at most
+        ``projection_dim`` coordinates each.
 
         ``projection``: z = a^T Y with Y the output folded into rows of ``projection_dim``
         and ``a`` a fixed random sign vector, i.e. a fixed sign matrix R with E||Ry||^2 =
@@ -297,17 +318,17 @@ class StabilityMonitor:
         ``projection_dim`` consecutive elements; ``full``: ``y`` itself.
         """
         d = self.config.projection_dim
-        n = y.numel()
+        n = y.shape[-1]
         if n <= d or self.config.estimator == "full":
             return y
         if self.config.estimator == "block":
             off = derive_seed(self.config.seed, 0xB10C, salt, n) % (n - d + 1)
-            return y[off:off + d]
+            return y[..., off:off + d]
         rows, tail = divmod(n, d)
         a = self._sign_vector(rows + 1, y.device)
-        z = a[:rows] @ y[: rows * d].view(rows, d)
+        z = a[:rows] @ y[..., : rows * d].reshape(*y.shape[:-1], rows, d)
         if tail:
-            z[:tail] += a[rows] * y[rows * d:]
+            z[..., :tail] += a[rows] * y[..., rows * d:]
         return z
 
     def dispersion(self, op: OpState, mode: Mode, args: tuple, kwargs: dict,
@@ -338,31 +359,35 @@ class StabilityMonitor:
 
         zs: list[torch.Tensor] = []
         with torch.no_grad():
-            # Each input is upcast once; the factors (1 + U(-u, u)) = (1 - u) + 2u U(0, 1) of
-            # a run of replicas come from one draw per input (only the screening replicas'
-            # when a screen is given: a draw of all K cost 0.15 ms per input on CPU).
+            # Each input is upcast once; a run of replicas of an input is one draw and its
+            # factors: x (1 + u r), r = v / 2^15 for v uniform 16-bit integers, four of
+            # them from each uniform 64-bit draw (half the time of a float draw per element
+            # on CPU, where the draws were most of a check: 0.2-0.4 ms per input of 32k
+            # elements), r uniform in [-1, 1) to 2^-15. Only the screening replicas' factors
+            # are drawn when a screen is given.
             bases = [leaves[i].to(torch.float32) for i in idx]
 
             def replicas(lo: int, hi: int) -> bool:
-                # every replica of an input in one product and one cast (elementwise: the
-                # same bits as replica by replica)
-                inputs = [(torch.rand((hi - lo, *b.shape), generator=g, device=b.device,
-                                      dtype=torch.float32).mul_(2.0 * u).add_(1.0 - u)
-                           .mul_(b)).to(leaves[i].dtype) for i, b in zip(idx, bases)]
+                if hi <= lo:
+                    return True
+                inputs = [_perturbed(b, hi - lo, u, g).to(leaves[i].dtype)
+                          for i, b in zip(idx, bases)]
+                ys = []
                 for j in range(hi - lo):
                     rep = list(leaves)
                     for i, x in zip(idx, inputs):
                         rep[i] = x[j]
                     a, kw = unflatten_call(rep, spec)
-                    ys = _floats_of(op.impls[mode](a, kw))
-                    y = (ys[0].reshape(-1).to(torch.float32) if len(ys) == 1 else
-                         torch.cat([t.reshape(-1).to(torch.float32) for t in ys]))
+                    outs = _floats_of(op.impls[mode](a, kw))
+                    y = (outs[0].reshape(-1).to(torch.float32) if len(outs) == 1 else
+                         torch.cat([t.reshape(-1).to(torch.float32) for t in outs]))
                     # A sampled block can miss a non-finite element; the projection and the
                     # full output carry it into S (inf or nan), tested once per S instead.
                     if cfg.estimator == "block" and not bool(torch.isfinite(y).all()):
                         return False
-                    zs.append(self.reduce(y, op.index))
+                    ys.append(y)
                     self.replicas_run += 1
+                zs.extend(self.reduce(torch.stack(ys), op.index).unbind(0))
                 return True
 
             def spread() -> float:
@@ -484,6 +509,11 @@ class StabilityMonitor:
     def measurements(self) -> dict[str, list[float]]:
         """Per operator, every dispersion S measured so far (calibration input)."""
         return {n: [h[1] for h in self._ops[n].history] for n in self._order}
+
+    @property
+    def settled(self) -> list[str]:
+        """Operators checked on one rotation turn in ``settle_every`` (config ``settle``)."""
+        return [op.name for op in self._ops.values() if self._settled(op)]
 
     @property
     def promoted(self) -> list[str]:

@@ -403,3 +403,57 @@ def test_screened_and_full_measurements_share_replicas(tiny, batch):
     s_full, s_scr = full.history[FC1][0][1], screened.history[FC1][0][1]
     assert 0.5 < s_scr / s_full < 2.0
     assert max(h[0][1] for n, h in screened.history.items() if n != FC1) < 4 * 2.0 ** -8
+
+
+def test_settled_operators_are_checked_on_one_turn_in_settle_every(tiny, batch):
+    """Clean operators far below their threshold settle after ``settle_after`` checks and are
+    then checked on one rotation turn in ``settle_every``; an operator whose score stays near
+    its threshold keeps every turn (issue 30: the monitor's cost on small models)."""
+    inject.fp16_accumulation(tiny, "fc1", offset=4096.0)  # S ~ 0.86: neither settled nor watched
+    mon = StabilityMonitor(tau_warn=2.0, tau_safe=4.0, settle_after=2, settle_every=3)
+    model = mon.wrap(tiny)
+    _run(model, batch, mon, 9 * 8)
+    for i, name in enumerate(mon.operators):
+        steps = [e[0] for e in mon.history[name]]
+        if name == FC1:
+            assert 0.25 * 2.0 <= mon.scores[name] < 0.5 * 2.0  # above settle, below watch
+            assert steps == [i + 9 * t for t in range(8)]  # every turn
+        else:
+            assert steps == [i, i + 9, i + 27, i + 54]  # turns 0, 1, then 3 and 6
+    assert FC1 not in mon.settled and len(mon.settled) == 8
+    every = StabilityMonitor(tau_warn=2.0, tau_safe=4.0, settle=0.0)
+    model = every.wrap(tiny)
+    _run(model, batch, every, 9 * 8)
+    assert all(len(h) == 8 for h in every.history.values()) and every.settled == []
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"settle": 0.5, "watch": 0.5}, "settle must be below watch"),
+    ({"settle": -0.1}, "settle must be in"),
+    ({"settle_every": 0}, "settle_every must be an integer >= 1"),
+    ({"settle_after": 0}, "settle_after must be an integer >= 1"),
+])
+def test_settle_settings_are_validated(kw, match):
+    with pytest.raises(ValueError, match=match):
+        StabilityMonitor(**kw)
+
+
+def test_replicas_perturb_every_element_independently_within_u():
+    from fxstab.monitor.core import _perturbed
+
+    u = 2.0 ** -8
+    x = torch.linspace(1.0, 2.0, 4099)  # odd size: the last 64-bit draw is partly used
+    g = torch.Generator().manual_seed(3)
+    reps = _perturbed(x, 5, u, g)
+    assert reps.shape == (5, 4099) and reps.dtype == torch.float32
+    r = reps / x - 1  # the relative perturbations
+    assert float(r.abs().max()) <= u and float(r.min()) < -0.99 * u and float(r.max()) > 0.99 * u
+    assert abs(float(r.mean())) < 0.02 * u  # uniform, centred: sd u/sqrt(3)/sqrt(20495)
+    assert float((r[0] - r[1]).abs().min()) >= 0 and not torch.equal(r[0], r[1])
+    corr = torch.corrcoef(r[:2])[0, 1]
+    assert abs(float(corr)) < 0.05  # replicas independent
+    again = _perturbed(x, 5, u, torch.Generator().manual_seed(3))
+    assert torch.equal(again, reps)  # a seed's replicas are the same
+    # an attention mask's -inf stays -inf in every replica (x + u r x would make NaN of it)
+    masked = _perturbed(torch.tensor([1.0, -math.inf, 0.0, math.inf]), 64, u, g)
+    assert torch.equal(masked[:, 1:], torch.tensor([-math.inf, 0.0, math.inf]).expand(64, 3))
