@@ -89,25 +89,30 @@ def compute_only(call, x: tuple, opts: dict, n: int):
     """A callable running the samples' compute of an analysed call (``call()``) without
     fxstab's work (see the module docstring): the sampled graphs ``call`` runs, with their steps
     that round, measure or perturb made the identity, on the arguments it gives them."""
-    from fxstab.passes import steps
-
-    runs = []
-    for sg, args in sampled_calls(call):
-        gm = copy.deepcopy(sg.gm)
-        for node in gm.graph.nodes:
-            step = steps.lowered(node)
-            one = steps.returns_one(node)  # the output itself, not a list of outputs
-            if step is not None and step.what in _FXSTABS_OWN:
-                node.target = _identity_step(node.meta.get("val"), one)
-            elif step is not None and step.what == "lookup":  # the op itself, then the identity
-                node.target = _op_step(step.op, one)
-        gm.recompile()
-        runs.append((gm, [args[i] for i in sg.positions]))
+    runs = [(floor_graph(sg), [args[i] for i in sg.positions])
+            for sg, args in sampled_calls(call)]
 
     def run():
         for gm, inputs in runs:
             gm(*inputs)
     return run
+
+
+def floor_graph(sg) -> torch.fx.GraphModule:
+    """A copy of one sampled graph's module with its steps that round, measure or perturb made
+    the identity (a table lookup step runs its operator): the samples' compute alone."""
+    from fxstab.passes import steps
+
+    gm = copy.deepcopy(sg.gm)
+    for node in gm.graph.nodes:
+        step = steps.lowered(node)
+        one = steps.returns_one(node)  # the output itself, not a list of outputs
+        if step is not None and step.what in _FXSTABS_OWN:
+            node.target = _identity_step(node.meta.get("val"), one)
+        elif step is not None and step.what == "lookup":  # the op itself, then the identity
+            node.target = _op_step(step.op, one)
+    gm.recompile()
+    return gm
 
 
 # the steps that are fxstab's work, not the operator's: made the identity for the floor

@@ -1,0 +1,316 @@
+"""End-to-end checks of fxstab on a CUDA device, one step per call (issue 35).
+
+``benchmarks/gpu_check.sh`` runs each step with its own timeout and log; each step writes
+``OUT/e2e_<step>.json`` (``pass``, the figures, what failed) and prints one line. ``--dry-run``
+runs the same Python on CPU tensors at tiny sizes, so ``make test`` keeps the script from
+rotting before a device arrives. Steps:
+
+* ``op``: the test GPT (``tests/models.py``) and a Hugging Face GPT-2 (the ``gpt2`` config's
+  shapes, and a small one) on the device, operator level, bf16 and fp16, ``kernels="auto"``
+  (Triton on CUDA): the deterministic output bit for bit the model's own on the device; the
+  digit map against the same model analysed on the CPU with the same seed (the Philox streams
+  are the same; cuBLAS and the CPU's GEMMs differ in their last bits, which moves the samples'
+  random rounding of the products and so the digits by a few hundredths: the largest
+  difference is printed, not asserted); the analysed call over the eager call, N = 3 and 5.
+* ``aten``: the test GPT at the arithmetic level on the device (bit-identical output, ratio).
+* ``backward``: one training step with ``backward=True`` (gradients bit for bit, gradient
+  entries in the map).
+* ``monitor``: ten monitored AdamW steps of a small LM, interleaved with the plain step
+  (overhead per step, checks run).
+* ``inductor``: the test GPT's samples' compute (its sampled graphs with fxstab's steps made
+  the identity: ``bench_compiled.compute_only``, the floor) run as generated against the same
+  graphs compiled by inductor: what fusing the samples' compute could give on CUDA. The real
+  steps are Python and stay opaque to inductor (``docs/compiled-path.md``).
+
+    python benchmarks/gpu_e2e.py --step op --out results/gpu          # on the GPU machine
+    python benchmarks/gpu_e2e.py --step all --dry-run --out /tmp/e2e   # anywhere
+    python benchmarks/gpu_e2e.py --summary --out results/gpu           # the summary lines
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+STEPS = ("op", "aten", "backward", "monitor", "inductor")
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time(fn, device: str, repeats: int) -> float:
+    """Median seconds of ``fn()`` (after two warm calls)."""
+    fn()
+    fn()
+    ts = []
+    for _ in range(repeats):
+        _sync(device)
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def _gpt(dry: bool):
+    from models import GPT
+
+    torch.manual_seed(0)
+    d, batch, seq = (32, 2, 16) if dry else (128, 8, 64)
+    return GPT(vocab=256, d=d, heads=4, layers=2, ctx=seq), \
+        (torch.randint(0, 256, (batch, seq)),), f"test GPT d={d} batch {batch} seq {seq}"
+
+
+def _hf_gpt2(dry: bool, full: bool):
+    """A Hugging Face GPT-2 (random init): the ``gpt2`` config's shapes, or a small one."""
+    import transformers
+
+    torch.manual_seed(0)
+    if full and not dry:
+        cfg, seq, what = transformers.GPT2Config(), 128, "HF GPT-2 (gpt2 config) seq 128"
+    else:
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256,
+                                      n_positions=64, bos_token_id=0, eos_token_id=0)
+        seq, what = 16 if dry else 64, "HF GPT-2 small"
+    cfg._attn_implementation = "sdpa"
+    model = transformers.GPT2LMHeadModel(cfg)
+    return model, (torch.randint(0, min(256, cfg.vocab_size), (2, seq)),), what
+
+
+def _logits(out):
+    return out.logits if hasattr(out, "logits") else out
+
+
+def _analysed(model, inputs, device: str, opts: dict):
+    """(the compiled call, its backend, the deterministic output) of ``model`` on ``device``."""
+    import fxstab
+
+    torch._dynamo.reset()
+    be = fxstab.backend(seed=0, **opts)
+    f = torch.compile(model, backend=be)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = _logits(f(*inputs))
+    return f, be, out
+
+
+def step_op(device: str, dry: bool) -> dict:
+    rows, ok = [], True
+    # (model, formats): the gpt2-sized model in bf16 only (each compilation of it costs seconds)
+    cases = [(_gpt(dry), ("bf16", "fp16"))]
+    try:
+        cases.append((_hf_gpt2(dry, full=False), ("bf16", "fp16")))
+        if not dry:
+            cases.append((_hf_gpt2(dry, full=True), ("bf16",)))
+    except ImportError as exc:  # an image without transformers: say so, run the rest
+        rows.append({"model": "HF GPT-2", "skipped": f"transformers not importable ({exc})"})
+    repeats = 3 if dry else 10
+    for (model, inputs, what), formats in cases:
+        model = model.eval()
+        on_dev = copy.deepcopy(model).to(device)
+        x = tuple(t.to(device) for t in inputs)
+        with torch.no_grad():
+            want = _logits(on_dev(*x))
+            t_eager = _time(lambda: on_dev(*x), device, repeats)
+        for fmt in formats:
+            f, be, got = _analysed(on_dev, x, device, {"format": fmt})
+            same = torch.equal(got, want)
+            dm_dev = be.digit_map()
+            _, be_cpu, _ = _analysed(copy.deepcopy(model), inputs, "cpu", {"format": fmt})
+            row = {"model": what, "format": fmt, "bit_identical": same,
+                   "operators": len(dm_dev.operators),
+                   "max_map_difference_vs_cpu": dm_dev.difference(be_cpu.digit_map())}
+            with torch.no_grad():
+                row["ratio_n3"] = _time(lambda: f(*x), device, repeats) / t_eager
+                if fmt == "bf16":
+                    f5, _, _ = _analysed(on_dev, x, device, {"format": fmt, "n_samples": 5})
+                    row["ratio_n5"] = _time(lambda: f5(*x), device, repeats) / t_eager
+            rows.append(row)
+            ok = ok and same and row["operators"] > 0
+    return {"pass": ok, "rows": rows}
+
+
+def step_aten(device: str, dry: bool) -> dict:
+    model, inputs, what = _gpt(dry)
+    model = model.eval().to(device)
+    x = tuple(t.to(device) for t in inputs)
+    with torch.no_grad():
+        want = model(*x)
+    f, be, got = _analysed(model, x, device, {"granularity": "aten", "format": "bf16"})
+    with torch.no_grad():
+        ratio = _time(lambda: f(*x), device, 3) / _time(lambda: model(*x), device, 3)
+    ops = len(be.digit_map().operators)
+    same = torch.equal(got, want)
+    return {"pass": same and ops > 0, "rows": [{"model": what, "bit_identical": same,
+                                                  "operators": ops, "ratio_n3": ratio}]}
+
+
+def step_backward(device: str, dry: bool) -> dict:
+    import fxstab
+
+    model, inputs, what = _gpt(dry)
+    twin = copy.deepcopy(model).to(device).train()
+    model = model.to(device).train()
+    x = tuple(t.to(device) for t in inputs)
+    torch._dynamo.reset()
+    be = fxstab.backend(backward=True, format="bf16", seed=0)
+    grads = []
+    for m, f in ((model, torch.compile(model, backend=be)), (twin, twin)):
+        torch.manual_seed(11)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            f(*x).float().pow(2).mean().backward()
+        grads.append([p.grad.clone() for p in m.parameters()])
+    same = all(torch.equal(a, b) for a, b in zip(*grads))
+    dm = be.digit_map()
+    entries = sum(1 for op in dm.operators.values() if op.kind == "param_grad")
+    return {"pass": same and entries > 0,
+            "rows": [{"model": what, "gradients_bit_identical": same,
+                      "operators": len(dm.operators), "param_grad_entries": entries}]}
+
+
+def step_monitor(device: str, dry: bool) -> dict:
+    import fxstab
+    from benchmarks.bench_overhead import timed_interleaved
+    from models import GPT
+
+    torch.manual_seed(0)
+    d, steps = (32, 4) if dry else (64, 10)
+    mon = fxstab.StabilityMonitor(format="bf16", period=1)
+    data = [torch.randint(0, 256, (8, 33)).to(device) for _ in range(4)]
+    arms = {}
+    for name in ("plain", "monitored"):
+        torch.manual_seed(0)
+        m = GPT(vocab=256, d=d, heads=4, layers=3, ctx=32).to(torch.bfloat16).to(device)
+        torch._dynamo.reset() if name == "plain" else None
+        f = torch.compile(m, backend="eager" if name == "plain" else mon.backend())
+        arms[name] = (f, torch.optim.AdamW(m.parameters(), lr=1e-3))
+    count = {name: 0 for name in arms}
+
+    def run(name: str) -> None:
+        f, opt = arms[name]
+        b = data[count[name] % len(data)]
+        count[name] += 1
+        logits = f(b[:, :-1])
+        torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                          b[:, 1:].reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if name == "monitored":
+            mon.step()
+        _sync(device)
+
+    plain, monitored = timed_interleaved([lambda: run("plain"), lambda: run("monitored")],
+                                         steps)
+    return {"pass": mon.checks_run > 0,
+            "rows": [{"model": f"bf16 GPT d={d}, 3 blocks, AdamW", "steps": steps,
+                      "overhead": monitored / plain - 1, "checks": mon.checks_run,
+                      "promoted": len(mon.promoted)}]}
+
+
+def step_inductor(device: str, dry: bool) -> dict:
+    from benchmarks.bench_compiled import floor_graph, sampled_calls
+
+    model, inputs, what = _gpt(dry)
+    model = model.eval().to(device)
+    x = tuple(t.to(device) for t in inputs)
+    f, be, _ = _analysed(model, x, device, {"format": "bf16"})
+    # the dry run hands the graphs to aot_eager: the same path, without inductor's C++ build
+    compiler = "aot_eager" if dry else "inductor"
+    with torch.no_grad():
+        f(*x)  # the second call traces the sampled graphs, later calls run them
+        calls = sampled_calls(lambda: f(*x))
+        plain = [(floor_graph(sg), [args[i] for i in sg.positions]) for sg, args in calls]
+        fused = [(torch.compile(gm, backend=compiler), a) for gm, a in plain]
+
+        def run(graphs):
+            for gm, a in graphs:
+                gm(*a)
+        t_floor = _time(lambda: run(plain), device, 3 if dry else 10)
+        t_fused = _time(lambda: run(fused), device, 3 if dry else 10)
+    return {"pass": len(plain) > 0,
+            "rows": [{"model": what, "compiler": compiler, "sampled_graphs": len(plain),
+                      "floor_ms": t_floor * 1e3, "floor_compiled_ms": t_fused * 1e3,
+                      "speedup": t_floor / t_fused}]}
+
+
+def summary(out: Path) -> str:
+    """One line per step from its JSON: pass/fail and the figures a reader needs."""
+    lines = []
+    for name in STEPS:
+        path = out / f"e2e_{name}.json"
+        if not path.exists():
+            lines.append(f"{name:<9} MISSING (timed out or not run: see {name}.log)")
+            continue
+        doc = json.loads(path.read_text())
+        verdict = "PASS" if doc.get("pass") else "FAIL"
+        if "error" in doc:
+            lines.append(f"{name:<9} FAIL {doc['error'].splitlines()[-1][:160]}")
+            continue
+        for row in doc.get("rows", []):
+            figs = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                             for k, v in row.items())
+            lines.append(f"{name:<9} {verdict} {figs}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--step", choices=STEPS + ("all",), default=None)
+    ap.add_argument("--summary", action="store_true", help="print the summary of OUT's JSONs")
+    ap.add_argument("--dry-run", action="store_true", help="CPU tensors, tiny sizes")
+    ap.add_argument("--device", default=None, help="default: cuda, or cpu with --dry-run")
+    ap.add_argument("--out", type=Path, default=ROOT / "results" / "gpu")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.summary:
+        print(summary(args.out))
+        return 0
+    if args.step is None:
+        ap.error("give --step NAME (or all) or --summary")
+    device = args.device or ("cpu" if args.dry_run else "cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        print("gpu_e2e: no CUDA device here; use --dry-run", file=sys.stderr)
+        return 2
+    status = 0
+    for name in (STEPS if args.step == "all" else (args.step,)):
+        t = time.perf_counter()
+        try:
+            doc = globals()[f"step_{name}"](device, args.dry_run)
+        except Exception:  # noqa: BLE001 - the step failed: say how, keep the others
+            doc = {"pass": False, "error": traceback.format_exc()}
+        doc.update(step=name, device=device, dry_run=args.dry_run,
+                   seconds=time.perf_counter() - t, torch=torch.__version__)
+        (args.out / f"e2e_{name}.json").write_text(json.dumps(doc, indent=1, default=str))
+        print(summary_of(name, doc))
+        status |= 0 if doc["pass"] else 1
+    return status
+
+
+def summary_of(name: str, doc: dict) -> str:
+    verdict = "PASS" if doc["pass"] else "FAIL"
+    if "error" in doc:
+        return f"{name}: FAIL {doc['error'].splitlines()[-1]}"
+    return f"{name}: {verdict} ({doc['seconds']:.1f}s) " + "; ".join(
+        ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items())
+        for r in doc["rows"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
