@@ -7,6 +7,7 @@ from .digitmap import DiffResult, DigitMap, DigitMapError, diff
 from .numerics.digits import (
     DigitStats, cestac_digits, computational_zero, digit_stats, format_stochastic, student_t,
 )
+from .numerics.accumulation import Accumulation, emulate_matmul
 from .numerics.formats import FORMATS, Format, get_format
 from .monitor import Mode, MonitorConfig, StabilityMonitor
 from .capture.user_ops import operator
@@ -23,5 +24,6 @@ __all__ = [
     "DigitMapError",
     "DiffResult", "diff", "instability_counters", "stochastic", "StochasticTensor", "analyze",
     "AnalysisResult", "StabilityMonitor", "MonitorConfig", "Mode", "inject", "operator",
+    "Accumulation", "emulate_matmul",
     "__version__",
 ]

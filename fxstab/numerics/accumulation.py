@@ -1,0 +1,180 @@
+"""A GEMM's accumulator as the hardware runs it (DESIGN.md §4b): its format, block, promotion and
+rounding, and :func:`emulate_matmul`, the deterministic result of that accumulator.
+
+Semantics, exactly. K is walked in increasing order in blocks of ``block`` elements; the
+products of a block are summed in fp64 (the working dtype: a block of low-precision products
+sums exactly, or to fp64's last bit), then added to the accumulator with **one** rounding into
+``format`` in ``rounding`` mode. With ``promote_every=P`` (a multiple of ``block``), after
+every P elements the accumulator is added into an fp32 accumulator (round to nearest) and reset
+to 0, and the result is the fp32 accumulator after the last (partial) group; without it the
+result is the accumulator. The output has the operands' dtype.
+
+Presets (``Accumulation.parse(name)``; sources in ``docs/accumulation.md``):
+
+=================  ===========================================================================
+``"fp32"``         nothing emulated: the product as the analysis has always trusted it (the
+                   default); ``parse`` returns ``None``
+``"fp16"``         fp16 accumulator, blocks of 16 (one HMMA k-step), nearest
+``"bf16"``         bf16 accumulator, blocks of 16, nearest
+``"fp8-fast"``     Hopper FP8 ``wgmma`` without promotion: e8m13 (a 14-bit significand),
+                   blocks of 32 (one instruction's k), toward zero
+``"fp8-promoted"`` the same, promoted into fp32 every 128 elements (DeepSeek-V3, §3.3)
+=================  ===========================================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+
+from .formats import Format, get_format
+from .randbits import derive_seed
+from .rounding import Rounding, default_seed, quantize
+
+__all__ = ["Accumulation", "PRESETS", "emulate_matmul", "AccumulationLike"]
+
+
+@dataclass(frozen=True)
+class Accumulation:
+    """The accumulator of a GEMM (see the module docstring for the exact semantics).
+
+    Args:
+        format: The accumulator's format (a name, ``(exp_bits, man_bits)`` or a Format).
+        block: Products summed exactly before each rounding into the accumulator (>= 1).
+        promote_every: Elements of K after which the accumulator is added into an fp32
+            accumulator and reset (a multiple of ``block``); ``None``: never.
+        rounding: The accumulator's rounding: ``nearest``, ``zero``, ``up``, ``down``,
+            ``random`` or ``stochastic`` (the last two draw from a seed).
+        name: The preset's name, if it is one (reports, metadata).
+    """
+
+    format: Any
+    block: int = 1
+    promote_every: Optional[int] = None
+    rounding: Any = Rounding.NEAREST
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        try:
+            fmt = get_format(self.format)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"Accumulation format: {exc}") from None
+        object.__setattr__(self, "format", fmt)
+        if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
+            raise ValueError(f"Accumulation block must be an integer >= 1, got {self.block!r}")
+        p = self.promote_every
+        if p is not None:
+            if isinstance(p, bool) or not isinstance(p, int) or p < 1 or p % self.block:
+                raise ValueError(f"Accumulation promote_every must be None or a positive "
+                                 f"multiple of block={self.block}, got {p!r}")
+        try:
+            object.__setattr__(self, "rounding", Rounding.parse(self.rounding))
+        except ValueError as exc:
+            raise ValueError(f"Accumulation rounding: {exc}") from None
+
+    @property
+    def fmt(self) -> Format:
+        return self.format  # type: ignore[return-value]
+
+    @property
+    def label(self) -> str:
+        """The preset's name, or a spelling of the settings (``e8m13/b32/p128/zero``)."""
+        if self.name:
+            return self.name
+        p = f"/p{self.promote_every}" if self.promote_every else ""
+        return f"{self.fmt.name}/b{self.block}{p}/{self.rounding.value}"
+
+    @classmethod
+    def parse(cls, spec: "AccumulationLike") -> Optional["Accumulation"]:
+        """An :class:`Accumulation` from a preset name, an Accumulation or ``None``; ``"fp32"``
+        and ``None`` are the trusted product (nothing emulated): ``None``."""
+        if spec is None or isinstance(spec, Accumulation):
+            return spec
+        if isinstance(spec, str):
+            key = spec.strip().lower()
+            if key in PRESETS:
+                return PRESETS[key]
+            raise ValueError(f"unknown accumulation {spec!r}; use one of "
+                             f"{', '.join(sorted(PRESETS))} or fxstab.Accumulation(format, "
+                             f"block, promote_every, rounding)")
+        raise ValueError(f"accumulation must be a preset name, an fxstab.Accumulation or None, "
+                         f"got {type(spec).__name__}")
+
+
+AccumulationLike = Union[str, Accumulation, None]
+
+_E8M13 = (8, 13)  # a 14-bit significand: what emulation studies of H100 wgmma find
+PRESETS: dict[str, Optional[Accumulation]] = {
+    "fp32": None,
+    "fp16": Accumulation("fp16", block=16, name="fp16"),
+    "bf16": Accumulation("bf16", block=16, name="bf16"),
+    "fp8-fast": Accumulation(_E8M13, block=32, rounding="zero", name="fp8-fast"),
+    "fp8-promoted": Accumulation(_E8M13, block=32, promote_every=128, rounding="zero",
+                                 name="fp8-promoted"),
+}
+
+
+def emulate_matmul(a: torch.Tensor, b: torch.Tensor, accumulate: AccumulationLike = "fp32",
+                   seed: Optional[int] = None) -> torch.Tensor:
+    """``a @ b`` as a GEMM with the accumulator ``accumulate`` computes it.
+
+    Broadcasts like :func:`torch.matmul` (1-D operands included). Deterministic for
+    ``nearest``, ``zero``, ``up`` and ``down``; ``random`` and ``stochastic`` draw from
+    ``seed`` (``None``: one from torch's generator), each rounding of each output element its
+    own draw. ``"fp32"`` (or ``None``) is the trusted product: ``a @ b`` computed in fp64 and
+    returned in the operands' dtype.
+
+    Args:
+        a, b: Floating operands (their result dtype is the output's).
+        accumulate: A preset name or an :class:`Accumulation`.
+        seed: Seed of the random roundings.
+    """
+    acc = Accumulation.parse(accumulate)
+    for t, what in ((a, "a"), (b, "b")):
+        if not isinstance(t, torch.Tensor) or not (t.is_floating_point()):
+            raise TypeError(f"emulate_matmul: {what} must be a floating tensor, got "
+                            f"{type(t).__name__ if not isinstance(t, torch.Tensor) else t.dtype}")
+        if t.dim() == 0:
+            raise ValueError(f"emulate_matmul: {what} must have at least one dimension")
+    out_dtype = torch.result_type(a, b)
+    squeeze = []
+    a64, b64 = a.to(torch.float64), b.to(torch.float64)
+    if a64.dim() == 1:
+        a64, squeeze = a64.unsqueeze(0), squeeze + [-2]
+    if b64.dim() == 1:
+        b64, squeeze = b64.unsqueeze(-1), squeeze + [-1]
+    k = a64.shape[-1]
+    if b64.shape[-2] != k:
+        raise ValueError(f"emulate_matmul: inner dimensions differ: a has {k}, b has "
+                         f"{b64.shape[-2]} (a {tuple(a.shape)}, b {tuple(b.shape)})")
+    if acc is None or k == 0:
+        out = a64 @ b64
+    else:
+        out = _accumulate(a64, b64, acc, seed)
+    for d in sorted(squeeze):
+        out = out.squeeze(d)
+    return out.to(out_dtype)
+
+
+def _accumulate(a: torch.Tensor, b: torch.Tensor, acc: Accumulation,
+                seed: Optional[int]) -> torch.Tensor:
+    """The blocked accumulation of fp64 operands ``[..., M, K] @ [..., K, N]``, in fp64."""
+    k = a.shape[-1]
+    mode = acc.rounding
+    random = mode in (Rounding.RANDOM, Rounding.STOCHASTIC)
+    base = default_seed(seed) if random else 0
+    fp32 = get_format("fp32")
+    total: Optional[torch.Tensor] = None  # the fp32 accumulator (promotion)
+    run: Optional[torch.Tensor] = None  # the accumulator in acc.format
+    for i, start in enumerate(range(0, k, acc.block)):
+        stop = min(start + acc.block, k)
+        part = a[..., start:stop] @ b[..., start:stop, :]  # the block's products, in fp64
+        run = part if run is None else run + part
+        run = quantize(run, acc.fmt, mode, seed=derive_seed(base, i) if random else None)
+        if acc.promote_every and (stop % acc.promote_every == 0 or stop == k):
+            total = run if total is None else total + run
+            total = quantize(total, fp32, Rounding.NEAREST)
+            run = None
+    return total if acc.promote_every else run

@@ -1,0 +1,183 @@
+"""A GEMM's accumulator (fxstab.Accumulation, fxstab.emulate_matmul) against a sequential
+reference written from the specification, element by element (issue 31)."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import fxstab
+from fxstab import Accumulation, emulate_matmul
+from fxstab.numerics.randbits import derive_seed
+
+DIRECTED = ("nearest", "zero", "up", "down")
+
+
+def round_scalar(x: float, man_bits: int, mode: str) -> float:
+    """``x`` rounded to a significand of ``man_bits + 1`` bits (normal range), from the
+    definition: the exact rational between its two neighbours, picked by ``mode``."""
+    if x == 0 or not math.isfinite(x):
+        return x
+    m, e = math.frexp(abs(x))  # abs(x) = m 2^e, m in [0.5, 1)
+    p = man_bits + 1
+    q = Fraction(m) * 2 ** p  # the significand as an integer plus a fraction
+    lo = math.floor(q)
+    frac = q - lo
+    up = {"zero": False, "up": x > 0, "down": x < 0,
+          "nearest": frac > Fraction(1, 2) or (frac == Fraction(1, 2) and lo % 2 == 1)}[mode]
+    r = lo + (1 if up and frac else 0)
+    return math.copysign(math.ldexp(r, e - p), x)
+
+
+def reference(a: np.ndarray, b: np.ndarray, man_bits: int, block: int, promote, mode: str):
+    """The specification, one output element at a time: K in increasing order in blocks, each
+    block's products summed exactly, one rounding per block into the accumulator; promotion
+    adds the accumulator into fp32 (nearest) every ``promote`` elements and resets it."""
+    m, k = a.shape
+    n = b.shape[1]
+    out = np.zeros((m, n))
+    for i in range(m):
+        for j in range(n):
+            acc, total = 0.0, 0.0
+            for s in range(0, k, block):
+                exact = sum(Fraction(float(a[i, t])) * Fraction(float(b[t, j]))
+                            for t in range(s, min(s + block, k)))
+                acc = round_scalar(float(Fraction(acc) + exact), man_bits, mode)
+                stop = min(s + block, k)
+                if promote and (stop % promote == 0 or stop == k):
+                    total = round_scalar(total + acc, 23, "nearest")
+                    acc = 0.0
+            out[i, j] = total if promote else acc
+    return out
+
+
+def _operands(m, k, n, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    a = (torch.randn(m, k, generator=g) * 3).to(dtype)
+    b = torch.randn(k, n, generator=g).to(dtype)
+    return a, b
+
+
+SPECS = [
+    Accumulation("fp16", block=1),
+    Accumulation("bf16", block=4),
+    Accumulation((8, 13), block=32),               # fp8-fast's accumulator, any rounding
+    Accumulation((8, 13), block=8, promote_every=16),
+    Accumulation("fp16", block=3, promote_every=9),
+]
+
+
+@pytest.mark.parametrize("mode", DIRECTED)
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.label)
+@pytest.mark.parametrize("k", [1, 7, 40])
+def test_emulate_matmul_is_the_sequential_reference_bit_for_bit(spec, mode, k):
+    spec = Accumulation(spec.format, spec.block, spec.promote_every, mode)
+    a, b = _operands(5, k, 3, seed=k)
+    got = emulate_matmul(a.float(), b.float(), spec)
+    want = reference(a.float().numpy(), b.float().numpy(), spec.fmt.man_bits, spec.block,
+                     spec.promote_every, mode)
+    assert got.dtype == torch.float32
+    np.testing.assert_array_equal(got.numpy(), want.astype(np.float32))
+
+
+def test_nearest_fp16_and_bf16_accumulators_agree_with_the_dtypes_own_casts():
+    """A block of 1 in nearest is a running sum cast after every product: ml_dtypes' bf16 and
+    NumPy's fp16 casts are that rounding."""
+    a, b = _operands(4, 33, 2, seed=5)
+    a64, b64 = a.double().numpy(), b.double().numpy()
+    for name, cast in (("fp16", np.float16), ("bf16", ml_dtypes.bfloat16)):
+        want = np.zeros((4, 2))
+        for i in range(4):
+            for j in range(2):
+                acc = 0.0
+                for t in range(33):
+                    acc = float(np.asarray(acc + a64[i, t] * b64[t, j]).astype(cast))
+                want[i, j] = acc
+        got = emulate_matmul(a.double(), b.double(), Accumulation(name, block=1))
+        np.testing.assert_array_equal(got.numpy(), want)
+
+
+@pytest.mark.parametrize("mode", ["random", "stochastic"])
+def test_random_accumulators_draw_per_rounding_and_repeat_with_the_seed(mode):
+    spec = Accumulation((8, 13), block=4, promote_every=8, rounding=mode)
+    a, b = _operands(6, 20, 5, seed=2)
+    a, b = a.double(), b.double()
+    got = emulate_matmul(a, b, spec, seed=7)
+    assert torch.equal(got, emulate_matmul(a, b, spec, seed=7))
+    assert not torch.equal(got, emulate_matmul(a, b, spec, seed=8))
+    # the specification with the same draws: block i rounds with derive_seed(7, i)
+    run, total = None, None
+    for i, s in enumerate(range(0, 20, 4)):
+        part = a[:, s:s + 4] @ b[s:s + 4, :]
+        run = part if run is None else run + part
+        run = fxstab.quantize(run, (8, 13), mode, seed=derive_seed(7, i))
+        if (s + 4) % 8 == 0 or s + 4 == 20:
+            total = run if total is None else fxstab.quantize(total + run, "fp32", "nearest")
+            run = None
+    assert torch.equal(got, total)
+    # every rounding goes to a neighbour: at most one accumulator ulp (2^-13 relative to a
+    # running sum, itself at most |a| @ |b|) per block from the exact product
+    bound = 5 * 2.0 ** -12 * (a.abs() @ b.abs())
+    assert ((got - a @ b).abs() <= bound).all()
+
+
+def test_presets_and_broadcasting_like_matmul():
+    assert Accumulation.parse("fp32") is None and Accumulation.parse(None) is None
+    fast = Accumulation.parse("fp8-fast")
+    assert (fast.fmt.exp_bits, fast.fmt.man_bits, fast.block, fast.promote_every,
+            fast.rounding.value) == (8, 13, 32, None, "zero")
+    assert Accumulation.parse("FP8-Promoted").promote_every == 128
+    a = torch.randn(2, 1, 3, 64).to(torch.bfloat16)
+    b = torch.randn(4, 64, 5).to(torch.bfloat16)
+    for spec in ("fp32", "fp16", "fp8-promoted"):
+        y = emulate_matmul(a, b, spec)
+        assert y.shape == torch.matmul(a, b).shape == (2, 4, 3, 5) and y.dtype == torch.bfloat16
+    exact = emulate_matmul(a, b, "fp32")
+    assert torch.equal(exact, (a.double() @ b.double()).to(torch.bfloat16))
+    v, w = torch.randn(64).double(), torch.randn(64, 5).double()
+    assert emulate_matmul(v, w, "fp16").shape == (5,)
+    assert emulate_matmul(w.T.contiguous(), v, "fp16").shape == (5,)
+    assert emulate_matmul(v, v, "fp16").shape == ()
+    assert emulate_matmul(torch.zeros(2, 0), torch.zeros(0, 3), "fp16").abs().sum() == 0
+
+
+def test_the_fast_accumulator_loses_more_with_k_and_promotion_bounds_it():
+    """DeepSeek-V3's observation (§3.3): fp8 e4m3 operands, the fast accumulator's error
+    grows with K; promoting into fp32 every 128 elements keeps it near the operands' own."""
+    g = torch.Generator().manual_seed(0)
+    errs = {}
+    for k in (256, 4096):
+        a = torch.rand(16, k, generator=g).to(torch.float8_e4m3fn).double()
+        b = torch.rand(k, 16, generator=g).to(torch.float8_e4m3fn).double()
+        exact = a @ b
+        for spec in ("fp8-fast", "fp8-promoted"):
+            y = emulate_matmul(a, b, spec)
+            errs[spec, k] = float(((y - exact).abs() / exact.abs()).max())
+    assert errs["fp8-fast", 4096] > 4 * errs["fp8-fast", 256]
+    assert errs["fp8-promoted", 4096] < errs["fp8-fast", 4096] / 4
+    assert 1e-3 < errs["fp8-fast", 4096] < 5e-2  # DeepSeek-V3: about 2% at K = 4096
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"format": "fp17"}, "Accumulation format"),
+    ({"format": "fp16", "block": 0}, "block must be an integer >= 1"),
+    ({"format": "fp16", "block": 4, "promote_every": 6}, "positive multiple of block=4"),
+    ({"format": "fp16", "rounding": "sideways"}, "Accumulation rounding"),
+])
+def test_bad_settings_are_clear_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        Accumulation(**kw)
+
+
+def test_bad_calls_are_clear_errors():
+    with pytest.raises(ValueError, match="unknown accumulation 'fp9'"):
+        emulate_matmul(torch.ones(2, 2), torch.ones(2, 2), "fp9")
+    with pytest.raises(ValueError, match="inner dimensions differ"):
+        emulate_matmul(torch.ones(2, 3), torch.ones(2, 2), "fp16")
+    with pytest.raises(TypeError, match="floating tensor"):
+        emulate_matmul(torch.ones(2, 2, dtype=torch.int64), torch.ones(2, 2), "fp16")
