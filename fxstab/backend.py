@@ -185,13 +185,17 @@ class FxstabBackend:
 
     def metadata(self) -> dict:
         c = self.config
-        return {
+        meta = {
             "format": "auto" if c.auto_format else c.format.name, "n_samples": c.n_samples,
             "seed": c.seed,
             "granularity": c.granularity, "confidence": c.confidence,
             "rounding": c.rounding.value, "output": c.output, "every": c.every,
             "modules": sorted(self.modules), "coverage": self.coverage().as_dict(),
         }
+        if c.accumulate:  # the GEMMs' accumulator: pattern -> its label ("fp32": trusted)
+            meta["accumulate"] = {p: acc.label if acc is not None else "fp32"
+                                  for p, acc in c.accumulate}
+        return meta
 
     def digit_map(self, target: str = "", gather: bool = False):
         """The reports aggregated per operator (a :class:`fxstab.digitmap.DigitMap`).
@@ -265,7 +269,10 @@ def backend(
             CUDA tensors, the fused CPU kernels of :mod:`fxstab.cpu.bindings` on CPU tensors, the
             plain-torch references where neither applies), ``triton``, ``cpu`` or ``torch``.
         **options: ``diagnostics``, ``cancel_digits``, ``zero_threshold``,
-            ``data_perturbation_threshold``, ``saturate``, ``trace_rnn`` (see AnalysisConfig).
+            ``data_perturbation_threshold``, ``saturate``, ``trace_rnn``, ``backward``,
+            ``accumulate`` (the GEMMs' accumulator: a preset name or an
+            :class:`fxstab.Accumulation` for every linear/matmul/mm/bmm, or ``{kind or glob:
+            spec}``; docs/accumulation.md) (see AnalysisConfig).
     """
     unknown = set(options) - set(AnalysisConfig.__dataclass_fields__)
     if unknown:
@@ -274,6 +281,14 @@ def backend(
     cfg = AnalysisConfig(granularity=granularity, format=format, n_samples=n_samples, seed=seed,
                          rounding=rounding, output=output, select=select, every=every,
                          confidence=confidence, kernels=kernels, **options)
+    directed = sorted({acc.label for _, acc in cfg.accumulate
+                       if acc is not None and acc.rounding.value not in ("random", "stochastic")})
+    if directed:
+        warnings.warn(f"fxstab: the accumulator(s) {', '.join(directed)} round every sample "
+                      f"alike: their error is a bias the samples' spread cannot show (and a "
+                      f"coarse accumulator can even merge the samples' spread), so the digits "
+                      f"read high; analyse with Accumulation(..., rounding='random') to see "
+                      f"the accumulator's loss (docs/accumulation.md)", UserWarning, stacklevel=2)
     if cfg.kernels == "triton":
         _check_triton_usable()
     if cfg.kernels == "cpu" and not native.available():

@@ -10,7 +10,8 @@ from typing import Any, Callable, Iterable, Optional, Union
 from .numerics.formats import Format, get_format
 from .numerics.rounding import Rounding
 
-__all__ = ["AnalysisConfig", "Kernels", "KERNELS", "GRANULARITIES", "OUTPUTS", "DIAGNOSTICS"]
+__all__ = ["AnalysisConfig", "Kernels", "KERNELS", "GRANULARITIES", "OUTPUTS", "DIAGNOSTICS",
+           "accumulation_rules", "accumulation_for"]
 
 
 class Kernels(str, Enum):
@@ -83,6 +84,9 @@ class AnalysisConfig:
     saturate: bool = False
     trace_rnn: bool = True
     backward: bool = False
+    # the GEMMs' accumulator (fxstab.numerics.accumulation): a spec for every modelled GEMM, or
+    # {kind or glob over "module.path/kind": spec}; stored as ((pattern, Accumulation), ...)
+    accumulate: Any = None
 
     def __post_init__(self) -> None:
         def choice(name: str, value: Any, options: tuple) -> None:
@@ -107,6 +111,10 @@ class AnalysisConfig:
             raise ValueError("format='auto' is supported at granularity='op' (the arithmetic "
                              "level rounds every primitive into one format)")
         object.__setattr__(self, "rounding", Rounding.parse(self.rounding))
+        object.__setattr__(self, "accumulate", accumulation_rules(self.accumulate))
+        if self.accumulate and self.granularity != "op":
+            raise ValueError("accumulate= is modelled at granularity='op' (linear, matmul, mm, "
+                             "bmm); the arithmetic level keeps its GEMMs trusted for now")
         n = self.n_samples
         if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= 64:
             raise ValueError(f"n_samples must be an integer in [2, 64] (CESTAC needs at least 2 "
@@ -136,3 +144,38 @@ class AnalysisConfig:
                 or (isinstance(s, (list, tuple, set, frozenset)) and all(isinstance(i, str) for i in s))):
             raise ValueError(f"select must be None, a kind/family name or module-path glob, a list of "
                              f"them, or a predicate (node, qualified_name) -> bool; got {s!r}")
+
+
+def accumulation_rules(spec: Any) -> tuple:
+    """``accumulate=`` as ``((pattern, Accumulation or None), ...)``: one spec applies to every
+    modelled GEMM (``"*"``); a mapping's keys are operator kinds (``"linear"``) or globs over
+    qualified names (``"blocks.*.mlp.*/linear"``), first match wins; ``"fp32"`` (or None) is the
+    trusted product. An empty tuple: nothing is modelled."""
+    from collections.abc import Mapping
+
+    from .numerics.accumulation import Accumulation
+
+    if spec is None:
+        return ()
+    if isinstance(spec, tuple) and all(isinstance(r, tuple) and len(r) == 2 for r in spec):
+        return spec  # already normalized (a config copied with dataclasses.replace)
+    if isinstance(spec, Mapping):
+        rules = []
+        for key, value in spec.items():
+            if not isinstance(key, str) or not key:
+                raise ValueError(f"accumulate keys are operator kinds or globs over "
+                                 f"'module.path/kind', got {key!r}")
+            rules.append((key, Accumulation.parse(value)))
+        return tuple(rules)
+    parsed = Accumulation.parse(spec)
+    return () if parsed is None else (("*", parsed),)
+
+
+def accumulation_for(rules: tuple, kind: str, qualified_name: str) -> Any:
+    """The accumulator of one GEMM under ``rules`` (None: the trusted product)."""
+    import fnmatch
+
+    for pattern, acc in rules:
+        if pattern in ("*", kind) or fnmatch.fnmatchcase(qualified_name, pattern):
+            return acc
+    return None

@@ -181,3 +181,80 @@ def test_bad_calls_are_clear_errors():
         emulate_matmul(torch.ones(2, 3), torch.ones(2, 2), "fp16")
     with pytest.raises(TypeError, match="floating tensor"):
         emulate_matmul(torch.ones(2, 2, dtype=torch.int64), torch.ones(2, 2), "fp16")
+
+
+# --------------------------------------------------------------------------- in the analysis
+class _CancellingDot(torch.nn.Module):
+    """Each output adds 32 values near 1000 and subtracts 32 others: the running sum reaches
+    32000 halfway (an fp16 ulp of 16) and cancels to a few units."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 8, bias=False)
+        with torch.no_grad():
+            self.fc.weight.copy_(torch.cat([torch.ones(8, 32), -torch.ones(8, 32)], 1))
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def _digits(model, x, **opts):
+    torch._dynamo.reset()
+    be = fxstab.backend(format="fp32", **opts)
+    f = torch.compile(model, backend=be)
+    for _ in range(3):  # untraced, traced, replayed
+        y = f(x)
+    assert torch.equal(y, model(x))  # the deterministic path is the model's, bit for bit
+    return be
+
+
+def test_an_fp16_accumulator_shows_the_cancellation_fp32_accumulation_does_not():
+    torch.manual_seed(0)
+    model, x = _CancellingDot(), 1000 + torch.randn(4, 64)
+    trusted = _digits(model, x).digit_map().operators["fc/linear#0"]
+    fp16 = _digits(model, x, accumulate=Accumulation("fp16", 16, rounding="random"))
+    op = fp16.digit_map().operators["fc/linear#0"]
+    assert trusted.avg_digits > 3.0 and op.avg_digits < 1.0
+    assert [e.reason for e in fp16.coverage().entries] == [
+        "accumulator fp16/b16/random on the samples"]
+    assert fp16.digit_map().metadata["accumulate"] == {"*": "fp16/b16/random"}
+    # a finer accumulator loses less
+    fp32 = _digits(model, x, accumulate=Accumulation("fp32", 16, rounding="random"))
+    assert fp32.digit_map().operators["fc/linear#0"].avg_digits > 2.0
+
+
+def test_accumulators_by_kind_or_glob_and_the_trusted_default():
+    torch.manual_seed(0)
+    model, x = _CancellingDot(), 1000 + torch.randn(4, 64)
+    fp16 = Accumulation("fp16", 16, rounding="random")
+    by_glob = _digits(model, x, accumulate={"fc/*": fp16})
+    assert by_glob.digit_map().operators["fc/linear#0"].avg_digits < 1.0
+    other = _digits(model, x, accumulate={"head/*": fp16, "matmul": fp16})
+    assert [e.reason for e in other.coverage().entries] == ["batched over the samples"]
+    assert "accumulate" not in _digits(model, x, accumulate="fp32").digit_map().metadata
+
+
+def test_a_directed_accumulator_in_the_analysis_says_what_it_cannot_show():
+    with pytest.warns(UserWarning, match="fp8-fast round every sample alike"):
+        fxstab.backend(accumulate="fp8-fast")
+    with pytest.raises(ValueError, match="granularity='op'"):
+        fxstab.backend(granularity="aten", accumulate="fp16")
+    with pytest.raises(ValueError, match="accumulate keys"):
+        fxstab.backend(accumulate={3: "fp16"})
+    with pytest.raises(ValueError, match="unknown accumulation"):
+        fxstab.backend(accumulate="fp12")
+
+
+def test_batched_matmuls_align_a_plain_operand_with_the_samples():
+    """A product of samples [N, M, K] with a plain [B, K, P] operand is N products of the
+    logical shapes, as torch.matmul broadcasts one sample."""
+    from fxstab.rules.accumulation import accumulated_product
+    from fxstab.rules.lifting import Stacked
+
+    x = Stacked(torch.randn(3, 4, 16, dtype=torch.float64))
+    w = torch.randn(2, 16, 5, dtype=torch.float64)
+    acc = Accumulation("fp32", 4)
+    out = accumulated_product((x, w), {}, "matmul", acc, 0, lambda t: t.double())
+    assert out.samples.shape == (3, 2, 4, 5)
+    for k in range(3):
+        assert torch.equal(out.samples[k], emulate_matmul(x.samples[k], w, acc))

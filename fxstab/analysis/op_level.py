@@ -25,7 +25,10 @@ from ..capture.opsets import DROPOUT_KINDS, RANDOM_KINDS, is_custom, is_gemm, no
 from ..cpu import alloc
 from ..records.coverage import SKIPPED, CoverageEntry
 from ..records.run import RunState
-from ..rules.lifting import NodePlan, Stacked, has_floating, rng_states, set_rng_states
+from ..config import accumulation_for
+from ..rules.lifting import (
+    ACCUMULATED_KINDS, NodePlan, Stacked, has_floating, rng_states, set_rng_states,
+)
 from ..rules.op_level import SampleTracer
 from .composites import expand_composites
 from .sampled_graph import SampledGraph, SampledGraphs, signature
@@ -151,6 +154,9 @@ class GraphAnalysis:
                     plan.module_path = path
                     plan.source = src
                     plan.gemm = is_gemm(kind)
+                    if plan.gemm and kind in ACCUMULATED_KINDS:
+                        plan.accumulate = accumulation_for(self.cfg.accumulate, kind,
+                                                           qualified_name(path, kind))
                     plan.inputs = tuple(sorted(ins))
                     plan.format = self._format_of(node)
                     plan.report = {"name": plan.name, "kind": kind, "module_path": path,

@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 from ..capture import user_ops as user_operator
 from ..capture.opsets import FAMILIES
 
-__all__ = ["Stacked", "NodePlan", "CAST_METHODS", "PER_SAMPLE_KINDS", "MASK_DROPOUT_KINDS",
+__all__ = ["Stacked", "NodePlan", "ACCUMULATED_KINDS", "CAST_METHODS", "PER_SAMPLE_KINDS", "MASK_DROPOUT_KINDS",
            "BATCHED_KINDS", "ELEMENTWISE_KINDS", "RESHAPE_VIEWS", "reshape", "attention_folded",
            "has_floating", "rng_states", "set_rng_states", "broadcasts_directly", "has_vmap_rule",
            "is_float_cast"]
@@ -45,6 +45,10 @@ BATCHED_KINDS = {"scaled_dot_product_attention": 3, "linear": 1}
 ELEMENTWISE_KINDS = ((FAMILIES["activation"] - {"glu", "prelu"}) | FAMILIES["elementwise"]
                       | FAMILIES["addsub"] | {"mul", "neg", "abs"})
 
+
+# GEMMs whose accumulator the samples can model (accumulate=): products of two operands with
+# at least two logical dims each (linear: its 2-D weight)
+ACCUMULATED_KINDS = frozenset({"linear", "matmul", "mm", "bmm"})
 
 # Views whose samples may have to be copied (reshape): the deterministic pass's strides allowed
 # the view, the samples' need not.
@@ -149,6 +153,8 @@ class NodePlan:
     fuse: Optional[tuple["NodePlan", int]] = None
     report: dict = field(default_factory=dict)  # the fields of its reports fixed at compile time
     format: Any = None  # format="auto": the format its output rounds into (its dtype's)
+    # the GEMM's accumulator modelled on the samples (config accumulate=): an Accumulation
+    accumulate: Any = None
 
 
 def has_floating(out: Any) -> bool:
