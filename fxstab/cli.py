@@ -113,6 +113,21 @@ def load_target(spec: str) -> tuple[Any, tuple]:
     return model, tuple(inputs)
 
 
+def _accumulate_arg(preset: str, rounding: Optional[str]):
+    """``--accumulate PRESET [--accumulate-rounding MODE]`` as an accumulate= value."""
+    import dataclasses
+
+    from .numerics.accumulation import Accumulation
+
+    acc = Accumulation.parse(preset)
+    if rounding is None:
+        return acc if acc is not None else "fp32"
+    if acc is None:
+        raise CLIError("--accumulate-rounding needs an emulated accumulator (fp16, bf16, "
+                       "fp8-fast, fp8-promoted): fp32 is the trusted product")
+    return dataclasses.replace(acc, rounding=rounding, name="")
+
+
 def _cmd_record(args: argparse.Namespace) -> int:
     import torch
 
@@ -127,10 +142,15 @@ def _cmd_record(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)  # the target's parameters and inputs are part of the result
     model, inputs = load_target(args.target)
     fmt = _format_arg(args.format)
+    extra = {}
     try:
+        if args.accumulate is not None:
+            extra["accumulate"] = _accumulate_arg(args.accumulate, args.accumulate_rounding)
+        elif args.accumulate_rounding is not None:
+            raise CLIError("--accumulate-rounding needs --accumulate (the accumulator it rounds)")
         be = fxstab.backend(granularity=args.granularity, format=fmt,
                             n_samples=args.n_samples, seed=args.seed, rounding=args.rounding,
-                            confidence=args.confidence)
+                            confidence=args.confidence, **extra)
     except ValueError as e:
         raise CLIError(str(e)) from None
     torch._dynamo.reset()  # a fresh compile: names and graph order do not depend on history
@@ -312,6 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="confidence of the digit estimate (default 0.95)")
     p.add_argument("--rounding", default="random",
                    help="rounding mode: random, stochastic, nearest, ... (default random)")
+    p.add_argument("--accumulate", default=None, metavar="PRESET",
+                   help="model the GEMMs' accumulator: fp32 (trusted, the default), fp16, bf16, "
+                        "fp8-fast, fp8-promoted (docs/accumulation.md)")
+    p.add_argument("--accumulate-rounding", default=None, metavar="MODE",
+                   help="the accumulator's rounding instead of the preset's: random (CESTAC "
+                        "inside the product: what the digits can show), nearest, zero, ...")
     p.add_argument("--calls", type=int, default=1,
                    help="number of analysed calls, recorded as steps 0..calls-1 (default 1)")
     p.add_argument("--phase", default="eval", help="phase label of the calls (default eval)")

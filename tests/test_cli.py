@@ -674,3 +674,24 @@ def test_demo_ends_with_what_to_fix_first(tmp_path, capsys):
     assert verdict[1].startswith("=> then blocks.0.ln1/layer_norm#0 loses")
     assert "near-constant normalization" in verdict[1]
     assert DigitMap.load(out).metadata["format"] == "fp16"
+
+
+def test_record_models_the_accumulator_it_is_given(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["record", f"{TARGET}:build", "-o", "acc.json", "--format", "fp32",
+                 "--accumulate", "fp16", "--accumulate-rounding", "random"]) == 0
+    dm = DigitMap.load(tmp_path / "acc.json")
+    assert dm.metadata["accumulate"] == {"*": "fp16/b16/random"}
+    assert main(["record", f"{TARGET}:build", "-o", "plain.json", "--format", "fp32"]) == 0
+    plain = DigitMap.load(tmp_path / "plain.json")
+    assert "accumulate" not in plain.metadata
+    linears = [n for n, op in plain.operators.items() if op.kind == "linear"]
+    assert linears and all(dm.operators[n].avg_digits < plain.operators[n].avg_digits
+                           for n in linears)  # an fp16 accumulator costs every linear digits
+    assert main(["diff", "plain.json", "acc.json"]) == 1
+    assert "accumulate differs" in capsys.readouterr().out
+    assert main(["record", f"{TARGET}:build", "-o", "x.json", "--accumulate-rounding",
+                 "random"]) == 2
+    assert "needs --accumulate" in capsys.readouterr().err
+    assert main(["record", f"{TARGET}:build", "-o", "x.json", "--accumulate", "fp9"]) == 2
+    assert "unknown accumulation 'fp9'" in capsys.readouterr().err

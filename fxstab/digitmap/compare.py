@@ -350,6 +350,8 @@ def diff(base: DigitMap, head: DigitMap, max_drop: float = 0.5, metric: Optional
     notes = []
     for key in _COMPARED_SETTINGS:
         bv, hv = base.metadata.get(key), head.metadata.get(key)
+        if key == "accumulate":  # a map without it trusted its GEMMs
+            bv, hv = bv or "fp32", hv or "fp32"
         if bv is not None and hv is not None and bv != hv:
             notes.append(f"{key} differs: {bv!r} (base) vs {hv!r} (head)")
 
