@@ -258,3 +258,71 @@ def test_batched_matmuls_align_a_plain_operand_with_the_samples():
     assert out.samples.shape == (3, 2, 4, 5)
     for k in range(3):
         assert torch.equal(out.samples[k], emulate_matmul(x.samples[k], w, acc))
+
+
+# --------------------------------------------------------------------------- fp8 operands
+def _cast_e4m3(v: np.ndarray) -> np.ndarray:
+    return np.clip(v, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+
+
+def _reference_operand(x: np.ndarray, scaling: str, right: bool) -> np.ndarray:
+    """The recipes group by group from their definitions, NumPy and ml_dtypes only."""
+    t = x.T.copy() if right else x.copy()
+    rows, k = t.shape
+    out = np.empty_like(t)
+    if scaling == "tensor":
+        groups = [(slice(0, rows), slice(0, k))]
+    elif scaling == "row":
+        groups = [(slice(r, r + 1), slice(0, k)) for r in range(rows)]
+    elif scaling == "block128":
+        gr = 128 if right else 1
+        groups = [(slice(r, r + gr), slice(c, c + 128)) for r in range(0, rows, gr)
+                  for c in range(0, k, 128)]
+    else:
+        groups = [(slice(r, r + 1), slice(c, c + 32)) for r in range(rows)
+                  for c in range(0, k, 32)]
+    for rs, cs in groups:
+        g = t[rs, cs]
+        amax = np.abs(g).max()
+        if amax == 0:
+            s = 1.0
+        elif scaling == "mx32":
+            s = 2.0 ** (math.floor(math.log2(amax)) - 8)
+        else:
+            s = amax / 448.0
+        out[rs, cs] = _cast_e4m3(g / s) * s
+    return out.T if right else out
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row", "block128", "mx32"])
+@pytest.mark.parametrize("right", [False, True])
+def test_fp8_operands_are_scaled_and_rounded_as_the_recipes_say(scaling, right):
+    from fxstab.numerics.accumulation import quantize_operand
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(130, 300, generator=g, dtype=torch.float64) * torch.logspace(-3, 3, 300,
+                                                                               dtype=torch.float64)
+    x[5] = 0.0  # a row of zeros keeps the scale 1
+    got = quantize_operand(x, "fp8_e4m3", scaling, right=right)
+    want = _reference_operand(x.numpy(), scaling, right)
+    np.testing.assert_array_equal(got.numpy(), want)
+
+
+def test_emulate_matmul_with_fp8_operands_is_the_product_of_the_rounded_operands():
+    from fxstab.numerics.accumulation import quantize_operand
+
+    a, b = _operands(8, 256, 6, seed=3, dtype=torch.float64)
+    for scaling in ("tensor", "block128"):
+        got = emulate_matmul(a, b, "fp8-promoted", inputs="fp8_e4m3", scaling=scaling)
+        qa = quantize_operand(a, "fp8_e4m3", scaling)
+        qb = quantize_operand(b, "fp8_e4m3", scaling, right=True)
+        assert torch.equal(got, emulate_matmul(qa, qb, "fp8-promoted"))
+    # finer scaling keeps more of a product of widely scaled rows
+    a = a * torch.logspace(-4, 4, 8, dtype=torch.float64)[:, None]
+    exact = a @ b
+    err = {sc: float(torch.linalg.norm(emulate_matmul(a, b, None, inputs="fp8_e4m3",
+                                                       scaling=sc) - exact, dim=1).div(
+        torch.linalg.norm(exact, dim=1)).max()) for sc in ("tensor", "row")}
+    assert err["row"] < err["tensor"] / 10
+    with pytest.raises(ValueError, match="gemm scaling must be one of"):
+        emulate_matmul(a, b, None, inputs="fp8_e4m3", scaling="column")

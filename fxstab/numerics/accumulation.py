@@ -33,7 +33,8 @@ from .formats import Format, get_format
 from .randbits import derive_seed
 from .rounding import Rounding, default_seed, quantize
 
-__all__ = ["Accumulation", "PRESETS", "emulate_matmul", "AccumulationLike"]
+__all__ = ["Accumulation", "PRESETS", "emulate_matmul", "AccumulationLike", "SCALINGS",
+           "quantize_operand"]
 
 
 @dataclass(frozen=True)
@@ -116,8 +117,68 @@ PRESETS: dict[str, Optional[Accumulation]] = {
 }
 
 
+# How a low-precision GEMM's operands are scaled before they are rounded into their format:
+# one scale per tensor, per row of K (per token / per output channel), DeepSeek-V3's 1x128 tiles
+# of the left operand and 128x128 blocks of the right one (fp32 scales: amax / the format's
+# largest value), or MX's 32 consecutive elements of K sharing a power-of-two scale.
+SCALINGS = ("tensor", "row", "block128", "mx32")
+
+
+def quantize_operand(x: torch.Tensor, format: Any, scaling: str = "tensor", right: bool = False,
+                     mode: Any = "nearest", seed: Optional[int] = None,
+                     batch_dims: int = 0) -> torch.Tensor:
+    """A GEMM operand as a low-precision recipe feeds it: scaled per group, rounded into
+    ``format``, scaled back (the same dtype as ``x``).
+
+    ``x`` is the left operand ``[..., M, K]`` or, with ``right``, the right one
+    ``[..., K, N]``; groups lie along K (see :data:`SCALINGS`): ``tensor`` one scale for all
+    of ``x``; ``row`` one per row of the left operand and per column of the right one;
+    ``block128`` 1 x 128 tiles along K of the left operand and 128 x 128 blocks of the right
+    one; ``mx32`` 32 consecutive elements along K with a power-of-two scale
+    (2^(floor(log2 amax) - emax), the group's largest element saturating at the format's
+    largest value). A group of zeros keeps the scale 1. ``mode`` and ``seed`` round as
+    :func:`fxstab.quantize` does. The first ``batch_dims`` dims are separate tensors (the
+    analysis's samples: each has its own per-tensor scale).
+    """
+    fmt = get_format(format)
+    if scaling not in SCALINGS:
+        raise ValueError(f"gemm scaling must be one of {', '.join(SCALINGS)}, got {scaling!r}")
+    if x.dim() < 2:
+        raise ValueError(f"quantize_operand needs a matrix operand, got shape {tuple(x.shape)}")
+    t = x.transpose(-1, -2) if right else x  # [..., rows, K]
+    rows, k = t.shape[-2], t.shape[-1]
+    if scaling == "tensor":
+        dims = tuple(range(batch_dims, t.dim()))
+        scale = _scale(t.abs().amax(dim=dims, keepdim=True), fmt, pow2=False)
+    elif scaling == "row":
+        scale = _scale(t.abs().amax(-1, keepdim=True), fmt, pow2=False)
+    else:
+        g = 32 if scaling == "mx32" else 128
+        gr = 128 if scaling == "block128" and right else 1  # weight blocks are 128 x 128
+        pk, pr = -k % g, -rows % gr
+        padded = torch.nn.functional.pad(t.abs(), (0, pk, 0, pr))
+        blocks = padded.reshape(*t.shape[:-2], (rows + pr) // gr, gr, (k + pk) // g, g)
+        amax = blocks.amax(dim=(-3, -1), keepdim=True)
+        scale = _scale(amax, fmt, pow2=scaling == "mx32").expand_as(blocks)
+        scale = scale.reshape(padded.shape)[..., :rows, :k]
+    # MX's power-of-two scale leaves the group's largest element up to twice the format's
+    # largest value: it saturates, as the OCP MX conversion does
+    q = quantize(t / scale, fmt, mode, seed=seed, saturate=scaling == "mx32") * scale
+    return q.transpose(-1, -2) if right else q
+
+
+def _scale(amax: torch.Tensor, fmt: Format, pow2: bool) -> torch.Tensor:
+    if pow2:  # MX: the shared exponent floor(log2 amax) - emax of the element format
+        e = torch.floor(torch.log2(amax.clamp_min(torch.finfo(amax.dtype).tiny))) - fmt.emax
+        s = torch.exp2(e)
+    else:
+        s = amax / fmt.max_normal
+    return torch.where(amax > 0, s, torch.ones_like(s))
+
+
 def emulate_matmul(a: torch.Tensor, b: torch.Tensor, accumulate: AccumulationLike = "fp32",
-                   seed: Optional[int] = None) -> torch.Tensor:
+                   seed: Optional[int] = None, inputs: Any = None,
+                   scaling: str = "tensor") -> torch.Tensor:
     """``a @ b`` as a GEMM with the accumulator ``accumulate`` computes it.
 
     Broadcasts like :func:`torch.matmul` (1-D operands included). Deterministic for
@@ -130,6 +191,9 @@ def emulate_matmul(a: torch.Tensor, b: torch.Tensor, accumulate: AccumulationLik
         a, b: Floating operands (their result dtype is the output's).
         accumulate: A preset name or an :class:`Accumulation`.
         seed: Seed of the random roundings.
+        inputs: The operands' format (``"fp8_e4m3"``...): each is scaled as ``scaling`` says
+            and rounded into it to nearest first (:func:`quantize_operand`); None: as given.
+        scaling: One of :data:`SCALINGS`.
     """
     acc = Accumulation.parse(accumulate)
     for t, what in ((a, "a"), (b, "b")):
@@ -149,6 +213,9 @@ def emulate_matmul(a: torch.Tensor, b: torch.Tensor, accumulate: AccumulationLik
     if b64.shape[-2] != k:
         raise ValueError(f"emulate_matmul: inner dimensions differ: a has {k}, b has "
                          f"{b64.shape[-2]} (a {tuple(a.shape)}, b {tuple(b.shape)})")
+    if inputs is not None:
+        a64 = quantize_operand(a64, inputs, scaling)
+        b64 = quantize_operand(b64, inputs, scaling, right=True)
     if acc is None or k == 0:
         out = a64 @ b64
     else:
