@@ -87,6 +87,10 @@ class AnalysisConfig:
     # the GEMMs' accumulator (fxstab.numerics.accumulation): a spec for every modelled GEMM, or
     # {kind or glob over "module.path/kind": spec}; stored as ((pattern, Accumulation), ...)
     accumulate: Any = None
+    # the GEMMs' operands in a low-precision format with a recipe's scaling (fp8 training):
+    # a format name (or None: the operands as the program gives them) and one of SCALINGS
+    gemm_inputs: Any = None
+    gemm_scaling: str = "tensor"
 
     def __post_init__(self) -> None:
         def choice(name: str, value: Any, options: tuple) -> None:
@@ -115,6 +119,19 @@ class AnalysisConfig:
         if self.accumulate and self.granularity != "op":
             raise ValueError("accumulate= is modelled at granularity='op' (linear, matmul, mm, "
                              "bmm); the arithmetic level keeps its GEMMs trusted for now")
+        from .numerics.accumulation import SCALINGS
+
+        if self.gemm_scaling not in SCALINGS:
+            raise ValueError(f"gemm_scaling must be one of {', '.join(SCALINGS)}, got "
+                             f"{self.gemm_scaling!r}")
+        if self.gemm_inputs is not None:
+            try:
+                object.__setattr__(self, "gemm_inputs", get_format(self.gemm_inputs))
+            except ValueError as exc:
+                raise ValueError(f"gemm_inputs: {exc}") from None
+            if self.granularity != "op":
+                raise ValueError("gemm_inputs= is modelled at granularity='op' (linear, "
+                                 "matmul, mm, bmm) for now")
         n = self.n_samples
         if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= 64:
             raise ValueError(f"n_samples must be an integer in [2, 64] (CESTAC needs at least 2 "

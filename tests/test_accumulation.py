@@ -326,3 +326,28 @@ def test_emulate_matmul_with_fp8_operands_is_the_product_of_the_rounded_operands
     assert err["row"] < err["tensor"] / 10
     with pytest.raises(ValueError, match="gemm scaling must be one of"):
         emulate_matmul(a, b, None, inputs="fp8_e4m3", scaling="column")
+
+
+def test_fp8_operands_in_the_analysis_deepseek_v3_recipe():
+    """fxstab.backend(format="bf16", gemm_inputs="fp8_e4m3", gemm_scaling="block128",
+    accumulate=...): the GEMMs' operands rounded into e4m3 as the recipe scales them, the rest
+    of the program in bf16; the operands' random rounding spreads the samples."""
+    from models import MLP
+
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(16, 16)
+    base = _digits(model, x).digit_map()
+    fp8 = _digits(model, x, gemm_inputs="fp8_e4m3", gemm_scaling="block128",
+                  accumulate=Accumulation((8, 13), 32, 128, rounding="random"))
+    dm = fp8.digit_map()
+    assert dm.metadata["gemm_inputs"] == "fp8_e4m3/block128"
+    linears = [n for n, op in dm.operators.items() if op.kind == "linear"]
+    assert linears and all(dm.operators[n].avg_digits < base.operators[n].avg_digits - 1
+                           for n in linears)  # e4m3 operands keep ~1.5 digits, fp32 ~7
+    reasons = {e.reason for e in fp8.coverage().entries if e.kind == "linear"}
+    assert reasons == {"operands fp8_e4m3 (block128 scaling), accumulator e8m13/b32/p128/random "
+                       "on the samples"}
+    with pytest.raises(ValueError, match="gemm_scaling must be one of"):
+        fxstab.backend(gemm_inputs="fp8_e4m3", gemm_scaling="column")
+    with pytest.raises(ValueError, match="gemm_inputs"):
+        fxstab.backend(gemm_inputs="fp3")

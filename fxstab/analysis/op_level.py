@@ -157,6 +157,7 @@ class GraphAnalysis:
                     if plan.gemm and kind in ACCUMULATED_KINDS:
                         plan.accumulate = accumulation_for(self.cfg.accumulate, kind,
                                                            qualified_name(path, kind))
+                        plan.gemm_inputs = self.cfg.gemm_inputs
                     plan.inputs = tuple(sorted(ins))
                     plan.format = self._format_of(node)
                     plan.report = {"name": plan.name, "kind": kind, "module_path": path,

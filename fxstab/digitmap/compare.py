@@ -263,7 +263,7 @@ def _md(s: str) -> str:
 
 
 _COMPARED_SETTINGS = ("format", "n_samples", "granularity", "confidence", "rounding", "seed",
-                      "target", "accumulate")
+                      "target", "accumulate", "gemm_inputs")
 
 
 def diff(base: DigitMap, head: DigitMap, max_drop: float = 0.5, metric: Optional[str] = None,

@@ -14,10 +14,11 @@ from typing import Any, Callable
 
 import torch
 
-from ..numerics.accumulation import Accumulation, emulate_matmul
+from ..numerics.accumulation import emulate_matmul, quantize_operand
+from ..numerics.randbits import derive_seed
 from .lifting import Stacked
 
-__all__ = ["gemm_operands", "accumulable", "accumulated_product"]
+__all__ = ["gemm_operands", "accumulable", "accumulated_product", "gemm_model_label"]
 
 
 def gemm_operands(a: tuple, kw: dict, kind: str) -> tuple:
@@ -48,10 +49,22 @@ def accumulable(a: tuple, kw: dict, kind: str) -> bool:
     return min(_logical_dim(x), _logical_dim(w)) >= 2
 
 
-def accumulated_product(a: tuple, kw: dict, kind: str, acc: Accumulation, seed: int,
-                        to_working: Callable[[torch.Tensor], torch.Tensor]) -> Stacked:
-    """The GEMM's samples with the accumulator ``acc``; plain operands enter through
-    ``to_working`` (the working dtype)."""
+def gemm_model_label(acc: Any, inputs: Any, scaling: str) -> str:
+    """How a modelled GEMM ran (coverage): its operands' format and scaling, its accumulator."""
+    parts = []
+    if inputs is not None:
+        parts.append(f"operands {inputs.name} ({scaling} scaling)")
+    parts.append(f"accumulator {acc.label}" if acc is not None else "exact sum")
+    return ", ".join(parts) + " on the samples"
+
+
+def accumulated_product(a: tuple, kw: dict, kind: str, acc: Any, seed: int,
+                        to_working: Callable[[torch.Tensor], torch.Tensor], inputs: Any = None,
+                        scaling: str = "tensor", mode: Any = "random") -> Stacked:
+    """The GEMM's samples with the accumulator ``acc`` (None: the exact sum); plain operands
+    enter through ``to_working`` (the working dtype). With ``inputs``, each operand's samples
+    are first scaled and rounded into that format (``scaling``; each sample its own scales,
+    the analysis's rounding ``mode``: the samples draw their own directions)."""
     x, w, bias = gemm_operands(a, kw, kind)
     rank = max(_logical_dim(x), _logical_dim(w))
 
@@ -61,7 +74,13 @@ def accumulated_product(a: tuple, kw: dict, kind: str, acc: Accumulation, seed: 
             t = t.unsqueeze(1)
         return t
 
-    y = emulate_matmul(aligned(x), aligned(w), acc, seed=seed)
+    left, right = aligned(x), aligned(w)
+    if inputs is not None:
+        left = quantize_operand(left, inputs, scaling, mode=mode, seed=derive_seed(seed, 1),
+                                batch_dims=1)
+        right = quantize_operand(right, inputs, scaling, right=True, mode=mode,
+                                 seed=derive_seed(seed, 2), batch_dims=1)
+    y = emulate_matmul(left, right, acc, seed=seed)
     if bias is not None:
         b = bias.samples if isinstance(bias, Stacked) else to_working(bias)
         while isinstance(bias, Stacked) and b.dim() < y.dim():  # the sample dim leads

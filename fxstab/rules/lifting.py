@@ -153,8 +153,10 @@ class NodePlan:
     fuse: Optional[tuple["NodePlan", int]] = None
     report: dict = field(default_factory=dict)  # the fields of its reports fixed at compile time
     format: Any = None  # format="auto": the format its output rounds into (its dtype's)
-    # the GEMM's accumulator modelled on the samples (config accumulate=): an Accumulation
+    # the GEMM modelled on the samples (config accumulate=, gemm_inputs=): its accumulator (an
+    # Accumulation, or None: the trusted sum) and its operands' format (or None)
     accumulate: Any = None
+    gemm_inputs: Any = None
 
 
 def has_floating(out: Any) -> bool:

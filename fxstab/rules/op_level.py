@@ -34,7 +34,7 @@ from ..records.coverage import ANALYSED, SKIPPED, UNROUNDED, CoverageEntry
 from ..records.report import (
     PER_SAMPLE, ROUNDED, UNLIFTED, OpReport, block_builder, report_builder, stats_row,
 )
-from .accumulation import accumulable, accumulated_product
+from .accumulation import accumulable, accumulated_product, gemm_model_label
 from .lifting import (
     BATCHED_KINDS, CAST_METHODS, ELEMENTWISE_KINDS, MASK_DROPOUT_KINDS, PER_SAMPLE_KINDS,
     RESHAPE_VIEWS, NodePlan, Stacked, attention_folded, broadcasts_directly, has_floating,
@@ -249,14 +249,15 @@ class SampleTracer(torch.fx.Interpreter):
             leaves = self._perturb(plan, leaves)
             stacked = [i for i, v in enumerate(leaves) if isinstance(v, Stacked)]
 
-        if plan.accumulate is not None and stacked and accumulable(*_unflatten(leaves, spec),
-                                                                   kind):
+        if (plan.accumulate is not None or plan.gemm_inputs is not None) and stacked and \
+                accumulable(*_unflatten(leaves, spec), kind):
             # the GEMM's accumulator on the samples (fxstab.numerics.accumulation): blocks of
             # K summed exactly, one rounding into the accumulator each; a random rounding
             # draws per sample and element (CESTAC inside the product), each call anew
             out = self._step("accumulate", plan,
                              lambda lv: self._accumulated(plan, lv, spec), leaves)
-            status, how = ROUNDED, f"accumulator {plan.accumulate.label} on the samples"
+            status, how = ROUNDED, gemm_model_label(plan.accumulate, plan.gemm_inputs,
+                                                    self.cfg.gemm_scaling)
         elif kind in RANDOM_KINDS and kind not in MASK_DROPOUT_KINDS:
             # every sample draws what the deterministic pass drew (its RNG state, its dtype)
             out = self._step("random", plan, lambda lv: self._per_sample(fn, lv, spec, plan),
@@ -394,7 +395,8 @@ class SampleTracer(torch.fx.Interpreter):
         """The GEMM of ``plan`` on the samples with its accumulator (``plan.accumulate``)."""
         a, kw = _unflatten(leaves, spec)
         return accumulated_product(a, kw, plan.kind, plan.accumulate, self._seed(plan, 2000),
-                                   self._to_working)
+                                   self._to_working, plan.gemm_inputs, self.cfg.gemm_scaling,
+                                   self.cfg.rounding)
 
     def _det_dtype(self, plan: NodePlan) -> Optional[torch.dtype]:
         """The floating dtype of the node's output in the deterministic pass (dynamo's
