@@ -9,8 +9,14 @@ toward zero), the promoted one (``"fp8-promoted"``) and a sequential fp32 accumu
 (``Accumulation("fp32")``), against the exact product of the same operands (fp64), for K = 256
 ... 16384: the largest element-wise relative error and the normwise one.
 
+(b): the digits of every GEMM of a GPT-style LM (``tests/models.py`` GPT, fp32 format so
+that the accumulator's loss is not hidden by the output's rounding) analysed with the fast and
+the promoted accumulator, their random-rounding variants (what the samples' spread can show),
+against the trusted product: which GEMMs lose digits first.
+
     python benchmarks/exp_accumulation.py               # results/exp_accumulation.json + .png
     python benchmarks/exp_accumulation.py --quick --out /tmp/acc
+    python benchmarks/exp_accumulation.py --part b      # the LM's GEMMs only
 """
 
 from __future__ import annotations
@@ -43,7 +49,13 @@ def main(argv=None) -> int:
     ap.add_argument("--size", type=int, default=64, help="M = N")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=ROOT / "results")
+    ap.add_argument("--part", default="a,b", help="a: error against K; b: an LM's GEMMs")
     args = ap.parse_args(argv)
+    parts = set(args.part.split(","))
+    if "b" in parts:
+        part_b(args)
+    if "a" not in parts:
+        return 0
     ks = [256, 512, 1024, 2048, 4096] + ([] if args.quick else [8192, 16384])
     size = 32 if args.quick else args.size
     specs = {"fp8-fast": "fp8-fast", "fp8-promoted": "fp8-promoted",
@@ -92,6 +104,49 @@ def main(argv=None) -> int:
     plt.close(fig)
     print(f"wrote {args.out / 'exp_accumulation.png'}")
     return 0
+
+
+def part_b(args) -> None:
+    """Per-GEMM digits of a GPT-style LM with the fast and the promoted accumulator."""
+    import warnings
+
+    import fxstab
+    from fxstab import Accumulation
+    from benchmarks.common import save_json
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from models import GPT
+
+    d = 128 if args.quick else 256
+    torch.manual_seed(args.seed)
+    model = GPT(vocab=256, d=d, heads=4, layers=2, ctx=64).eval()
+    x = torch.randint(0, 256, (4, 64))
+    arms = {"trusted": None,
+            "fast": Accumulation((8, 13), 32, rounding="random"),
+            "promoted": Accumulation((8, 13), 32, 128, rounding="random")}
+    maps = {}
+    for name, acc in arms.items():
+        torch._dynamo.reset()
+        be = fxstab.backend(format="fp32", accumulate=acc, seed=args.seed)
+        f = torch.compile(model, backend=be)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for _ in range(3):
+                f(x)
+        maps[name] = be.digit_map()
+    gemms = [n for n, op in maps["trusted"].operators.items()
+             if op.kind in ("linear", "matmul", "bmm", "mm")]
+    print(f"\n(b) GPT d={d}, 2 blocks, seq 64, fp32 format: avg digits per GEMM "
+          f"(e8m13 accumulator, blocks of 32, random rounding)")
+    print(f"{'GEMM':<28}{'trusted':>9}{'fast':>8}{'promoted':>10}{'fast loses':>12}")
+    rows = []
+    for n in gemms:
+        t, fa, pr = (maps[a].operators[n].avg_digits for a in arms)
+        rows.append({"gemm": n, "trusted": t, "fast": fa, "promoted": pr})
+        print(f"{n:<28}{t:>9.2f}{fa:>8.2f}{pr:>10.2f}{t - fa:>12.2f}")
+    path = save_json(args.out / "exp_accumulation_lm.json",
+                     {"experiment": "exp_accumulation (b)", "d": d, "rows": rows})
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
