@@ -148,6 +148,10 @@ def _cmd_record(args: argparse.Namespace) -> int:
             extra["accumulate"] = _accumulate_arg(args.accumulate, args.accumulate_rounding)
         elif args.accumulate_rounding is not None:
             raise CLIError("--accumulate-rounding needs --accumulate (the accumulator it rounds)")
+        if args.gemm_inputs is not None:
+            extra.update(gemm_inputs=_format_arg(args.gemm_inputs), gemm_scaling=args.gemm_scaling)
+        elif args.gemm_scaling != "tensor":
+            raise CLIError("--gemm-scaling needs --gemm-inputs (the format it scales into)")
         be = fxstab.backend(granularity=args.granularity, format=fmt,
                             n_samples=args.n_samples, seed=args.seed, rounding=args.rounding,
                             confidence=args.confidence, **extra)
@@ -338,6 +342,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--accumulate-rounding", default=None, metavar="MODE",
                    help="the accumulator's rounding instead of the preset's: random (CESTAC "
                         "inside the product: what the digits can show), nearest, zero, ...")
+    p.add_argument("--gemm-inputs", default=None, metavar="FORMAT",
+                   help="round the GEMMs' operands into FORMAT (fp8_e4m3, fp8_e5m2...) as an "
+                        "fp8 recipe does, the rest of the program in --format")
+    p.add_argument("--gemm-scaling", default="tensor",
+                   choices=("tensor", "row", "block128", "mx32"),
+                   help="how --gemm-inputs scales the operands (default tensor)")
     p.add_argument("--calls", type=int, default=1,
                    help="number of analysed calls, recorded as steps 0..calls-1 (default 1)")
     p.add_argument("--phase", default="eval", help="phase label of the calls (default eval)")

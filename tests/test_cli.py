@@ -695,3 +695,8 @@ def test_record_models_the_accumulator_it_is_given(tmp_path, monkeypatch, capsys
     assert "needs --accumulate" in capsys.readouterr().err
     assert main(["record", f"{TARGET}:build", "-o", "x.json", "--accumulate", "fp9"]) == 2
     assert "unknown accumulation 'fp9'" in capsys.readouterr().err
+    assert main(["record", f"{TARGET}:build", "-o", "fp8.json", "--gemm-inputs", "fp8_e4m3",
+                 "--gemm-scaling", "block128"]) == 0
+    assert DigitMap.load(tmp_path / "fp8.json").metadata["gemm_inputs"] == "fp8_e4m3/block128"
+    assert main(["record", f"{TARGET}:build", "-o", "x.json", "--gemm-scaling", "row"]) == 2
+    assert "needs --gemm-inputs" in capsys.readouterr().err
