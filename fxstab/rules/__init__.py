@@ -4,6 +4,8 @@
   the operator level's plan of a node (:class:`~fxstab.rules.lifting.NodePlan`) and its lifting
   decisions (batched, elementwise, per sample, vmap).
 * :mod:`fxstab.rules.op_level`: the operator level's tracer (:class:`SampleTracer`).
+* :mod:`fxstab.rules.accumulation`: a GEMM's accumulator and fp8 operands on the samples
+  (``accumulate=``, ``gemm_inputs=``).
 * :mod:`fxstab.rules.aten`: the arithmetic level's per-primitive rules
   (:func:`~fxstab.rules.aten.apply_primitive`, its context, rounding, batching, counters, the
   decomposition table) and its tracer (:mod:`fxstab.rules.aten.tracer`).
@@ -12,4 +14,4 @@ The subpackages are imported by name (``from fxstab.rules.aten import apply_prim
 package imports none of them.
 """
 
-__all__ = ["aten", "lifting", "op_level"]
+__all__ = ["accumulation", "aten", "lifting", "op_level"]
