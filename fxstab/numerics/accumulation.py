@@ -178,7 +178,7 @@ def _scale(amax: torch.Tensor, fmt: Format, pow2: bool) -> torch.Tensor:
 
 def emulate_matmul(a: torch.Tensor, b: torch.Tensor, accumulate: AccumulationLike = "fp32",
                    seed: Optional[int] = None, inputs: Any = None,
-                   scaling: str = "tensor") -> torch.Tensor:
+                   scaling: str = "tensor", rounder: Any = None) -> torch.Tensor:
     """``a @ b`` as a GEMM with the accumulator ``accumulate`` computes it.
 
     Broadcasts like :func:`torch.matmul` (1-D operands included). Deterministic for
@@ -194,6 +194,9 @@ def emulate_matmul(a: torch.Tensor, b: torch.Tensor, accumulate: AccumulationLik
         inputs: The operands' format (``"fp8_e4m3"``...): each is scaled as ``scaling`` says
             and rounded into it to nearest first (:func:`quantize_operand`); None: as given.
         scaling: One of :data:`SCALINGS`.
+        rounder: ``rounder(x, format, mode, seed) -> x rounded``, instead of
+            :func:`fxstab.quantize` (the analysis passes its fused kernels, which round
+            stacked samples with CESTAC's draws across them); the default is the reference.
     """
     acc = Accumulation.parse(accumulate)
     for t, what in ((a, "a"), (b, "b")):
@@ -219,14 +222,18 @@ def emulate_matmul(a: torch.Tensor, b: torch.Tensor, accumulate: AccumulationLik
     if acc is None or k == 0:
         out = a64 @ b64
     else:
-        out = _accumulate(a64, b64, acc, seed)
+        out = _accumulate(a64, b64, acc, seed, rounder or _quantize)
     for d in sorted(squeeze):
         out = out.squeeze(d)
     return out.to(out_dtype)
 
 
-def _accumulate(a: torch.Tensor, b: torch.Tensor, acc: Accumulation,
-                seed: Optional[int]) -> torch.Tensor:
+def _quantize(x: torch.Tensor, fmt: Format, mode: Rounding, seed: Optional[int]) -> torch.Tensor:
+    return quantize(x, fmt, mode, seed=seed)
+
+
+def _accumulate(a: torch.Tensor, b: torch.Tensor, acc: Accumulation, seed: Optional[int],
+                rounder: Any) -> torch.Tensor:
     """The blocked accumulation of fp64 operands ``[..., M, K] @ [..., K, N]``, in fp64."""
     k = a.shape[-1]
     mode = acc.rounding
@@ -239,9 +246,9 @@ def _accumulate(a: torch.Tensor, b: torch.Tensor, acc: Accumulation,
         stop = min(start + acc.block, k)
         part = a[..., start:stop] @ b[..., start:stop, :]  # the block's products, in fp64
         run = part if run is None else run + part
-        run = quantize(run, acc.fmt, mode, seed=derive_seed(base, i) if random else None)
+        run = rounder(run, acc.fmt, mode, derive_seed(base, i) if random else None)
         if acc.promote_every and (stop % acc.promote_every == 0 or stop == k):
             total = run if total is None else total + run
-            total = quantize(total, fp32, Rounding.NEAREST)
+            total = rounder(total, fp32, Rounding.NEAREST, None)
             run = None
     return total if acc.promote_every else run

@@ -14,11 +14,14 @@ from typing import Any, Callable
 
 import torch
 
+from ..cpu import bindings
 from ..numerics.accumulation import emulate_matmul, quantize_operand
+from ..numerics.rounding import quantize
 from ..numerics.randbits import derive_seed
 from .lifting import Stacked
 
-__all__ = ["gemm_operands", "accumulable", "accumulated_product", "gemm_model_label"]
+__all__ = ["gemm_operands", "accumulable", "accumulated_product", "gemm_model_label",
+           "fused_rounder"]
 
 
 def gemm_operands(a: tuple, kw: dict, kind: str) -> tuple:
@@ -58,6 +61,24 @@ def gemm_model_label(acc: Any, inputs: Any, scaling: str) -> str:
     return ", ".join(parts) + " on the samples"
 
 
+def fused_rounder(left: torch.Tensor, right: torch.Tensor) -> Any:
+    """The fused CPU kernels as ``emulate_matmul``'s rounder for these operands' products
+    (``[N, ...]`` samples in fp64, N the leading dim), or None where they do not apply (no C
+    compiler, another device): each block's rounding of the output tile is then one kernel
+    call instead of tens of tensor passes, with CESTAC's draws across the samples."""
+    n = max(left.shape[0], right.shape[0])
+    if not (left.is_cpu and bindings.available() and 1 <= n <= bindings.MAX_SAMPLES):
+        return None
+
+    def rounder(x: torch.Tensor, fmt: Any, mode: Any, seed: Any) -> torch.Tensor:
+        x = x.contiguous()
+        if x.dtype != torch.float64 or x.shape[0] != n:
+            return quantize(x, fmt, mode, seed=seed)
+        r = bindings.rounder(fmt, mode, torch.float64, n)
+        return r(x, 0 if seed is None else seed, want_stats=False, in_place=True)[0]
+    return rounder
+
+
 def accumulated_product(a: tuple, kw: dict, kind: str, acc: Any, seed: int,
                         to_working: Callable[[torch.Tensor], torch.Tensor], inputs: Any = None,
                         scaling: str = "tensor", mode: Any = "random") -> Stacked:
@@ -80,7 +101,7 @@ def accumulated_product(a: tuple, kw: dict, kind: str, acc: Any, seed: int,
                                 batch_dims=1)
         right = quantize_operand(right, inputs, scaling, right=True, mode=mode,
                                  seed=derive_seed(seed, 2), batch_dims=1)
-    y = emulate_matmul(left, right, acc, seed=seed)
+    y = emulate_matmul(left, right, acc, seed=seed, rounder=fused_rounder(left, right))
     if bias is not None:
         b = bias.samples if isinstance(bias, Stacked) else to_working(bias)
         while isinstance(bias, Stacked) and b.dim() < y.dim():  # the sample dim leads
