@@ -351,3 +351,33 @@ def test_fp8_operands_in_the_analysis_deepseek_v3_recipe():
         fxstab.backend(gemm_inputs="fp8_e4m3", gemm_scaling="column")
     with pytest.raises(ValueError, match="gemm_inputs"):
         fxstab.backend(gemm_inputs="fp3")
+
+
+class _InjectedFormula(torch.nn.Module):
+    """fc1 as the monitor's ``fp16_accumulation`` injection computes it, in plain torch:
+    (x + c) @ W^T - c * W.sum(1) + b (the offset c cancels exactly in real arithmetic)."""
+
+    def __init__(self, d: int = 64, c: float = 4096.0) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.c = torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d), c
+
+    def forward(self, x):
+        w = self.fc1.weight
+        h = (x + self.c) @ w.transpose(0, 1) - self.c * w.sum(dim=1) + self.fc1.bias
+        return self.fc2(torch.relu(h))
+
+
+def test_the_analysis_names_the_product_whose_fp16_accumulator_the_injection_emulates():
+    """Experiment (c) of issue 31: trusted, the analysis names the subtraction (the offset's
+    cancellation); with a random fp16 accumulator it names the product first, with the hint
+    to accumulate in fp32: where the monitor's injection puts its fp16 accumulation."""
+    torch.manual_seed(0)
+    model, x = _InjectedFormula(), torch.randn(16, 64)
+    trusted = _digits(model, x, select="all").digit_map()
+    fp16 = _digits(model, x, select="all",
+                   accumulate=Accumulation("fp16", 16, rounding="random")).digit_map()
+    assert trusted.findings()[0].startswith("digits are lost at sub#0")
+    first = fp16.findings()[0]
+    assert first.startswith("digits are lost at matmul#0") and "accumulate in fp32" in first
+    assert fp16.operators["fc2/linear#0"].avg_digits < 0.5 < 2.0 < \
+        trusted.operators["fc2/linear#0"].avg_digits
