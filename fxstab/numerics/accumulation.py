@@ -34,7 +34,7 @@ from .randbits import derive_seed
 from .rounding import Rounding, default_seed, quantize
 
 __all__ = ["Accumulation", "PRESETS", "emulate_matmul", "AccumulationLike", "SCALINGS",
-           "quantize_operand"]
+           "quantize_operand", "matmul_operands", "matmul_result", "block_seeds"]
 
 
 @dataclass(frozen=True)
@@ -197,8 +197,26 @@ def emulate_matmul(a: torch.Tensor, b: torch.Tensor, accumulate: AccumulationLik
         rounder: ``rounder(x, format, mode, seed) -> x rounded``, instead of
             :func:`fxstab.quantize` (the analysis passes its fused kernels, which round
             stacked samples with CESTAC's draws across them); the default is the reference.
+
+    The Triton kernel ``fxstab.kernels.accumulate.emulate_matmul_triton`` computes the same
+    bits on a GPU (one kernel for all blocks, the samples as a batch dimension).
     """
     acc = Accumulation.parse(accumulate)
+    a64, b64, squeeze, out_dtype = matmul_operands(a, b, inputs, scaling)
+    if acc is None or a64.shape[-1] == 0:
+        out = a64 @ b64
+    else:
+        out = _accumulate(a64, b64, acc, block_seeds(acc, seed, a64.shape[-1]),
+                          rounder or _quantize)
+    return matmul_result(out, squeeze, out_dtype)
+
+
+def matmul_operands(a: torch.Tensor, b: torch.Tensor, inputs: Any = None,
+                    scaling: str = "tensor") -> tuple:
+    """The operands of :func:`emulate_matmul`, validated: ``(a64, b64, squeeze, out_dtype)``,
+    fp64 matrices ``[..., M, K]`` and ``[..., K, N]`` (a 1-D operand made a matrix, its dim
+    in ``squeeze``; with ``inputs``, scaled and rounded into that format), and the output's
+    dtype (:func:`matmul_result` undoes the rest)."""
     for t, what in ((a, "a"), (b, "b")):
         if not isinstance(t, torch.Tensor) or not (t.is_floating_point()):
             raise TypeError(f"emulate_matmul: {what} must be a floating tensor, got "
@@ -219,26 +237,37 @@ def emulate_matmul(a: torch.Tensor, b: torch.Tensor, accumulate: AccumulationLik
     if inputs is not None:
         a64 = quantize_operand(a64, inputs, scaling)
         b64 = quantize_operand(b64, inputs, scaling, right=True)
-    if acc is None or k == 0:
-        out = a64 @ b64
-    else:
-        out = _accumulate(a64, b64, acc, seed, rounder or _quantize)
+    return a64, b64, squeeze, out_dtype
+
+
+def matmul_result(out: torch.Tensor, squeeze: list, out_dtype: torch.dtype) -> torch.Tensor:
+    """The fp64 product of :func:`matmul_operands`' operands as :func:`emulate_matmul` returns
+    it: the 1-D operands' dims squeezed, in the operands' dtype."""
     for d in sorted(squeeze):
         out = out.squeeze(d)
     return out.to(out_dtype)
+
+
+def block_seeds(acc: Accumulation, seed: Optional[int], k: int) -> list:
+    """The seed of each block's rounding into the accumulator over K = ``k``:
+    ``derive_seed(default_seed(seed), i)`` for block ``i`` in the random modes (so ``None``
+    draws the base seed from torch's generator), ``None`` in the others."""
+    if acc.rounding not in (Rounding.RANDOM, Rounding.STOCHASTIC):
+        return [None] * -(-k // acc.block)
+    base = default_seed(seed)
+    return [derive_seed(base, i) for i in range(-(-k // acc.block))]
 
 
 def _quantize(x: torch.Tensor, fmt: Format, mode: Rounding, seed: Optional[int]) -> torch.Tensor:
     return quantize(x, fmt, mode, seed=seed)
 
 
-def _accumulate(a: torch.Tensor, b: torch.Tensor, acc: Accumulation, seed: Optional[int],
+def _accumulate(a: torch.Tensor, b: torch.Tensor, acc: Accumulation, seeds: list,
                 rounder: Any) -> torch.Tensor:
-    """The blocked accumulation of fp64 operands ``[..., M, K] @ [..., K, N]``, in fp64."""
+    """The blocked accumulation of fp64 operands ``[..., M, K] @ [..., K, N]``, in fp64
+    (``seeds``: one per block, :func:`block_seeds`)."""
     k = a.shape[-1]
     mode = acc.rounding
-    random = mode in (Rounding.RANDOM, Rounding.STOCHASTIC)
-    base = default_seed(seed) if random else 0
     fp32 = get_format("fp32")
     total: Optional[torch.Tensor] = None  # the fp32 accumulator (promotion)
     run: Optional[torch.Tensor] = None  # the accumulator in acc.format
@@ -246,7 +275,7 @@ def _accumulate(a: torch.Tensor, b: torch.Tensor, acc: Accumulation, seed: Optio
         stop = min(start + acc.block, k)
         part = a[..., start:stop] @ b[..., start:stop, :]  # the block's products, in fp64
         run = part if run is None else run + part
-        run = rounder(run, acc.fmt, mode, derive_seed(base, i) if random else None)
+        run = rounder(run, acc.fmt, mode, seeds[i])
         if acc.promote_every and (stop % acc.promote_every == 0 or stop == k):
             total = run if total is None else total + run
             total = rounder(total, fp32, Rounding.NEAREST, None)
