@@ -1,0 +1,556 @@
+"""Self-contained HTML pages: a digit map, a diff of two maps, a monitor's history (issue 33).
+
+Each page is one file: the CSS and the script (``fxstab/plots/pages/``) and the data (JSON in a
+``<script type="application/json">``) are inlined; nothing is fetched, so a page opens from
+``file://`` and from a CI artifact, offline. The operator graph is SVG drawn where
+:func:`fxstab.plots.layout.layout_graph` puts it (:mod:`fxstab.plots.svg`).
+
+- :func:`map_page`: findings first, the graph coloured by a chosen metric (NaN/inf origin
+  marked as in the PNG), every statistic on hover, inputs and consumers on click, a sortable
+  and filterable table, the coverage and the settings; with several (phase, step) points, a
+  layer x step heatmap and lines for a selection;
+- :func:`diff_page`: the gate's verdict, what failed it first, the graph coloured by the change
+  (lost / gained / new / gone), base and head side by side on hover;
+- :func:`monitor_page`: a :class:`~fxstab.monitor.StabilityMonitor`'s scores per operator and
+  step, its thresholds and promotions (``StabilityMonitor.save_html``).
+
+Every function takes plain data and returns the page as text; :func:`write_page` saves it.
+``docs/pictures.md`` shows the pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from html import escape
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from ..digitmap import METRICS, DiffResult, DigitMap, PathLike, operators
+from .layout import layout_graph
+from .svg import BoxStyle, graph_svg
+
+PAGES = Path(__file__).parent / "pages"
+NONFINITE_COLOUR = "#6a00f4"  # as draw.NONFINITE_COLOUR: the violet of NaN/inf
+# matplotlib's RdYlGn (ColorBrewer, 11 classes), as pages/common.js interpolates it
+_RDYLGN = ("#a50026", "#d73027", "#f46d43", "#fdae61", "#fee08b", "#ffffbf", "#d9ef8b",
+           "#a6d96a", "#66bd63", "#1a9850", "#006837")
+_NO_DIGITS = "#d1d1d1"
+# the change of an operator between two maps: fill, ink, what the legend says
+CHANGE_STYLES = {
+    "lost": ("#d62728", "#ffffff", "lost digits (fails the gate)"),
+    "gained": ("#2ca02c", "#ffffff", "gained digits"),
+    "same": ("#ececf1", "#000000", "within the threshold"),
+    "new": ("#9ecae1", "#000000", "new in head"),
+    "gone": ("#ffffff", "#555555", "only in base"),
+    "vanished": ("#ffffff", "#d62728", "no longer analysed (fails the gate)"),
+}
+# the metadata shown as the analysis settings, in this order (the rest follow)
+_SETTINGS = ("format", "n_samples", "seed", "git_commit", "target", "granularity", "rounding",
+             "confidence", "analysed_calls", "accumulate", "gemm_inputs", "fxstab_version",
+             "torch_version")
+_SETTING_NAMES = {"n_samples": "N", "git_commit": "commit", "analysed_calls": "analysed calls"}
+
+
+# --------------------------------------------------------------------------- helpers
+def _num(v: Any, nd: int = 3) -> Any:
+    """A number for the page's JSON: NaN -> null, +-inf -> "inf"/"-inf", rounded to ``nd``."""
+    if v is None:
+        return None
+    v = float(v)
+    if math.isnan(v):
+        return None
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    r = round(v, nd)
+    return int(r) if r == int(r) and abs(r) < 1e15 else r
+
+
+def digit_colour(digits: float, cap: float) -> str:
+    """The fill of ``digits`` on the red (0) to green (``cap``) scale (the PNG's RdYlGn);
+    grey when unknown (NaN)."""
+    if digits is None or math.isnan(digits):
+        return _NO_DIGITS
+    t = min(1.0, max(0.0, digits / cap if cap > 0 else 0.0)) * (len(_RDYLGN) - 1)
+    i = min(len(_RDYLGN) - 2, int(t))
+    f = t - i
+    a, b = _RDYLGN[i], _RDYLGN[i + 1]
+    rgb = [int(a[k:k + 2], 16) + f * (int(b[k:k + 2], 16) - int(a[k:k + 2], 16))
+           for k in (1, 3, 5)]
+    return "#" + "".join(f"{round(c):02x}" for c in rgb)
+
+
+def _ink(fill: str) -> str:
+    r, g, b = (int(fill[k:k + 2], 16) / 255 for k in (1, 3, 5))
+    return "#ffffff" if 0.299 * r + 0.587 * g + 0.114 * b < 0.45 else "#000000"
+
+
+def _stats(op: Any) -> dict:
+    """Every per-operator statistic of the schema (digits rounded to 3 decimals)."""
+    d = {m: _num(op.digits(m)) for m in METRICS}
+    d.update(max=_num(op.max_digits), zero=_num(op.zero_fraction, 4),
+             nonfin=int(op.non_finite), under=int(op.underflow), numel=int(op.numel),
+             calls=int(op.calls))
+    return d
+
+
+def _asset(name: str) -> str:
+    return (PAGES / name).read_text(encoding="utf-8")
+
+
+def _json_script(data: Any) -> str:
+    """JSON safe inside <script>: ``</`` and the HTML comment openers cannot end it early."""
+    text = json.dumps(data, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+    return (text.replace("<", "\\u003c").replace(">", "\\u003e")
+            .replace("\u2028", "\\u2028").replace("\u2029", "\\u2029"))
+
+
+def _page(title: str, body: str, data: Any, script: str) -> str:
+    return "\n".join([
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        # the page may use nothing but itself: no request can leave it
+        "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; "
+        "style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:\">",
+        f"<title>{escape(title)}</title>",
+        f"<style>\n{_asset('page.css')}</style>",
+        "</head><body>",
+        body,
+        f'<script id="fxstab-data" type="application/json">{_json_script(data)}</script>',
+        f"<script>\n{_asset('common.js')}\n{_asset(script)}</script>",
+        "</body></html>", ""])
+
+
+def _settings_html(meta: Mapping) -> str:
+    keys = [k for k in _SETTINGS if meta.get(k) is not None]
+    keys += sorted(k for k, v in meta.items() if k not in _SETTINGS and v is not None
+                   and isinstance(v, (str, int, float, bool)))
+    items = []
+    for k in keys:
+        v = meta[k]
+        if k == "git_commit" and isinstance(v, str):
+            v = v[:12]
+        items.append(f"<span>{escape(_SETTING_NAMES.get(k, k))}: <b>{escape(str(v))}</b></span>")
+    return f'<div class="settings" id="settings">{"".join(items)}</div>'
+
+
+def _metric_select(metric: str, ident: str = "metric") -> str:
+    opts = "".join(f'<option value="{m}"{" selected" if m == metric else ""}>{m}</option>'
+                   for m in METRICS)
+    return f'<label>metric <select id="{ident}">{opts}</select></label>'
+
+
+def _graph_controls(extra: str = "") -> str:
+    return (f'<div class="controls">{extra}<button id="zoom-fit" type="button">fit width'
+            f'</button><button id="zoom-full" type="button">100%</button>'
+            f'<span class="legend" id="graph-legend"></span></div>')
+
+
+def _steps_data(dm: DigitMap, index: dict) -> Optional[dict]:
+    """Digits per operator and (phase, step) for the heatmap and the lines: None with fewer
+    than two points. Values per metric as rows (operators, map order) x columns (points),
+    rounded to 2 decimals (a 250-operator, 100-step map stays under 2 MB)."""
+    keys = dm.step_keys()
+    if len(keys) < 2:
+        return None
+    phases = {p for p, _ in keys}
+    labels = [(p if s is None else (str(s) if len(phases) == 1 else f"{p}:{s}"))
+              for p, s in keys]
+    col = {k: c for c, k in enumerate(keys)}
+    n = len(index)
+    values = {m: [[None] * len(keys) for _ in range(n)] for m in METRICS}
+    bad = []
+    for s in dm.steps:
+        r, c = index[s.name], col[(s.phase, s.step)]
+        for m in METRICS:
+            values[m][r][c] = _num(s.digits(m), 2)
+        if s.non_finite:
+            bad.append([r, c])
+    return {"labels": labels, "values": values, "bad": bad}
+
+
+def _coverage(cov: Any, names: set) -> tuple[dict, dict]:
+    """(operator name -> [how, reason], the summary: counts and what was not analysed)."""
+    if not isinstance(cov, dict):
+        return {}, {}
+    per_op, missing, others = {}, [], {}
+    for e in cov.get("operators", []) or []:
+        if not isinstance(e, dict):
+            continue
+        name = e.get("operator", "")
+        if name in names:
+            per_op[name] = [e.get("how", ""), e.get("reason", "")]
+        elif e.get("counted") and e.get("how") != "analysed":
+            missing.append([name, e.get("kind", ""), e.get("how", ""), e.get("reason", "")])
+        else:
+            key = (e.get("how", ""), e.get("reason", ""))
+            others.setdefault(key, []).append(name)
+    summary = {k: cov.get(k) for k in ("fraction", "counted", "analysed", "per_sample",
+                                       "unrounded", "skipped")}
+    summary["missing"] = missing
+    summary["others"] = [[how, reason, len(ns), ns[:6]] for (how, reason), ns in
+                         sorted(others.items(), key=lambda kv: -len(kv[1]))]
+    return per_op, summary
+
+
+def _coverage_html(summary: dict) -> str:
+    if not summary:
+        return ('<p class="muted" id="coverage">This map carries no coverage (recorded before '
+                'fxstab kept it).</p>')
+    frac = summary.get("fraction")
+    head = (f"<b>{100 * frac:.0f}%</b> of the model's {summary.get('counted')} floating "
+            f"operators were analysed" if frac is not None else "no floating operator counted")
+    kp = "".join(f"<span>{escape(k.replace('_', ' '))}: <b>{summary.get(k)}</b></span>"
+                 for k in ("analysed", "per_sample", "unrounded", "skipped")
+                 if summary.get(k) is not None)
+    out = [f'<div id="coverage"><p>{head}.</p><div class="kpis">{kp}</div>']
+    if summary["missing"]:
+        rows = "".join(f"<tr><td><code>{escape(n)}</code></td><td>{escape(k)}</td>"
+                       f"<td>{escape(h)}</td><td>{escape(r)}</td></tr>"
+                       for n, k, h, r in summary["missing"])
+        out.append(f"<p><b>Not analysed ({len(summary['missing'])})</b>: not in the map.</p>"
+                   f'<table class="ops"><thead><tr><th>operator</th><th>kind</th><th>how</th>'
+                   f"<th>reason</th></tr></thead><tbody>{rows}</tbody></table>")
+    if summary["others"]:
+        rows = "".join(f"<tr><td>{escape(h)}</td><td>{escape(r)}</td><td class=\"n\">{c}</td>"
+                       f"<td><code>{escape(', '.join(ex))}</code></td></tr>"
+                       for h, r, c, ex in summary["others"])
+        out.append(f"<details><summary>Not counted (cannot lose digits) and not rounded "
+                   f"</summary><table class=\"ops\"><thead><tr><th>how</th><th>reason</th>"
+                   f"<th>count</th><th>e.g.</th></tr></thead><tbody>{rows}</tbody></table>"
+                   f"</details>")
+    out.append("</div>")
+    return "".join(out)
+
+
+def _finding_class(line: str) -> str:
+    if line.startswith("NaN/inf first appear"):
+        return "origin"
+    if line.startswith("note:"):
+        return "note"
+    return "loss"
+
+
+def _findings_html(dm: DigitMap, metric: str) -> str:
+    """The findings under every metric, one list each (the selector shows one)."""
+    out = []
+    for m in METRICS:
+        lines = dm.findings(metric=m)
+        items = "".join(f'<li class="{_finding_class(t)}">{escape(t)}</li>' for t in lines)
+        if not lines:
+            items = ("<li>none: no NaN/inf origin, no operator losing a quarter of the cap or "
+                     "more</li>")
+        hidden = "" if m == metric else " hidden"
+        out.append(f'<ul class="findings" data-metric="{m}"{hidden}>{items}</ul>')
+    return "".join(out)
+
+
+# --------------------------------------------------------------------------- the map page
+def map_page(dm: DigitMap, metric: Optional[str] = None, title: Optional[str] = None) -> str:
+    """The page of one digit map (see the module docstring).
+
+    Args:
+        dm: the digit map.
+        metric: the metric selected when the page opens (default: the map's default
+            metric); the page's selector switches between all of them.
+        title: the page's title (default: the target, or "digit map").
+
+    Raises:
+        ValueError: an unknown metric, or a map without operators.
+    """
+    metric = operators.check_metric(metric)
+    if not len(dm):
+        raise ValueError("the digit map has no operators: nothing to show")
+    meta = dm.metadata
+    title = title or f"fxstab digit map: {meta.get('target') or 'digit map'}"
+    names = list(dm.operators)
+    index = {n: i for i, n in enumerate(names)}
+    consumers = dm.consumers()
+    sources = set(dm.nonfinite_sources())
+    cov_of, cov_summary = _coverage(meta.get("coverage"), set(names))
+    cap = dm.cap
+    ops = []
+    for n, op in dm.operators.items():
+        ops.append({
+            "name": n, "kind": op.kind, "module": op.module_path, "fmt": op.format,
+            "dir": op.direction, "status": op.status, "shape": list(op.shape),
+            "sur": op.surrogate, "src": op.source, "s": _stats(op),
+            "counters": dict(op.counters), "cov": cov_of.get(n),
+            "inputs": [index[i] for i in op.inputs if i in index],
+            "consumers": [index[c] for c in consumers[n]],
+        })
+    loss = {}
+    for m in METRICS:
+        per = [None] * len(names)
+        for r in dm.localize(m):
+            per[index[r.name]] = [_num(r.local_loss), index.get(r.worst_input, -1)]
+        loss[m] = per
+    styles = {}
+    for n, op in dm.operators.items():
+        v = op.digits(metric)
+        fill = digit_colour(v, cap)
+        cls = "origin" if n in sources else "pass" if op.non_finite else ""
+        text = ("n/a" if math.isnan(v) else f"{v:.2f}") + (" NaN/inf" if op.non_finite else "")
+        styles[n] = BoxStyle(fill, _ink(fill), text, cls, n in sources)
+    lay = layout_graph(dm)
+    steps = _steps_data(dm, index)
+    data = {"page": "map", "metric": metric, "metrics": list(METRICS), "cap": cap, "ops": ops,
+            "loss": loss, "origins": [index[n] for n in dm.nonfinite_sources()],
+            "steps": steps, "format": meta.get("format")}
+    origin_line = ""
+    if sources:
+        origin_line = (f'<p class="muted">NaN/inf first appear at '
+                       f'{", ".join(f"<code>{escape(s)}</code>" for s in sorted(sources))} '
+                       f'(violet halo).</p>')
+    body = f"""
+<header><h1>{escape(title)}</h1>
+<div class="muted">{len(dm)} operators, {escape(str(meta.get('format', '?')))}, cap
+{cap:.2f} digits, {len(dm.step_keys())} (phase, step) point(s)</div>
+{_settings_html(meta)}</header>
+<main>
+<section id="findings-section"><h2>Findings</h2>{_findings_html(dm, metric)}</section>
+<section id="graph-section"><h2>Operator graph</h2>
+{_graph_controls(_metric_select(metric))}
+{origin_line}
+<div class="graphbox" id="graphbox">{graph_svg(lay, index, styles, title="operator graph")}</div>
+<p class="muted">Hover an operator for its statistics; click it to mark its inputs (blue) and
+consumers (orange) and its row in the table; click again to clear.</p></section>
+{'<section id="steps-section"><h2>Digits over steps</h2><div id="steps"></div></section>'
+ if steps else ''}
+<section id="table-section"><h2>Operators</h2>
+<div class="controls"><label>module or name <input type="text" id="f-module"
+placeholder="blocks.1.* (glob)"></label><label>kind <select id="f-kind"></select></label>
+<label><span id="f-metric-name">{metric}</span> digits below <input type="number" id="f-below"
+step="0.1" min="0"></label><span class="muted" id="f-count"></span></div>
+<div class="tablebox" id="table"></div></section>
+<section id="coverage-section"><h2>Coverage</h2>{_coverage_html(cov_summary)}</section>
+</main>"""
+    return _page(title, body, data, "map.js")
+
+
+# --------------------------------------------------------------------------- the diff page
+def _union(base: DigitMap, head: DigitMap) -> DigitMap:
+    """Head's operators, then those only base has, each reading its inputs of either map
+    (a rewritten region hangs where base had it): the graph of the diff page."""
+    names = set(head.operators) | set(base.operators)
+    ops = []
+    for n, op in head.operators.items():
+        extra = base.operators[n].inputs if n in base.operators else ()
+        inputs = tuple(dict.fromkeys(i for i in (*op.inputs, *extra) if i in names and i != n))
+        ops.append(dataclasses.replace(op, inputs=inputs))
+    for n, op in base.operators.items():
+        if n not in head.operators:
+            ops.append(dataclasses.replace(op, inputs=tuple(i for i in op.inputs if i in names)))
+    return DigitMap(ops, dict(head.metadata))
+
+
+def diff_page(base: DigitMap, head: DigitMap, result: DiffResult,
+              title: Optional[str] = None) -> str:
+    """The page of a diff (:func:`fxstab.digitmap.diff` of ``base`` and ``head``).
+
+    Args:
+        base, head: the two maps.
+        result: their diff (its metric and threshold colour the page).
+        title: the page's title.
+    """
+    metric = result.metric
+    union = _union(base, head)
+    names = list(union.operators)
+    index = {n: i for i, n in enumerate(names)}
+    lost = {c.name for c in result.drops}
+    gained = {c.name for c in result.gains}
+    vanished = {r.name for r in result.vanished}
+    new_origins = set(result.new_origins)
+    head_sources = set(head.nonfinite_sources())
+    consumers = union.consumers()
+    ops, styles = [], {}
+    for n, op in union.operators.items():
+        b, h = base.operators.get(n), head.operators.get(n)
+        state = ("lost" if n in lost else "gained" if n in gained else "vanished"
+                 if n in vanished else "new" if b is None else "gone" if h is None else "same")
+        delta = (operators.as_digits(h.digits(metric)) - operators.as_digits(b.digits(metric))
+                 if b is not None and h is not None else None)
+        ops.append({"name": n, "kind": op.kind, "module": op.module_path, "state": state,
+                    "b": _stats(b) if b is not None else None,
+                    "h": _stats(h) if h is not None else None,
+                    "delta": _num(delta), "origin": n in head_sources,
+                    "inputs": [index[i] for i in op.inputs],
+                    "consumers": [index[c] for c in consumers[n]]})
+        fill, ink, _ = CHANGE_STYLES[state]
+        if delta is not None:
+            text = f"{delta:+.2f}"
+        else:
+            text = "new" if state == "new" else "gone"
+        cls = [state] if state in ("gone", "vanished") else []
+        if n in head_sources:
+            cls.append("origin")
+        styles[n] = BoxStyle(fill, ink, text, " ".join(cls), n in head_sources)
+    lay = layout_graph(union)
+    title = title or f"fxstab diff: {result.base_label} -> {result.head_label}"
+    verdict = "fail" if result.failed else "pass"
+    data = {"page": "diff", "metric": metric, "metrics": list(METRICS), "cap": head.cap,
+            "max_drop": result.max_drop, "failed": result.failed, "ops": ops,
+            "base": result.base_label, "head": result.head_label,
+            "styles": {k: list(v) for k, v in CHANGE_STYLES.items()},
+            "new_origins": [index[n] for n in result.new_origins if n in index]}
+
+    def code(n: str) -> str:
+        return f"<code>{escape(n)}</code>"
+
+    def change_rows(rows: list) -> str:
+        return "".join(f"<tr><td>{code(r.name)}</td><td>{escape(r.kind)}</td>"
+                       f'<td class="n">{r.base:.2f}</td><td class="n">{r.head:.2f}</td>'
+                       f'<td class="n"><b>{r.delta:+.2f}</b></td></tr>' for r in rows)
+
+    def presence_rows(rows: list) -> str:
+        return "".join(f"<tr><td>{code(r.name)}</td><td>{escape(r.kind)}</td>"
+                       f'<td class="n">{r.digits:.2f}</td></tr>' for r in rows)
+
+    ch_head = ("<thead><tr><th>operator</th><th>kind</th><th>base</th><th>head</th>"
+               "<th>change</th></tr></thead>")
+    pr_head = "<thead><tr><th>operator</th><th>kind</th><th>digits</th></tr></thead>"
+    first = []
+    if result.new_origins:
+        first.append(f'<p id="new-origins"><b>NaN/inf now first appear at</b> '
+                     f'{", ".join(code(n) for n in result.new_origins)}</p>')
+    for ident, what, rows, head_, fn in (
+            ("drops", "Operators that lost digits", result.drops, ch_head, change_rows),
+            ("module-drops", "Modules that lost digits (operators renamed inside)",
+             result.module_drops, ch_head, change_rows),
+            ("vanished", "No longer analysed (their module is still there)", result.vanished,
+             pr_head, presence_rows)):
+        if rows:
+            first.append(f'<h3>{what} ({len(rows)})</h3><table class="ops" id="{ident}">'
+                         f"{head_}<tbody>{fn(rows)}</tbody></table>")
+    if result.rewrite_drops:
+        first.append("<h3>Rewritten regions that lost digits</h3><ul>" + "".join(
+            f"<li>{escape(r.describe())}</li>" for r in result.rewrite_drops) + "</ul>")
+    if result.origins:
+        o = result.origins[0]
+        ref = f"its least accurate input {code(o.worst_input)}" if o.worst_input else \
+            "the format's cap"
+        first.append(f"<p>Digits are lost first at {code(o.name)}: {o.digits:.2f} digits "
+                     f"against {o.reference:.2f} of {ref} (local loss {o.local_loss:.2f}).</p>")
+    folded = []
+    for what, rows, head_, fn in (("Gained digits", result.gains, ch_head, change_rows),
+                                  ("Added operators", result.added, pr_head, presence_rows),
+                                  ("Removed operators", result.removed, pr_head, presence_rows)):
+        if rows:
+            folded.append(f"<details><summary>{what} ({len(rows)})</summary>"
+                          f'<table class="ops">{head_}<tbody>{fn(rows)}</tbody></table>'
+                          f"</details>")
+    notes = "".join(f'<p class="muted">Note: {escape(n)}</p>' for n in result.notes)
+    word = "FAIL" if result.failed else "PASS"
+    summary = result.summary().split(": ", 1)[-1]
+    colour_by = ('<label>colour by <select id="colour-by"><option value="change" selected>'
+                 'change</option><option value="head">head digits</option><option '
+                 'value="base">base digits</option></select></label>')
+    body = f"""
+<header><h1>{escape(title)}</h1>
+<div class="verdict {verdict}" id="verdict">{word}: {escape(summary)}</div>
+<div class="muted">{escape(metric)} digits per operator, threshold {result.max_drop:g};
+{escape(result.base_label)} &rarr; {escape(result.head_label)};
+{result.unchanged} operator(s) unchanged within &plusmn;{result.max_drop:g}.</div>
+{notes}</header>
+<main>
+<section id="failed-section"><h2>What failed the gate</h2>
+{''.join(first) or '<p>Nothing: no operator or module lost more than the threshold.</p>'}
+{''.join(folded)}</section>
+<section id="graph-section"><h2>Operator graph: the change</h2>
+{_graph_controls(colour_by)}
+<div class="graphbox" id="graphbox">{graph_svg(lay, index, styles, title="the change")}</div>
+<p class="muted">Hover an operator for base and head side by side; click it to mark its inputs
+and consumers and its row.</p></section>
+<section id="table-section"><h2>Operators</h2>
+<div class="controls"><label>module or name <input type="text" id="f-module"
+placeholder="blocks.1.* (glob)"></label><label>change <select id="f-kind"></select></label>
+<span class="muted" id="f-count"></span></div>
+<div class="tablebox" id="table"></div></section>
+<section id="settings-section"><h2>Settings</h2>
+<h3>base</h3>{_settings_html(base.metadata)}<h3>head</h3>{_settings_html(head.metadata)}
+</section></main>"""
+    return _page(title, body, data, "diff.js")
+
+
+# --------------------------------------------------------------------------- the monitor page
+def monitor_page(history: Mapping[str, list], summary: Optional[Mapping] = None,
+                 thresholds: Optional[Mapping[str, tuple]] = None,
+                 title: str = "fxstab stability monitor") -> str:
+    """The page of a stability monitor's run: scores per operator and step, promotions.
+
+    Args:
+        history: operator -> its checks ``(step, S, score, probed mode)``
+            (``StabilityMonitor.history``).
+        summary: ``StabilityMonitor.summary()`` (config, modes, promotions, overhead); None
+            draws the history alone.
+        thresholds: operator -> ``(tau_warn, tau_safe)`` of its family; default the
+            summary's global pair.
+
+    Raises:
+        ValueError: a check that is not ``(step, S, score, mode)``.
+    """
+    summary = dict(summary or {})
+    cfg = dict(summary.get("config") or {})
+    names = list(history)
+    index = {n: i for i, n in enumerate(names)}
+    modes = summary.get("modes") or {}
+    ops, last = [], -1
+    for n in names:
+        checks = []
+        for k, h in enumerate(history[n]):
+            if not isinstance(h, (tuple, list)) or len(h) < 4:
+                raise ValueError(f"history[{n!r}][{k}] must be (step, S, score, mode), got {h!r}")
+            checks.append([int(h[0]), _num(h[1], 6), _num(h[2], 6), str(h[3])])
+            last = max(last, int(h[0]))
+        warn, safe = (thresholds or {}).get(n, (cfg.get("tau_warn"), cfg.get("tau_safe")))
+        ops.append({"name": n, "checks": checks, "warn": _num(warn, 6), "safe": _num(safe, 6),
+                    "mode": modes.get(n, "")})
+    promos = []
+    for p in summary.get("promotions") or []:
+        if p.get("op") in index:
+            promos.append([int(p["step"]), index[p["op"]], p.get("old", ""), p.get("new", ""),
+                           _num(p.get("score"), 6), p.get("reason", "")])
+            last = max(last, int(p["step"]))
+    data = {"page": "monitor", "ops": ops, "steps": last + 1, "promotions": promos}
+    kp = []
+    for k, label in (("step", "steps"), ("operators", "operators"), ("checks", "checks"),
+                     ("replicas", "replicas")):
+        if summary.get(k) is not None:
+            kp.append(f"<span>{label}: <b>{escape(str(summary[k]))}</b></span>")
+    if summary.get("promoted") is not None:
+        kp.append(f"<span>promoted now: <b>{len(summary['promoted'])}</b></span>")
+    if summary.get("time_fraction") is not None:
+        kp.append(f"<span>monitor time: <b>{100 * summary['time_fraction']:.1f}%</b> of the "
+                  f"steps</span>")
+    shown = {k: v for k, v in cfg.items() if isinstance(v, (str, int, float, bool))}
+    body = f"""
+<header><h1>{escape(title)}</h1><div class="kpis" id="kpis">{''.join(kp)}</div>
+{_settings_html(shown)}</header>
+<main>
+<section id="promotions-section"><h2>Promotions</h2><div id="promotions"></div></section>
+<section id="heat-section"><h2>Scores per operator and step</h2>
+<p class="muted">Colour: the score against the operator's thresholds (green below tau_warn,
+orange up to tau_safe, red above); violet cross: a non-finite dispersion; black frame: a
+promotion. Click a row to add it to the lines below.</p><div class="heatbox">
+<canvas class="heat" id="heat"></canvas></div></section>
+<section id="lines-section"><h2>Scores over steps</h2><div id="lines"></div></section>
+<section id="table-section"><h2>Operators</h2><div class="tablebox" id="table"></div></section>
+</main>"""
+    return _page(title, body, data, "monitor.js")
+
+
+# --------------------------------------------------------------------------- writing
+def write_page(text: str, path: PathLike) -> Path:
+    """Write a page (UTF-8); the folder is created. Returns the path.
+
+    Raises:
+        ValueError: ``path`` does not end in .html or .htm.
+    """
+    path = Path(path)
+    if path.suffix.lower() not in (".html", ".htm"):
+        raise ValueError(f"a page's file must end in .html, got {str(path)!r}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
