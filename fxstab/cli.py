@@ -217,6 +217,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 
     if args.max_drop < 0:
         raise CLIError(f"--max-drop must be >= 0, got {args.max_drop}")
+    _check_page_path(args.html)
     base, head = _load(args.base), _load(args.head)
     try:
         result = diff(base, head, max_drop=args.max_drop, metric=args.metric)
@@ -228,9 +229,29 @@ def _cmd_diff(args: argparse.Namespace) -> int:
         if dest:
             text = render[fmt]()
             _write_text(dest, text if text.endswith("\n") else text + "\n")
+    if args.html:  # the page is one more rendering: stdout and the exit code stay the same
+        _write_page(args.html, lambda html: html.diff_page(base, head, result))
     text = render[args.format]()
     sys.stdout.write(text if text.endswith("\n") else text + "\n")
     return EXIT_DROP if result.failed else EXIT_OK
+
+
+def _check_page_path(path: Optional[str]) -> None:
+    """--html must name an .html file (checked before any work or output)."""
+    if path and Path(path).suffix.lower() not in (".html", ".htm"):
+        raise CLIError(f"--html: the page's file must end in .html, got {path!r}")
+
+
+def _write_page(path: str, build) -> None:
+    """Write the HTML page ``build(fxstab.plots.html)`` makes to ``path`` (.html), or fail with
+    exit code 2."""
+    from .plots import html
+
+    _check_page_path(path)
+    try:
+        html.write_page(build(html), path)
+    except OSError as e:
+        raise CLIError(f"cannot write {path!r}: {e.strerror or e}") from None
 
 
 def _write_text(path: str, text: str) -> None:
@@ -248,6 +269,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     dm = _load(args.digits)
     if args.top < 1:
         raise CLIError(f"--top must be >= 1, got {args.top}")
+    _check_page_path(args.html)
     meta = dm.metadata
     extras = ", ".join(f"{k}={meta[k]}" for k in ("target", "seed", "granularity", "rounding",
                                                   "git_commit") if meta.get(k) is not None)
@@ -280,6 +302,12 @@ def _cmd_show(args: argparse.Namespace) -> int:
                 raise CLIError(f"--{flag} needs matplotlib ({e}): pip install 'fxstab[plot]'"
                                ) from None
             print(f"wrote {out}")
+    if args.html:
+        try:
+            _write_page(args.html, lambda html: html.map_page(dm, metric=args.metric))
+        except ValueError as e:
+            raise CLIError(f"--html: {e}") from None
+        print(f"wrote {args.html}")
     if args.tensorboard:
         try:
             n = dm.to_tensorboard(args.tensorboard)
@@ -375,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
     for fmt in ("text", "markdown", "json"):
         p.add_argument(f"--{fmt}-out", metavar="FILE",
                        help=f"also write the {fmt} rendering to FILE")
+    p.add_argument("--html", metavar="OUT",
+                   help="also write the diff as a self-contained page (OUT.html: the verdict, "
+                        "the graph coloured by the change; opens offline)")
     p.set_defaults(func=_cmd_diff)
 
     p = sub.add_parser(
@@ -391,6 +422,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="OUT", help="bar chart of digits per operator (.png/.svg)")
     p.add_argument("--graph", metavar="OUT", help="operator graph coloured by digits (.svg/.png)")
     p.add_argument("--series", metavar="OUT", help="digits over steps, worst operators (.png)")
+    p.add_argument("--html", metavar="OUT",
+                   help="a self-contained page (OUT.html): findings, the interactive graph, "
+                        "the table, coverage, digits over steps; opens offline")
     p.add_argument("--tensorboard", metavar="LOGDIR",
                    help="also write TensorBoard scalars (needs the tensorboard package)")
     p.set_defaults(func=_cmd_show)
