@@ -195,6 +195,8 @@ class FxstabBackend:
         if c.accumulate:  # the GEMMs' accumulator: pattern -> its label ("fp32": trusted)
             meta["accumulate"] = {p: acc.label if acc is not None else "fp32"
                                   for p, acc in c.accumulate}
+        if c.formats:  # per-operator formats (a precision plan): pattern -> format
+            meta["formats"] = {p: f.name for p, f in c.formats}
         if c.gemm_inputs is not None:
             meta["gemm_inputs"] = f"{c.gemm_inputs.name}/{c.gemm_scaling}"
         return meta

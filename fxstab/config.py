@@ -91,6 +91,10 @@ class AnalysisConfig:
     # a format name (or None: the operands as the program gives them) and one of SCALINGS
     gemm_inputs: Any = None
     gemm_scaling: str = "tensor"
+    # per-operator formats (a precision plan, fxstab.plan): {stable operator name or glob over
+    # names: format}, first match wins; stored as ((pattern, Format), ...). An operator none
+    # matches rounds into `format`; the samples' working dtype is the widest format's.
+    formats: Any = None
 
     def __post_init__(self) -> None:
         def choice(name: str, value: Any, options: tuple) -> None:
@@ -132,6 +136,10 @@ class AnalysisConfig:
             if self.granularity != "op":
                 raise ValueError("gemm_inputs= is modelled at granularity='op' (linear, "
                                  "matmul, mm, bmm) for now")
+        object.__setattr__(self, "formats", format_rules(self.formats))
+        if self.formats and (self.granularity != "op" or auto):
+            raise ValueError("formats= (per-operator formats) is supported at granularity='op' "
+                             "with one base format (not format='auto')")
         n = self.n_samples
         if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= 64:
             raise ValueError(f"n_samples must be an integer in [2, 64] (CESTAC needs at least 2 "
@@ -150,7 +158,8 @@ class AnalysisConfig:
             raise ValueError(f"zero_threshold must be >= 0, got {self.zero_threshold!r}")
         eta = self.data_perturbation_threshold
         if eta is None:
-            if not auto:
+            # with per-operator formats each GEMM's threshold is its own format's unit roundoff
+            if not auto and not self.formats:
                 object.__setattr__(self, "data_perturbation_threshold",
                                    self.format.unit_roundoff)
         elif not isinstance(eta, (int, float)) or not 0 < eta < 1 or math.log2(eta) != int(math.log2(eta)):
@@ -161,6 +170,46 @@ class AnalysisConfig:
                 or (isinstance(s, (list, tuple, set, frozenset)) and all(isinstance(i, str) for i in s))):
             raise ValueError(f"select must be None, a kind/family name or module-path glob, a list of "
                              f"them, or a predicate (node, qualified_name) -> bool; got {s!r}")
+
+
+    @property
+    def widest_format(self) -> Format:
+        """The widest format an operator rounds into: it sets the samples' working dtype."""
+        return max([self.format, *(f for _, f in self.formats)], key=lambda f: f.precision)
+
+    def format_for(self, name: str) -> Format:
+        """The format operator ``name`` rounds into (``formats=``, else ``format``)."""
+        import fnmatch
+
+        for pattern, fmt in self.formats:
+            if pattern == name or fnmatch.fnmatchcase(name, pattern):
+                return fmt
+        return self.format
+
+
+def format_rules(spec: Any) -> tuple:
+    """``formats=`` as ``((pattern, Format), ...)``: keys are stable operator names
+    (``"blocks.0.attn/exp#0"``) or globs over them; values format names, ``(e, m)`` or
+    :class:`Format`. None or an empty mapping: no override."""
+    from collections.abc import Mapping
+
+    if spec is None:
+        return ()
+    if isinstance(spec, tuple) and all(isinstance(r, tuple) and len(r) == 2
+                                       and isinstance(r[1], Format) for r in spec):
+        return spec  # already normalized (a config copied with dataclasses.replace)
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"formats must be a mapping {{operator name or glob: format}}, got "
+                         f"{type(spec).__name__}")
+    rules = []
+    for key, value in spec.items():
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"formats keys are operator names or globs over them, got {key!r}")
+        try:
+            rules.append((key, get_format(value)))
+        except ValueError as exc:
+            raise ValueError(f"formats[{key!r}]: {exc}") from None
+    return tuple(rules)
 
 
 def accumulation_rules(spec: Any) -> tuple:

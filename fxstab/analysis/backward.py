@@ -185,11 +185,11 @@ class BackwardAnalysis(GraphAnalysis):
             vec = stats[source[1]] if stats is not None and source[1] < len(stats) else None
             if vec is None:
                 _, vec = tracer._round_stats(samples.contiguous(), False, 0, False,
-                                             self._format_of(node))
+                                             self._format_of(node, f"{name}/grad"))
             pname = f"{name}/grad"
             plan = NodePlan(node=node, kind="param_grad", name=pname,
                             module_path=name.rsplit(".", 1)[0] if "." in name else "",
-                            format=self._format_of(node))
+                            format=self._format_of(node, pname))
             plan.report = {"name": pname, "kind": "param_grad",
                            "module_path": plan.module_path, "source": "",
                            "inputs": tuple(sorted(self.frontier.get(node, frozenset()))),

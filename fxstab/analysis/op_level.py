@@ -103,12 +103,12 @@ class GraphAnalysis:
                 and (kind in DROPOUT_KINDS or kind not in RANDOM_KINDS or
                      self.cfg.select is not None) and self._pred(node, kind, qn))
 
-    def _format_of(self, node: torch.fx.Node) -> Any:
-        """The format an instrumented node's output rounds into: the configured one, or with
-        ``format="auto"`` its floating dtype in the program (dynamo's example value, the
-        lowered graph's value)."""
+    def _format_of(self, node: torch.fx.Node, name: Optional[str] = None) -> Any:
+        """The format an instrumented node's output rounds into: the configured one (its own
+        with ``formats=``, by its stable ``name``), or with ``format="auto"`` its floating
+        dtype in the program (dynamo's example value, the lowered graph's value)."""
         if not self.cfg.auto_format:
-            return self.cfg.format
+            return self.cfg.format_for(name) if name is not None else self.cfg.format
         from ..numerics.formats import get_format
 
         value = node.meta.get("example_value", node.meta.get("val"))
@@ -159,7 +159,7 @@ class GraphAnalysis:
                                                            qualified_name(path, kind))
                         plan.gemm_inputs = self.cfg.gemm_inputs
                     plan.inputs = tuple(sorted(ins))
-                    plan.format = self._format_of(node)
+                    plan.format = self._format_of(node, plan.name)
                     plan.report = {"name": plan.name, "kind": kind, "module_path": path,
                                    "source": src, "inputs": plan.inputs,
                                    "direction": self.direction, "format": plan.format.name}

@@ -263,7 +263,7 @@ def _md(s: str) -> str:
 
 
 _COMPARED_SETTINGS = ("format", "n_samples", "granularity", "confidence", "rounding", "seed",
-                      "target", "accumulate", "gemm_inputs")
+                      "target", "accumulate", "gemm_inputs", "formats")
 
 
 def diff(base: DigitMap, head: DigitMap, max_drop: float = 0.5, metric: Optional[str] = None,
@@ -352,6 +352,8 @@ def diff(base: DigitMap, head: DigitMap, max_drop: float = 0.5, metric: Optional
         bv, hv = base.metadata.get(key), head.metadata.get(key)
         if key == "accumulate":  # a map without it trusted its GEMMs
             bv, hv = bv or "fp32", hv or "fp32"
+        if key == "formats":  # a map without it ran every operator in its format
+            bv, hv = bv or {}, hv or {}
         if bv is not None and hv is not None and bv != hv:
             notes.append(f"{key} differs: {bv!r} (base) vs {hv!r} (head)")
 

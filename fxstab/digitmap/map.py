@@ -107,6 +107,10 @@ class DigitMap:
                 to be unique), or reports mix formats or sample counts.
         """
         reports = list(reports)
+        meta_in = metadata or {}
+        auto = meta_in.get("format") == "auto"
+        # formats= (a precision plan): an operator outside the map's format names its own
+        planned = bool(meta_in.get("formats")) and not auto
         by_name: dict[str, list[OpReport]] = {}
         for r in reports:
             by_name.setdefault(r.name, []).append(r)
@@ -131,7 +135,8 @@ class DigitMap:
             ops.append(OperatorDigits(
                 name=name, kind=first.kind, module_path=first.module_path, source=first.source,
                 direction=getattr(first, "direction", "forward"),
-                format=first.format if (metadata or {}).get("format") == "auto" else "",
+                format=first.format if auto or (planned and first.format != meta_in.get(
+                    "format")) else "",
                 shape=tuple(first.shape), status=status, surrogate=any(r.surrogate for r in rs),
                 counters=counters, inputs=tuple(inputs), **aggregate(rs)))
         known = set(by_name)
@@ -145,9 +150,9 @@ class DigitMap:
                  for (phase, step), per_op in groups.items() for name, rs in per_op.items()]
 
         meta = _default_metadata()
-        if (metadata or {}).get("format") == "auto":  # format="auto": each operator its own
+        if auto:  # format="auto": each operator its own
             meta["format"] = "auto"
-        else:
+        elif not planned:
             fmt = _unique((r.format for r in reports), "format")
             if fmt is not None:
                 meta["format"] = fmt

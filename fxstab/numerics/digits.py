@@ -32,7 +32,8 @@ from .randbits import CPU_CHUNK
 __all__ = [
     "student_t", "cestac_digits", "computational_zero", "digit_stats", "DigitStats",
     "format_stochastic", "digits_cap", "stats_vector", "stats_from_list", "empty_stats",
-    "normwise_digits", "underflow_count", "extra_stats", "merge_stats", "STATS_LEN", "EXTRA_STATS",
+    "normwise_digits", "underflow_count", "true_digits", "extra_stats", "merge_stats",
+    "STATS_LEN", "EXTRA_STATS",
 ]
 
 ZERO_THRESHOLD = 0.5
@@ -444,6 +445,21 @@ def _stats_columns(samples: torch.Tensor, n: int, t: float, cap: float,
 
 
 # --------------------------------------------------------------------------- printing
+def true_digits(value: torch.Tensor, reference: torch.Tensor, cap: float) -> torch.Tensor:
+    """Per element, the significant digits ``value`` shares with an exact ``reference`` (an
+    fp64 run of the same program): ``-log10(|value - reference| / |reference|)`` clamped to
+    ``[0, cap]``; equal values keep ``cap``, a NaN/inf or a non-zero value against a zero
+    reference keeps 0. The measure a real low-precision run is judged by."""
+    v = value.detach().to(torch.float64)
+    r = reference.detach().to(torch.float64).expand_as(v) if v.dim() else \
+        reference.detach().to(torch.float64)
+    err = (v - r).abs()
+    d = torch.where(r != 0, -torch.log10(err / r.abs()), torch.zeros_like(v))
+    d = d.clamp(0.0, cap)
+    d = torch.where(err == 0, torch.full_like(v, cap), d)
+    return torch.where(torch.isfinite(v) & torch.isfinite(r), d, torch.zeros_like(v))
+
+
 def format_stochastic(mean: float, digits: float, exact_zero: bool = False,
                       cap: float = 15.95) -> str:
     """CADNA-style text of a stochastic value: its reliable digits only.

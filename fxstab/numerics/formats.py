@@ -13,12 +13,12 @@ import math
 import operator
 import struct
 from dataclasses import dataclass
-from typing import NamedTuple, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 
-__all__ = ["Format", "get_format", "FORMATS", "FormatLike", "working_dtype_for", "WorkingBits",
-           "WORKING_DTYPES", "float_bits"]
+__all__ = ["Format", "get_format", "FORMATS", "FormatLike", "working_dtype_for", "torch_dtype_of",
+           "WorkingBits", "WORKING_DTYPES", "float_bits"]
 
 _MIN_EXP_BITS, _MAX_EXP_BITS = 2, 11
 _MIN_MAN_BITS, _MAX_MAN_BITS = 1, 52
@@ -179,6 +179,16 @@ def get_format(spec: FormatLike) -> Format:
         return fmt
     raise ValueError(f"cannot make a format from {spec!r} ({type(spec).__name__}); pass a name "
                      f"such as 'bf16', an (exp_bits, man_bits) pair or a Format")
+
+
+def torch_dtype_of(spec: FormatLike) -> Optional[torch.dtype]:
+    """The torch dtype that computes in this format (bf16 -> ``torch.bfloat16``), or None for
+    a format torch only stores (fp8) or does not have."""
+    fmt = get_format(spec)
+    for dtype, name in _DTYPE_NAMES.items():
+        if FORMATS[name] == fmt:
+            return dtype
+    return None
 
 
 def working_dtype_for(fmt: Format) -> torch.dtype:

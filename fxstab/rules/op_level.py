@@ -70,7 +70,7 @@ class SampleTracer(torch.fx.Interpreter):
         self.cfg = analysis.cfg
         self.n = self.cfg.n_samples
         self.fmt = self.cfg.format
-        self.wdtype = working_dtype_for(self.fmt)
+        self.wdtype = working_dtype_for(self.cfg.widest_format)
         self.cdtype = torch.complex128 if self.wdtype == torch.float64 else torch.complex64
         # consumer GEMM's plan index -> its operand, perturbed in its producer's rounding step
         self.preperturbed: dict[int, "Stacked"] = {}
