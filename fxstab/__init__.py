@@ -14,6 +14,7 @@ from .capture.user_ops import operator
 from .records.report import OpReport
 from .numerics.rounding import Rounding, quantize, round_samples
 from .eager.stochastic import AnalysisResult, StochasticTensor, analyze, stochastic
+from .plan import PrecisionPlan, apply_plan, check_plan, plan_precision
 
 from ._version import __version__
 
@@ -24,6 +25,7 @@ __all__ = [
     "DigitMapError",
     "DiffResult", "diff", "instability_counters", "stochastic", "StochasticTensor", "analyze",
     "AnalysisResult", "StabilityMonitor", "MonitorConfig", "Mode", "inject", "operator",
-    "Accumulation", "emulate_matmul",
+    "Accumulation", "emulate_matmul", "plan_precision", "PrecisionPlan", "apply_plan",
+    "check_plan",
     "__version__",
 ]

@@ -1,0 +1,247 @@
+"""A precision plan run for real (:func:`apply_plan`) and checked against fp64
+(:func:`check_plan`).
+
+:class:`PlanBackend` is a ``torch.compile`` backend: it names each captured graph's operators
+exactly as the analysis does (:class:`fxstab.analysis.op_level.GraphAnalysis` on the same
+graph, one name registry across the graphs), then rewrites the graph the analysis's samples
+run: a promoted operator's floating inputs are cast up to ``higher`` and it runs with autocast
+off; its output stays in ``higher`` for the promoted operators that read it, and is cast back
+to the dtype the program gave it for every other reader. Autograd differentiates the casts:
+the promoted operators' gradients run in ``higher`` too.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+import warnings
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.fx
+from torch.utils import _pytree as pytree
+
+from ..analysis.op_level import GraphAnalysis
+from ..config import AnalysisConfig
+from ..numerics.digits import true_digits
+from ..numerics.formats import get_format, torch_dtype_of
+from ..records.run import RunState
+from .record import PrecisionPlan
+
+__all__ = ["apply_plan", "PlanBackend", "check_plan", "PlanCheck"]
+
+
+def _higher_dtype(plan: PrecisionPlan) -> torch.dtype:
+    dtype = torch_dtype_of(plan.higher)
+    if dtype is None:
+        raise ValueError(f"the plan's higher format {plan.higher} is not a dtype torch computes "
+                         f"in (fp64, fp32, bf16, fp16): it can be analysed, not run")
+    return dtype
+
+
+def run_promoted(fn: Callable, dtype: torch.dtype, *args: Any, **kwargs: Any) -> Any:
+    """``fn`` on its floating tensor arguments cast up to ``dtype`` (never down), autocast off."""
+    def up(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and \
+                torch.finfo(v.dtype).bits < torch.finfo(dtype).bits:
+            return v.to(dtype)
+        return v
+
+    args, kwargs = pytree.tree_map(up, (args, kwargs))
+    devices = {a.device.type for a in pytree.tree_leaves((args, kwargs))
+               if isinstance(a, torch.Tensor)} or {"cpu"}
+    with _autocast_off(devices):
+        return fn(*args, **kwargs)
+
+
+class _autocast_off:
+    def __init__(self, devices: set) -> None:
+        self.ctx = [torch.autocast(d, enabled=False) for d in sorted(devices)]
+
+    def __enter__(self) -> None:
+        for c in self.ctx:
+            c.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for c in reversed(self.ctx):
+            c.__exit__(*exc)
+
+
+def cast_back(value: Any, dtype: Optional[torch.dtype]) -> Any:
+    """A promoted operator's output as a non-promoted reader expects it: floating tensors in
+    ``dtype`` (None: as they are)."""
+    if dtype is None:
+        return value
+    return pytree.tree_map(lambda v: v.to(dtype) if isinstance(v, torch.Tensor)
+                           and v.is_floating_point() and v.dtype != dtype else v, value)
+
+
+def _promoted(fn: Callable, dtype: torch.dtype) -> Callable:
+    """``fn`` run by :func:`run_promoted` in ``dtype``, as a named function FX can call."""
+    def promoted(*args: Any, **kwargs: Any) -> Any:
+        return run_promoted(fn, dtype, *args, **kwargs)
+    label = getattr(fn, "__name__", "op")
+    promoted.__name__ = promoted.__qualname__ = f"promoted_{label}"
+    promoted.__module__ = __name__
+    return promoted
+
+
+def _method(name: str) -> Callable:
+    def call(self_: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self_, name)(*args, **kwargs)
+    call.__name__ = f"method_{name}"
+    return call
+
+
+def _program_dtype(node: torch.fx.Node) -> Optional[torch.dtype]:
+    """The floating dtype of a node's output in the program (dynamo's example value)."""
+    value = node.meta.get("example_value", node.meta.get("val"))
+    for leaf in pytree.tree_leaves(value):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            return leaf.dtype
+    return None
+
+
+class PlanBackend:
+    """The ``torch.compile`` backend of :func:`apply_plan`.
+
+    Attributes:
+        promoted: the operator names found and rewritten so far (a name of the plan that no
+            graph holds is reported by :meth:`missing`).
+    """
+
+    def __init__(self, plan: PrecisionPlan) -> None:
+        self.plan = plan
+        self.dtype = _higher_dtype(plan)
+        self.state = RunState(AnalysisConfig(format=plan.format, **_naming_options(plan)))
+        self.promoted: list = []
+
+    def missing(self) -> list:
+        """The plan's operators no compiled graph held (a different model or input)."""
+        return [n for n in self.plan.promoted if n not in self.promoted]
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        analysis = GraphAnalysis(gm, self.state, len(self.state.graphs))
+        self.state.graphs.append(analysis)
+        chosen = set(self.plan.promoted)
+        names = {p.node: p.name for p in analysis.plans if p.name in chosen}
+        if not names:
+            return gm
+        graph = analysis.sgraph if analysis.sgraph is not gm.graph else gm.graph
+        graph = copy.deepcopy(graph) if graph is gm.graph else graph
+        # deep-copied nodes keep their names: find the plan's nodes again by name
+        by_name = {n.name: n for n in graph.nodes}
+        high = set()
+        for node, op_name in names.items():
+            new = by_name[node.name]
+            if new.op == "call_module":
+                warnings.warn(f"fxstab: {op_name} is a module call the plan cannot rewrite; it "
+                              f"runs as the program runs it", UserWarning, stacklevel=2)
+                continue
+            fn = new.target if new.op == "call_function" else _method(new.target)
+            new.meta["fxstab_dtype"] = _program_dtype(new)
+            new.op, new.target = "call_function", _promoted(fn, self.dtype)
+            high.add(new)
+            self.promoted.append(op_name)
+        # getitem of a promoted tuple output stays high; every other reader gets the cast back
+        changed = True
+        while changed:
+            changed = False
+            for node in graph.nodes:
+                if node not in high and node.op == "call_function" and \
+                        node.target is operator.getitem and node.args[0] in high:
+                    node.meta["fxstab_dtype"] = _program_dtype(node)
+                    high.add(node)
+                    changed = True
+        for node in list(graph.nodes):
+            if node.op == "output" or node in high:
+                continue
+            for src in [a for a in node.all_input_nodes if a in high]:
+                with graph.inserting_before(node):
+                    back = graph.call_function(cast_back, (src, src.meta.get("fxstab_dtype")))
+                node.replace_input_with(src, back)
+        out = next(n for n in graph.nodes if n.op == "output")
+        for src in [a for a in out.all_input_nodes if a in high]:
+            with graph.inserting_before(out):
+                back = graph.call_function(cast_back, (src, src.meta.get("fxstab_dtype")))
+            out.replace_input_with(src, back)
+        graph.lint()
+        return torch.fx.GraphModule(gm, graph)
+
+
+def _naming_options(plan: PrecisionPlan) -> dict:
+    """The analysis options the operators' names depend on (which operators are selected)."""
+    select = plan.settings.get("select")
+    return {"select": select} if isinstance(select, (str, list)) else {}
+
+
+def apply_plan(model: Any, plan: PrecisionPlan) -> Any:
+    """``model`` compiled so that the plan's operators run in ``plan.higher`` for real.
+
+    The rest runs as the program runs it: in the model's own dtype (``model.to(bf16)``) or
+    under ``torch.autocast``. The returned callable has ``.plan_backend`` (a
+    :class:`PlanBackend`: ``.missing()`` lists the plan's operators no graph held).
+    """
+    be = PlanBackend(plan)
+    compiled = torch.compile(model, backend=be)
+    try:
+        compiled.plan_backend = be
+    except AttributeError:  # a compiled function
+        pass
+    return compiled
+
+
+class PlanCheck:
+    """True digits of the real low-precision run against fp64, without and with the plan."""
+
+    def __init__(self, plain: float, planned: float, high: float, missing: list) -> None:
+        self.plain, self.planned, self.high, self.missing = plain, planned, high, missing
+
+    def report(self, plan: PrecisionPlan) -> str:
+        lines = [f"real run in {plan.format} against fp64 of the same weights (avg true digits "
+                 f"at the outputs): {self.plain:.2f} without the plan, {self.planned:.2f} with "
+                 f"it ({len(plan.promoted)} operators in {plan.higher}); all in {plan.higher}: "
+                 f"{self.high:.2f}"]
+        if self.missing:
+            lines.append(f"warning: {len(self.missing)} operator(s) of the plan were not found "
+                         f"in the compiled model: {', '.join(self.missing[:5])}")
+        return "\n".join(lines)
+
+
+def _cast(v: Any, dtype: torch.dtype) -> Any:
+    return pytree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor)
+                           and t.is_floating_point() else t, v)
+
+
+def _avg_true(y: Any, ref: Any, cap: float) -> float:
+    total = numel = 0
+    for a, r in zip(pytree.tree_leaves(y), pytree.tree_leaves(ref)):
+        if isinstance(a, torch.Tensor) and a.is_floating_point() and a.numel():
+            total += float(true_digits(a, r, cap).sum())
+            numel += a.numel()
+    return total / numel if numel else float("nan")
+
+
+def check_plan(model: torch.nn.Module, example_inputs: Sequence, plan: PrecisionPlan
+               ) -> PlanCheck:
+    """Run ``model`` for real in the plan's format (a copy cast to its dtype, the inputs too),
+    without and with the plan, and in ``higher``, against an fp64 copy of the same weights:
+    the avg true digits at the outputs of each (capped at the format's digits)."""
+    low = torch_dtype_of(plan.format)
+    if low is None:
+        raise ValueError(f"the plan's format {plan.format} is not a dtype torch computes in: "
+                         f"the real run needs fp16, bf16 or fp32")
+    cap = get_format(plan.format).digit_cap
+    with torch.no_grad():
+        ref = copy.deepcopy(model).to(torch.float64)(*_cast(tuple(example_inputs),
+                                                            torch.float64))
+        inputs = _cast(tuple(example_inputs), low)
+        plain = copy.deepcopy(model).to(low)(*inputs)
+        high_dtype = _higher_dtype(plan)
+        high = copy.deepcopy(model).to(high_dtype)(*_cast(tuple(example_inputs), high_dtype))
+        torch._dynamo.reset()
+        planned_model = apply_plan(copy.deepcopy(model).to(low), plan)
+        planned = planned_model(*inputs)
+        missing = planned_model.plan_backend.missing()
+    return PlanCheck(_avg_true(plain, ref, cap), _avg_true(planned, ref, cap),
+                     _avg_true(high, ref, get_format(plan.higher).digit_cap), missing)

@@ -1,0 +1,219 @@
+"""A precision plan as data: which operators run in a higher format, what the analysis measured
+before and after, and its JSON file (``fxstab-precision-plan``, docs/precision-plan.md).
+
+Operator names are the digit map's stable names (``blocks.0.attn/exp#0``); a plan is read back
+with the same rules a digit map is: non-finite numbers as strings, every key validated, errors
+that name the file, the place and the key (:class:`PlanError`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from .._version import __version__
+from ..digitmap.schema import DigitMapError, encode
+
+__all__ = ["PrecisionPlan", "PlanError", "PLAN_SCHEMA", "PLAN_VERSION"]
+
+PLAN_SCHEMA = "fxstab-precision-plan"
+PLAN_VERSION = 1
+
+
+class PlanError(DigitMapError):
+    """A precision plan file is unusable: says what is wrong and where."""
+
+
+@dataclass
+class PrecisionPlan:
+    """The operators to run in ``higher`` so that the checked outputs keep ``keep`` digits.
+
+    Attributes:
+        format: the low-precision format the rest of the program runs in.
+        higher: the format the promoted operators run in.
+        keep: the avg digits required at the outputs.
+        promoted: the promoted operators' stable names, in graph order.
+        modules: operator name -> its module path (for the per-module exports).
+        kinds: operator name -> its kind.
+        before / after: avg digits at the checked outputs, the analysis without / with the plan.
+        per_operator: promoted name -> (avg digits without the plan, with it).
+        operators: how many operators the analysis instruments (the plan's share of them).
+        runs: analysed calls the search made; met: whether ``after >= keep`` (False: the
+            search stopped at its budget, or even all operators in ``higher`` keep less).
+        outputs: the checked outputs (None: the model's outputs; else operator names).
+        settings: n_samples, seed, granularity, target and what else the search ran with.
+    """
+
+    format: str
+    higher: str
+    keep: float
+    promoted: list = field(default_factory=list)
+    modules: dict = field(default_factory=dict)
+    kinds: dict = field(default_factory=dict)
+    before: float = math.nan
+    after: float = math.nan
+    all_higher: float = math.nan
+    per_operator: dict = field(default_factory=dict)
+    operators: int = 0
+    runs: int = 0
+    met: bool = False
+    outputs: Optional[list] = None
+    settings: dict = field(default_factory=dict)
+
+    # -- exports --------------------------------------------------------------------------
+    def formats(self) -> dict:
+        """The analysis's ``formats=`` option for this plan."""
+        return {name: self.higher for name in self.promoted}
+
+    def module_paths(self) -> list:
+        """The module paths holding a promoted operator ("" is the model itself), sorted."""
+        return sorted({self.modules.get(n, "") for n in self.promoted})
+
+    def autocast_regions(self, module_operators: Optional[dict] = None) -> list:
+        """Module paths that can run whole under ``torch.autocast(enabled=False)``: every
+        operator the analysis saw in the module is promoted (``module_operators``: module path
+        -> its operator names, e.g. from the digit map; without it every promoted operator's
+        module). Operators of a module with others left low are not covered by any region."""
+        paths = self.module_paths()
+        if module_operators is None:
+            return [p for p in paths if p]
+        chosen = set(self.promoted)
+        return [p for p in paths if p and set(module_operators.get(p, ())) <= chosen]
+
+    # -- text -----------------------------------------------------------------------------
+    def report(self) -> str:
+        """Before/after digits at the outputs and per promoted operator, as text."""
+        what = "the model's outputs" if not self.outputs else ", ".join(self.outputs)
+        share = f"{len(self.promoted)} of {self.operators} operators" if self.operators else \
+            f"{len(self.promoted)} operators"
+        lines = [f"precision plan: {share} in {self.higher}, the rest in {self.format}; "
+                 f"{self.runs} analysed calls",
+                 f"digits at {what} (avg, the analysis): {self.before:.2f} in {self.format} "
+                 f"-> {self.after:.2f} with the plan (required {self.keep:.2f}; all in "
+                 f"{self.higher}: {self.all_higher:.2f})"]
+        if not self.met:
+            lines.append("NOT MET: " + ("even every operator in " + self.higher + " keeps less"
+                                        if self.all_higher < self.keep else
+                                        "the search stopped at its budget"))
+        if self.promoted:
+            width = max(len(n) for n in self.promoted)
+            lines.append(f"{'promoted operator':<{width}}  {'kind':<12} {'before':>7} {'after':>7}")
+            for name in self.promoted:
+                b, a = self.per_operator.get(name, (math.nan, math.nan))
+                lines.append(f"{name:<{width}}  {self.kinds.get(name, ''):<12} {b:>7.2f} "
+                             f"{a:>7.2f}")
+        else:
+            lines.append(f"nothing to promote: the outputs keep {self.before:.2f} digits in "
+                         f"{self.format}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.report()
+
+    # -- JSON -----------------------------------------------------------------------------
+    def as_dict(self) -> dict:
+        return {"schema": PLAN_SCHEMA, "version": PLAN_VERSION, "fxstab_version": __version__,
+                "format": self.format, "higher": self.higher, "keep": self.keep,
+                "promoted": [{"name": n, "kind": self.kinds.get(n, ""),
+                              "module_path": self.modules.get(n, ""),
+                              "before": self.per_operator.get(n, (math.nan, math.nan))[0],
+                              "after": self.per_operator.get(n, (math.nan, math.nan))[1]}
+                             for n in self.promoted],
+                "before": self.before, "after": self.after, "all_higher": self.all_higher,
+                "operators": self.operators, "runs": self.runs, "met": self.met,
+                "outputs": self.outputs, "settings": self.settings}
+
+    def to_json(self, indent: Optional[int] = 1) -> str:
+        return json.dumps(encode(self.as_dict()), indent=indent, allow_nan=False)
+
+    def save(self, path: Union[str, os.PathLike]) -> Path:
+        """Write the plan as JSON (parent folders created)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_json() + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: Union[str, os.PathLike]) -> "PrecisionPlan":
+        """Read a plan written by :meth:`save`.
+
+        Raises:
+            PlanError: missing or unreadable file, not JSON, another schema or version, a
+                missing or mistyped key (named with its place).
+        """
+        src = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise PlanError(f"cannot read: {exc.strerror or exc}", src) from None
+        return cls.from_json(text, src)
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "<string>") -> "PrecisionPlan":
+        try:
+            doc = json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(
+                PlanError(f"invalid JSON constant {c}", source)))
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"not JSON: {exc}", source) from None
+        if not isinstance(doc, dict):
+            raise PlanError("the document is not a JSON object", source)
+        if doc.get("schema") != PLAN_SCHEMA:
+            raise PlanError(f"not a precision plan (schema {doc.get('schema')!r}, expected "
+                            f"{PLAN_SCHEMA!r})", source, key="schema")
+        if doc.get("version") != PLAN_VERSION:
+            raise PlanError(f"unsupported version {doc.get('version')!r} (this fxstab reads "
+                            f"{PLAN_VERSION})", source, key="version")
+
+        def get(d: dict, key: str, kinds: tuple, where: str = "", default: Any = ...) -> Any:
+            if key not in d:
+                if default is not ...:
+                    return default
+                raise PlanError("missing", source, where, key)
+            v = d[key]
+            if isinstance(v, str) and float in kinds and v in ("NaN", "Infinity", "-Infinity"):
+                return float(v.replace("Infinity", "inf"))
+            if isinstance(v, bool) and bool not in kinds or not isinstance(v, kinds):
+                names = "/".join(k.__name__ for k in kinds)
+                raise PlanError(f"expected {names}, got {type(v).__name__}", source, where, key)
+            return float(v) if float in kinds and isinstance(v, int) and \
+                not isinstance(v, bool) else v
+
+        plan = cls(format=get(doc, "format", (str,)), higher=get(doc, "higher", (str,)),
+                   keep=get(doc, "keep", (float, int)))
+        for i, entry in enumerate(get(doc, "promoted", (list,))):
+            where = f"promoted[{i}]"
+            if not isinstance(entry, dict):
+                raise PlanError("expected an object", source, where)
+            name = get(entry, "name", (str,), where)
+            if not name or name in plan.kinds:
+                raise PlanError(f"empty or repeated operator name {name!r}", source, where,
+                                "name")
+            plan.promoted.append(name)
+            plan.kinds[name] = get(entry, "kind", (str,), where, "")
+            plan.modules[name] = get(entry, "module_path", (str,), where, "")
+            plan.per_operator[name] = (get(entry, "before", (float, int), where, math.nan),
+                                       get(entry, "after", (float, int), where, math.nan))
+        plan.before = get(doc, "before", (float, int), default=math.nan)
+        plan.after = get(doc, "after", (float, int), default=math.nan)
+        plan.all_higher = get(doc, "all_higher", (float, int), default=math.nan)
+        plan.operators = get(doc, "operators", (int,), default=0)
+        plan.runs = get(doc, "runs", (int,), default=0)
+        plan.met = get(doc, "met", (bool,), default=False)
+        outputs = doc.get("outputs")
+        if outputs is not None and not (isinstance(outputs, list)
+                                        and all(isinstance(o, str) for o in outputs)):
+            raise PlanError("expected null or a list of operator names", source, key="outputs")
+        plan.outputs = outputs
+        plan.settings = get(doc, "settings", (dict,), default={})
+        for key in ("format", "higher"):
+            from ..numerics.formats import get_format
+
+            try:
+                get_format(getattr(plan, key))
+            except ValueError as exc:
+                raise PlanError(str(exc), source, key=key) from None
+        return plan

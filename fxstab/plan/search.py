@@ -1,0 +1,277 @@
+"""The search of a precision plan (:func:`plan_precision`, docs/precision-plan.md).
+
+Each candidate plan is evaluated by one analysed call in which the promoted operators round
+into ``higher`` (``fxstab.backend(formats=...)``) and the rest into ``format``; the digits that
+count are the CESTAC avg digits of the checked outputs. The search proposes from what the
+latest digit map knows, then removes what is not needed:
+
+1. grow: promote the NaN/inf origins and the operators ranked first by the local loss
+   (:meth:`fxstab.DigitMap.localize`), one more each round, doubling when a round did not
+   suffice; a promoted operator that still loses digits pulls in its worst input's producer
+   (``(x + c) - c`` needs the add as well as the subtraction: the add's bf16 rounding already
+   erased x);
+2. shrink: delta debugging (ddmin's complement step) over the grown set, each test one
+   analysed call, down to a set from which no single operator can be dropped.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..backend import backend as make_backend
+from ..digitmap.map import DigitMap
+from ..numerics.digits import digit_stats
+from ..numerics.formats import get_format
+from .record import PrecisionPlan
+
+__all__ = ["plan_precision", "Evaluation", "PlanSearch", "stored_high"]
+
+# below this local loss (digits) an operator is not worth promoting
+MIN_LOCAL_LOSS = 0.5
+
+
+class Evaluation:
+    """One analysed call: the digits at the checked outputs and the digit map."""
+
+    def __init__(self, digits: float, dmap: DigitMap) -> None:
+        self.digits = digits
+        self.map = dmap
+
+
+class PlanSearch:
+    """Runs the analysed calls of one search and counts them (``runs``)."""
+
+    def __init__(self, model: Any, example_inputs: Sequence, format: Any, higher: Any,
+                 outputs: Optional[Sequence[str]], budget: Optional[int], options: dict) -> None:
+        self.model = model
+        self.inputs = tuple(example_inputs)
+        self.format = get_format(format)
+        self.higher = get_format(higher)
+        if self.higher.precision <= self.format.precision:
+            raise ValueError(f"higher ({self.higher.name}) must have more significand bits "
+                             f"than format ({self.format.name})")
+        self.outputs = list(outputs) if outputs is not None else None
+        self.budget = budget
+        self.options = options
+        self.runs = 0
+        self.consumers: dict = {}  # the base map's edges, reversed (set after the first call)
+        self._cache: dict = {}
+
+    @property
+    def exhausted(self) -> bool:
+        return self.budget is not None and self.runs >= self.budget
+
+    def evaluate(self, promoted: Sequence[str]) -> Evaluation:
+        """The analysis with ``promoted`` in ``higher`` (cached: two plans whose outputs stay
+        high on the same operators are one analysis)."""
+        high = stored_high(promoted, self.consumers)
+        key = frozenset(high)
+        if key in self._cache:
+            return self._cache[key]
+        formats = {name: self.higher for name in high}
+        torch._dynamo.reset()
+        be = make_backend(format=self.format, formats=formats or None, **self.options)
+        compiled = torch.compile(self.model, backend=be)
+        with be.capture_samples() as cap, torch.no_grad():
+            compiled(*self.inputs)
+        self.runs += 1
+        if not be.reports:
+            raise RuntimeError("the analysis recorded no operator: nothing to plan (is the model "
+                               "a torch.nn.Module torch.compile can capture?)")
+        dmap = be.digit_map()
+        if self.outputs is not None:
+            digits = _operators_digits(dmap, self.outputs)
+        else:
+            digits = _outputs_digits(cap.graphs[-1] if cap.graphs else (), self.format)
+        result = Evaluation(digits, dmap)
+        self._cache[key] = result
+        return result
+
+
+def _operators_digits(dmap: DigitMap, names: Sequence[str]) -> float:
+    """The avg digits of the named operators, weighted by their elements."""
+    missing = [n for n in names if n not in dmap]
+    if missing:
+        raise ValueError(f"outputs: no operator named {missing[0]!r} in the digit map (names "
+                         f"look like {next(iter(dmap.operators), '?')!r})")
+    total = sum(dmap[n].avg_digits * dmap[n].numel for n in names)
+    numel = sum(dmap[n].numel for n in names)
+    return total / numel if numel else math.nan
+
+
+def _outputs_digits(outputs: Any, fmt: Any) -> float:
+    """The avg digits of a graph's floating outputs (their samples), weighted by elements."""
+    from torch.utils import _pytree as pytree
+
+    total = numel = 0.0
+    for leaf in pytree.tree_leaves(outputs):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dim() >= 1 \
+                and leaf.numel() > 0:
+            stats = digit_stats(leaf.to(torch.float64), fmt)
+            total += stats.avg * stats.numel
+            numel += stats.numel
+    if not numel:
+        raise RuntimeError("the model's outputs hold no floating tensor: name the operators to "
+                           "check with outputs=[...]")
+    return total / numel
+
+
+def stored_high(promoted: Sequence[str], consumers: dict) -> list:
+    """The promoted operators whose output stays in ``higher``: those a promoted operator
+    reads. As :func:`fxstab.apply_plan` runs a plan, every other reader (and the model's
+    output) gets the output cast back to the program's dtype, so a promoted operator read by
+    none of the plan rounds into the low format as before: promotion pays on an edge."""
+    chosen = set(promoted)
+    return [p for p in promoted if any(c in chosen for c in consumers.get(p, ()))]
+
+
+def _candidates(ev: Evaluation, promoted: list, forward: set, consumers: dict
+                ) -> tuple[list, list]:
+    """(operators pulled in by the plan's own members, units worth promoting best first)
+    from the evaluation's digit map. An operator that loses digits comes with its worst
+    input's producer (the edge whose rounding it amplifies: both must be promoted for that
+    output to stay high); a NaN/inf origin with its readers (its output must stay high)."""
+    chosen = set(promoted)
+    ranking = ev.map.localize()
+    pulled: list = []
+
+    def pull(names: Any) -> None:
+        for n in names:
+            if n in forward and n not in chosen and n not in pulled:
+                pulled.append(n)
+
+    for loss in ranking:
+        if loss.name not in chosen:
+            continue
+        if loss.nonfinite_origin:
+            pull(consumers.get(loss.name, ()))
+        elif loss.local_loss >= MIN_LOCAL_LOSS and loss.worst_input is not None:
+            pull([loss.worst_input])
+    units: list = []
+    for loss in ranking:
+        if loss.name in chosen or loss.name not in forward or loss.name in pulled:
+            continue
+        if loss.nonfinite_origin:
+            unit = [loss.name, *consumers.get(loss.name, ())]
+        elif loss.local_loss >= MIN_LOCAL_LOSS:
+            unit = [loss.name] + ([loss.worst_input] if loss.worst_input is not None
+                                  else list(consumers.get(loss.name, ())))
+        else:
+            continue
+        units.append([n for n in unit if n in forward and n not in chosen])
+    return pulled, units
+
+
+def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
+                   keep: float = 2.0, granularity: str = "op",
+                   outputs: Optional[Sequence[str]] = None, higher: Any = "fp32",
+                   budget: Optional[int] = None, **options: Any) -> PrecisionPlan:
+    """The fewest operators to run in ``higher`` so that the outputs keep ``keep`` digits.
+
+    Args:
+        model: a module (or callable) ``torch.compile`` captures; it is not modified.
+        example_inputs: its positional arguments.
+        format: the low-precision format of the program (the analysis's ``format``).
+        keep: the avg digits the checked outputs must keep in the analysis.
+        granularity: ``"op"``: the plan names torch-level operators, which
+            :func:`fxstab.apply_plan` can run in ``higher`` for real.
+        outputs: operator names (as in digit maps) whose digits are checked; None: the
+            model's floating outputs.
+        higher: the format promoted operators run in (more significand bits than ``format``).
+        budget: at most this many analysed calls (None: no cap); a search that reaches it
+            returns its best plan so far, ``met`` False if that keeps less than ``keep``.
+        **options: more :func:`fxstab.backend` options (``n_samples``, ``seed``, ``select``,
+            ``accumulate``, ...).
+
+    Returns:
+        A :class:`PrecisionPlan`; ``plan.runs`` is the number of analysed calls made.
+    """
+    if granularity != "op":
+        raise ValueError("plan_precision plans torch-level operators (granularity='op'): the "
+                         "arithmetic level's primitives cannot be run in another dtype for real")
+    if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not keep > 0:
+        raise ValueError(f"keep must be a positive number of digits, got {keep!r}")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                               or budget < 1):
+        raise ValueError(f"budget must be a positive number of analysed calls, got {budget!r}")
+    for bad in ("formats", "granularity", "format"):
+        if bad in options:
+            raise ValueError(f"{bad}= is set by the plan's search, not an option")
+    search = PlanSearch(model, example_inputs, format, higher, outputs, budget, options)
+    base = search.evaluate(())
+    forward = [op.name for op in base.map.operators.values() if op.direction == "forward"]
+    fwd = set(forward)
+    consumers = base.map.consumers()
+    search.consumers = consumers
+    order = {name: i for i, name in enumerate(forward)}
+    settings = {"n_samples": options.get("n_samples", 3), "seed": options.get("seed", 0),
+                "granularity": granularity}
+    plan = PrecisionPlan(format=search.format.name, higher=search.higher.name,
+                         keep=float(keep), outputs=list(outputs) if outputs else None,
+                         operators=len(forward), before=base.digits, settings=settings)
+
+    def finish(promoted: list, ev: Evaluation, met: bool) -> PrecisionPlan:
+        promoted = sorted(promoted, key=order.__getitem__)
+        plan.promoted = promoted
+        plan.kinds = {n: base.map[n].kind for n in promoted}
+        plan.modules = {n: base.map[n].module_path for n in promoted}
+        plan.per_operator = {n: (base.map[n].avg_digits,
+                                 ev.map[n].avg_digits if n in ev.map else math.nan)
+                             for n in promoted}
+        plan.after, plan.met, plan.runs = ev.digits, met, search.runs
+        return plan
+
+    if base.digits >= keep:
+        plan.all_higher = math.nan
+        return finish([], base, True)
+    full = search.evaluate(forward)
+    plan.all_higher = full.digits
+    if full.digits < keep:
+        warnings.warn(f"fxstab: even every operator in {search.higher.name} keeps "
+                      f"{full.digits:.2f} digits at the outputs, less than keep={keep}: the "
+                      f"plan promotes everything", UserWarning, stacklevel=2)
+        return finish(forward, full, False)
+
+    # 1. grow from the map's ranking
+    promoted: list = []
+    ev, batch = base, 1
+    while ev.digits < keep:
+        if search.exhausted:
+            return finish(promoted, ev, False)
+        pulled, units = _candidates(ev, promoted, fwd, consumers)
+        step = list(pulled)
+        for unit in units[:batch]:
+            step += [n for n in unit if n not in step]
+        if not step:  # nothing ranks as a loss: the remaining operators in graph order
+            step = [n for n in forward if n not in promoted][:batch]
+        if not step:
+            break
+        promoted += step
+        ev = search.evaluate(promoted)
+        batch *= 2
+    if ev.digits < keep:
+        return finish(promoted, ev, False)
+
+    # 2. shrink: ddmin's complement step (drop a chunk while the outputs keep their digits)
+    n = 2
+    while len(promoted) >= 2 and not search.exhausted:
+        size = math.ceil(len(promoted) / n)
+        chunks = [promoted[i:i + size] for i in range(0, len(promoted), size)]
+        for chunk in chunks:
+            rest = [p for p in promoted if p not in chunk]
+            trial = search.evaluate(rest)
+            if trial.digits >= keep:
+                promoted, ev = rest, trial
+                n = max(n - 1, 2)
+                break
+            if search.exhausted:
+                break
+        else:
+            if n >= len(promoted):
+                break
+            n = min(2 * n, len(promoted))
+    return finish(promoted, ev, True)
