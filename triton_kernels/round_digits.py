@@ -144,6 +144,10 @@ def _round_bits(x, rand, MODE: tl.constexpr, IS64: tl.constexpr, WM: tl.constexp
         return out.to(tl.float32, bitcast=True), res
 
 
+# The rounding on one tile, public for the other kernels of this package (accumulate.py).
+round_bits = _round_bits
+
+
 @triton.jit
 def _round_digits_kernel(
     x_ptr, out_ptr, digits_ptr, part_ptr, numel, seed, size_class,

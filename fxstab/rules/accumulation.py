@@ -10,18 +10,19 @@ broadcasts as one sample: its batch dims are aligned with the stacked operand's 
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any, Callable
 
 import torch
 
 from ..cpu import bindings
 from ..numerics.accumulation import emulate_matmul, quantize_operand
-from ..numerics.rounding import quantize
+from ..numerics.rounding import quantize, round_samples
 from ..numerics.randbits import derive_seed
 from .lifting import Stacked
 
 __all__ = ["gemm_operands", "accumulable", "accumulated_product", "gemm_model_label",
-           "fused_rounder"]
+           "fused_rounder", "samples_rounder", "product_kernel"]
 
 
 def gemm_operands(a: tuple, kw: dict, kind: str) -> tuple:
@@ -79,13 +80,46 @@ def fused_rounder(left: torch.Tensor, right: torch.Tensor) -> Any:
     return rounder
 
 
+def samples_rounder(n: int) -> Any:
+    """The plain-torch reference of :func:`fused_rounder` (any device): each block's
+    rounding of the ``[N, ...]`` output tile by ``round_samples``, the same draws."""
+
+    def rounder(x: torch.Tensor, fmt: Any, mode: Any, seed: Any) -> torch.Tensor:
+        if x.shape[0] != n:
+            return quantize(x, fmt, mode, seed=seed)
+        return round_samples(x, fmt, mode, seed=0 if seed is None else seed)
+    return rounder
+
+
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def product_kernel(kernels: str, t: torch.Tensor, n: int) -> str:
+    """Which implementation computes a modelled GEMM of ``n`` samples on ``t``'s device
+    under the ``kernels`` option: ``"triton"`` (the Triton kernel of
+    :mod:`fxstab.kernels.accumulate`: ``kernels="triton"``, or ``"auto"`` on a CUDA tensor
+    where Triton is installed), ``"cpu"`` (blocked fp64 products with each block's rounding
+    by the fused C kernel: ``"auto"`` or ``"cpu"`` on a CPU tensor where it builds) or
+    ``"torch"`` (the same products, rounded by ``round_samples``). All three draw the same
+    bits (``tests/kernels/test_accumulate_kernel.py``)."""
+    if kernels == "triton" or (kernels == "auto" and t.is_cuda and _triton_importable()):
+        return "triton"
+    if kernels in ("auto", "cpu") and t.is_cpu and bindings.available() and \
+            1 <= n <= bindings.MAX_SAMPLES:
+        return "cpu"
+    return "torch"
+
+
 def accumulated_product(a: tuple, kw: dict, kind: str, acc: Any, seed: int,
                         to_working: Callable[[torch.Tensor], torch.Tensor], inputs: Any = None,
-                        scaling: str = "tensor", mode: Any = "random") -> Stacked:
+                        scaling: str = "tensor", mode: Any = "random",
+                        kernels: str = "auto") -> Stacked:
     """The GEMM's samples with the accumulator ``acc`` (None: the exact sum); plain operands
     enter through ``to_working`` (the working dtype). With ``inputs``, each operand's samples
     are first scaled and rounded into that format (``scaling``; each sample its own scales,
-    the analysis's rounding ``mode``: the samples draw their own directions)."""
+    the analysis's rounding ``mode``: the samples draw their own directions). ``kernels``
+    picks the implementation (:func:`product_kernel`)."""
     x, w, bias = gemm_operands(a, kw, kind)
     rank = max(_logical_dim(x), _logical_dim(w))
 
@@ -101,7 +135,15 @@ def accumulated_product(a: tuple, kw: dict, kind: str, acc: Any, seed: int,
                                 batch_dims=1)
         right = quantize_operand(right, inputs, scaling, right=True, mode=mode,
                                  seed=derive_seed(seed, 2), batch_dims=1)
-    y = emulate_matmul(left, right, acc, seed=seed, rounder=fused_rounder(left, right))
+    n = max(left.shape[0], right.shape[0])
+    impl = product_kernel(kernels, left, n) if acc is not None else "torch"
+    if impl == "triton":
+        from ..kernels.accumulate import emulate_matmul_triton
+
+        y = emulate_matmul_triton(left, right, acc, seed=seed, samples=True)
+    else:
+        rounder = fused_rounder(left, right) if impl == "cpu" else None
+        y = emulate_matmul(left, right, acc, seed=seed, rounder=rounder or samples_rounder(n))
     if bias is not None:
         b = bias.samples if isinstance(bias, Stacked) else to_working(bias)
         while isinstance(bias, Stacked) and b.dim() < y.dim():  # the sample dim leads

@@ -396,7 +396,7 @@ class SampleTracer(torch.fx.Interpreter):
         a, kw = _unflatten(leaves, spec)
         return accumulated_product(a, kw, plan.kind, plan.accumulate, self._seed(plan, 2000),
                                    self._to_working, plan.gemm_inputs, self.cfg.gemm_scaling,
-                                   self.cfg.rounding)
+                                   self.cfg.rounding, self.cfg.kernels)
 
     def _det_dtype(self, plan: NodePlan) -> Optional[torch.dtype]:
         """The floating dtype of the node's output in the deterministic pass (dynamo's
