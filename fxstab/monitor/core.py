@@ -548,6 +548,13 @@ class StabilityMonitor:
             "time_fraction": self.time_fraction,
         }
 
+    def save_html(self, path: Any) -> Any:
+        """The history as a self-contained page (:func:`fxstab.plots.html.monitor_page`):
+        scores per operator and step against each family's thresholds, promotions."""
+        from ..plots import html
+        cut = {n: self.config.thresholds_for(self._ops[n].family) for n in self._order}
+        return html.write_page(html.monitor_page(self.history, self.summary(), cut), path)
+
     def table(self) -> str:
         """Operators as text: name, mode, score, checks."""
         w = max([len(n) for n in self._order] + [8])

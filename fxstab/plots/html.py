@@ -54,8 +54,9 @@ _SETTING_NAMES = {"n_samples": "N", "git_commit": "commit", "analysed_calls": "a
 
 
 # --------------------------------------------------------------------------- helpers
-def _num(v: Any, nd: int = 3) -> Any:
-    """A number for the page's JSON: NaN -> null, +-inf -> "inf"/"-inf", rounded to ``nd``."""
+def _num(v: Any, nd: Optional[int] = None) -> Any:
+    """A number for the page's JSON: NaN -> null, +-inf -> "inf"/"-inf", rounded to ``nd``
+    decimals (None: exact, so that the page prints what the text tables print)."""
     if v is None:
         return None
     v = float(v)
@@ -63,6 +64,8 @@ def _num(v: Any, nd: int = 3) -> Any:
         return None
     if math.isinf(v):
         return "inf" if v > 0 else "-inf"
+    if nd is None:
+        return v
     r = round(v, nd)
     return int(r) if r == int(r) and abs(r) < 1e15 else r
 
@@ -86,10 +89,16 @@ def _ink(fill: str) -> str:
     return "#ffffff" if 0.299 * r + 0.587 * g + 0.114 * b < 0.45 else "#000000"
 
 
+def _sig(v: Any) -> Any:
+    """A score for the page's JSON: 4 significant digits (scores span decades)."""
+    v = _num(v)
+    return float(f"{v:.4g}") if isinstance(v, float) else v
+
+
 def _stats(op: Any) -> dict:
-    """Every per-operator statistic of the schema (digits rounded to 3 decimals)."""
+    """Every per-operator statistic of the schema."""
     d = {m: _num(op.digits(m)) for m in METRICS}
-    d.update(max=_num(op.max_digits), zero=_num(op.zero_fraction, 4),
+    d.update(max=_num(op.max_digits), zero=_num(op.zero_fraction),
              nonfin=int(op.non_finite), under=int(op.underflow), numel=int(op.numel),
              calls=int(op.calls))
     return d
@@ -502,18 +511,19 @@ def monitor_page(history: Mapping[str, list], summary: Optional[Mapping] = None,
         for k, h in enumerate(history[n]):
             if not isinstance(h, (tuple, list)) or len(h) < 4:
                 raise ValueError(f"history[{n!r}][{k}] must be (step, S, score, mode), got {h!r}")
-            checks.append([int(h[0]), _num(h[1], 6), _num(h[2], 6), str(h[3])])
+            checks.append([int(h[0]), _sig(h[1]), _sig(h[2]), str(h[3])])
             last = max(last, int(h[0]))
         warn, safe = (thresholds or {}).get(n, (cfg.get("tau_warn"), cfg.get("tau_safe")))
-        ops.append({"name": n, "checks": checks, "warn": _num(warn, 6), "safe": _num(safe, 6),
+        ops.append({"name": n, "checks": checks, "warn": _sig(warn), "safe": _sig(safe),
                     "mode": modes.get(n, "")})
     promos = []
     for p in summary.get("promotions") or []:
         if p.get("op") in index:
             promos.append([int(p["step"]), index[p["op"]], p.get("old", ""), p.get("new", ""),
-                           _num(p.get("score"), 6), p.get("reason", "")])
+                           _sig(p.get("score")), p.get("reason", "")])
             last = max(last, int(p["step"]))
-    data = {"page": "monitor", "ops": ops, "steps": last + 1, "promotions": promos}
+    steps = max(last + 1, int(summary.get("step") or 0))
+    data = {"page": "monitor", "ops": ops, "steps": steps, "promotions": promos}
     kp = []
     for k, label in (("step", "steps"), ("operators", "operators"), ("checks", "checks"),
                      ("replicas", "replicas")):

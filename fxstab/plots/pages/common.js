@@ -342,9 +342,9 @@ const FX = (() => {
     (opts.hlines || []).forEach(h => ys.push(h.y));
     let lo = opts.ymin !== undefined ? opts.ymin : Math.min(...ys, 0);
     let hi = opts.ymax !== undefined ? opts.ymax : Math.max(...ys, 1e-9);
-    if (opts.log) {
-      lo = Math.log10(Math.min(...ys.filter(v => v > 0), 1) / 2);
-      hi = Math.log10(Math.max(...ys, 1) * 2);
+    if (opts.log) {  // whole decades
+      lo = Math.floor(Math.log10(Math.min(...ys.filter(v => v > 0), 1)));
+      hi = Math.ceil(Math.log10(Math.max(...ys, 1)) + 1e-9);
     }
     if (!(hi > lo)) hi = lo + 1;
     const n = Math.max(1, xLabels.length - 1);
@@ -354,9 +354,10 @@ const FX = (() => {
       return T + (H - T - B) * (1 - (v - lo) / (hi - lo));
     };
     const out = [`<svg class="lines" width="${W}" height="${H}" viewBox="0 0 ${W} ${H}">`];
-    for (let k = 0; k <= 4; k++) {
-      const v = lo + (hi - lo) * k / 4;
-      const y = T + (H - T - B) * (1 - k / 4);
+    const ticks = opts.log && hi - lo <= 10 ? hi - lo : 4;
+    for (let k = 0; k <= ticks; k++) {
+      const v = lo + (hi - lo) * k / ticks;
+      const y = T + (H - T - B) * (1 - k / ticks);
       const lab = opts.log ? fmtg(Math.pow(10, v)) : v.toFixed(2);
       out.push(`<line class="grid" x1="${L}" x2="${W - R}" y1="${y}" y2="${y}"/>`,
                `<text x="${L - 4}" y="${y + 4}" text-anchor="end">${lab}</text>`);
