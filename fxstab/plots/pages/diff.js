@@ -85,7 +85,9 @@
     {label: "delta", num: true, get: r => r.o.delta},
     {label: "base NaN/inf", num: true, get: r => r.o.b ? r.o.b.nonfin : null, html: r => r.o.b ? String(r.o.b.nonfin) : ""},
     {label: "head NaN/inf", num: true, get: r => r.o.h ? r.o.h.nonfin : null, html: r => r.o.h ? String(r.o.h.nonfin) : ""},
-    {label: "rank", num: true, get: r => order[r.o.state], html: r => String(order[r.o.state])},
+    // what fails first: lost (largest loss first), vanished, gone, new, gained, the rest
+    {label: "rank", num: true, title: "lost, vanished, gone, new, gained, same; then the change",
+     get: r => 100 * order[r.o.state] + (num(r.o.delta) || 0), html: r => String(order[r.o.state])},
   ];
   const table = FX.makeTable($("#table"), cols, rows, i => {
     graph.select(i === graph.selected ? -1 : i, true);
