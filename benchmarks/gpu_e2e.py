@@ -17,6 +17,13 @@ rotting before a device arrives. Steps:
   entries in the map).
 * ``monitor``: ten monitored AdamW steps of a small LM, interleaved with the plain step
   (overhead per step, checks run).
+* ``accumulate``: the GEMM accumulator's Triton kernel (``fxstab.kernels.accumulate``, issue 31)
+  compiled on the device: its result bit for bit the CPU reference's (``emulate_matmul``, the
+  analysis's draws with ``samples=True``) in a random, a toward-zero and a nearest
+  accumulator, with and without promotion; then its time on linears of the samples ([3, 1024,
+  K] @ [K, N'], fp32 operands, e8m13 in blocks of 32 promoted every 128, random rounding: what
+  the analysis runs) against ``torch.matmul`` of the same fp32 shapes: GB/s (operands read
+  once, output written once) and the ratio of the times.
 * ``inductor``: the test GPT's samples' compute (its sampled graphs with fxstab's steps made
   the identity: ``bench_compiled.compute_only``, the floor) run as generated against the same
   graphs compiled by inductor: what fusing the samples' compute could give on CUDA. The real
@@ -45,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-STEPS = ("op", "aten", "backward", "monitor", "inductor")
+STEPS = ("op", "aten", "backward", "monitor", "inductor", "accumulate")
 
 
 def _sync(device: str) -> None:
@@ -247,6 +254,51 @@ def step_inductor(device: str, dry: bool) -> dict:
             "rows": [{"model": what, "compiler": compiler, "sampled_graphs": len(plain),
                       "floor_ms": t_floor * 1e3, "floor_compiled_ms": t_fused * 1e3,
                       "speedup": t_floor / t_fused}]}
+
+
+def step_accumulate(device: str, dry: bool) -> dict:
+    from fxstab.kernels.accumulate import emulate_matmul_triton
+    from fxstab.kernels.round_digits import interpreter_active
+    from fxstab.numerics.accumulation import Accumulation, emulate_matmul
+    from fxstab.rules.accumulation import samples_rounder
+
+    if device == "cpu" and not interpreter_active():
+        return {"pass": True, "rows": [{"skipped": "the Triton kernel runs on CPU tensors only "
+                                                   "under TRITON_INTERPRET=1"}]}
+    g = torch.Generator().manual_seed(0)
+    rows, ok = [], True
+    # bit for bit against the CPU reference (bf16-valued operands: exact block sums)
+    m, k, n = (9, 70, 5) if dry else (40, 300, 24)
+    a = torch.randn(3, m, k, generator=g).bfloat16().float()
+    w = torch.randn(k, n, generator=g).bfloat16().float()
+    for acc, samples in ((Accumulation((8, 13), 32, 128, "random"), True),
+                         (Accumulation((8, 13), 32, 128, "random"), False),
+                         (Accumulation((8, 13), 32, None, "zero"), False),
+                         (Accumulation("fp16", 16, None, "nearest"), False)):
+        got = emulate_matmul_triton(a.to(device), w.to(device), acc, seed=3,
+                                    samples=samples).cpu()
+        want = emulate_matmul(a, w, acc, seed=3, rounder=samples_rounder(3) if samples else None)
+        same = torch.equal(got.view(torch.int32), want.view(torch.int32))
+        rows.append({"case": f"{acc.label} samples={samples}", "bit_identical": same})
+        ok = ok and same
+    # speed: linears of 3 samples in fp32, the analysis's accumulator
+    acc = Accumulation((8, 13), 32, 128, "random")
+    shapes = [(16, 64, 8)] if dry else [(1024, 4096, 1024), (1024, 1024, 4096)]
+    for m, k, n in shapes:
+        x = torch.randn(3, m, k, generator=g).to(device)
+        wt = torch.randn(k, n, generator=g).to(device)
+        out_bytes = 3 * m * n * 4
+        nbytes = (x.numel() + wt.numel()) * 4 + out_bytes
+        t_kernel = _time(lambda: emulate_matmul_triton(x, wt, acc, seed=1, samples=True),
+                         device, 2 if dry else 10)
+        t_mm = _time(lambda: torch.matmul(x, wt), device, 2 if dry else 10)
+        rows.append({"shape": f"[3, {m}, {k}] @ [{k}, {n}]", "accumulator": acc.label,
+                     "kernel_ms": t_kernel * 1e3, "matmul_ms": t_mm * 1e3,
+                     "kernel_gbps": nbytes / t_kernel / 1e9,
+                     "matmul_gbps": nbytes / t_mm / 1e9,
+                     "kernel_tflops": 2 * 3 * m * k * n / t_kernel / 1e12,
+                     "ratio": t_kernel / t_mm})
+    return {"pass": ok, "rows": rows}
 
 
 def summary(out: Path) -> str:

@@ -3,6 +3,7 @@ sizes, so the script cannot rot before a device is lent (issue 35, docs/gpu.md).
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-E2E = ("op", "aten", "backward", "monitor", "inductor")
+E2E = ("op", "aten", "backward", "monitor", "inductor", "accumulate")
+BUDGET_S = 540  # a run on the device: under 9 minutes, the rest of the 10 a command may take
 
 
 @pytest.mark.slow
@@ -33,6 +35,31 @@ def test_the_dry_run_reaches_every_step_and_writes_the_summary(tmp_path):
     assert all(r["bit_identical"] and r["max_map_difference_vs_cpu"] == 0 for r in op)
     assert lines[-1].startswith("total ") and lines[-1].endswith("status 0")
     assert (tmp_path / "kernels_cpu_bf16_random_float32.json").exists()  # bench_kernels.py
+
+
+def _gpu_step_limits() -> dict:
+    """{step: limit in s} of the steps gpu_check.sh runs on the device: the shared ones and the
+    `if [ $DRY -eq 0 ]` branches' (not the dry run's)."""
+    limits, branch = {}, None
+    for line in (ROOT / "benchmarks" / "gpu_check.sh").read_text().splitlines():
+        if line.startswith("if [ $DRY -eq 0 ]"):
+            branch = "gpu"
+        elif line.startswith("else") and branch:
+            branch = "dry"
+        elif line.startswith("fi"):
+            branch = None
+        m = re.match(r"\s*step (\w+) (\d+) ", line)
+        if m and branch != "dry":
+            limits[m.group(1)] = int(m.group(2))
+    return limits
+
+
+def test_the_step_limits_fit_the_budget_and_the_header_says_their_sum():
+    limits = _gpu_step_limits()
+    assert {"env", "tests", "bench_fused", *(f"e2e_{s}" for s in E2E)} == set(limits), limits
+    total = sum(limits.values())
+    assert total <= BUDGET_S, limits
+    assert f"step limits sum to {total} s" in (ROOT / "benchmarks" / "gpu_check.sh").read_text()
 
 
 def test_e2e_refuses_cuda_without_a_device(tmp_path):
