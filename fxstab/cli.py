@@ -1,4 +1,4 @@
-"""The ``fxstab`` command line: demo, formats, record, diff, show.
+"""The ``fxstab`` command line: demo, formats, record, plan, diff, show.
 
 Exit codes: 0 success; 1 ``diff``'s gate failed (an operator or module lost more than
 ``--max-drop`` digits, a new NaN/inf origin, an operator no longer analysed); 2 unusable input
@@ -186,6 +186,39 @@ def _cmd_record(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# --------------------------------------------------------------------------- plan
+def _cmd_plan(args: argparse.Namespace) -> int:
+    import torch
+
+    from .plan import check_plan, plan_precision
+
+    torch.manual_seed(args.seed)  # the target's parameters and inputs are part of the result
+    model, inputs = load_target(args.target)
+    fmt, higher = _format_arg(args.format), _format_arg(args.higher)
+    if fmt == "auto" or higher == "auto":
+        raise CLIError("plan needs one --format and one --higher (not auto)")
+    extra = {}
+    if args.accumulate is not None:
+        extra["accumulate"] = _accumulate_arg(args.accumulate, None)
+    try:
+        plan = plan_precision(model, inputs, format=fmt, keep=args.keep, higher=higher,
+                              outputs=args.outputs, budget=args.budget,
+                              n_samples=args.n_samples, seed=args.seed, **extra)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    plan.settings["target"] = args.target
+    print(plan.report())
+    if args.output:
+        plan.save(args.output)
+        print(f"saved the plan ({len(plan.promoted)} operators) to {args.output}")
+    if args.apply_check:
+        try:
+            print(check_plan(model, inputs, plan).report(plan))
+        except ValueError as e:
+            raise CLIError(str(e)) from None
+    return EXIT_OK
+
+
 def _warn_coverage(cov: Any) -> None:
     """Warn (stderr) when less than 90% of the model's floating operators were analysed,
     saying which were not and why (fxstab.records.coverage)."""
@@ -345,6 +378,33 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("formats", help="print the table of named formats")
     p.set_defaults(func=_cmd_formats)
+
+    p = sub.add_parser(
+        "plan", help="find the fewest operators to keep in a higher format",
+        description="Search the fewest operators of a TARGET to run in --higher so that its "
+                    "outputs keep --keep avg digits in the analysis (docs/precision-plan.md).",
+        epilog=_RECORD_EPILOG.replace("record compiles", "plan compiles").replace(
+            "--calls times", "once per analysed call"),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("target", metavar="TARGET", help="path/to/file.py:function")
+    p.add_argument("-o", "--output", metavar="FILE", help="write the plan (JSON)")
+    p.add_argument("--format", default="bf16", help="the low-precision format (default bf16)")
+    p.add_argument("--higher", default="fp32",
+                   help="the format promoted operators run in (default fp32)")
+    p.add_argument("--keep", type=float, default=2.0,
+                   help="avg digits the outputs must keep in the analysis (default 2.0)")
+    p.add_argument("--outputs", nargs="+", metavar="OPERATOR", default=None,
+                   help="check these operators' digits instead of the model's outputs")
+    p.add_argument("--budget", type=int, default=None,
+                   help="at most this many analysed calls (default: no cap)")
+    p.add_argument("--n-samples", type=int, default=3, help="stochastic samples N (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of rounding and model (default 0)")
+    p.add_argument("--accumulate", default=None, metavar="PRESET",
+                   help="the GEMMs' accumulator while planning (docs/accumulation.md)")
+    p.add_argument("--apply-check", action="store_true",
+                   help="run the target for real in --format with and without the plan and "
+                        "print the true digits of both against an fp64 run")
+    p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser(
         "record", help="analyse a model given by a TARGET file and save its digit map",

@@ -27,6 +27,7 @@ from ..numerics.digits import true_digits
 from ..numerics.formats import get_format, torch_dtype_of
 from ..records.run import RunState
 from .record import PrecisionPlan
+from .search import as_inputs
 
 __all__ = ["apply_plan", "PlanBackend", "check_plan", "PlanCheck"]
 
@@ -232,6 +233,7 @@ def check_plan(model: torch.nn.Module, example_inputs: Sequence, plan: Precision
         raise ValueError(f"the plan's format {plan.format} is not a dtype torch computes in: "
                          f"the real run needs fp16, bf16 or fp32")
     cap = get_format(plan.format).digit_cap
+    example_inputs = as_inputs(example_inputs)
     with torch.no_grad():
         ref = copy.deepcopy(model).to(torch.float64)(*_cast(tuple(example_inputs),
                                                             torch.float64))

@@ -28,7 +28,7 @@ from ..numerics.digits import digit_stats
 from ..numerics.formats import get_format
 from .record import PrecisionPlan
 
-__all__ = ["plan_precision", "Evaluation", "PlanSearch", "stored_high"]
+__all__ = ["plan_precision", "Evaluation", "PlanSearch", "stored_high", "as_inputs"]
 
 # below this local loss (digits) an operator is not worth promoting
 MIN_LOCAL_LOSS = 0.5
@@ -48,7 +48,7 @@ class PlanSearch:
     def __init__(self, model: Any, example_inputs: Sequence, format: Any, higher: Any,
                  outputs: Optional[Sequence[str]], budget: Optional[int], options: dict) -> None:
         self.model = model
-        self.inputs = tuple(example_inputs)
+        self.inputs = as_inputs(example_inputs)
         self.format = get_format(format)
         self.higher = get_format(higher)
         if self.higher.precision <= self.format.precision:
@@ -90,6 +90,13 @@ class PlanSearch:
         result = Evaluation(digits, dmap)
         self._cache[key] = result
         return result
+
+
+def as_inputs(example_inputs: Any) -> tuple:
+    """Positional inputs as a tuple (one tensor is one input)."""
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    return tuple(example_inputs)
 
 
 def _operators_digits(dmap: DigitMap, names: Sequence[str]) -> float:

@@ -1,0 +1,277 @@
+"""Precision plans (issue 32): does the plan name the hazards, and does it fix the real run?
+
+For each case (a model with planted hazards, the localization benchmark's hazards planted in
+its GPT-style LM, the demo LM, a Hugging Face GPT-2 with a planted hazard) the experiment runs
+:func:`fxstab.plan_precision` with ``keep`` = the digits the same model keeps without its
+hazard in the analysis, minus 0.3 (for the demo, whose hazard is its own attention, 1.2), and
+reports: the operators promoted against the model's operators, the analysed calls against the
+bound 4 + 2·log2(#operators) per planted hazard, the analysis's digits at the outputs before
+and after, and the **real run** in the format (the model cast to bf16/fp16, PyTorch's own
+kernels) against an fp64 run of the same weights: avg true digits at the outputs without the
+plan, with it, with every operator in fp32, with autocast's fixed fp32 list promoted, and with
+as many operators as the plan promoted chosen at random (mean of 5).
+
+Targets: the real run with the plan keeps >= keep - 0.5 true digits where the plain run keeps
+less; the plan promotes <= 10% of the operators; <= 4 + 2·log2(#operators) analysed calls per
+planted hazard.
+
+    .venv/bin/python benchmarks/exp_plan.py                 # every case
+    .venv/bin/python benchmarks/exp_plan.py --cases planted --out /tmp/plan
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import save_json  # noqa: E402
+
+import fxstab  # noqa: E402
+from fxstab.plan import PrecisionPlan, check_plan, plan_precision  # noqa: E402
+from fxstab.plan.search import PlanSearch  # noqa: E402
+
+# torch.autocast's fixed fp32 list (CPU and CUDA, torch/csrc/autocast_mode.cpp), as the
+# operator kinds of a digit map: what a user gets by trusting autocast instead of a plan
+AUTOCAST_FP32_KINDS = frozenset({
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
+    "reciprocal", "rsqrt", "sinh", "tan", "pow", "softplus", "layer_norm", "group_norm",
+    "norm", "cosine_similarity", "nll_loss", "cross_entropy", "cumsum", "dist", "cdist",
+    "renorm", "logsumexp", "softmax", "log_softmax", "sum", "prod", "mse_loss", "var", "std",
+})
+MARGIN = 0.3  # keep = the healthy model's output digits minus this
+
+
+# ============================================================================= planted models
+class Block(nn.Module):
+    """A clean residual block: LayerNorm(x + tanh(linear(x)))."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.ln = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln(x + torch.tanh(self.lin(x)))
+
+
+class TwoHazards(nn.Module):
+    """Twelve clean blocks and a head with two planted hazards between them: a large-offset
+    cancellation ``(x + 256) - 256`` after block 3 (the add rounds x into the spacing of 256,
+    2 in bf16, the subtraction keeps that rounding error) and a LayerNorm of a near-constant
+    input ``0.01 x + 8`` after block 7 (bf16's spacing at 8 is 0.0625, the rows vary by 0.01).
+    ``hazards=False`` is the same model without them (the control)."""
+
+    def __init__(self, d: int = 32, hazards: bool = True) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(12))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, d)
+        self.hazards = hazards
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks[:4]:
+            x = block(x)
+        if self.hazards:
+            x = (x + 256.0) - 256.0
+        for block in self.blocks[4:8]:
+            x = block(x)
+        x = self.norm(0.01 * x + 8.0) if self.hazards else self.norm(x)
+        for block in self.blocks[8:]:
+            x = block(x)
+        return self.head(x)
+
+    # the operators a numerical analyst would keep in fp32: each hazard's rounding and the
+    # operator that amplifies it
+    CULPRITS = (("add#0", "sub#0"), ("add#1", "norm/layer_norm#0"))
+
+
+def two_hazards(hazards: bool = True, seed: int = 0) -> tuple[nn.Module, tuple]:
+    torch.manual_seed(seed)
+    model = TwoHazards(hazards=hazards).eval()
+    return model, (torch.randn(16, 32, generator=torch.Generator().manual_seed(seed)),)
+
+
+class GPT2Logits(nn.Module):
+    """A Hugging Face GPT-2 (tiny config, random init) returning its logits, with an offset
+    cancellation planted in block 1's MLP activation: gelu((h + 1e4) - 1e4)."""
+
+    def __init__(self, hazard: bool = True) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=256, n_positions=64,
+                         attn_implementation="eager")
+        self.gpt = GPT2LMHeadModel(cfg).eval()
+        if hazard:
+            self.gpt.transformer.h[1].mlp.act = OffsetGelu()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.gpt(ids, use_cache=False, return_dict=False)[0]
+
+
+class OffsetGelu(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu((h + 1e4) - 1e4)
+
+
+def gpt2(hazard: bool = True, seed: int = 0) -> tuple[nn.Module, tuple]:
+    torch.manual_seed(seed)
+    model = GPT2Logits(hazard)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(seed))
+    return model, (ids,)
+
+
+def localization(hazard: str) -> Callable[..., tuple]:
+    def build(hazard_on: bool = True, seed: int = 0) -> tuple[nn.Module, tuple]:
+        from benchmarks.bench_localization import build_model
+
+        model, x = build_model("gpt", hazard if hazard_on else None, seed)
+        return model, (x,)
+    return build
+
+
+def demo(hazard_on: bool = True, seed: int = 0) -> tuple[nn.Module, tuple]:
+    from fxstab.demo import build
+
+    model, x = build(seed=seed)
+    return model, (x,)
+
+
+# name -> (builder(hazard_on), format, planted hazards, fixed keep or None: from the control)
+CASES: dict[str, tuple[Callable[..., tuple], str, int, Optional[float]]] = {
+    "planted": (two_hazards, "bf16", 2, None),
+    "offset_cancel": (localization("offset_cancel"), "bf16", 1, None),
+    "near_const_layernorm": (localization("near_const_layernorm"), "bf16", 1, None),
+    "reciprocal_gate": (localization("reciprocal_gate"), "bf16", 1, None),
+    "one_pass_variance": (localization("one_pass_variance"), "bf16", 1, None),
+    "naive_softmax_fp16": (localization("naive_softmax"), "fp16", 1, None),
+    "demo_fp16": (demo, "fp16", 1, 1.2),
+    "gpt2_offset": (gpt2, "bf16", 1, None),
+}
+
+
+# ============================================================================= measures
+def analysis(model: nn.Module, inputs: tuple, fmt: str) -> tuple[float, Any]:
+    """(avg digits at the outputs, digit map) of one analysed call, nothing promoted."""
+    search = PlanSearch(model, inputs, fmt, "fp32", None, None, {})
+    ev = search.evaluate(())
+    return ev.digits, ev.map
+
+
+def as_plan(names: Sequence[str], dmap: Any, fmt: str, keep: float) -> PrecisionPlan:
+    return PrecisionPlan(format=fmt, higher="fp32", keep=keep, promoted=list(names),
+                         kinds={n: dmap[n].kind for n in names},
+                         modules={n: dmap[n].module_path for n in names})
+
+
+def run_case(name: str, seed: int = 0) -> dict:
+    build, fmt, hazards, fixed_keep = CASES[name]
+    t0 = time.time()
+    if fixed_keep is None:
+        control, cin = build(False, seed)
+        keep = round(analysis(control, cin, fmt)[0] - MARGIN, 2)
+    else:
+        keep = fixed_keep
+    model, inputs = build(True, seed)
+    _, dmap = analysis(model, inputs, fmt)
+    forward = [op.name for op in dmap.operators.values() if op.direction == "forward"]
+    plan = plan_precision(model, inputs, format=fmt, keep=keep, seed=seed)
+    real = check_plan(model, inputs, plan)
+    autocast = [n for n in forward if dmap[n].kind in AUTOCAST_FP32_KINDS]
+    real_autocast = check_plan(model, inputs, as_plan(autocast, dmap, fmt, keep)).planned
+    rng = random.Random(seed)
+    randoms = [check_plan(model, inputs, as_plan(rng.sample(forward, len(plan.promoted)),
+                                                 dmap, fmt, keep)).planned
+               for _ in range(5)] if plan.promoted else [real.plain]
+    bound = hazards * (4 + 2 * math.log2(len(forward)))
+    row = {"case": name, "format": fmt, "keep": keep, "operators": len(forward),
+           "promoted": plan.promoted, "n_promoted": len(plan.promoted),
+           "share": len(plan.promoted) / len(forward), "runs": plan.runs, "runs_bound": bound,
+           "met": plan.met, "analysis_before": plan.before, "analysis_after": plan.after,
+           "analysis_all_fp32": plan.all_higher, "true_plain": real.plain,
+           "true_plan": real.planned, "true_all_fp32": real.high,
+           "autocast_promoted": len(autocast), "true_autocast": real_autocast,
+           "true_random": sum(randoms) / len(randoms), "missing": real.missing,
+           "seconds": time.time() - t0}
+    culprits = getattr(build(True, seed)[0], "CULPRITS", None)
+    if culprits:
+        row["culprits_promoted"] = all(any(c in plan.promoted for c in group)
+                                       for group in culprits)
+    return row
+
+
+def checks(rows: Sequence[dict]) -> list[str]:
+    bad = []
+    for r in rows:
+        if r["true_plain"] < r["keep"] - 0.5 and r["true_plan"] < r["keep"] - 0.5:
+            bad.append(f"{r['case']}: the real run with the plan keeps {r['true_plan']:.2f} "
+                       f"true digits < keep - 0.5 = {r['keep'] - 0.5:.2f}")
+        if r["share"] > 0.10:
+            bad.append(f"{r['case']}: the plan promotes {r['n_promoted']} of {r['operators']} "
+                       f"operators (> 10%)")
+        if r["runs"] > r["runs_bound"]:
+            bad.append(f"{r['case']}: {r['runs']} analysed calls > {r['runs_bound']:.1f}")
+        if r.get("culprits_promoted") is False:
+            bad.append(f"{r['case']}: a planted hazard's operators are not in the plan")
+    return bad
+
+
+def table(rows: Sequence[dict]) -> str:
+    head = (f"{'case':<21} {'fmt':<4} {'keep':>4} {'ops':>4} {'prom':>4} {'runs':>4} "
+            f"{'bound':>5} | {'an.before':>9} {'an.after':>8} | {'plain':>5} {'plan':>5} "
+            f"{'fp32':>5} {'autoc':>5} {'rand':>5}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['case']:<21} {r['format']:<4} {r['keep']:>4.2f} {r['operators']:>4} "
+            f"{r['n_promoted']:>4} {r['runs']:>4} {r['runs_bound']:>5.1f} | "
+            f"{r['analysis_before']:>9.2f} {r['analysis_after']:>8.2f} | "
+            f"{r['true_plain']:>5.2f} {r['true_plan']:>5.2f} {r['true_all_fp32']:>5.2f} "
+            f"{r['true_autocast']:>5.2f} {r['true_random']:>5.2f}")
+    lines.append("analysis digits: CESTAC avg digits at the outputs; plain/plan/fp32/autoc/rand: "
+                 "avg true digits of the real run against fp64 (autoc: autocast's fp32 list "
+                 "promoted; rand: as many operators as the plan, at random, mean of 5)")
+    for r in rows:
+        lines.append(f"  {r['case']}: {', '.join(r['promoted']) or '(nothing)'}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", default=",".join(CASES), help="comma-separated cases")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="results/plan", help="folder of plan.json")
+    a = p.parse_args(argv)
+    names = [c for c in a.cases.split(",") if c]
+    unknown = [c for c in names if c not in CASES]
+    if unknown:
+        p.error(f"unknown case(s) {unknown}; known: {', '.join(CASES)}")
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    t0 = time.time()
+    rows = []
+    for name in names:
+        rows.append(run_case(name, a.seed))
+        print(f"[{time.time() - t0:.0f} s] {name}: {rows[-1]['n_promoted']} promoted, "
+              f"{rows[-1]['runs']} runs", flush=True)
+    print(table(rows))
+    bad = checks(rows)
+    print("\ncriteria: " + ("all hold" if not bad else "FAILED\n  " + "\n  ".join(bad)))
+    path = save_json(Path(a.out) / "plan.json", {
+        "experiment": "exp_plan", "seconds": time.time() - t0, "seed": a.seed,
+        "margin": MARGIN, "criteria_failures": bad, "rows": rows})
+    print(f"\n{time.time() - t0:.0f} s; wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
