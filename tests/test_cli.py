@@ -386,6 +386,9 @@ def test_ci_script_with_stand_in_backend(tmp_path):
     assert "g0/sqrt#0" in {d["name"] for d in drops}, drops
     assert json.loads((out / "diff.json").read_text())["origins"], drops
     assert "FAIL" in (out / "diff.txt").read_text()
+    # the pages the workflow uploads (tests/test_html_pages.py opens such pages in a browser)
+    assert 'class="verdict fail"' in (out / "diff.html").read_text()
+    assert 'data-name="g0/sqrt#0"' in (out / "head.html").read_text()
     base = DigitMap.load(out / "base.json")
     assert base.metadata["target"] == "examples/ci/target.py:build"
     assert not _git(repo, "worktree", "list").strip().count("\n")  # worktrees removed

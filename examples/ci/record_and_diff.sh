@@ -12,7 +12,9 @@
 #   FXSTAB_OUT          output folder (default ./fxstab-digits)
 #   FXSTAB              the fxstab command (default fxstab)
 # Writes base.json, head.json, diff.md (the pull-request comment), diff.txt and diff.json to
-# FXSTAB_OUT and exits with `fxstab diff`'s code: 0 the gate passes, 1 it fails (an operator or
+# FXSTAB_OUT, and two self-contained pages that open offline from the job's artifacts: head.html
+# (the head's digit map: findings, graph, table) and diff.html (the verdict, the graph coloured
+# by the change). It exits with `fxstab diff`'s code: 0 the gate passes, 1 it fails (an operator or
 # module lost more than FXSTAB_MAX_DROP digits, a new NaN/inf origin, an operator no longer
 # analysed), 2 unusable input. A TARGET file absent from BASE (the change adds it) is not an
 # error: there is no baseline, diff.md says so and the exit code is 0. A TARGET file absent from
@@ -70,6 +72,8 @@ record head "$head_sha"
 rc=0
 metric_args=()
 if [ -n "$metric" ]; then metric_args=(--metric "$metric"); fi
+"$fxstab" show "$out/head.json" ${metric_args[@]+"${metric_args[@]}"} --html "$out/head.html" >/dev/null
 "$fxstab" diff "$out/base.json" "$out/head.json" --max-drop "$max_drop" ${metric_args[@]+"${metric_args[@]}"} \
-    --markdown-out "$out/diff.md" --json-out "$out/diff.json" --text-out "$out/diff.txt" || rc=$?
+    --markdown-out "$out/diff.md" --json-out "$out/diff.json" --text-out "$out/diff.txt" \
+    --html "$out/diff.html" || rc=$?
 exit "$rc"
