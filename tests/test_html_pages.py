@@ -194,6 +194,18 @@ def test_diff_page_marks_operators_only_one_map_has(demo_map):
                      r'[^>]*fill="' + html.CHANGE_STYLES["new"][0], back)
 
 
+def test_the_wheel_ships_every_file_the_pages_inline():
+    """pyproject's package data covers plots/pages/ (tests/test_packaging.py checks the .py)."""
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is Python 3.11's")
+    root = Path(__file__).resolve().parents[1]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"]["fxstab.plots"]
+    files = [p.relative_to(html.PAGES.parent).as_posix() for p in html.PAGES.iterdir()
+             if p.is_file()]
+    assert files and all(any(fnmatch.fnmatch(f, g) for g in globs) for f in files), (files,
+                                                                                     globs)
+
+
 def test_a_250_operator_map_over_100_steps_stays_under_2_mb():
     dm = training_map()
     assert len(dm) == 250 and len(dm.step_keys()) == 100

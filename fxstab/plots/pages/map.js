@@ -23,7 +23,8 @@
       `<span${v ? ' class="cur"' : ""}>${esc(k)} ${v}</span>`).join(", ") : "none";
     const where = origins.has(i) ? '<div style="color:#6a00f4;font-weight:700">NaN/inf first appear here</div>'
       : s.nonfin ? '<div style="color:#6a00f4">passes NaN/inf on</div>' : "";
-    const lossText = worst >= 0 ? `${fmt(loss)} against ${esc(ops[worst].name)}`
+    const lossText = origins.has(i) ? "NaN/inf origin (ranked first)"
+      : worst >= 0 ? `${fmt(loss)} against ${esc(ops[worst].name)}`
       : `${fmt(loss)} against the format's cap`;
     return `<h3>${esc(o.name)}</h3>${where}
       <div>${esc(o.kind)} in <code>${esc(o.module || "(top level)")}</code>, format
