@@ -371,7 +371,6 @@ def diff_page(base: DigitMap, head: DigitMap, result: DiffResult,
     lost = {c.name for c in result.drops}
     gained = {c.name for c in result.gains}
     vanished = {r.name for r in result.vanished}
-    new_origins = set(result.new_origins)
     head_sources = set(head.nonfinite_sources())
     consumers = union.consumers()
     ops, styles = [], {}
