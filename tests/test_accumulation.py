@@ -430,3 +430,97 @@ def test_cestac_digits_with_a_random_accumulator_are_not_over_optimistic(fmt):
         assert pooled <= 0.05, (name, rows)
         # the estimate is not vacuous: below the format's cap (the samples differ)
         assert all(r[0] < 0.9 * fxstab.get_format(fmt).digit_cap for r in rows), (name, rows)
+
+
+# --------------------------------------------------------------------------- convolutions
+def _patches(x: np.ndarray, kh: int, kw: int, stride, pads, dilation) -> np.ndarray:
+    """im2col from its definition, one patch per output position: x [C, H, W] zero-padded by
+    pads = (top, bottom, left, right); rows (oh, ow), columns (c, i, j)."""
+    c, h, w = x.shape
+    top, bottom, left, right = pads
+    oh = (h + top + bottom - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    ow = (w + left + right - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    out = np.zeros((oh * ow, c * kh * kw))
+    for p in range(oh):
+        for q in range(ow):
+            for ch in range(c):
+                for i in range(kh):
+                    for j in range(kw):
+                        r = p * stride[0] + i * dilation[0] - top
+                        s = q * stride[1] + j * dilation[1] - left
+                        if 0 <= r < h and 0 <= s < w:
+                            out[p * ow + q, (ch * kh + i) * kw + j] = x[ch, r, s]
+    return out, oh, ow
+
+
+@pytest.mark.parametrize("mode", ["nearest", "zero"])
+@pytest.mark.parametrize("case", ["conv2d", "conv2d-groups", "conv1d-same"])
+def test_convolutions_are_the_gemm_of_their_patches_with_the_accumulator(case, mode):
+    """conv1d/conv2d through the GEMM form: each output element is the sequential reference's
+    accumulation over K = (channel, kernel row, kernel column) of its patch, bit for bit
+    (stride, padding, dilation, groups, padding="same", bias)."""
+    from fxstab.rules.accumulation import accumulable, accumulated_product
+    from fxstab.rules.lifting import Stacked
+
+    g = torch.Generator().manual_seed(1)
+    if case == "conv1d-same":
+        x = torch.randn(2, 2, 4, 9, generator=g).bfloat16().float()  # [N, B, C, L]
+        w = torch.randn(5, 4, 4, generator=g).bfloat16().float()
+        args, groups, pads = (1, "same", (1,), 1), 1, (0, 0, 1, 2)  # torch pads the odd one
+        stride, dilation = (1, 1), (1, 1)                             # after
+        x4, w4 = x.unsqueeze(-2), w.unsqueeze(-2)
+    else:
+        groups = 2 if case == "conv2d-groups" else 1
+        x = torch.randn(2, 2, 4, 6, 5, generator=g).bfloat16().float()
+        w = torch.randn(6, 4 // groups, 3, 2, generator=g).bfloat16().float()
+        stride, dilation = (2, 1), (1, 2)
+        args, pads = (stride, (1, 2), dilation, groups), (1, 1, 2, 2)
+        x4, w4 = x, w
+    bias = torch.randn(w.shape[0], generator=g).bfloat16().float()
+    kind = case.split("-")[0]
+    call = (Stacked(x), w, bias, *args)
+    assert accumulable(call, {}, kind)
+    acc = Accumulation("fp16", 4, 8, mode)
+    got = accumulated_product(call, {}, kind, acc, 0, lambda t: t.float()).samples
+    fine = accumulated_product(call, {}, kind, Accumulation((11, 52), 1), 0,
+                               lambda t: t.double()).samples  # fp64 steps: torch's conv
+    conv = getattr(torch.nn.functional, kind)
+    want = torch.stack([conv(x[n].double(), w.double(), bias.double(), *args) for n in range(2)])
+    torch.testing.assert_close(fine, want, rtol=1e-12, atol=1e-12)
+    o, kh, kw = w4.shape[0], w4.shape[-2], w4.shape[-1]
+    og = o // groups
+    for n in range(2):
+        for b in range(2):
+            for gi in range(groups):
+                xs = x4[n, b, gi * (x4.shape[2] // groups):(gi + 1) * (x4.shape[2] // groups)]
+                cols, oh, ow = _patches(xs.double().numpy(), kh, kw, stride, pads, dilation)
+                wg = w4[gi * og:(gi + 1) * og].reshape(og, -1).double().numpy()
+                want = reference(wg, cols.T, acc.fmt.man_bits, acc.block, acc.promote_every,
+                                 mode) + bias[gi * og:(gi + 1) * og, None].double().numpy()
+                np.testing.assert_array_equal(
+                    got[n, b, gi * og:(gi + 1) * og].reshape(og, -1).numpy(),
+                    want.astype(np.float32))
+
+
+class _ConvNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = torch.nn.Conv2d(3, 16, 3, padding=1)
+        self.c2 = torch.nn.Conv2d(16, 16, 3, stride=2, groups=4)
+        self.c3 = torch.nn.Conv1d(16, 8, 3, padding="same")
+
+    def forward(self, x):
+        return self.c3(self.c2(torch.relu(self.c1(x))).flatten(2))
+
+
+def test_an_analysed_convnet_models_its_convolutions_accumulators():
+    torch.manual_seed(0)
+    model, x = _ConvNet(), torch.randn(2, 3, 16, 16)
+    trusted = _digits(model, x).digit_map().operators
+    fp16 = _digits(model, x, accumulate=Accumulation("fp16", 16, rounding="random"))
+    convs = ["c1/conv2d#0", "c2/conv2d#0", "c3/conv1d#0"]
+    ops = fp16.digit_map().operators
+    assert all(ops[c].avg_digits < trusted[c].avg_digits - 2 for c in convs), \
+        {c: (ops[c].avg_digits, trusted[c].avg_digits) for c in convs}
+    reasons = [e.reason for e in fp16.coverage().entries if e.kind.startswith("conv")]
+    assert reasons == ["accumulator fp16/b16/random on the samples"] * 3

@@ -5,13 +5,17 @@ The operator level runs a modelled GEMM (:data:`~fxstab.rules.lifting.ACCUMULATE
 exactly, one rounding into the accumulator each; a random rounding draws per sample and
 element (CESTAC inside the product), from the call's seed of that operator. A plain operand
 broadcasts as one sample: its batch dims are aligned with the stacked operand's logical ones
-(the sample dim leads), as ``torch.matmul`` aligns them on one sample.
+(the sample dim leads), as ``torch.matmul`` aligns them on one sample. ``conv1d`` and
+``conv2d`` run through their GEMM form (im2col: each group's weight times the input's
+patches). On CUDA the Triton kernel of :mod:`fxstab.kernels.accumulate` computes the product,
+on the CPU blocked fp64 products with each block rounded by the fused C kernel
+(:func:`product_kernel`): the same bits.
 """
 
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -22,7 +26,7 @@ from ..numerics.randbits import derive_seed
 from .lifting import Stacked
 
 __all__ = ["gemm_operands", "accumulable", "accumulated_product", "gemm_model_label",
-           "fused_rounder", "samples_rounder", "product_kernel"]
+           "fused_rounder", "samples_rounder", "product_kernel", "CONV_KINDS", "conv_args"]
 
 
 def gemm_operands(a: tuple, kw: dict, kind: str) -> tuple:
@@ -41,11 +45,54 @@ def _logical_dim(v: Any) -> int:
     return v.dim() if isinstance(v, torch.Tensor) else 0
 
 
+# Convolutions modelled through their GEMM form (im2col): kind -> spatial dims
+CONV_KINDS = {"conv1d": 1, "conv2d": 2}
+_CONV_ARGS = (("bias", None), ("stride", 1), ("padding", 0), ("dilation", 1), ("groups", 1))
+
+
+def conv_args(a: tuple, kw: dict) -> tuple:
+    """(input, weight, bias, stride, padding, dilation, groups) of a ``conv1d``/``conv2d`` call,
+    as ``torch.nn.functional`` takes them (defaults filled in)."""
+    x = a[0] if a else kw["input"]
+    w = a[1] if len(a) > 1 else kw["weight"]
+    rest = [a[i + 2] if len(a) > i + 2 else kw.get(name, default)
+            for i, (name, default) in enumerate(_CONV_ARGS)]
+    return (x, w, *rest)
+
+
+def _pair(v: Any, dims: int) -> Optional[tuple]:
+    """``v`` as ``dims`` ints (an int, a sequence of ints; ``padding="valid"`` is 0), else None."""
+    if v == "valid":
+        v = 0
+    if isinstance(v, int) and not isinstance(v, bool):
+        return (v,) * dims
+    if isinstance(v, (tuple, list)) and len(v) == dims and all(
+            isinstance(i, int) and not isinstance(i, bool) for i in v):
+        return tuple(v)
+    return None
+
+
+def _conv_accumulable(a: tuple, kw: dict, kind: str) -> bool:
+    dims = CONV_KINDS[kind]
+    try:
+        x, w, _, stride, padding, dilation, groups = conv_args(a, kw)
+    except (IndexError, KeyError):
+        return False
+    # a batched input (an unbatched one keeps the trusted path)
+    return (_logical_dim(x) == dims + 2 and _logical_dim(w) == dims + 2
+            and None not in (_pair(stride, dims), _pair(dilation, dims))
+            and (padding == "same" or _pair(padding, dims) is not None)
+            and isinstance(groups, int))
+
+
 def accumulable(a: tuple, kw: dict, kind: str) -> bool:
     """Whether the accumulator can be modelled for these arguments: both operands with two
-    logical dims or more (a 1-D operand's product keeps the trusted path), no ``out=``."""
+    logical dims or more (a 1-D operand's product keeps the trusted path), no ``out=``; a
+    convolution with a batched input and numeric stride, padding and dilation."""
     if "out" in kw:
         return False
+    if kind in CONV_KINDS:
+        return _conv_accumulable(a, kw, kind)
     try:
         x, w, _ = gemm_operands(a, kw, kind)
     except (IndexError, KeyError):
@@ -120,6 +167,8 @@ def accumulated_product(a: tuple, kw: dict, kind: str, acc: Any, seed: int,
     are first scaled and rounded into that format (``scaling``; each sample its own scales,
     the analysis's rounding ``mode``: the samples draw their own directions). ``kernels``
     picks the implementation (:func:`product_kernel`)."""
+    if kind in CONV_KINDS:
+        return _conv_product(a, kw, kind, acc, seed, to_working, inputs, scaling, mode, kernels)
     x, w, bias = gemm_operands(a, kw, kind)
     rank = max(_logical_dim(x), _logical_dim(w))
 
@@ -130,6 +179,20 @@ def accumulated_product(a: tuple, kw: dict, kind: str, acc: Any, seed: int,
         return t
 
     left, right = aligned(x), aligned(w)
+    y = _samples_product(left, right, acc, seed, inputs, scaling, mode, kernels)
+    if bias is not None:
+        b = bias.samples if isinstance(bias, Stacked) else to_working(bias)
+        while isinstance(bias, Stacked) and b.dim() < y.dim():  # the sample dim leads
+            b = b.unsqueeze(1)
+        y = y + b
+    return Stacked(to_working(y))
+
+
+def _samples_product(left: torch.Tensor, right: torch.Tensor, acc: Any, seed: int, inputs: Any,
+                     scaling: str, mode: Any, kernels: str) -> torch.Tensor:
+    """``left @ right`` of stacked operands ``[N or 1, ..., M, K]`` and ``[N or 1, ..., K, P]``
+    with the accumulator ``acc`` (and the operands in ``inputs``), by the implementation
+    ``kernels`` picks (:func:`product_kernel`)."""
     if inputs is not None:
         left = quantize_operand(left, inputs, scaling, mode=mode, seed=derive_seed(seed, 1),
                                 batch_dims=1)
@@ -140,13 +203,46 @@ def accumulated_product(a: tuple, kw: dict, kind: str, acc: Any, seed: int,
     if impl == "triton":
         from ..kernels.accumulate import emulate_matmul_triton
 
-        y = emulate_matmul_triton(left, right, acc, seed=seed, samples=True)
-    else:
-        rounder = fused_rounder(left, right) if impl == "cpu" else None
-        y = emulate_matmul(left, right, acc, seed=seed, rounder=rounder or samples_rounder(n))
+        return emulate_matmul_triton(left, right, acc, seed=seed, samples=True)
+    rounder = fused_rounder(left, right) if impl == "cpu" else None
+    return emulate_matmul(left, right, acc, seed=seed, rounder=rounder or samples_rounder(n))
+
+
+def _conv_product(a: tuple, kw: dict, kind: str, acc: Any, seed: int,
+                  to_working: Callable[[torch.Tensor], torch.Tensor], inputs: Any,
+                  scaling: str, mode: Any, kernels: str) -> Stacked:
+    """A convolution's samples through its GEMM form: the input unfolded into patches
+    (im2col: K = in_channels/groups x kernel positions, in the order of ``weight.reshape(O,
+    -1)``: channel, then kernel row, then column), each group's weight ``[O/g, K]`` times its
+    patches ``[K, positions]`` with the accumulator, folded back to ``[N, B, O, *out]``."""
+    dims = CONV_KINDS[kind]
+    x, w, bias, stride, padding, dilation, groups = conv_args(a, kw)
+    xs = x.samples if isinstance(x, Stacked) else to_working(x).unsqueeze(0)
+    ws = w.samples if isinstance(w, Stacked) else to_working(w).unsqueeze(0)
+    same = padding == "same"
+    stride, dilation = _pair(stride, dims), _pair(dilation, dims)
+    padding = (0,) * dims if same else _pair(padding, dims)
+    if dims == 1:  # a 1-D convolution is a 2-D one of height 1
+        xs, ws = xs.unsqueeze(-2), ws.unsqueeze(-2)
+        stride, padding, dilation = ((1, *stride), (0, *padding), (1, *dilation))
+    nw, o, cg, kh, kw_ = ws.shape
+    flat = xs.reshape(-1, *xs.shape[-3:])
+    if same:  # torch pads d (k - 1) in all, the odd one after (stride 1, its rule)
+        tot = (dilation[0] * (kh - 1), dilation[1] * (kw_ - 1))
+        flat = torch.nn.functional.pad(flat, (tot[1] // 2, tot[1] - tot[1] // 2,
+                                              tot[0] // 2, tot[0] - tot[0] // 2))
+    nx, b = xs.shape[:2]
+    c, h, wd = flat.shape[-3:]
+    cols = torch.nn.functional.unfold(flat, (kh, kw_), dilation=dilation, padding=padding,
+                                      stride=stride)
+    oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    ow = (wd + 2 * padding[1] - dilation[1] * (kw_ - 1) - 1) // stride[1] + 1
+    k = cg * kh * kw_
+    right = cols.reshape(nx, b, groups, k, oh * ow)
+    left = ws.reshape(nw, 1, groups, o // groups, k)
+    y = _samples_product(left, right, acc, seed, inputs, scaling, mode, kernels)
+    y = y.reshape(y.shape[0], b, o, *((ow,) if dims == 1 else (oh, ow)))
     if bias is not None:
-        b = bias.samples if isinstance(bias, Stacked) else to_working(bias)
-        while isinstance(bias, Stacked) and b.dim() < y.dim():  # the sample dim leads
-            b = b.unsqueeze(1)
-        y = y + b
+        bs = bias.samples if isinstance(bias, Stacked) else to_working(bias).unsqueeze(0)
+        y = y + bs.reshape(bs.shape[0], 1, o, *(1,) * dims)
     return Stacked(to_working(y))

@@ -167,6 +167,14 @@ def test_the_analysis_gemm_is_the_same_bits_with_every_kernel(mode):
     assert outs[0].shape == (3, 4, 7, 5)
     assert_bits_equal(outs[0], outs[1])
     assert_bits_equal(outs[0], outs[2])
+    # a grouped convolution through its GEMM form (broadcast batch dims [N, B, groups])
+    xc, wc = _operands((3, 2, 4, 6, 5), (6, 2, 3, 2), seed=10)
+    call = (Stacked(xc), wc, None, (2, 1), (1, 2), (1, 2), 2)
+    outs = [accumulated_product(call, {}, "conv2d", acc, 78, lambda t: t.float(),
+                                kernels=k).samples.cpu() for k in ("triton", "auto", "torch")]
+    assert outs[0].shape == (3, 2, 6, 3, 7)
+    assert_bits_equal(outs[0], outs[1])
+    assert_bits_equal(outs[0], outs[2])
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="compares the CPU kernels with the interpreter")
