@@ -524,3 +524,79 @@ def test_an_analysed_convnet_models_its_convolutions_accumulators():
         {c: (ops[c].avg_digits, trusted[c].avg_digits) for c in convs}
     reasons = [e.reason for e in fp16.coverage().entries if e.kind.startswith("conv")]
     assert reasons == ["accumulator fp16/b16/random on the samples"] * 3
+
+
+# --------------------------------------------------------------------------- attention
+_SDPA = "scaled_dot_product_attention"
+_SDPA_CASES = {
+    "plain": {}, "causal": {"is_causal": True}, "scale": {"scale": 0.3},
+    "bool-mask": {"attn_mask": torch.rand(7, 9, generator=torch.Generator().manual_seed(2)) > 0.3},
+    "float-mask": {"attn_mask": torch.randn(2, 1, 7, 9, generator=torch.Generator().manual_seed(3))},
+    "gqa": {"enable_gqa": True},
+}
+
+
+def _qkv(case: str):
+    g = torch.Generator().manual_seed(4)
+    heads = 2 if case == "gqa" else 4
+    q = torch.randn(3, 2, 4, 7, 8, generator=g).bfloat16().float()  # [N, B, H, L, E]
+    k = torch.randn(2, heads, 9, 8, generator=g).bfloat16().float()
+    v = torch.randn(2, heads, 9, 5, generator=g).bfloat16().float()
+    return q, k, v
+
+
+@pytest.mark.parametrize("case", list(_SDPA_CASES))
+def test_attention_is_its_two_products_with_the_accumulator(case):
+    """scaled_dot_product_attention modelled as S = (q @ k^T) * scale with the accumulator, the
+    mask, softmax in the working dtype, P @ v with the accumulator: with fp64's accumulator
+    torch's attention; with a coarse directed one each product is emulate_matmul's, bit for
+    bit."""
+    from fxstab.rules.accumulation import accumulable, accumulated_product
+    from fxstab.rules.lifting import Stacked
+
+    q, k, v = _qkv(case)
+    kw = _SDPA_CASES[case]
+    call = (Stacked(q), k, v)
+    assert accumulable(call, kw, _SDPA)
+    fine = accumulated_product(call, kw, _SDPA, Accumulation((11, 52), 1), 0,
+                               lambda t: t.double()).samples
+    want = torch.stack([torch.nn.functional.scaled_dot_product_attention(
+        q[n].double(), k.double(), v.double(),
+        **{key: (val.double() if isinstance(val, torch.Tensor) and val.is_floating_point()
+                 else val) for key, val in kw.items()}) for n in range(3)])
+    torch.testing.assert_close(fine, want, rtol=1e-12, atol=1e-12)
+    acc = Accumulation("bf16", 4, rounding="zero")
+    got = accumulated_product(call, kw, _SDPA, acc, 0, lambda t: t.float()).samples
+    kk, vv = (k.repeat_interleave(2, -3), v.repeat_interleave(2, -3)) if case == "gqa" else (k, v)
+    s = emulate_matmul(q, kk.transpose(-1, -2), acc) * kw.get("scale", 8 ** -0.5)
+    if case == "causal":
+        s = s.masked_fill(~torch.ones(7, 9, dtype=torch.bool).tril(), float("-inf"))
+    mask = kw.get("attn_mask")
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    np.testing.assert_array_equal(got.numpy(), emulate_matmul(s.softmax(-1), vv, acc).numpy())
+
+
+def test_attention_with_dropout_keeps_the_trusted_path():
+    from fxstab.rules.accumulation import accumulable
+    from fxstab.rules.lifting import Stacked
+
+    q, k, v = _qkv("plain")
+    assert not accumulable((Stacked(q), k, v, None, 0.1), {}, _SDPA)
+    assert not accumulable((Stacked(q), k, v), {"attn_mask": k[..., :1], "is_causal": True}, _SDPA)
+
+
+def test_an_analysed_gpt_models_its_attention_products():
+    from models import GPT
+
+    torch.manual_seed(0)
+    model, x = GPT(vocab=64, d=32, heads=4, layers=1, ctx=16).eval(), torch.randint(0, 64, (2, 16))
+    name = "blocks.0/scaled_dot_product_attention#0"
+    with torch.no_grad():
+        trusted = _digits(model, x).digit_map().operators
+        be = _digits(model, x, accumulate={_SDPA: Accumulation("bf16", 1, rounding="random")})
+    ops = be.digit_map().operators
+    assert ops[name].avg_digits < trusted[name].avg_digits - 3  # bf16 keeps ~2.4 digits
+    assert ops["blocks.0.qkv/linear#0"].avg_digits == trusted["blocks.0.qkv/linear#0"].avg_digits
+    assert [e.reason for e in be.coverage().entries if e.kind == _SDPA] == [
+        "accumulator bf16/b1/random on the samples"]

@@ -7,7 +7,7 @@ element (CESTAC inside the product), from the call's seed of that operator. A pl
 broadcasts as one sample: its batch dims are aligned with the stacked operand's logical ones
 (the sample dim leads), as ``torch.matmul`` aligns them on one sample. ``conv1d`` and
 ``conv2d`` run through their GEMM form (im2col: each group's weight times the input's
-patches). On CUDA the Triton kernel of :mod:`fxstab.kernels.accumulate` computes the product,
+patches), ``scaled_dot_product_attention`` as its two products around the softmax. On CUDA the Triton kernel of :mod:`fxstab.kernels.accumulate` computes the product,
 on the CPU blocked fp64 products with each block rounded by the fused C kernel
 (:func:`product_kernel`): the same bits.
 """
@@ -15,6 +15,7 @@ on the CPU blocked fp64 products with each block rounded by the fused C kernel
 from __future__ import annotations
 
 import importlib.util
+import math
 from typing import Any, Callable, Optional
 
 import torch
@@ -26,7 +27,7 @@ from ..numerics.randbits import derive_seed
 from .lifting import Stacked
 
 __all__ = ["gemm_operands", "accumulable", "accumulated_product", "gemm_model_label",
-           "fused_rounder", "samples_rounder", "product_kernel", "CONV_KINDS", "conv_args"]
+           "fused_rounder", "samples_rounder", "product_kernel", "CONV_KINDS", "conv_args", "SDPA", "sdpa_args"]
 
 
 def gemm_operands(a: tuple, kw: dict, kind: str) -> tuple:
@@ -85,6 +86,33 @@ def _conv_accumulable(a: tuple, kw: dict, kind: str) -> bool:
             and isinstance(groups, int))
 
 
+SDPA = "scaled_dot_product_attention"
+_SDPA_ARGS = (("attn_mask", None), ("dropout_p", 0.0), ("is_causal", False), ("scale", None),
+              ("enable_gqa", False))
+
+
+def sdpa_args(a: tuple, kw: dict) -> tuple:
+    """(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) of a
+    ``scaled_dot_product_attention`` call (defaults filled in)."""
+    q, k, v = (a[i] if len(a) > i else kw[name] for i, name in
+               enumerate(("query", "key", "value")))
+    rest = [a[i + 3] if len(a) > i + 3 else kw.get(name, default)
+            for i, (name, default) in enumerate(_SDPA_ARGS)]
+    return (q, k, v, *rest)
+
+
+def _sdpa_accumulable(a: tuple, kw: dict) -> bool:
+    try:
+        q, k, v, mask, dropout_p, is_causal, scale, gqa = sdpa_args(a, kw)
+    except (IndexError, KeyError):
+        return False
+    # dropout draws from the RNG as the deterministic pass does: the trusted path keeps it
+    return (min(_logical_dim(q), _logical_dim(k), _logical_dim(v)) >= 2
+            and isinstance(dropout_p, (int, float)) and dropout_p == 0
+            and isinstance(is_causal, bool) and not (is_causal and mask is not None)
+            and (scale is None or isinstance(scale, (int, float))))
+
+
 def accumulable(a: tuple, kw: dict, kind: str) -> bool:
     """Whether the accumulator can be modelled for these arguments: both operands with two
     logical dims or more (a 1-D operand's product keeps the trusted path), no ``out=``; a
@@ -93,6 +121,8 @@ def accumulable(a: tuple, kw: dict, kind: str) -> bool:
         return False
     if kind in CONV_KINDS:
         return _conv_accumulable(a, kw, kind)
+    if kind == SDPA:
+        return _sdpa_accumulable(a, kw)
     try:
         x, w, _ = gemm_operands(a, kw, kind)
     except (IndexError, KeyError):
@@ -169,6 +199,8 @@ def accumulated_product(a: tuple, kw: dict, kind: str, acc: Any, seed: int,
     picks the implementation (:func:`product_kernel`)."""
     if kind in CONV_KINDS:
         return _conv_product(a, kw, kind, acc, seed, to_working, inputs, scaling, mode, kernels)
+    if kind == SDPA:
+        return _sdpa_product(a, kw, acc, seed, to_working, inputs, scaling, mode, kernels)
     x, w, bias = gemm_operands(a, kw, kind)
     rank = max(_logical_dim(x), _logical_dim(w))
 
@@ -246,3 +278,41 @@ def _conv_product(a: tuple, kw: dict, kind: str, acc: Any, seed: int,
         bs = bias.samples if isinstance(bias, Stacked) else to_working(bias).unsqueeze(0)
         y = y + bs.reshape(bs.shape[0], 1, o, *(1,) * dims)
     return Stacked(to_working(y))
+
+
+def _sdpa_product(a: tuple, kw: dict, acc: Any, seed: int,
+                  to_working: Callable[[torch.Tensor], torch.Tensor], inputs: Any,
+                  scaling: str, mode: Any, kernels: str) -> Stacked:
+    """Attention's samples with its two products modelled: ``S = (q @ k^T) * scale`` with the
+    accumulator (the scale applied to the product, as fused kernels apply it), the mask
+    (``is_causal``, boolean or additive), ``P = softmax(S)`` in the working dtype (not rounded
+    into a format), then ``P @ v`` with the accumulator. ``enable_gqa`` repeats the key and
+    value heads as torch does."""
+    q, k, v, mask, _, is_causal, scale, gqa = sdpa_args(a, kw)
+    rank = max(_logical_dim(t) for t in (q, k, v))
+
+    def aligned(t: Any) -> torch.Tensor:
+        s = t.samples if isinstance(t, Stacked) else to_working(t).unsqueeze(0)
+        while s.dim() < rank + 1:  # logical batch dims padded after the sample dim
+            s = s.unsqueeze(1)
+        return s
+
+    qs, ks, vs = aligned(q), aligned(k), aligned(v)
+    if gqa and ks.shape[-3] != qs.shape[-3]:
+        rep = qs.shape[-3] // ks.shape[-3]
+        ks, vs = ks.repeat_interleave(rep, -3), vs.repeat_interleave(rep, -3)
+    if scale is None:
+        scale = 1.0 / math.sqrt(qs.shape[-1])
+    s = _samples_product(qs, ks.transpose(-1, -2), acc, derive_seed(seed, 3), inputs, scaling,
+                         mode, kernels) * scale
+    if is_causal:
+        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    if mask is not None:
+        m = mask.samples if isinstance(mask, Stacked) else mask.unsqueeze(0)
+        while m.dim() < s.dim():  # the sample dim leads
+            m = m.unsqueeze(1)
+        s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.to(s.dtype)
+    p = torch.softmax(s, dim=-1)
+    out = _samples_product(p, vs, acc, derive_seed(seed, 4), inputs, scaling, mode, kernels)
+    return Stacked(to_working(out))

@@ -175,6 +175,15 @@ def test_the_analysis_gemm_is_the_same_bits_with_every_kernel(mode):
     assert outs[0].shape == (3, 2, 6, 3, 7)
     assert_bits_equal(outs[0], outs[1])
     assert_bits_equal(outs[0], outs[2])
+    # attention's two products (a transposed key, a causal mask)
+    q, kv = _operands((3, 2, 5, 8), (2, 9, 8), seed=11)
+    call = (Stacked(q), kv, kv[..., :6])
+    outs = [accumulated_product(call, {"is_causal": True}, "scaled_dot_product_attention", acc,
+                                79, lambda t: t.float(), kernels=k).samples.cpu()
+            for k in ("triton", "auto", "torch")]
+    assert outs[0].shape == (3, 2, 5, 6)
+    assert_bits_equal(outs[0], outs[1])
+    assert_bits_equal(outs[0], outs[2])
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="compares the CPU kernels with the interpreter")
