@@ -600,3 +600,17 @@ def test_an_analysed_gpt_models_its_attention_products():
     assert ops["blocks.0.qkv/linear#0"].avg_digits == trusted["blocks.0.qkv/linear#0"].avg_digits
     assert [e.reason for e in be.coverage().entries if e.kind == _SDPA] == [
         "accumulator bf16/b1/random on the samples"]
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row", "block128", "mx32"])
+def test_a_groups_largest_element_saturates_instead_of_overflowing_to_nan(scaling):
+    """amax / (amax / 448) can land an ulp above e4m3's largest value: a random rounding then
+    went up past it, a NaN in e4m3fn (every row/block128 GEMM of a GPT held some)."""
+    from fxstab.numerics.accumulation import quantize_operand
+
+    x = torch.randn(3, 64, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for right in (False, True):
+        q = quantize_operand(x, "fp8_e4m3", scaling, right=right, mode="random", seed=1,
+                             batch_dims=1)
+        assert torch.isfinite(q).all()
+        assert (q.abs() <= x.abs().amax() * (1 + 2 ** -3)).all()

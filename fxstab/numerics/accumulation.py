@@ -161,9 +161,10 @@ def quantize_operand(x: torch.Tensor, format: Any, scaling: str = "tensor", righ
         amax = blocks.amax(dim=(-3, -1), keepdim=True)
         scale = _scale(amax, fmt, pow2=scaling == "mx32").expand_as(blocks)
         scale = scale.reshape(padded.shape)[..., :rows, :k]
-    # MX's power-of-two scale leaves the group's largest element up to twice the format's
-    # largest value: it saturates, as the OCP MX conversion does
-    q = quantize(t / scale, fmt, mode, seed=seed, saturate=scaling == "mx32") * scale
+    # the group's largest element lands on the format's largest value (up to an ulp of the
+    # division above it; MX's power-of-two scale: up to twice it): the conversion saturates,
+    # as the recipes' scaled casts and the OCP MX conversion do (an overshoot is not a NaN)
+    q = quantize(t / scale, fmt, mode, seed=seed, saturate=True) * scale
     return q.transpose(-1, -2) if right else q
 
 
