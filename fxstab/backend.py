@@ -197,8 +197,10 @@ class FxstabBackend:
                                   for p, acc in c.accumulate}
         if c.formats:  # per-operator formats (a precision plan): pattern -> format
             meta["formats"] = {p: f.name for p, f in c.formats}
-        if c.gemm_inputs is not None:
-            meta["gemm_inputs"] = f"{c.gemm_inputs.name}/{c.gemm_scaling}"
+        if c.gemm_inputs:  # the GEMMs' operand format: "fp8_e4m3/block128", or per pattern
+            label = {p: f"{f.name}/{c.gemm_scaling}" if f is not None else "as given"
+                     for p, f in c.gemm_inputs}
+            meta["gemm_inputs"] = label["*"] if list(label) == ["*"] else label
         return meta
 
     def digit_map(self, target: str = "", gather: bool = False):

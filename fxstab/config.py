@@ -11,7 +11,7 @@ from .numerics.formats import Format, get_format
 from .numerics.rounding import Rounding
 
 __all__ = ["AnalysisConfig", "Kernels", "KERNELS", "GRANULARITIES", "OUTPUTS", "DIAGNOSTICS",
-           "accumulation_rules", "accumulation_for"]
+           "accumulation_rules", "operand_rules", "format_rules", "rule_for"]
 
 
 class Kernels(str, Enum):
@@ -128,11 +128,8 @@ class AnalysisConfig:
         if self.gemm_scaling not in SCALINGS:
             raise ValueError(f"gemm_scaling must be one of {', '.join(SCALINGS)}, got "
                              f"{self.gemm_scaling!r}")
-        if self.gemm_inputs is not None:
-            try:
-                object.__setattr__(self, "gemm_inputs", get_format(self.gemm_inputs))
-            except ValueError as exc:
-                raise ValueError(f"gemm_inputs: {exc}") from None
+        object.__setattr__(self, "gemm_inputs", operand_rules(self.gemm_inputs))
+        if self.gemm_inputs:
             if self.granularity != "op":
                 raise ValueError("gemm_inputs= is modelled at granularity='op' (linear, "
                                  "matmul, mm, bmm) for now")
@@ -237,11 +234,43 @@ def accumulation_rules(spec: Any) -> tuple:
     return () if parsed is None else (("*", parsed),)
 
 
-def accumulation_for(rules: tuple, kind: str, qualified_name: str) -> Any:
-    """The accumulator of one GEMM under ``rules`` (None: the trusted product)."""
+def operand_rules(spec: Any) -> tuple:
+    """``gemm_inputs=`` as ``((pattern, Format or None), ...)``: one format for every modelled
+    GEMM (``"*"``), or ``{kind, glob over "module.path/kind" or operator name: format or
+    None}`` (None: the operands as the program gives them), first match wins."""
+    from collections.abc import Mapping
+
+    if spec is None:
+        return ()
+    if isinstance(spec, tuple) and all(isinstance(r, tuple) and len(r) == 2 for r in spec):
+        return spec  # already normalized (a config copied with dataclasses.replace)
+
+    def fmt(value: Any, where: str) -> Any:
+        if value is None:
+            return None
+        try:
+            return get_format(value)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+
+    if isinstance(spec, Mapping):
+        rules = []
+        for key, value in spec.items():
+            if not isinstance(key, str) or not key:
+                raise ValueError(f"gemm_inputs keys are operator kinds, names or globs over "
+                                 f"'module.path/kind', got {key!r}")
+            rules.append((key, fmt(value, f"gemm_inputs[{key!r}]")))
+        return tuple(rules)
+    return (("*", fmt(spec, "gemm_inputs")),)
+
+
+def rule_for(rules: tuple, kind: str, qualified_name: str, name: Optional[str] = None) -> Any:
+    """The value of the first of ``rules`` (``((pattern, value), ...)``) that matches a GEMM:
+    ``"*"``, its kind, its stable ``name``, or a glob over its ``"module.path/kind"``; None
+    when none does (the trusted product, the program's operands)."""
     import fnmatch
 
-    for pattern, acc in rules:
-        if pattern in ("*", kind) or fnmatch.fnmatchcase(qualified_name, pattern):
-            return acc
+    for pattern, value in rules:
+        if pattern in ("*", kind, name) or fnmatch.fnmatchcase(qualified_name, pattern):
+            return value
     return None

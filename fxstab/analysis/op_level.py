@@ -25,7 +25,7 @@ from ..capture.opsets import DROPOUT_KINDS, RANDOM_KINDS, is_custom, is_gemm, no
 from ..cpu import alloc
 from ..records.coverage import SKIPPED, CoverageEntry
 from ..records.run import RunState
-from ..config import accumulation_for
+from ..config import rule_for
 from ..rules.lifting import (
     ACCUMULATED_KINDS, NodePlan, Stacked, has_floating, rng_states, set_rng_states,
 )
@@ -155,9 +155,9 @@ class GraphAnalysis:
                     plan.source = src
                     plan.gemm = is_gemm(kind)
                     if plan.gemm and kind in ACCUMULATED_KINDS:
-                        plan.accumulate = accumulation_for(self.cfg.accumulate, kind,
-                                                           qualified_name(path, kind))
-                        plan.gemm_inputs = self.cfg.gemm_inputs
+                        qn = qualified_name(path, kind)
+                        plan.accumulate = rule_for(self.cfg.accumulate, kind, qn, plan.name)
+                        plan.gemm_inputs = rule_for(self.cfg.gemm_inputs, kind, qn, plan.name)
                     plan.inputs = tuple(sorted(ins))
                     plan.format = self._format_of(node, plan.name)
                     plan.report = {"name": plan.name, "kind": kind, "module_path": path,
