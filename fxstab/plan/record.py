@@ -95,6 +95,11 @@ class PrecisionPlan:
                  f"digits at {what} (avg, the analysis): {self.before:.2f} in {self.format} "
                  f"-> {self.after:.2f} with the plan (required {self.keep:.2f}; all in "
                  f"{self.higher}: {self.all_higher:.2f})"]
+        recipe = [f"{k} {v}" for k, v in self.settings.items()
+                  if k in ("gemm_inputs", "accumulate")]
+        if recipe:
+            lines.append(f"GEMM recipe: {'; '.join(recipe)}; a promoted GEMM leaves it (operands "
+                         f"as the program gives them, the fp32 sum)")
         if not self.met:
             lines.append("NOT MET: " + ("even every operator in " + self.higher + " keeps less"
                                         if self.all_higher < self.keep else

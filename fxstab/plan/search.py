@@ -23,6 +23,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..backend import backend as make_backend
+from ..config import AnalysisConfig
+from ..rules.lifting import ACCUMULATED_KINDS
 from ..digitmap.map import DigitMap
 from ..numerics.digits import digit_stats
 from ..numerics.formats import get_format
@@ -59,7 +61,19 @@ class PlanSearch:
         self.options = options
         self.runs = 0
         self.consumers: dict = {}  # the base map's edges, reversed (set after the first call)
+        self.kinds: dict = {}  # operator name -> kind, from the base map
+        # a GEMM recipe (fp8 operands, an emulated accumulator) as the config's rules
+        cfg = AnalysisConfig(gemm_inputs=options.get("gemm_inputs"),
+                             accumulate=options.get("accumulate"))
+        self.recipe = (cfg.gemm_inputs, cfg.accumulate)
         self._cache: dict = {}
+
+    def recipe_off(self, promoted: Sequence[str]) -> list:
+        """The promoted GEMMs that leave the recipe (bf16 operands, the trusted fp32 sum):
+        with ``gemm_inputs=``/``accumulate=``, promoting a GEMM is that."""
+        if not (self.recipe[0] or self.recipe[1]):
+            return []
+        return [p for p in promoted if self.kinds.get(p) in ACCUMULATED_KINDS]
 
     @property
     def exhausted(self) -> bool:
@@ -69,12 +83,21 @@ class PlanSearch:
         """The analysis with ``promoted`` in ``higher`` (cached: two plans whose outputs stay
         high on the same operators are one analysis)."""
         high = stored_high(promoted, self.consumers)
-        key = frozenset(high)
+        exact = self.recipe_off(promoted)
+        key = (frozenset(high), frozenset(exact))
         if key in self._cache:
             return self._cache[key]
         formats = {name: self.higher for name in high}
+        options = dict(self.options)
+        if exact:  # promoted GEMMs leave the low-precision recipe: first rules win
+            if self.recipe[0]:
+                options["gemm_inputs"] = (*((n, None) for n in exact), *self.recipe[0])
+            if self.recipe[1]:
+                options["accumulate"] = (*((n, None) for n in exact), *self.recipe[1])
         torch._dynamo.reset()
-        be = make_backend(format=self.format, formats=formats or None, **self.options)
+        with warnings.catch_warnings():  # the backend's notes, said once by plan_precision
+            warnings.simplefilter("ignore", UserWarning)
+            be = make_backend(format=self.format, formats=formats or None, **options)
         compiled = torch.compile(self.model, backend=be)
         with be.capture_samples() as cap, torch.no_grad():
             compiled(*self.inputs)
@@ -189,6 +212,9 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
         outputs: operator names (as in digit maps) whose digits are checked; None: the
             model's floating outputs.
         higher: the format promoted operators run in (more significand bits than ``format``).
+            With a GEMM recipe in the options (``gemm_inputs=`` fp8 operands, ``accumulate=``
+            an emulated accumulator), a promoted GEMM also leaves the recipe: its operands
+            stay in the program's dtype and its sum is the trusted fp32 product.
         budget: at most this many analysed calls (None: no cap); a search that reaches it
             returns its best plan so far, ``met`` False if that keeps less than ``keep``.
         **options: more :func:`fxstab.backend` options (``n_samples``, ``seed``, ``select``,
@@ -208,15 +234,24 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
     for bad in ("formats", "granularity", "format"):
         if bad in options:
             raise ValueError(f"{bad}= is set by the plan's search, not an option")
+    make_backend(format=format, **options)  # validates the options, warns what it warns
     search = PlanSearch(model, example_inputs, format, higher, outputs, budget, options)
     base = search.evaluate(())
     forward = [op.name for op in base.map.operators.values() if op.direction == "forward"]
     fwd = set(forward)
     consumers = base.map.consumers()
     search.consumers = consumers
+    search.kinds = {name: op.kind for name, op in base.map.operators.items()}
     order = {name: i for i, name in enumerate(forward)}
     settings = {"n_samples": options.get("n_samples", 3), "seed": options.get("seed", 0),
                 "granularity": granularity}
+    if search.recipe[0]:
+        settings["gemm_inputs"] = {p: f.name if f is not None else "as given"
+                                   for p, f in search.recipe[0]}
+        settings["gemm_scaling"] = options.get("gemm_scaling", "tensor")
+    if search.recipe[1]:
+        settings["accumulate"] = {p: a.label if a is not None else "fp32"
+                                  for p, a in search.recipe[1]}
     plan = PrecisionPlan(format=search.format.name, higher=search.higher.name,
                          keep=float(keep), outputs=list(outputs) if outputs else None,
                          operators=len(forward), before=base.digits, settings=settings)
@@ -263,22 +298,24 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
     if ev.digits < keep:
         return finish(promoted, ev, False)
 
-    # 2. shrink: ddmin's complement step (drop a chunk while the outputs keep their digits)
+    # 2. shrink: drop chunks of halving size (delta debugging's complement step), then each
+    # operator once, latest added first, while the outputs keep their digits
     n = 2
-    while len(promoted) >= 2 and not search.exhausted:
+    while 2 <= n < len(promoted) and not search.exhausted:
         size = math.ceil(len(promoted) / n)
-        chunks = [promoted[i:i + size] for i in range(0, len(promoted), size)]
-        for chunk in chunks:
+        dropped = False
+        for chunk in [promoted[i:i + size] for i in range(0, len(promoted), size)]:
             rest = [p for p in promoted if p not in chunk]
-            trial = search.evaluate(rest)
-            if trial.digits >= keep:
-                promoted, ev = rest, trial
-                n = max(n - 1, 2)
-                break
-            if search.exhausted:
-                break
-        else:
-            if n >= len(promoted):
-                break
-            n = min(2 * n, len(promoted))
+            if rest and not search.exhausted:
+                trial = search.evaluate(rest)
+                if trial.digits >= keep:
+                    promoted, ev, dropped = rest, trial, True
+        n = n if dropped else 2 * n
+    for name in reversed(list(promoted)):
+        if len(promoted) < 2 or search.exhausted:
+            break
+        rest = [p for p in promoted if p != name]
+        trial = search.evaluate(rest)
+        if trial.digits >= keep:
+            promoted, ev = rest, trial
     return finish(promoted, ev, True)
