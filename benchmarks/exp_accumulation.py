@@ -135,7 +135,7 @@ def part_b(args) -> None:
                 f(x)
         maps[name] = be.digit_map()
     gemms = [n for n, op in maps["trusted"].operators.items()
-             if op.kind in ("linear", "matmul", "bmm", "mm")]
+             if op.kind in ("linear", "matmul", "bmm", "mm", "scaled_dot_product_attention")]
     print(f"\n(b) GPT d={d}, 2 blocks, seq 64, fp32 format: avg digits per GEMM "
           f"(e8m13 accumulator, blocks of 32, random rounding)")
     print(f"{'GEMM':<28}{'trusted':>9}{'fast':>8}{'promoted':>10}{'fast loses':>12}")
