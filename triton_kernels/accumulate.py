@@ -3,7 +3,8 @@
 :func:`emulate_matmul_triton` computes :func:`fxstab.numerics.accumulation.emulate_matmul` (the
 plain-torch reference, beside it) for ``[..., M, K] @ [..., K, N]`` with the batch dims
 broadcast and flattened into one grid dimension, so the analysis's N stacked samples are a
-batch dimension of one launch. One program owns a ``BM x BN`` tile of one batch element and
+batch dimension of one launch (the operands read through their strides, up to three batch
+dims after collapsing: a weight broadcast over the samples is not copied). One program owns a ``BM x BN`` tile of one batch element and
 walks K in increasing order in blocks of ``block``:
 
 * the block's products are summed in fp64 (the working dtype), one rank-1 update per k, from
@@ -48,14 +49,17 @@ from .round_digits import check_launchable, format_constants, interpreter_active
 
 __all__ = ["emulate_matmul_triton", "TILE_GPU", "TILE_INTERPRETER"]
 
-TILE_GPU = (64, 64, 4)  # BM, BN, warps: 16 fp64 accumulators (x2 with promotion) per thread
+# BM, BN, warps on a GPU: 8 output elements per thread. ptxas (sm_90a, compiled ahead of time
+# here) gives the random modes with promotion 219 registers and no spill; 64 x 64 tiles on 4 or
+# 8 warps spill (255 registers), the Philox counters and three fp64 tiles per element.
+TILE_GPU = (32, 64, 8)
 TILE_INTERPRETER = (16, 16, 1)  # small tiles: odd shapes cross tile edges in the tests
 
 
 @triton.jit
 def _accumulate_kernel(
     a_ptr, b_ptr, out_ptr, seeds_ptr, M, N, K, block, promote, b_inner, n_samples, tiles_n,
-    s_ab, s_am, s_ak, s_bb, s_bk, s_bn,
+    B1, B2, s_a0, s_a1, s_a2, s_am, s_ak, s_b0, s_b1, s_b2, s_bk, s_bn,
     MODE: tl.constexpr, PROMOTE: tl.constexpr,
     A_WM: tl.constexpr, A_EXP_ONES: tl.constexpr, A_SHMAX: tl.constexpr, A_SHIFT0: tl.constexpr,
     A_EB: tl.constexpr, A_MAX_BITS: tl.constexpr, A_MINSUB_BITS: tl.constexpr,
@@ -75,8 +79,12 @@ def _accumulate_kernel(
     offs_n = (t % tiles_n) * BN + tl.arange(0, BN).to(tl.int64)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    a_row = a_ptr + pid_b * s_ab + offs_m * s_am  # [BM]
-    b_col = b_ptr + pid_b * s_bb + offs_n * s_bn  # [BN]
+    # the batch element's three batch coordinates (the broadcast batch dims, collapsed)
+    i2 = pid_b % B2
+    i1 = (pid_b // B2) % B1
+    i0 = pid_b // (B1 * B2)
+    a_row = a_ptr + i0 * s_a0 + i1 * s_a1 + i2 * s_a2 + offs_m * s_am  # [BM]
+    b_col = b_ptr + i0 * s_b0 + i1 * s_b1 + i2 * s_b2 + offs_n * s_bn  # [BN]
 
     # the random streams: element e counted within its sample, the sample's draw and flip
     s = pid_b // b_inner
@@ -146,6 +154,22 @@ def _constants(fmt: Any, prefix: str) -> dict:
     return {prefix + k: kw[k] for k in keys}
 
 
+def _batch_dims(batch: tuple, sa: tuple, sb: tuple) -> Optional[list]:
+    """The broadcast batch dims as at most three ``(size, a's stride, b's stride)``, outermost
+    first: dims of size 1 dropped, a dim merged into the one outside it where both operands'
+    strides allow (a weight broadcast over samples and batch keeps its stride 0, uncopied);
+    None if more than three remain."""
+    out: list = []
+    for size, x, y in zip(batch, sa, sb):
+        if size == 1:
+            continue
+        if out and out[-1][1] == x * size and out[-1][2] == y * size:
+            out[-1] = (out[-1][0] * size, x, y)
+        else:
+            out.append((size, x, y))
+    return out if len(out) <= 3 else None
+
+
 def emulate_matmul_triton(a: torch.Tensor, b: torch.Tensor, accumulate: AccumulationLike = "fp32",
                           seed: Optional[int] = None, inputs: Any = None,
                           scaling: str = "tensor", samples: bool = False) -> torch.Tensor:
@@ -175,8 +199,12 @@ def emulate_matmul_triton(a: torch.Tensor, b: torch.Tensor, accumulate: Accumula
     if out.numel() == 0:
         return matmul_result(out, squeeze, out_dtype)
     nb = out.numel() // (m * n)
-    a3 = a64.expand(*batch, m, k).reshape(nb, m, k)  # a view where the strides allow
-    b3 = b64.expand(*batch, k, n).reshape(nb, k, n)
+    a_x, b_x = a64.expand(*batch, m, k), b64.expand(*batch, k, n)
+    dims = _batch_dims(batch, a_x.stride()[:-2], b_x.stride()[:-2])
+    if dims is None:  # more than three batch dims that do not collapse: copies
+        a_x, b_x = a_x.reshape(nb, m, k), b_x.reshape(nb, k, n)
+        dims = [(nb, a_x.stride(0), b_x.stride(0))]
+    dims = [(1, 0, 0)] * (3 - len(dims)) + dims
     n_samples = batch[0] if samples else 1
     b_inner = nb // n_samples
     mode = acc.rounding
@@ -190,9 +218,10 @@ def emulate_matmul_triton(a: torch.Tensor, b: torch.Tensor, accumulate: Accumula
     tiles_n = triton.cdiv(n, bn)
     grid = (nb * triton.cdiv(m, bm) * tiles_n,)
     _accumulate_kernel[grid](
-        a3, b3, out, seeds, m, n, k, acc.block, acc.promote_every or 1, b_inner, n_samples,
-        tiles_n, a3.stride(0), a3.stride(1), a3.stride(2), b3.stride(0), b3.stride(1),
-        b3.stride(2), MODE=MODE_CODES[mode], PROMOTE=bool(acc.promote_every),
+        a_x, b_x, out, seeds, m, n, k, acc.block, acc.promote_every or 1, b_inner, n_samples,
+        tiles_n, dims[1][0], dims[2][0], dims[0][1], dims[1][1], dims[2][1], a_x.stride(-2),
+        a_x.stride(-1), dims[0][2], dims[1][2], dims[2][2], b_x.stride(-2), b_x.stride(-1),
+        MODE=MODE_CODES[mode], PROMOTE=bool(acc.promote_every),
         **_constants(acc.fmt, "A_"), **_constants("fp32", "P_"), BM=bm, BN=bn,
         num_warps=warps)
     return matmul_result(out, squeeze, out_dtype)

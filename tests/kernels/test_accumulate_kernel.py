@@ -76,6 +76,7 @@ def test_k_zero_and_empty_outputs_and_the_trusted_product():
 
 @pytest.mark.parametrize("a_shape,b_shape", [
     ((3, 1, 5, 12), (2, 12, 7)), ((12,), (2, 12, 3)), ((4, 12), (12,)), ((2, 3, 12), (12, 5)),
+    ((2, 1, 3, 1, 4, 12), (5, 1, 2, 12, 3)),  # four batch dims that do not collapse: copied
 ], ids=str)
 def test_broadcasting_like_matmul(a_shape, b_shape):
     a, b = _operands(a_shape, b_shape)
