@@ -94,6 +94,18 @@ def test_operand_dtypes_give_the_output_dtype():
     _same(Accumulation(E8M13, 8, rounding="random"), a32, b32)  # the module docstring
 
 
+def test_fp8_operands_with_their_scaling():
+    """inputs=/scaling= round the operands as emulate_matmul does (the shared prologue); MX's
+    power-of-two scales keep every block sum exact, so the results agree bit for bit."""
+    a, b = _operands((2, 9, 70), (70, 6), dtype=torch.float32)
+    for mode in ("zero", "random"):
+        got = emulate_matmul_triton(a, b, Accumulation(E8M13, 32, 64, mode), seed=2,
+                                    inputs="fp8_e4m3", scaling="mx32")
+        want = emulate_matmul(a.cpu(), b.cpu(), Accumulation(E8M13, 32, 64, mode), seed=2,
+                              inputs="fp8_e4m3", scaling="mx32")
+        assert_bits_equal(got.cpu(), want)
+
+
 def test_subnormal_and_overflowing_accumulators():
     # fp16: sums of 2**-20-sized products stay in the subnormals (below 2**-14); positive sums
     # of 2**12-sized products pass 65504: nearest and up go to inf (IEEE), zero and down stop
