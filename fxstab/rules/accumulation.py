@@ -110,6 +110,7 @@ def _sdpa_accumulable(a: tuple, kw: dict) -> bool:
     return (min(_logical_dim(q), _logical_dim(k), _logical_dim(v)) >= 2
             and isinstance(dropout_p, (int, float)) and dropout_p == 0
             and isinstance(is_causal, bool) and not (is_causal and mask is not None)
+            and (mask is None or isinstance(mask, (torch.Tensor, Stacked)))
             and (scale is None or isinstance(scale, (int, float))))
 
 
