@@ -29,7 +29,7 @@ from ..records.run import RunState
 from .record import PrecisionPlan
 from .search import as_inputs
 
-__all__ = ["apply_plan", "PlanBackend", "check_plan", "PlanCheck"]
+__all__ = ["apply_plan", "PlanBackend", "check_plan", "PlanCheck", "output_true_digits"]
 
 
 def _higher_dtype(plan: PrecisionPlan) -> torch.dtype:
@@ -214,7 +214,8 @@ def _cast(v: Any, dtype: torch.dtype) -> Any:
                            and t.is_floating_point() else t, v)
 
 
-def _avg_true(y: Any, ref: Any, cap: float) -> float:
+def output_true_digits(y: Any, ref: Any, cap: float) -> float:
+    """The avg true digits of a model's floating outputs ``y`` against ``ref`` (fp64)."""
     total = numel = 0
     for a, r in zip(pytree.tree_leaves(y), pytree.tree_leaves(ref)):
         if isinstance(a, torch.Tensor) and a.is_floating_point() and a.numel():
@@ -226,24 +227,25 @@ def _avg_true(y: Any, ref: Any, cap: float) -> float:
 def check_plan(model: torch.nn.Module, example_inputs: Sequence, plan: PrecisionPlan
                ) -> PlanCheck:
     """Run ``model`` for real in the plan's format (a copy cast to its dtype, the inputs too),
-    without and with the plan, and in ``higher``, against an fp64 copy of the same weights:
-    the avg true digits at the outputs of each (capped at the format's digits)."""
+    without and with the plan, and in ``higher``, against fp64 runs of the same weights and
+    inputs (the low-precision copy's, widened: what the plan can fix is the arithmetic, not
+    the parameters' own rounding): the avg true digits at the outputs of each, capped at the
+    format's digits."""
     low = torch_dtype_of(plan.format)
     if low is None:
         raise ValueError(f"the plan's format {plan.format} is not a dtype torch computes in: "
                          f"the real run needs fp16, bf16 or fp32")
+    high_dtype = _higher_dtype(plan)
     cap = get_format(plan.format).digit_cap
-    example_inputs = as_inputs(example_inputs)
+    lowered = copy.deepcopy(model).to(low)
+    inputs = _cast(as_inputs(example_inputs), low)
     with torch.no_grad():
-        ref = copy.deepcopy(model).to(torch.float64)(*_cast(tuple(example_inputs),
-                                                            torch.float64))
-        inputs = _cast(tuple(example_inputs), low)
-        plain = copy.deepcopy(model).to(low)(*inputs)
-        high_dtype = _higher_dtype(plan)
-        high = copy.deepcopy(model).to(high_dtype)(*_cast(tuple(example_inputs), high_dtype))
+        ref = copy.deepcopy(lowered).to(torch.float64)(*_cast(inputs, torch.float64))
+        plain = lowered(*inputs)
+        high = copy.deepcopy(lowered).to(high_dtype)(*_cast(inputs, high_dtype))
         torch._dynamo.reset()
-        planned_model = apply_plan(copy.deepcopy(model).to(low), plan)
+        planned_model = apply_plan(copy.deepcopy(lowered), plan)
         planned = planned_model(*inputs)
         missing = planned_model.plan_backend.missing()
-    return PlanCheck(_avg_true(plain, ref, cap), _avg_true(planned, ref, cap),
-                     _avg_true(high, ref, get_format(plan.higher).digit_cap), missing)
+    return PlanCheck(output_true_digits(plain, ref, cap), output_true_digits(planned, ref, cap),
+                     output_true_digits(high, ref, get_format(plan.higher).digit_cap), missing)

@@ -6,10 +6,11 @@ count are the CESTAC avg digits of the checked outputs. The search proposes from
 latest digit map knows, then removes what is not needed:
 
 1. grow: promote the NaN/inf origins and the operators ranked first by the local loss
-   (:meth:`fxstab.DigitMap.localize`), one more each round, doubling when a round did not
-   suffice; a promoted operator that still loses digits pulls in its worst input's producer
-   (``(x + c) - c`` needs the add as well as the subtraction: the add's bf16 rounding already
-   erased x);
+   (:meth:`fxstab.DigitMap.localize`), each with its producers (``(x + c) - c`` needs the
+   add as well as the subtraction: the add's bf16 rounding already erased x), one more
+   each round, doubling when a round did not suffice; a promoted operator that still loses
+   digits first pulls in the producers where its promoted region begins, one generation a
+   round (``E[x^2] - E[x]^2`` amplifies the rounding of x^2 and of x too);
 2. shrink: delta debugging (ddmin's complement step) over the grown set, each test one
    analysed call, down to a set from which no single operator can be dropped.
 """
@@ -162,37 +163,62 @@ def stored_high(promoted: Sequence[str], consumers: dict) -> list:
 def _candidates(ev: Evaluation, promoted: list, forward: set, consumers: dict
                 ) -> tuple[list, list]:
     """(operators pulled in by the plan's own members, units worth promoting best first)
-    from the evaluation's digit map. An operator that loses digits comes with its worst
-    input's producer (the edge whose rounding it amplifies: both must be promoted for that
-    output to stay high); a NaN/inf origin with its readers (its output must stay high)."""
+    from the evaluation's digit map.
+
+    An operator that loses digits amplifies the rounding errors of its inputs: it comes with
+    their producers (both ends of an edge must be promoted for the edge to carry ``higher``).
+    A NaN/inf origin comes with its producers (an invalid operation's operand) and its readers
+    (an overflow: its output must stay high). A promoted operator that still loses digits, or
+    is still an origin, pulls in the next producers up (one generation per round: a
+    cancellation amplifies every rounding upstream of it, back to where the values are
+    accurate enough): the producers where the promoted region above it begins; a reader of
+    the plan that loses digits is pulled in too (the accurate values reach it: with an fp8
+    recipe, the GEMM after a cancelling one)."""
     chosen = set(promoted)
-    ranking = ev.map.localize()
+    dmap = ev.map
+    ranking = dmap.localize()
     pulled: list = []
+
+    def producers(name: str) -> list:
+        return list(dmap[name].inputs) if name in dmap else []
 
     def pull(names: Any) -> None:
         for n in names:
             if n in forward and n not in chosen and n not in pulled:
                 pulled.append(n)
 
+    def frontier(name: str) -> list:
+        """The producers where the promoted region upstream of ``name`` begins."""
+        out, seen, todo = [], {name}, [name]
+        while todo:
+            for p in producers(todo.pop()):
+                if p in seen:
+                    continue
+                seen.add(p)
+                (todo if p in chosen else out).append(p)
+        return out
+
+    lost = {x.name for x in ranking if x.nonfinite_origin or x.local_loss >= MIN_LOCAL_LOSS}
     for loss in ranking:
         if loss.name not in chosen:
             continue
+        # a reader that loses the digits the plan now delivers is the region's next step
+        pull([c for c in consumers.get(loss.name, ()) if c in lost])
         if loss.nonfinite_origin:
-            pull(consumers.get(loss.name, ()))
-        elif loss.local_loss >= MIN_LOCAL_LOSS and loss.worst_input is not None:
-            pull([loss.worst_input])
+            pull(frontier(loss.name) + list(consumers.get(loss.name, ())))
+        elif loss.local_loss >= MIN_LOCAL_LOSS:
+            pull(frontier(loss.name))
     units: list = []
     for loss in ranking:
         if loss.name in chosen or loss.name not in forward or loss.name in pulled:
             continue
         if loss.nonfinite_origin:
-            unit = [loss.name, *consumers.get(loss.name, ())]
+            unit = [loss.name, *producers(loss.name), *consumers.get(loss.name, ())]
         elif loss.local_loss >= MIN_LOCAL_LOSS:
-            unit = [loss.name] + ([loss.worst_input] if loss.worst_input is not None
-                                  else list(consumers.get(loss.name, ())))
+            unit = [loss.name, *(producers(loss.name) or consumers.get(loss.name, ()))]
         else:
             continue
-        units.append([n for n in unit if n in forward and n not in chosen])
+        units.append([n for n in dict.fromkeys(unit) if n in forward and n not in chosen])
     return pulled, units
 
 
@@ -285,7 +311,7 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
         if search.exhausted:
             return finish(promoted, ev, False)
         pulled, units = _candidates(ev, promoted, fwd, consumers)
-        step = list(pulled)
+        step = list(pulled)  # the plan's regions grow a generation a round, beside new units
         for unit in units[:batch]:
             step += [n for n in unit if n not in step]
         if not step:  # nothing ranks as a loss: the remaining operators in graph order
@@ -294,7 +320,7 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
             break
         promoted += step
         ev = search.evaluate(promoted)
-        batch *= 2
+        batch = batch if pulled else 2 * batch
     if ev.digits < keep:
         return finish(promoted, ev, False)
 
