@@ -104,7 +104,7 @@ class GPT2Logits(nn.Module):
         from transformers import GPT2Config, GPT2LMHeadModel
 
         cfg = GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=256, n_positions=64,
-                         attn_implementation="eager")
+                         bos_token_id=0, eos_token_id=0, attn_implementation="eager")
         self.gpt = GPT2LMHeadModel(cfg).eval()
         if hazard:
             self.gpt.transformer.h[1].mlp.act = OffsetGelu()

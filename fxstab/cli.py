@@ -128,6 +128,21 @@ def _accumulate_arg(preset: str, rounding: Optional[str]):
     return dataclasses.replace(acc, rounding=rounding, name="")
 
 
+def _gemm_options(args: argparse.Namespace) -> dict:
+    """``--accumulate``, ``--accumulate-rounding``, ``--gemm-inputs``, ``--gemm-scaling`` as
+    backend options."""
+    extra: dict = {}
+    if args.accumulate is not None:
+        extra["accumulate"] = _accumulate_arg(args.accumulate, args.accumulate_rounding)
+    elif args.accumulate_rounding is not None:
+        raise CLIError("--accumulate-rounding needs --accumulate (the accumulator it rounds)")
+    if args.gemm_inputs is not None:
+        extra.update(gemm_inputs=_format_arg(args.gemm_inputs), gemm_scaling=args.gemm_scaling)
+    elif args.gemm_scaling != "tensor":
+        raise CLIError("--gemm-scaling needs --gemm-inputs (the format it scales into)")
+    return extra
+
+
 def _cmd_record(args: argparse.Namespace) -> int:
     import torch
 
@@ -142,16 +157,8 @@ def _cmd_record(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)  # the target's parameters and inputs are part of the result
     model, inputs = load_target(args.target)
     fmt = _format_arg(args.format)
-    extra = {}
+    extra = _gemm_options(args)
     try:
-        if args.accumulate is not None:
-            extra["accumulate"] = _accumulate_arg(args.accumulate, args.accumulate_rounding)
-        elif args.accumulate_rounding is not None:
-            raise CLIError("--accumulate-rounding needs --accumulate (the accumulator it rounds)")
-        if args.gemm_inputs is not None:
-            extra.update(gemm_inputs=_format_arg(args.gemm_inputs), gemm_scaling=args.gemm_scaling)
-        elif args.gemm_scaling != "tensor":
-            raise CLIError("--gemm-scaling needs --gemm-inputs (the format it scales into)")
         be = fxstab.backend(granularity=args.granularity, format=fmt,
                             n_samples=args.n_samples, seed=args.seed, rounding=args.rounding,
                             confidence=args.confidence, **extra)
@@ -197,9 +204,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     fmt, higher = _format_arg(args.format), _format_arg(args.higher)
     if fmt == "auto" or higher == "auto":
         raise CLIError("plan needs one --format and one --higher (not auto)")
-    extra = {}
-    if args.accumulate is not None:
-        extra["accumulate"] = _accumulate_arg(args.accumulate, None)
+    extra = _gemm_options(args)
     try:
         plan = plan_precision(model, inputs, format=fmt, keep=args.keep, higher=higher,
                               outputs=args.outputs, budget=args.budget,
@@ -351,15 +356,36 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- parser
-_RECORD_EPILOG = """\
+_TARGET_CONTRACT = """\
 TARGET contract: TARGET is 'path/to/file.py:function'. fxstab imports the file (its folder and
 the current directory go first on sys.path), calls function() with no arguments and expects
 (model, example_inputs): a torch.nn.Module (or callable) and a tuple of positional inputs.
 torch.manual_seed(SEED) is set before the call, so a target that builds its model and inputs
-with torch's default generator is deterministic. record compiles the model with the fxstab
+with torch's default generator is deterministic. """
+_RECORD_EPILOG = _TARGET_CONTRACT + """record compiles the model with the fxstab
 backend, runs it --calls times under torch.no_grad() (step 0, 1, ... of --phase), and saves
 the digit map as JSON. The same target, options and seed give the same digit map.
 """
+_PLAN_EPILOG = _TARGET_CONTRACT + """plan analyses the model under torch.no_grad() once per
+candidate plan (plan.runs counts them) and prints the plan; --apply-check then runs it for
+real. The same target, options and seed give the same plan.
+"""
+
+
+def _add_gemm_options(p: argparse.ArgumentParser) -> None:
+    """The GEMM recipe's options of record and plan (read by :func:`_gemm_options`)."""
+    p.add_argument("--accumulate", default=None, metavar="PRESET",
+                   help="model the GEMMs' accumulator: fp32 (trusted, the default), fp16, bf16, "
+                        "fp8-fast, fp8-promoted (docs/accumulation.md)")
+    p.add_argument("--accumulate-rounding", default=None, metavar="MODE",
+                   help="the accumulator's rounding instead of the preset's: random (CESTAC "
+                        "inside the product: what the digits can show), nearest, zero, ...")
+    p.add_argument("--gemm-inputs", default=None, metavar="FORMAT",
+                   help="round the GEMMs' operands into FORMAT (fp8_e4m3, fp8_e5m2...) as an "
+                        "fp8 recipe does, the rest of the program in --format")
+    p.add_argument("--gemm-scaling", default="tensor",
+                   choices=("tensor", "row", "block128", "mx32"),
+                   help="how --gemm-inputs scales the operands (default tensor)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -383,8 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
         "plan", help="find the fewest operators to keep in a higher format",
         description="Search the fewest operators of a TARGET to run in --higher so that its "
                     "outputs keep --keep avg digits in the analysis (docs/precision-plan.md).",
-        epilog=_RECORD_EPILOG.replace("record compiles", "plan compiles").replace(
-            "--calls times", "once per analysed call"),
+        epilog=_PLAN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", metavar="TARGET", help="path/to/file.py:function")
     p.add_argument("-o", "--output", metavar="FILE", help="write the plan (JSON)")
@@ -399,8 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="at most this many analysed calls (default: no cap)")
     p.add_argument("--n-samples", type=int, default=3, help="stochastic samples N (default 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of rounding and model (default 0)")
-    p.add_argument("--accumulate", default=None, metavar="PRESET",
-                   help="the GEMMs' accumulator while planning (docs/accumulation.md)")
+    _add_gemm_options(p)
     p.add_argument("--apply-check", action="store_true",
                    help="run the target for real in --format with and without the plan and "
                         "print the true digits of both against an fp64 run")
@@ -424,18 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="confidence of the digit estimate (default 0.95)")
     p.add_argument("--rounding", default="random",
                    help="rounding mode: random, stochastic, nearest, ... (default random)")
-    p.add_argument("--accumulate", default=None, metavar="PRESET",
-                   help="model the GEMMs' accumulator: fp32 (trusted, the default), fp16, bf16, "
-                        "fp8-fast, fp8-promoted (docs/accumulation.md)")
-    p.add_argument("--accumulate-rounding", default=None, metavar="MODE",
-                   help="the accumulator's rounding instead of the preset's: random (CESTAC "
-                        "inside the product: what the digits can show), nearest, zero, ...")
-    p.add_argument("--gemm-inputs", default=None, metavar="FORMAT",
-                   help="round the GEMMs' operands into FORMAT (fp8_e4m3, fp8_e5m2...) as an "
-                        "fp8 recipe does, the rest of the program in --format")
-    p.add_argument("--gemm-scaling", default="tensor",
-                   choices=("tensor", "row", "block128", "mx32"),
-                   help="how --gemm-inputs scales the operands (default tensor)")
+    _add_gemm_options(p)
     p.add_argument("--calls", type=int, default=1,
                    help="number of analysed calls, recorded as steps 0..calls-1 (default 1)")
     p.add_argument("--phase", default="eval", help="phase label of the calls (default eval)")
