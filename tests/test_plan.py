@@ -146,6 +146,18 @@ def test_autocast_regions_cover_modules_whose_operators_are_all_promoted():
     assert plan.module_paths() == ["a", "b"]
 
 
+def test_a_plan_names_the_modules_that_can_run_whole_in_fp32():
+    """near_const_layernorm's hazard: its input linear and its LayerNorm, each a module of its
+    own: two torch.autocast(enabled=False) regions."""
+    from benchmarks.exp_plan import localization
+
+    model, inputs = localization("near_const_layernorm")(True)
+    plan = plan_precision(model, inputs, format="bf16", keep=1.14)
+    assert plan.promoted == ["blocks.1.hazard.inp/linear#0", "blocks.1.hazard.ln/layer_norm#0"]
+    assert plan.regions == ["blocks.1.hazard.inp", "blocks.1.hazard.ln"]
+    assert "torch.autocast(enabled=False)" in plan.report()
+
+
 # --------------------------------------------------------------------------- for real
 def test_apply_plan_runs_the_promoted_operators_in_fp32_under_autocast_and_in_backward():
     torch.manual_seed(0)

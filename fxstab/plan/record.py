@@ -46,6 +46,8 @@ class PrecisionPlan:
             search stopped at its budget, or even all operators in ``higher`` keep less).
         outputs: the checked outputs (None: the model's outputs; else operator names).
         settings: n_samples, seed, granularity, target and what else the search ran with.
+        regions: the module paths whose every analysed operator is promoted (the search
+            fills it from the digit map: :meth:`autocast_regions`).
     """
 
     format: str
@@ -63,6 +65,7 @@ class PrecisionPlan:
     met: bool = False
     outputs: Optional[list] = None
     settings: dict = field(default_factory=dict)
+    regions: list = field(default_factory=list)
 
     # -- exports --------------------------------------------------------------------------
     def formats(self) -> dict:
@@ -111,6 +114,9 @@ class PrecisionPlan:
                 b, a = self.per_operator.get(name, (math.nan, math.nan))
                 lines.append(f"{name:<{width}}  {self.kinds.get(name, ''):<12} {b:>7.2f} "
                              f"{a:>7.2f}")
+            if self.regions:
+                lines.append(f"whole modules in {self.higher} (torch.autocast(enabled=False) "
+                             f"regions): {', '.join(self.regions)}")
         else:
             lines.append(f"nothing to promote: the outputs keep {self.before:.2f} digits in "
                          f"{self.format}")
@@ -130,7 +136,8 @@ class PrecisionPlan:
                              for n in self.promoted],
                 "before": self.before, "after": self.after, "all_higher": self.all_higher,
                 "operators": self.operators, "runs": self.runs, "met": self.met,
-                "outputs": self.outputs, "settings": self.settings}
+                "outputs": self.outputs, "settings": self.settings,
+                "regions": self.regions}
 
     def to_json(self, indent: Optional[int] = 1) -> str:
         return json.dumps(encode(self.as_dict()), indent=indent, allow_nan=False)
@@ -214,6 +221,9 @@ class PrecisionPlan:
             raise PlanError("expected null or a list of operator names", source, key="outputs")
         plan.outputs = outputs
         plan.settings = get(doc, "settings", (dict,), default={})
+        plan.regions = get(doc, "regions", (list,), default=[])
+        if not all(isinstance(r, str) for r in plan.regions):
+            raise PlanError("expected a list of module paths", source, key="regions")
         for key in ("format", "higher"):
             from ..numerics.formats import get_format
 

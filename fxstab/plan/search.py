@@ -291,6 +291,10 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
                                  ev.map[n].avg_digits if n in ev.map else math.nan)
                              for n in promoted}
         plan.after, plan.met, plan.runs = ev.digits, met, search.runs
+        modules: dict = {}
+        for name in forward:
+            modules.setdefault(base.map[name].module_path, []).append(name)
+        plan.regions = plan.autocast_regions(modules)
         return plan
 
     if base.digits >= keep:
