@@ -243,6 +243,8 @@ def checks(rows: Sequence[dict]) -> list[str]:
                        f"operators (> 10%)")
         if r["runs"] > r["runs_bound"]:
             bad.append(f"{r['case']}: {r['runs']} analysed calls > {r['runs_bound']:.1f}")
+        if r["missing"]:
+            bad.append(f"{r['case']}: apply_plan found no node for {r['missing']}")
         if r.get("culprits_promoted") is False:
             bad.append(f"{r['case']}: a planted hazard's operators are not in the plan")
     return bad
