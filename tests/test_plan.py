@@ -207,3 +207,28 @@ def test_cli_plan_writes_the_plan_and_checks_it_for_real(tmp_path, capsys):
     assert "precision plan: 2 of" in text and "real run in bf16" in text
     assert main(["plan", f"{target}:build", "--format", "fp16", "--higher", "bf16"]) == 2
     assert "higher" in capsys.readouterr().err
+
+
+class BrokenGraph(nn.Module):
+    """Two offset cancellations with a graph break between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = (self.a(x) + 300.0) - 300.0
+        torch._dynamo.graph_break()
+        return torch.tanh((self.b(h) + 300.0) - 300.0)
+
+
+def test_a_loss_before_a_graph_break_is_planned_too():
+    """The samples restart at each graph's inputs: the first graph's hazard shows only at its
+    own outputs, which the search checks as well (the least of the graphs counts)."""
+    torch.manual_seed(0)
+    model, x = BrokenGraph().eval(), torch.randn(8, 16)
+    plan = plan_precision(model, (x,), format="bf16", keep=1.2)
+    assert set(plan.promoted) == {"add#0", "sub#0", "add#1", "sub#1"}
+    real = check_plan(model, (x,), plan)
+    assert not real.missing and real.plain < 0.5 < 1.5 < real.planned

@@ -110,7 +110,7 @@ class PlanSearch:
         if self.outputs is not None:
             digits = _operators_digits(dmap, self.outputs)
         else:
-            digits = _outputs_digits(cap.graphs[-1] if cap.graphs else (), self.format)
+            digits = _outputs_digits(cap.graphs, self.format)
         result = Evaluation(digits, dmap)
         self._cache[key] = result
         return result
@@ -134,21 +134,28 @@ def _operators_digits(dmap: DigitMap, names: Sequence[str]) -> float:
     return total / numel if numel else math.nan
 
 
-def _outputs_digits(outputs: Any, fmt: Any) -> float:
-    """The avg digits of a graph's floating outputs (their samples), weighted by elements."""
+def _outputs_digits(graphs: Sequence, fmt: Any) -> float:
+    """The avg digits of the floating outputs (their samples, weighted by elements) of the
+    graph the model's output comes from, or with graph breaks the least over the graphs: the
+    samples restart from the deterministic values at each graph's inputs, so a loss inside an
+    earlier graph shows only at that graph's own outputs."""
     from torch.utils import _pytree as pytree
 
-    total = numel = 0.0
-    for leaf in pytree.tree_leaves(outputs):
-        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dim() >= 1 \
-                and leaf.numel() > 0:
-            stats = digit_stats(leaf.to(torch.float64), fmt)
-            total += stats.avg * stats.numel
-            numel += stats.numel
-    if not numel:
+    per_graph = []
+    for outputs in graphs:
+        total = numel = 0.0
+        for leaf in pytree.tree_leaves(outputs):
+            if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and \
+                    leaf.dim() >= 1 and leaf.numel() > 0:
+                stats = digit_stats(leaf.to(torch.float64), fmt)
+                total += stats.avg * stats.numel
+                numel += stats.numel
+        if numel:
+            per_graph.append(total / numel)
+    if not per_graph:
         raise RuntimeError("the model's outputs hold no floating tensor: name the operators to "
                            "check with outputs=[...]")
-    return total / numel
+    return min(per_graph)
 
 
 def stored_high(promoted: Sequence[str], consumers: dict) -> list:
