@@ -26,8 +26,9 @@ from ..numerics.rounding import quantize, round_samples
 from ..numerics.randbits import derive_seed
 from .lifting import Stacked
 
-__all__ = ["gemm_operands", "accumulable", "accumulated_product", "gemm_model_label",
-           "fused_rounder", "samples_rounder", "product_kernel", "CONV_KINDS", "conv_args", "SDPA", "sdpa_args"]
+__all__ = ["gemm_operands", "accumulable", "accumulated_product", "modelled_gemm",
+           "gemm_model_label", "fused_rounder", "samples_rounder", "product_kernel", "CONV_KINDS",
+           "conv_args", "SDPA", "sdpa_args"]
 
 
 def gemm_operands(a: tuple, kw: dict, kind: str) -> tuple:
@@ -219,6 +220,16 @@ def accumulated_product(a: tuple, kw: dict, kind: str, acc: Any, seed: int,
             b = b.unsqueeze(1)
         y = y + b
     return Stacked(to_working(y))
+
+
+def modelled_gemm(a: tuple, kw: dict, plan: Any, cfg: Any, seed: int,
+                  to_working: Callable[[torch.Tensor], torch.Tensor]) -> Stacked:
+    """The operator level's modelled GEMM: :func:`accumulated_product` of a call's arguments
+    with the accumulator and operand format of its plan (``plan.accumulate``,
+    ``plan.gemm_inputs``) and the analysis's settings (``cfg``: the operands' scaling, the
+    rounding mode, the kernels)."""
+    return accumulated_product(a, kw, plan.kind, plan.accumulate, seed, to_working,
+                               plan.gemm_inputs, cfg.gemm_scaling, cfg.rounding, cfg.kernels)
 
 
 def _samples_product(left: torch.Tensor, right: torch.Tensor, acc: Any, seed: int, inputs: Any,

@@ -34,7 +34,7 @@ from ..records.coverage import ANALYSED, SKIPPED, UNROUNDED, CoverageEntry
 from ..records.report import (
     PER_SAMPLE, ROUNDED, UNLIFTED, OpReport, block_builder, report_builder, stats_row,
 )
-from .accumulation import accumulable, accumulated_product, gemm_model_label
+from .accumulation import accumulable, gemm_model_label, modelled_gemm
 from .lifting import (
     BATCHED_KINDS, CAST_METHODS, ELEMENTWISE_KINDS, MASK_DROPOUT_KINDS, PER_SAMPLE_KINDS,
     RESHAPE_VIEWS, NodePlan, Stacked, attention_folded, broadcasts_directly, has_floating,
@@ -393,10 +393,8 @@ class SampleTracer(torch.fx.Interpreter):
 
     def _accumulated(self, plan: NodePlan, leaves: list, spec) -> "Stacked":
         """The GEMM of ``plan`` on the samples with its accumulator (``plan.accumulate``)."""
-        a, kw = _unflatten(leaves, spec)
-        return accumulated_product(a, kw, plan.kind, plan.accumulate, self._seed(plan, 2000),
-                                   self._to_working, plan.gemm_inputs, self.cfg.gemm_scaling,
-                                   self.cfg.rounding, self.cfg.kernels)
+        return modelled_gemm(*_unflatten(leaves, spec), plan, self.cfg, self._seed(plan, 2000),
+                             self._to_working)
 
     def _det_dtype(self, plan: NodePlan) -> Optional[torch.dtype]:
         """The floating dtype of the node's output in the deterministic pass (dynamo's
@@ -783,10 +781,6 @@ class SampleTracer(torch.fx.Interpreter):
         fixed = OpReport.fixed_of({"format": self.fmt.name, "n_samples": self.n, **plan.report,
                                    "status": status, "shape": shape})
         return fixed, digits_cap(fmt, self.wdtype)
-
-
-
-
 
 
 def _storage(t: torch.Tensor) -> int:
