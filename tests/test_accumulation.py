@@ -3,7 +3,9 @@ reference written from the specification, element by element (issue 31)."""
 
 from __future__ import annotations
 
+import json
 import math
+import warnings
 from fractions import Fraction
 
 import ml_dtypes
@@ -614,3 +616,123 @@ def test_a_groups_largest_element_saturates_instead_of_overflowing_to_nan(scalin
                              batch_dims=1)
         assert torch.isfinite(q).all()
         assert (q.abs() <= x.abs().amax() * (1 + 2 ** -3)).all()
+
+
+# --------------------------------------------------------------------------- the accumulator's own error
+def _digits_against(value: np.ndarray, exact: np.ndarray, cap: float) -> np.ndarray:
+    """The figure from its definition, element by element: -log10(|value - exact| / |exact|)
+    clamped to [0, cap]; cap where equal, 0 against a zero or where not finite."""
+    out = np.empty(value.shape)
+    for i, (v, x) in enumerate(zip(value.ravel(), exact.ravel())):
+        if not (math.isfinite(v) and math.isfinite(x)):
+            out.flat[i] = 0.0
+        elif v == x:
+            out.flat[i] = cap
+        elif x == 0:
+            out.flat[i] = 0.0
+        else:
+            out.flat[i] = min(max(-math.log10(abs(v - x) / abs(x)), 0.0), cap)
+    return out
+
+
+def test_the_accumulators_figure_is_its_output_against_the_exact_sum_of_the_same_operands():
+    """modelled_gemm's second figure on a small linear of three samples: the directed fp8-fast
+    accumulator's output (with the bias) against the fp64 sum of the same samples, averaged
+    and minimised over samples and elements, from the definition."""
+    from types import SimpleNamespace
+
+    from fxstab.rules.accumulation import modelled_gemm
+    from fxstab.rules.lifting import Stacked
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 8, 256, dtype=torch.float64, generator=g)
+    w = torch.randn(16, 256, dtype=torch.float64, generator=g)
+    b = torch.randn(16, dtype=torch.float64, generator=g)
+    acc = Accumulation.parse("fp8-fast")
+    plan = SimpleNamespace(kind="linear", accumulate=acc, gemm_inputs=None)
+    cfg = SimpleNamespace(gemm_scaling="tensor", rounding="random", kernels="torch")
+    out, (avg, mn) = modelled_gemm((Stacked(x), w, b), {}, plan, cfg, 5, lambda t: t.double(),
+                                   cap=7.0)
+    value = np.stack([(emulate_matmul(x[s], w.T, acc) + b).numpy() for s in range(3)])
+    assert np.array_equal(out.samples.numpy(), value)
+    exact = np.einsum("smk,nk->smn", x.numpy(), w.numpy()) + b.numpy()
+    d = _digits_against(value, exact, 7.0)
+    # numpy's fp64 sum and torch's order the terms differently: their last bits move the
+    # digits of an error of 1e-4 (the smallest here) by ~1e-12
+    assert avg == pytest.approx(d.mean(), abs=1e-9) and mn == pytest.approx(d.min(), abs=1e-9)
+    assert 2.0 < avg < 4.0  # ~14 bits truncated 8 times: well below the cap
+    # the exact sum has no error of its own: no figure
+    plan.accumulate = None
+    assert modelled_gemm((Stacked(x), w, b), {}, plan, cfg, 5, lambda t: t.double(), 7.0)[1] \
+        is None
+
+
+def _linear_map(k: int, **opts):
+    torch.manual_seed(0)
+    lin, x = torch.nn.Linear(k, 64), torch.randn(64, k)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # a directed accumulator's warning
+        be = _digits(lin, x, **opts)  # asserts the deterministic path, bit for bit
+    return be.digit_map(), lin, x
+
+
+def test_an_analysed_fp8_fast_linear_reports_its_accumulators_digits_and_the_finding_names_it():
+    """fp8-fast (toward zero) on a K = 4096 linear, fp32 format: every sample truncates alike,
+    the spread shows ~6.9 digits, the accumulator keeps ~2.5 of its exact sum; the report
+    carries that figure (the definition on the program's own operands, which the samples
+    differ from by the surrogate's 2^-24), the finding names the GEMM with its fix, the
+    localization ranks it by its accumulator's digits."""
+    dm, lin, x = _linear_map(4096, accumulate="fp8-fast")
+    op = dm.operators["linear#0"]
+    acc = Accumulation.parse("fp8-fast")
+    w, b = lin.weight.detach().double(), lin.bias.detach().double()
+    direct = _digits_against((emulate_matmul(x.double(), w.T, acc) + b).numpy(),
+                             (x.double() @ w.T + b).numpy(), dm.cap)
+    assert op.accumulator_digits == pytest.approx(direct.mean(), abs=0.01)
+    assert op.avg_digits > 6.0 and op.accumulator_digits < 3.0
+    assert op.accumulator_min_digits <= op.accumulator_digits
+    first = dm.findings()[0]
+    assert first.startswith(f"the accumulator of linear#0 keeps only "
+                            f"{op.accumulator_digits:.2f} avg digits of its exact sum")
+    assert "promote the partial sums into fp32 every 128" in first
+    assert not any(f.startswith("digits are lost at linear#0") for f in dm.findings())
+    (loc,) = dm.localize()
+    assert loc.digits == op.accumulator_digits and loc.accumulator
+    assert " acc " in dm.table().splitlines()[1]
+    # a random accumulator's error is in the spread: no such finding, the figure beside it
+    rnd, _, _ = _linear_map(4096, accumulate=Accumulation((8, 13), 32, rounding="random"))
+    r = rnd.operators["linear#0"]
+    assert r.accumulator_digits > r.avg_digits
+    assert not any(f.startswith("the accumulator") for f in rnd.findings())
+    # trusted: no figure, no column
+    trusted, _, _ = _linear_map(4096)
+    assert math.isnan(trusted.operators["linear#0"].accumulator_digits)
+    assert " acc " not in trusted.table().splitlines()[1]
+
+
+def test_a_map_with_the_accumulators_digits_round_trips_and_one_without_them_loads():
+    from fxstab.digitmap import DigitMap, diff
+
+    dm, _, _ = _linear_map(256, accumulate="fp8-fast")
+    doc = json.loads(dm.to_json())
+    (op,) = doc["operators"]
+    assert set(op) >= {"accumulator_digits", "accumulator_min_digits"}
+    assert doc["steps"][0]["operators"]["linear#0"]["accumulator_digits"] == \
+        op["accumulator_digits"]
+    back = DigitMap.from_json(dm.to_json())
+    assert back == dm and back.operators["linear#0"].accumulator_digits == \
+        dm.operators["linear#0"].accumulator_digits
+    # a map written before the figure (or without an accumulator) loads as before
+    for rec in [op] + [s for st in doc["steps"] for s in st["operators"].values()]:
+        del rec["accumulator_digits"], rec["accumulator_min_digits"]
+    old = DigitMap.from_json(json.dumps(doc))
+    assert math.isnan(old.operators["linear#0"].accumulator_digits)
+    assert " acc " not in old.table().splitlines()[1]
+    assert not any(f.startswith("the accumulator") for f in old.findings())
+    # the diff: the accumulator's drop fails the gate like a drop of digits, and says so
+    d = diff(old, dm)
+    assert d.failed and d.drops[0].name == "linear#0" and d.drops[0].accumulator
+    assert d.drops[0].head == dm.operators["linear#0"].accumulator_digits
+    assert "its accumulator's digits" in d.to_text()
+    assert "(its accumulator)" in d.to_markdown()
+    assert not diff(dm, dm).failed

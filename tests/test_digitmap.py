@@ -637,3 +637,67 @@ def test_rewrites_are_found_at_every_consumer_of_the_region():
     assert all(r.delta == pytest.approx(-0.2) for r in result.rewrites)
     assert not result.failed  # within the threshold: listed, not failed
     assert "rewritten: a/softmax#0 -> a/exp#0, a/div#0: -0.20" in result.to_text()
+
+
+# --------------------------------------------------------------------------- accumulator's digits
+def test_the_accumulators_digits_aggregate_over_the_calls_that_measured_them():
+    """numel-weighted average and minimum over the calls with the figure; a call without it
+    (the trusted path) does not dilute it; a map with none has NaN and no keys."""
+    rs = [rep("fc/linear#0", 2.0, 1.5, 2.41, numel=100, accumulator_digits=1.0,
+              accumulator_min_digits=0.5),
+          rep("fc/linear#0", 2.0, 1.5, 2.41, numel=300, accumulator_digits=2.0,
+              accumulator_min_digits=0.25),
+          rep("fc/linear#0", 2.0, 1.5, 2.41, numel=100)]
+    op = DigitMap.from_reports(rs).operators["fc/linear#0"]
+    assert op.accumulator_digits == pytest.approx(1.75) and op.accumulator_min_digits == 0.25
+    plain = DigitMap.from_reports([rep("fc/linear#0", 2.0, 1.5, 2.41)])
+    assert math.isnan(plain.operators["fc/linear#0"].accumulator_digits)
+    assert "accumulator_digits" not in json.loads(plain.to_json())["operators"][0]
+
+
+def test_the_accumulators_digits_are_validated_on_load():
+    dm = DigitMap.from_reports([rep("fc/linear#0", 2.0, 1.5, 2.41, accumulator_digits=1.0,
+                                    accumulator_min_digits=0.5)])
+    doc = json.loads(dm.to_json())
+    doc["operators"][0]["accumulator_digits"] = "two"
+    with pytest.raises(DigitMapError, match="accumulator_digits.*must be a number"):
+        DigitMap.from_json(json.dumps(doc))
+
+
+def _biased(acc: float, cestac: float = 2.3) -> DigitMap:
+    """l1 (a GEMM whose accumulator keeps ``acc`` digits) -> act, bf16."""
+    return DigitMap.from_reports([
+        rep("l1/linear#0", cestac, cestac - 0.3, 2.41, accumulator_digits=acc,
+            accumulator_min_digits=acc - 0.5),
+        rep("act/gelu#0", 2.2, 1.9, 2.41, inputs=["l1/linear#0"]),
+    ], metadata={"seed": 0, "accumulate": {"*": "e8m13/b32/zero"}})
+
+
+def test_an_accumulator_below_its_spread_is_a_finding_ranked_by_its_own_digits():
+    dm = _biased(1.0)
+    assert dm.findings()[0].startswith("the accumulator of l1/linear#0 keeps only 1.00 avg "
+                                       "digits of its exact sum, against 2.30")
+    assert dm.findings(metric="min")[0].startswith("the accumulator of l1/linear#0 keeps "
+                                                   "only 0.50 min digits")
+    first = dm.localize()[0]
+    assert (first.name, first.digits, first.accumulator) == ("l1/linear#0", 1.0, True)
+    assert "its accumulator's digits" in dm.localize_table().splitlines()[2]
+    lines = dm.table().splitlines()
+    rows = {line.split()[0]: line.split() for line in lines[2:4]}
+    assert lines[1].split()[9] == "acc" and rows["l1/linear#0"][9] == "1.00"
+    assert rows["act/gelu#0"][9] == "-"
+    # within the margin (a quarter of the cap): no finding, the column still shows it
+    close = _biased(2.0)
+    assert not any(f.startswith("the accumulator") for f in close.findings())
+    assert "2.00" in [line.split()[9] for line in close.table().splitlines()[2:4]]
+    # above the spread (a random accumulator's usual case): the CESTAC digits rank
+    assert not _biased(2.41).localize()[0].accumulator
+
+
+def test_the_diff_counts_a_drop_of_the_accumulators_digits_as_a_drop():
+    base, head = _biased(2.41), _biased(1.0)
+    d = diff(base, head)
+    assert d.failed and [(c.name, c.base, c.head, c.accumulator) for c in d.drops] == [
+        ("l1/linear#0", 2.3, 1.0, True)]
+    assert d.as_dict()["drops"][0]["accumulator"] is True
+    assert not diff(head, base).drops and diff(head, base).gains[0].name == "l1/linear#0"

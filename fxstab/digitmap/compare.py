@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .map import DigitMap
-from .operators import LocalLoss, OperatorDigits, as_digits, check_metric
+from .operators import LocalLoss, OperatorDigits, as_digits, check_metric, effective_digits
 from .schema import DigitMapError, encode
 
 @dataclass
@@ -19,6 +19,9 @@ class OpChange:
     kind: str
     base: float
     head: float
+    # head's digits are its accumulator's own (fewer than its CESTAC digits): a drop of the
+    # accumulator's figure counts like a drop of digits (effective_digits)
+    accumulator: bool = False
 
     @property
     def delta(self) -> float:
@@ -150,7 +153,8 @@ class DiffResult:
                 w = max(len(r.name) for r in rows)
                 lines.append(f"{title} ({len(rows)}):")
                 lines.extend(f"  {r.name:<{w}}  {r.kind:<12} {r.base:5.2f} -> {r.head:5.2f}  "
-                             f"({r.delta:+.2f})" for r in rows)
+                             f"({r.delta:+.2f})" + ("  its accumulator's digits" if
+                                                    r.accumulator else "") for r in rows)
 
         def presence(title: str, rows: list[OpPresence]) -> None:
             if rows:
@@ -192,7 +196,8 @@ class DiffResult:
         def change_table(rows: list[OpChange]) -> list[str]:
             out = ["| operator | kind | base | head | change |", "|---|---|--:|--:|--:|"]
             out += [f"| {_md(r.name)} | {_md_text(r.kind)} | {r.base:.2f} | {r.head:.2f} | "
-                    f"**{r.delta:+.2f}** |" for r in rows]
+                    f"**{r.delta:+.2f}**{' (its accumulator)' if r.accumulator else ''} |"
+                    for r in rows]
             return out
 
         def presence_table(rows: list[OpPresence]) -> list[str]:
@@ -227,7 +232,7 @@ class DiffResult:
     def as_dict(self) -> dict:
         def ch(r: OpChange) -> dict:
             return {"name": r.name, "kind": r.kind, "base": r.base, "head": r.head,
-                    "delta": r.delta}
+                    "delta": r.delta, **({"accumulator": True} if r.accumulator else {})}
 
         def pr(r: OpPresence) -> dict:
             return {"name": r.name, "kind": r.kind, "digits": r.digits}
@@ -279,6 +284,11 @@ def diff(base: DigitMap, head: DigitMap, max_drop: float = 0.5, metric: Optional
             count as 0.
         base_label, head_label: names in the rendering (default: the maps' git commits).
 
+    An operator's digits are its CESTAC digits under ``metric``, or its accumulator's own
+    digits where those are fewer (:func:`~fxstab.digitmap.operators.effective_digits`): a
+    modelled GEMM whose nearest or directed accumulator loses digits the samples' spread cannot
+    show drops like an operator that loses them (its row says so).
+
     Returns:
         A :class:`DiffResult` (see it for what fails); ``notes`` lists analysis settings that
         differ between the maps (a diff across formats or sample counts compares different
@@ -305,7 +315,8 @@ def diff(base: DigitMap, head: DigitMap, max_drop: float = 0.5, metric: Optional
         if name not in head.operators:
             continue
         h = head.operators[name]
-        c = OpChange(name, h.kind, as_digits(b.digits(metric)), as_digits(h.digits(metric)))
+        c = OpChange(name, h.kind, effective_digits(b, metric), effective_digits(h, metric),
+                     effective_digits(h, metric) < as_digits(h.digits(metric)))
         if -c.delta > max_drop:
             drops.append(c)
         elif c.delta > max_drop:
@@ -314,9 +325,9 @@ def diff(base: DigitMap, head: DigitMap, max_drop: float = 0.5, metric: Optional
             unchanged += 1
     drops.sort(key=lambda c: (c.delta, c.name))
     gains.sort(key=lambda c: (-c.delta, c.name))
-    added = [OpPresence(n, o.kind, as_digits(o.digits(metric)))
+    added = [OpPresence(n, o.kind, effective_digits(o, metric))
              for n, o in head.operators.items() if n not in base.operators]
-    removed = [OpPresence(n, o.kind, as_digits(o.digits(metric)))
+    removed = [OpPresence(n, o.kind, effective_digits(o, metric))
                for n, o in base.operators.items() if n not in head.operators]
 
     # modules whose operators were renamed: compare their worst operators
@@ -332,8 +343,8 @@ def diff(base: DigitMap, head: DigitMap, max_drop: float = 0.5, metric: Optional
         hops = hm.get(path)
         if not hops or {o.name for o in bops} == {o.name for o in hops}:
             continue
-        bd = min(as_digits(o.digits(metric)) for o in bops)
-        hd = min(as_digits(o.digits(metric)) for o in hops)
+        bd = min(effective_digits(o, metric) for o in bops)
+        hd = min(effective_digits(o, metric) for o in hops)
         if bd - hd > max_drop:
             module_drops.append(OpChange(path or "(top level)", "module", bd, hd))
     module_drops.sort(key=lambda c: (c.delta, c.name))
@@ -387,7 +398,7 @@ def rewrites(base: DigitMap, head: DigitMap, metric: Optional[str] = None) -> li
         return [n for n in dm.operators if n in seen]  # graph order
 
     def digits(dm: DigitMap, names: list[str]) -> float:
-        return min(as_digits(dm.operators[n].digits(metric)) for n in names)
+        return min(effective_digits(dm.operators[n], metric) for n in names)
 
     out = []
     for name, h in head.operators.items():

@@ -26,9 +26,12 @@ from .operators import (
     LocalLoss,
     OperatorDigits,
     StepDigits,
+    accumulator_digits,
+    accumulator_keys,
     aggregate,
     as_digits,
     check_metric,
+    effective_digits,
     nanmax,
 )
 from .schema import SCHEMA_NAME, SCHEMA_VERSION, DigitMapError, decode, encode
@@ -182,7 +185,8 @@ class DigitMap:
         return self.to_json() == other.to_json()
 
     _COMPARED_STATS = ("avg_digits", "min_digits", "max_digits", "normwise_digits",
-                       "p10_digits", "p50_digits", "zero_fraction", "non_finite", "underflow")
+                       "p10_digits", "p50_digits", "zero_fraction", "non_finite", "underflow",
+                       "accumulator_digits", "accumulator_min_digits")
 
     def difference(self, other: "DigitMap") -> float:
         """The largest difference of any statistic of any operator between two maps of the
@@ -258,9 +262,12 @@ class DigitMap:
         width = max(8, *(len(op.name) for op in ops))
         kw = max(4, *(len(op.kind) for op in ops))
         cols = [c for c in METRICS]
+        # a modelled GEMM's accumulator: a column only in a map that measured one
+        acc = any(not math.isnan(op.accumulator_digits) for op in self.operators.values())
         lines = [head,
                  f"{'operator':<{width}}  {'kind':<{kw}}  {'calls':>5}  {'numel':>9}  "
                  + "  ".join(f"{c + ('*' if c == metric else ''):>8}" for c in cols)
+                 + (f"  {'acc':>6}" if acc else "")
                  + f"  {'zero%':>6}  {'nonfin':>6}  {'under':>6}  flags"]
         for op in ops:
             flags = []
@@ -272,11 +279,12 @@ class DigitMap:
             lines.append(
                 f"{op.name:<{width}}  {op.kind:<{kw}}  {op.calls:>5}  {op.numel:>9}  "
                 + "  ".join(f"{op.digits(c):>8.2f}" for c in cols)
+                + (f"  {_acc_cell(op, metric):>6}" if acc else "")
                 + f"  {100 * op.zero_fraction:>5.1f}%  {op.non_finite:>6}  {op.underflow:>6}  "
                 f"{' '.join(flags)}".rstrip())
         if top is not None and top < len(self):
             lines.append(f"... {len(self) - top} more operator(s)")
-        lines.append(LEGEND.format(cap=self.cap))
+        lines.append(LEGEND.format(cap=self.cap) + (ACCUMULATOR_LEGEND if acc else ""))
         return "\n".join(lines)
 
     def findings(self, top: int = 3, metric: Optional[str] = None) -> list[str]:
@@ -293,9 +301,22 @@ class DigitMap:
                            f"elements): {hint(op, nonfinite=True)}")
         # an operator of exact inputs is compared with the cap, which its own rounding already
         # costs ~0.6 bf16 digits: a finding only when it keeps less than half the cap
+        # a modelled GEMM whose accumulator keeps fewer digits than its samples' spread shows
+        # (a bias, a nearest or directed accumulator's): its own finding, with its fix
+        biased = self.biased_accumulators(metric)
+        for op, own, acc in biased[:top]:
+            out.append(f"the accumulator of {op.name} keeps only {acc:.2f} {metric} digits of "
+                       f"its exact sum, against {own:.2f} estimated from the samples' spread "
+                       f"(it rounds every sample alike: a bias the spread cannot show): "
+                       f"{ACCUMULATOR_HINT}")
+        if len(biased) > top:
+            out.append(f"the accumulators of {len(biased) - top} more GEMM(s) keep fewer "
+                       f"digits than their spread shows (the table's acc column)")
+        named = {op.name for op, _, _ in biased}  # each said once, as its accumulator's
         losses = [r for r in ranked
                   if not r.nonfinite_origin and r.local_loss >= MIN_FINDING * self.cap
-                  and (r.worst_input is not None or r.digits < 0.5 * self.cap)]
+                  and (r.worst_input is not None or r.digits < 0.5 * self.cap)
+                  and r.name not in named]
         for r in losses[:top]:
             op = self.operators[r.name]
             src = f"{r.worst_input}" if r.worst_input else "the format's cap"
@@ -314,6 +335,20 @@ class DigitMap:
                        f"or fp16): what a real run in {op.format or self.metadata.get('format')} "
                        f"computes, not a finding")
         return out
+
+    def biased_accumulators(self, metric: Optional[str] = None) -> list[tuple]:
+        """The modelled GEMMs whose accumulator keeps fewer digits of its exact sum than the
+        samples' spread estimates, by at least the findings' margin (``MIN_FINDING`` of the
+        operator's cap): ``(operator, its digits, its accumulator's)``, fewest accumulator
+        digits first. A nearest or directed accumulator rounds every sample alike, so the
+        spread reads high; the accumulator's own figure (docs/accumulation.md) does not."""
+        out = []
+        for op in self.operators.values():
+            acc = accumulator_digits(op, metric)
+            own = as_digits(op.digits(metric))
+            if not math.isnan(acc) and own - acc >= MIN_FINDING * self.cap_of(op):
+                out.append((op, own, acc))
+        return sorted(out, key=lambda x: (x[2], x[0].name))
 
     def __repr__(self) -> str:
         return (f"DigitMap({len(self)} operators, format={self.metadata.get('format')!r}, "
@@ -390,6 +425,9 @@ class DigitMap:
     def localize(self, metric: Optional[str] = None) -> list[LocalLoss]:
         """Rank operators by where digits are lost, not merely where they are low.
 
+        An operator's digits here are its CESTAC digits, or its accumulator's own digits where
+        those are fewer (a modelled GEMM with a nearest or directed accumulator: a bias the
+        samples' spread cannot show; :func:`~fxstab.digitmap.operators.effective_digits`).
         An operator's local loss is the digits of its *least accurate* instrumented input minus
         its own digits: how much it amplifies the error it receives. An operator that receives
         accurate inputs and returns few digits is where the loss happens; the operators
@@ -417,19 +455,20 @@ class DigitMap:
         masked = {name for region, _ in self.absorbed_nonfinite().values() for name in region}
         out = []
         for op in self.operators.values():
-            own = as_digits(op.digits(metric))
+            own = effective_digits(op, metric)
             cap = self.cap_of(op)
             ins = [i for i in op.inputs if i in self.operators and i not in masked]
             if ins:
-                worst = min(ins, key=lambda i: (as_digits(self.operators[i].digits(metric)), i))
+                worst = min(ins, key=lambda i: (effective_digits(self.operators[i], metric), i))
                 # no operator keeps more than its format holds (format="auto": an fp32 input
                 # feeding a bf16 operator is the program's own precision drop, not a loss)
-                ref = min(as_digits(self.operators[worst].digits(metric)), cap)
+                ref = min(effective_digits(self.operators[worst], metric), cap)
             else:
                 worst, ref = None, cap
             # an observed operator does no arithmetic: it loses nothing of its own
             loss = 0.0 if op.status == OBSERVED or op.name in masked else ref - own
-            out.append(LocalLoss(op.name, op.kind, own, ref, worst, loss, op.name in origins))
+            out.append(LocalLoss(op.name, op.kind, own, ref, worst, loss, op.name in origins,
+                                 own < as_digits(op.digits(metric))))
         order = {name: i for i, name in enumerate(self.operators)}
         return sorted(out, key=lambda x: (not x.nonfinite_origin,
                                           order[x.name] if x.nonfinite_origin else 0,
@@ -518,7 +557,8 @@ class DigitMap:
         for r in ranked:
             loss = "NaN/inf" if r.nonfinite_origin else f"{r.local_loss:.2f}"
             lines.append(f"{r.name:<{width}}  {loss:>6}  {r.digits:>5.2f}  "
-                         f"{r.reference:>5.2f}  {r.worst_input or '(cap)'}")
+                         f"{r.reference:>5.2f}  {r.worst_input or '(cap)'}"
+                         + ("  (own: its accumulator's digits)" if r.accumulator else ""))
         return "\n".join(lines)
 
     # ----------------------------------------------------------------- JSON
@@ -537,7 +577,7 @@ class DigitMap:
                 "normwise_digits": s.normwise_digits, "p10_digits": s.p10_digits,
                 "p50_digits": s.p50_digits,
                 "zero_fraction": s.zero_fraction, "non_finite": s.non_finite,
-                "underflow": s.underflow,
+                "underflow": s.underflow, **accumulator_keys(s),
             }
         return {
             "schema": SCHEMA_NAME,
@@ -618,3 +658,17 @@ def _umask() -> int:
     os.umask(mask)
     return mask
 
+
+# The fix of an accumulator that keeps fewer digits than its spread shows (docs/accumulation.md:
+# DeepSeek-V3 promotes the fp8 GEMMs' partial sums every 128 elements of K)
+ACCUMULATOR_HINT = ("accumulate in fp32, or promote the partial sums into fp32 every 128 "
+                    "elements of K (accumulate='fp8-promoted')")
+ACCUMULATOR_LEGEND = ("; acc: a modelled GEMM's accumulator, the digits its output shares with "
+                      "the exact sum of the same operands (a bias of a nearest or directed "
+                      "accumulator, which the samples' spread cannot show)")
+
+
+def _acc_cell(op: OperatorDigits, metric: str) -> str:
+    """The table's acc cell: the accumulator's figure that ``metric`` is held against."""
+    v = accumulator_digits(op, metric)
+    return "-" if math.isnan(v) else f"{v:.2f}"

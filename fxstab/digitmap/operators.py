@@ -67,6 +67,11 @@ class OperatorDigits(_Metrics):
     underflow: int = 0
     direction: str = "forward"  # or "backward": an operator of the backward graph, a gradient
     format: str = ""  # the format its output rounded into (format="auto"); "": the map's
+    # a modelled GEMM's accumulator (docs/accumulation.md): the digits its output shares with
+    # the exact sum of the same operands, numel-weighted average and minimum over the calls
+    # that measured it; NaN where none did (no accumulator modelled, a map without the key)
+    accumulator_digits: float = math.nan
+    accumulator_min_digits: float = math.nan
 
     def as_dict(self) -> dict:
         return {
@@ -80,7 +85,7 @@ class OperatorDigits(_Metrics):
             "zero_fraction": self.zero_fraction, "non_finite": self.non_finite,
             "underflow": self.underflow,
             "surrogate": self.surrogate, "counters": dict(self.counters),
-            "inputs": list(self.inputs),
+            "inputs": list(self.inputs), **accumulator_keys(self),
         }
 
 
@@ -102,6 +107,8 @@ class StepDigits(_Metrics):
     p10_digits: float = math.nan
     p50_digits: float = math.nan
     underflow: int = 0
+    accumulator_digits: float = math.nan  # as OperatorDigits'
+    accumulator_min_digits: float = math.nan
 
 
 @dataclass
@@ -111,6 +118,8 @@ class LocalLoss:
     ``worst_input`` is None for an operator without instrumented inputs, whose reference is
     then the format's digit cap (``reference``). ``nonfinite_origin`` marks an operator whose
     output holds NaN/inf while none of its instrumented inputs does (it ranks first).
+    ``accumulator`` marks a modelled GEMM whose ``digits`` are its accumulator's own, fewer
+    than its CESTAC digits (:func:`effective_digits`).
     """
 
     name: str
@@ -120,6 +129,8 @@ class LocalLoss:
     worst_input: Optional[str]
     local_loss: float
     nonfinite_origin: bool = False
+    # ``digits`` are its accumulator's own (fewer than its CESTAC digits: effective_digits)
+    accumulator: bool = False
 
 
 # --------------------------------------------------------------------------- aggregation
@@ -168,7 +179,50 @@ def aggregate(reports: Sequence[OpReport]) -> dict:
         "p10_digits": _weighted([float(r.p10_digits) for r in reports], numels),
         "p50_digits": _weighted([float(r.p50_digits) for r in reports], numels),
         "underflow": sum(int(r.underflow) for r in reports),
+        **_accumulator(reports, numels),
     }
+
+
+def _accumulator(reports: Sequence[OpReport], numels: list) -> dict:
+    """The accumulator's digits over the calls that measured them (NaN where none did)."""
+    measured = [i for i, r in enumerate(reports)
+                if not math.isnan(getattr(r, "accumulator_digits", math.nan))]
+    if not measured:
+        return {}
+    return {"accumulator_digits": _weighted([float(reports[i].accumulator_digits)
+                                             for i in measured], [numels[i] for i in measured]),
+            "accumulator_min_digits": _nanmin(float(reports[i].accumulator_min_digits)
+                                              for i in measured)}
+
+
+def accumulator_keys(rec: "OperatorDigits | StepDigits") -> dict:
+    """The accumulator's keys of a record's JSON, only where it has them (optional keys: a
+    map without an accumulator reads as before)."""
+    if math.isnan(rec.accumulator_digits):
+        return {}
+    return {"accumulator_digits": rec.accumulator_digits,
+            "accumulator_min_digits": rec.accumulator_min_digits}
+
+
+# The accumulator's figure each metric is held against (normwise digits and the quantiles,
+# which it does not measure, against its average)
+_ACCUMULATOR_FIELDS = {"min": "accumulator_min_digits"}
+
+
+def accumulator_digits(op: "OperatorDigits", metric: Optional[str] = None) -> float:
+    """The accumulator's figure that ``metric`` is held against (NaN: none measured)."""
+    return getattr(op, _ACCUMULATOR_FIELDS.get(check_metric(metric), "accumulator_digits"),
+                   math.nan)
+
+
+def effective_digits(op: "OperatorDigits", metric: Optional[str] = None) -> float:
+    """The digits an operator keeps under ``metric``: its CESTAC digits, or its accumulator's
+    own digits where those are fewer (a nearest or directed accumulator's bias, which the
+    samples' spread cannot show). NaN counts as 0 (:func:`as_digits`). What the localization
+    and the diff compare."""
+    own = as_digits(op.digits(metric))
+    acc = accumulator_digits(op, metric)
+    return own if math.isnan(acc) else min(own, acc)
 
 
 def as_digits(v: float) -> float:

@@ -18,6 +18,8 @@ from .operators import OperatorDigits, StepDigits
 SCHEMA_NAME = "fxstab-digit-map"
 SCHEMA_VERSION = 2
 # Version 1 had no normwise digits, quantiles or underflow: it still loads (those are NaN/0).
+# The accumulator's digits are optional keys of version 2 (no bump: a map without them is a
+# valid map with no accumulator measured, and a reader that predates them ignores them).
 _READABLE_VERSIONS = (1, 2)
 
 # JSON has no NaN/Infinity literals (Python's json writes invalid tokens for them); a digit map
@@ -240,8 +242,13 @@ def _direction(c, o: dict, where: str) -> str:
 
 
 def _extras(c: "_Checker", o: dict, where: str) -> dict:
-    """The statistics schema version 2 added (absent from version 1: NaN digits, 0 underflow)."""
+    """The statistics schema version 2 added (absent from version 1: NaN digits, 0 underflow),
+    and the accumulator's digits (optional)."""
     out = {f: c.get(o, f, "a number", where, False, math.nan)
            for f in ("normwise_digits", "p10_digits", "p50_digits")}
     out["underflow"] = c.get(o, "underflow", "a non-negative integer", where, False, 0)
+    # a modelled GEMM's accumulator (optional in version 2: absent, NaN, as in every map
+    # written before it and every operator without an accumulator)
+    for f in ("accumulator_digits", "accumulator_min_digits"):
+        out[f] = c.get(o, f, "a number", where, False, math.nan)
     return out

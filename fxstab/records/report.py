@@ -7,6 +7,7 @@ JSON keys of digit maps, so renaming one is a schema change.
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import MutableSequence
 from dataclasses import asdict, dataclass, field
@@ -75,6 +76,12 @@ class OpReport:
     # "forward", or "backward": an operator of the backward graph (its name says the forward
     # operator it belongs to) or a parameter's gradient (kind "param_grad")
     direction: str = "forward"
+    # a modelled GEMM's accumulator (accumulate=): the digits its output shares with the same
+    # operator's exact sum of the same operand samples, average and minimum over elements and
+    # samples (NaN: no accumulator modelled). A bias of a nearest or directed accumulator,
+    # which the samples' spread (the digits above) cannot show
+    accumulator_digits: float = math.nan
+    accumulator_min_digits: float = math.nan
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -217,14 +224,18 @@ def row_values(v: bytes) -> tuple:
 def report_builder(phase: str, step: Optional[int], call: int, n: int,
                    t: float) -> Callable[[tuple], OpReport]:
     """The ``build`` of one analysed call's deferred reports (:meth:`ReportLog.defer`), for
-    rows ``(fixed, cap, surrogate, counters or None for none counted, stats_row(...))``."""
+    rows ``(fixed, cap, surrogate, counters or None for none counted, stats_row(...))``, and
+    a sixth item ``(avg, min)`` where a modelled GEMM measured its accumulator's digits."""
     from_stats = OpReport.from_stats
 
     def build(row: tuple) -> OpReport:
-        fixed, cap, surrogate, counters, v = row
-        return from_stats(fixed, phase, step, call, surrogate,
-                          empty_counters() if counters is None else counters, row_values(v),
-                          n, t, cap)
+        fixed, cap, surrogate, counters, v = row[:5] if len(row) > 5 else row
+        r = from_stats(fixed, phase, step, call, surrogate,
+                       empty_counters() if counters is None else counters, row_values(v),
+                       n, t, cap)
+        if len(row) > 5:  # a modelled GEMM's accumulator digits (avg, min)
+            r.accumulator_digits, r.accumulator_min_digits = row[5]
+        return r
 
     return build
 

@@ -22,11 +22,13 @@ import torch
 
 from ..cpu import bindings
 from ..numerics.accumulation import emulate_matmul, quantize_operand
+from ..numerics.digits import true_digits
 from ..numerics.rounding import quantize, round_samples
 from ..numerics.randbits import derive_seed
 from .lifting import Stacked
 
 __all__ = ["gemm_operands", "accumulable", "accumulated_product", "modelled_gemm",
+           "accumulator_error",
            "gemm_model_label", "fused_rounder", "samples_rounder", "product_kernel", "CONV_KINDS",
            "conv_args", "SDPA", "sdpa_args"]
 
@@ -223,13 +225,38 @@ def accumulated_product(a: tuple, kw: dict, kind: str, acc: Any, seed: int,
 
 
 def modelled_gemm(a: tuple, kw: dict, plan: Any, cfg: Any, seed: int,
-                  to_working: Callable[[torch.Tensor], torch.Tensor]) -> Stacked:
+                  to_working: Callable[[torch.Tensor], torch.Tensor],
+                  cap: Optional[float] = None) -> tuple[Stacked, Optional[tuple]]:
     """The operator level's modelled GEMM: :func:`accumulated_product` of a call's arguments
     with the accumulator and operand format of its plan (``plan.accumulate``,
     ``plan.gemm_inputs``) and the analysis's settings (``cfg``: the operands' scaling, the
-    rounding mode, the kernels)."""
-    return accumulated_product(a, kw, plan.kind, plan.accumulate, seed, to_working,
-                               plan.gemm_inputs, cfg.gemm_scaling, cfg.rounding, cfg.kernels)
+    rounding mode, the kernels).
+
+    Returns the samples and, with ``cap`` and an accumulator, the accumulator's own error
+    (:func:`accumulator_error`): the same operator on the same operand samples (the same
+    seed: the same fp8 operands) with the exact sum, against which its output is measured.
+    A nearest or directed accumulator rounds every sample alike, so its error is a bias the
+    samples' spread cannot show; this is the figure that can. None without an accumulator
+    (the exact sum has no error of its own) or without ``cap``."""
+    out = accumulated_product(a, kw, plan.kind, plan.accumulate, seed, to_working,
+                              plan.gemm_inputs, cfg.gemm_scaling, cfg.rounding, cfg.kernels)
+    if cap is None or plan.accumulate is None:
+        return out, None
+    exact = accumulated_product(a, kw, plan.kind, None, seed, to_working, plan.gemm_inputs,
+                                cfg.gemm_scaling, cfg.rounding, cfg.kernels)
+    return out, accumulator_error(out.samples, exact.samples, cap)
+
+
+def accumulator_error(value: torch.Tensor, exact: torch.Tensor, cap: float) -> tuple:
+    """(average, minimum) over the elements (and samples) of the digits ``value`` shares with
+    ``exact``: ``-log10(|value - exact| / |exact|)`` clamped to ``[0, cap]``, ``cap`` where they
+    are equal, 0 for a NaN/inf or a non-zero value against a zero (``true_digits``). Empty:
+    ``(cap, cap)``."""
+    if value.numel() == 0:
+        return float(cap), float(cap)
+    d = true_digits(value, exact, cap)
+    avg, mn = torch.stack([d.mean(), d.min()]).tolist()
+    return avg, mn
 
 
 def _samples_product(left: torch.Tensor, right: torch.Tensor, acc: Any, seed: int, inputs: Any,

@@ -100,6 +100,7 @@ class SampleTracer(torch.fx.Interpreter):
         self.call = call
         self.pending: list[tuple[NodePlan, list, bool, str, tuple]] = []
         self.fired: dict[int, bool] = {}  # GEMM plan index -> its surrogate perturbed something
+        self.acc_errors: dict[int, Optional[tuple]] = {}  # GEMM plan -> accumulator's digits
         # whether a step of this call may have left statistics as tensors (only the general
         # path of _round_step can: Triton, the references; finish converts them in one go)
         self._tensor_stats = False
@@ -393,8 +394,10 @@ class SampleTracer(torch.fx.Interpreter):
 
     def _accumulated(self, plan: NodePlan, leaves: list, spec) -> "Stacked":
         """The GEMM of ``plan`` on the samples with its accumulator (``plan.accumulate``)."""
-        return modelled_gemm(*_unflatten(leaves, spec), plan, self.cfg, self._seed(plan, 2000),
-                             self._to_working)
+        out, self.acc_errors[plan.index] = modelled_gemm(
+            *_unflatten(leaves, spec), plan, self.cfg, self._seed(plan, 2000), self._to_working,
+            digits_cap(plan.format or self.fmt, self.wdtype))
+        return out
 
     def _det_dtype(self, plan: NodePlan) -> Optional[torch.dtype]:
         """The floating dtype of the node's output in the deterministic pass (dynamo's
@@ -720,7 +723,7 @@ class SampleTracer(torch.fx.Interpreter):
         owner = self.a.owner
         n = self.n
         t = student_t(n, self.cfg.confidence)
-        if pending == self._usual:  # the entries of _learn_block's call (compared by identity)
+        if pending == self._usual and not self.acc_errors:  # _learn_block's (by identity)
             owner.reports.defer_many(
                 block_builder(owner.phase, owner.step, self.call, n, t),
                 (self._layout, bytes(self._block), bytes(self._fired_rows)), len(pending))
@@ -747,7 +750,8 @@ class SampleTracer(torch.fx.Interpreter):
             # the prepared kernel's buffer is reused by its next call: copied (as bytes)
             v = stats_row(stats[0] if len(stats) == 1 else merge_stats([r[:] for r in stats]))
             tpl = self._template_of(plan, status, shape)
-            defer((build, (tpl[0], tpl[1], fired, None, v)))
+            acc = self.acc_errors.get(plan.index)  # an accumulator's own digits (avg, min)
+            defer((build, (tpl[0], tpl[1], fired, None, v) + ((acc,) if acc else ())))
         self._learn_block(pending)
 
     def _learn_block(self, pending: list) -> None:
