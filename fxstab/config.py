@@ -11,7 +11,13 @@ from .numerics.formats import Format, get_format
 from .numerics.rounding import Rounding
 
 __all__ = ["AnalysisConfig", "Kernels", "KERNELS", "GRANULARITIES", "OUTPUTS", "DIAGNOSTICS",
-           "accumulation_rules", "operand_rules", "format_rules", "rule_for"]
+           "accumulation_rules", "operand_rules", "format_rules", "rule_for", "ROLES"]
+
+
+# A GEMM's role in training, as Transformer Engine names its GEMMs: the forward product
+# (fprop), the backward product giving an activation's gradient (dgrad), the one giving a
+# weight's gradient (wgrad; fxstab.analysis.backward tells them apart)
+ROLES = ("fprop", "dgrad", "wgrad")
 
 
 class Kernels(str, Enum):
@@ -85,7 +91,8 @@ class AnalysisConfig:
     trace_rnn: bool = True
     backward: bool = False
     # the GEMMs' accumulator (fxstab.numerics.accumulation): a spec for every modelled GEMM, or
-    # {kind or glob over "module.path/kind": spec}; stored as ((pattern, Accumulation), ...)
+    # {kind, role (ROLES) or glob over "module.path/kind": spec}; stored as ((pattern,
+    # Accumulation), ...)
     accumulate: Any = None
     # the GEMMs' operands in a low-precision format with a recipe's scaling (fp8 training):
     # a format name (or None: the operands as the program gives them) and one of SCALINGS
@@ -122,7 +129,8 @@ class AnalysisConfig:
         object.__setattr__(self, "accumulate", accumulation_rules(self.accumulate))
         if self.accumulate and self.granularity != "op":
             raise ValueError("accumulate= is modelled at granularity='op' (linear, matmul, mm, "
-                             "bmm); the arithmetic level keeps its GEMMs trusted for now")
+                             "bmm, conv1d, conv2d, scaled_dot_product_attention); the "
+                             "arithmetic level keeps its GEMMs trusted for now")
         from .numerics.accumulation import SCALINGS
 
         if self.gemm_scaling not in SCALINGS:
@@ -132,7 +140,8 @@ class AnalysisConfig:
         if self.gemm_inputs:
             if self.granularity != "op":
                 raise ValueError("gemm_inputs= is modelled at granularity='op' (linear, "
-                                 "matmul, mm, bmm) for now")
+                                 "matmul, mm, bmm, conv1d, conv2d, "
+                                 "scaled_dot_product_attention) for now")
         object.__setattr__(self, "formats", format_rules(self.formats))
         if self.formats and (self.granularity != "op" or auto):
             raise ValueError("formats= (per-operator formats) is supported at granularity='op' "
@@ -211,9 +220,11 @@ def format_rules(spec: Any) -> tuple:
 
 def accumulation_rules(spec: Any) -> tuple:
     """``accumulate=`` as ``((pattern, Accumulation or None), ...)``: one spec applies to every
-    modelled GEMM (``"*"``); a mapping's keys are operator kinds (``"linear"``) or globs over
-    qualified names (``"blocks.*.mlp.*/linear"``), first match wins; ``"fp32"`` (or None) is the
-    trusted product. An empty tuple: nothing is modelled."""
+    modelled GEMM (``"*"``); a mapping's keys are operator kinds (``"linear"``), roles
+    (:data:`ROLES`: ``"fprop"``, ``"dgrad"``, ``"wgrad"``, as Transformer Engine configures
+    them), stable operator names or globs over qualified names (``"blocks.*.mlp.*/linear"``),
+    first match wins (:func:`rule_for`); ``"fp32"`` (or None) is the trusted product. An empty
+    tuple: nothing is modelled."""
     from collections.abc import Mapping
 
     from .numerics.accumulation import Accumulation
@@ -226,7 +237,8 @@ def accumulation_rules(spec: Any) -> tuple:
         rules = []
         for key, value in spec.items():
             if not isinstance(key, str) or not key:
-                raise ValueError(f"accumulate keys are operator kinds or globs over "
+                raise ValueError(f"accumulate keys are operator kinds, roles ("
+                                 f"{', '.join(ROLES)}), names or globs over "
                                  f"'module.path/kind', got {key!r}")
             rules.append((key, Accumulation.parse(value)))
         return tuple(rules)
@@ -236,7 +248,7 @@ def accumulation_rules(spec: Any) -> tuple:
 
 def operand_rules(spec: Any) -> tuple:
     """``gemm_inputs=`` as ``((pattern, Format or None), ...)``: one format for every modelled
-    GEMM (``"*"``), or ``{kind, glob over "module.path/kind" or operator name: format or
+    GEMM (``"*"``), or ``{kind, role, glob over "module.path/kind" or operator name: format or
     None}`` (None: the operands as the program gives them), first match wins."""
     from collections.abc import Mapping
 
@@ -257,20 +269,27 @@ def operand_rules(spec: Any) -> tuple:
         rules = []
         for key, value in spec.items():
             if not isinstance(key, str) or not key:
-                raise ValueError(f"gemm_inputs keys are operator kinds, names or globs over "
+                raise ValueError(f"gemm_inputs keys are operator kinds, roles ("
+                                 f"{', '.join(ROLES)}), names or globs over "
                                  f"'module.path/kind', got {key!r}")
             rules.append((key, fmt(value, f"gemm_inputs[{key!r}]")))
         return tuple(rules)
     return (("*", fmt(spec, "gemm_inputs")),)
 
 
-def rule_for(rules: tuple, kind: str, qualified_name: str, name: Optional[str] = None) -> Any:
+def rule_for(rules: tuple, kind: str, qualified_name: str, name: Optional[str] = None,
+             role: str = "fprop") -> Any:
     """The value of the first of ``rules`` (``((pattern, value), ...)``) that matches a GEMM:
-    ``"*"``, its kind, its stable ``name``, or a glob over its ``"module.path/kind"``; None
-    when none does (the trusted product, the program's operands)."""
+    ``"*"``, its kind, its ``role`` (one of :data:`ROLES`; a forward graph's GEMMs are
+    ``"fprop"``), its stable ``name``, or a glob over its ``"module.path/kind"``; None when
+    none does (the trusted product, the program's operands). A role key matches its role
+    only (never as a glob)."""
     import fnmatch
 
     for pattern, value in rules:
-        if pattern in ("*", kind, name) or fnmatch.fnmatchcase(qualified_name, pattern):
+        if pattern in ROLES:
+            if pattern == role:
+                return value
+        elif pattern in ("*", kind, name) or fnmatch.fnmatchcase(qualified_name, pattern):
             return value
     return None

@@ -736,3 +736,86 @@ def test_a_map_with_the_accumulators_digits_round_trips_and_one_without_them_loa
     assert "its accumulator's digits" in d.to_text()
     assert "(its accumulator)" in d.to_markdown()
     assert not diff(dm, dm).failed
+
+
+# --------------------------------------------------------------------------- per-role specs
+def test_rule_for_matches_a_role_key_by_role_only():
+    from fxstab.config import rule_for
+
+    rules = (("dgrad", "d"), ("wgrad", "w"), ("mm", "kind"))
+    assert rule_for(rules, "mm", "fc/mm", role="dgrad") == "d"
+    assert rule_for(rules, "mm", "fc/mm", role="wgrad") == "w"
+    assert rule_for(rules, "mm", "fc/mm") == "kind"  # a forward GEMM is fprop
+    assert rule_for((("fprop", "f"),), "linear", "fprop/linear", "fprop/linear#0") == "f"
+    assert rule_for((("fprop", "f"),), "mm", "x/mm", role="dgrad") is None
+    with pytest.raises(ValueError, match=r"roles \(fprop, dgrad, wgrad\)"):
+        fxstab.backend(accumulate={"": "fp16"})
+
+
+def test_per_role_accumulators_fprop_dgrad_wgrad_on_a_linear():
+    """accumulate={"fprop": ..., "dgrad": ..., "wgrad": ...} with backward=True, as Transformer
+    Engine configures its three GEMMs: the forward linears take fprop's accumulator; in the
+    backward graph the mm giving the input's gradient (grad_out @ W) dgrad's, the one giving
+    the weight's gradient (grad_out^T @ x, then transposed) wgrad's; the gradients that reach
+    the model are the deterministic ones, bit for bit."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+    ref = [p.detach().clone() for p in model.parameters()]
+    x = torch.randn(4, 16, 64)
+    specs = {"fprop": Accumulation("fp16", 16, rounding="random"),
+             "dgrad": Accumulation("bf16", 8, rounding="random"),
+             "wgrad": Accumulation((8, 13), 32, rounding="zero")}
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the directed wgrad's warning
+        be = fxstab.backend(format="fp32", backward=True, accumulate=specs)
+    f = torch.compile(model, backend=be)
+    xg = x.clone().requires_grad_(True)
+    f(xg).sum().backward()
+    plain = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+    with torch.no_grad():
+        for p, r in zip(plain.parameters(), ref):
+            p.copy_(r)
+    xp = x.clone().requires_grad_(True)
+    plain(xp).sum().backward()
+    assert torch.equal(xg.grad, xp.grad)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), plain.parameters()))
+    how = {e.operator: e.reason for e in be.coverage().entries}
+    label = {role: f"accumulator {acc.label} on the samples" for role, acc in specs.items()}
+    assert how["0/linear#0"] == how["2/linear#0"] == label["fprop"]
+    # 2's backward: mm#0 = grad_out @ W (to the tanh), mm#1 = grad_out^T @ h (its weight);
+    # 0's: the input's gradient and the weight's
+    grads = {n: r for n, r in how.items() if "/grad/mm" in n}
+    assert sorted(r for r in grads.values()) == sorted(
+        [label["dgrad"], label["dgrad"], label["wgrad"], label["wgrad"]])
+    dm = be.digit_map()
+    for name, reason in grads.items():
+        op = dm.operators[name]
+        assert op.direction == "backward"
+        assert not math.isnan(op.accumulator_digits)  # the second figure, backward too
+        if reason == label["wgrad"]:  # [out, in] = grad_out^T @ x: the weight's, transposed
+            assert tuple(op.shape) in ((8, 32), (32, 64))
+        else:  # [tokens, in] = grad_out @ W: the activation's
+            assert tuple(op.shape) in ((64, 32), (64, 64))
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.fc(torch.tanh(self.fc(x)))
+
+
+def test_a_weight_used_twice_has_both_its_gradients_gemms_as_wgrad():
+    """A tied weight's gradient is the sum of two GEMMs' (autograd adds them): both wgrad."""
+    torch.manual_seed(0)
+    model, x = _Tied(), torch.randn(8, 32)
+    torch._dynamo.reset()
+    be = fxstab.backend(format="fp32", backward=True,
+                        accumulate={"wgrad": Accumulation("fp16", 16, rounding="random")})
+    torch.compile(model, backend=be)(x).sum().backward()
+    reasons = [e.reason for e in be.coverage().entries if "/grad/mm" in e.operator]
+    assert reasons.count("accumulator fp16/b16/random on the samples") == 2, reasons
+    assert len(reasons) == 3  # and the dgrad between the two uses, trusted

@@ -32,7 +32,8 @@ import torch
 import torch.fx
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 
-from ..rules.lifting import NodePlan, Stacked
+from ..config import rule_for
+from ..rules.lifting import ACCUMULATED_KINDS, NodePlan, Stacked
 from ..rules.op_level import SampleTracer
 from .op_level import GraphAnalysis
 from ..capture.naming import qualified_name, source_location
@@ -116,6 +117,45 @@ class BackwardAnalysis(GraphAnalysis):
         info = op_info(node.target)
         return not (info.exact or info.factory or info.compare) and _floating(
             node.meta.get("val"))
+
+    def _plan(self) -> None:
+        """The plans of the forward's, then each modelled GEMM's accumulator and operand format
+        by its role: ``"wgrad"`` where it gives a weight's gradient
+        (:meth:`_weight_gradient_gemms`), ``"dgrad"`` otherwise (an activation's gradient)."""
+        super()._plan()
+        wgrad = self._weight_gradient_gemms()
+        for plan in self.plans:
+            if plan.name is not None and plan.gemm and plan.kind in ACCUMULATED_KINDS:
+                role = "wgrad" if plan.node in wgrad else "dgrad"
+                qn = qualified_name(plan.module_path, plan.kind)
+                plan.accumulate = rule_for(self.cfg.accumulate, plan.kind, qn, plan.name, role)
+                plan.gemm_inputs = rule_for(self.cfg.gemm_inputs, plan.kind, qn, plan.name, role)
+
+    def _weight_gradient_gemms(self) -> set:
+        """The GEMM nodes that give a parameter's gradient: reached from a backward output that
+        is one (``self.params``) through getitem, exact operators (the transposes and views of
+        ``mm(grad_out.t(), x).t()``), casts and additions (a weight used twice sums its
+        gradients)."""
+        from ..rules.aten import op_info
+
+        through = {torch.ops.aten.add.Tensor, torch.ops.aten._to_copy.default}
+        output = next(n for n in self.sgraph.nodes if n.op == "output")
+        outs = list(output.args[0]) if isinstance(output.args[0], (tuple, list)) else []
+        todo = [outs[i] for i, name in enumerate(self.params) if name is not None and i < len(outs)]
+        found: set = set()
+        seen: set = set()
+        while todo:
+            node = todo.pop()
+            if not isinstance(node, torch.fx.Node) or node in seen or node.op != "call_function":
+                continue
+            seen.add(node)
+            plan = self.plan_of.get(node)
+            if plan is not None and plan.gemm and plan.kind in ACCUMULATED_KINDS:
+                found.add(node)
+            elif node.target is operator.getitem or node.target in through or (
+                    isinstance(node.target, torch._ops.OpOverload) and op_info(node.target).exact):
+                todo.extend(node.all_input_nodes)
+        return found
 
     def _forward_op(self, node: torch.fx.Node) -> tuple[str, str]:
         """(name, module path) of the forward operator a backward node belongs to."""
