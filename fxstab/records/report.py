@@ -77,9 +77,9 @@ class OpReport:
     # operator it belongs to) or a parameter's gradient (kind "param_grad")
     direction: str = "forward"
     # a modelled GEMM's accumulator (accumulate=): the digits its output shares with the same
-    # operator's exact sum of the same operand samples, average and minimum over elements and
-    # samples (NaN: no accumulator modelled). A bias of a nearest or directed accumulator,
-    # which the samples' spread (the digits above) cannot show
+    # operator's exact sum of the same operand samples, average and minimum over the elements
+    # (rules.accumulation.modelled_gemm; NaN: no accumulator modelled). A bias of a nearest or
+    # directed accumulator, which the samples' spread (the digits above) cannot show
     accumulator_digits: float = math.nan
     accumulator_min_digits: float = math.nan
 

@@ -233,18 +233,36 @@ def modelled_gemm(a: tuple, kw: dict, plan: Any, cfg: Any, seed: int,
     rounding mode, the kernels).
 
     Returns the samples and, with ``cap`` and an accumulator, the accumulator's own error
-    (:func:`accumulator_error`): the same operator on the same operand samples (the same
-    seed: the same fp8 operands) with the exact sum, against which its output is measured.
-    A nearest or directed accumulator rounds every sample alike, so its error is a bias the
-    samples' spread cannot show; this is the figure that can. None without an accumulator
-    (the exact sum has no error of its own) or without ``cap``."""
+    (:func:`accumulator_error`): the same operator on the same operand samples with the exact
+    sum, against which its output is measured. A nearest or directed accumulator rounds every
+    sample alike, so its error is a bias the samples' spread cannot show; this is the figure
+    that can. Measured on the first sample (the exact product of all N doubled the modelled
+    GEMM's time on an MLP; one costs 1/N of that), on all of them with ``gemm_inputs`` (the
+    same seed draws the same fp8 operands only for the same samples). None without an
+    accumulator (the exact sum has no error of its own) or without ``cap``."""
     out = accumulated_product(a, kw, plan.kind, plan.accumulate, seed, to_working,
                               plan.gemm_inputs, cfg.gemm_scaling, cfg.rounding, cfg.kernels)
     if cap is None or plan.accumulate is None:
         return out, None
+    value = out.samples
+    if plan.gemm_inputs is None:  # the operands as given: the first sample's are its own
+        a, kw = _first_sample(a), _first_sample(kw)
+        value = value[:1]
     exact = accumulated_product(a, kw, plan.kind, None, seed, to_working, plan.gemm_inputs,
                                 cfg.gemm_scaling, cfg.rounding, cfg.kernels)
-    return out, accumulator_error(out.samples, exact.samples, cap)
+    return out, accumulator_error(value, exact.samples, cap)
+
+
+def _first_sample(args: Any) -> Any:
+    """``args`` (a call's arguments, nested) with every stacked operand cut to its first
+    sample."""
+    if isinstance(args, Stacked):
+        return Stacked(args.samples[:1])
+    if isinstance(args, (tuple, list)):
+        return type(args)(_first_sample(v) for v in args)
+    if isinstance(args, dict):
+        return {k: _first_sample(v) for k, v in args.items()}
+    return args
 
 
 def accumulator_error(value: torch.Tensor, exact: torch.Tensor, cap: float) -> tuple:
