@@ -129,7 +129,7 @@ class AnalysisConfig:
         object.__setattr__(self, "accumulate", accumulation_rules(self.accumulate))
         if self.accumulate and self.granularity != "op":
             raise ValueError("accumulate= is modelled at granularity='op' (linear, matmul, mm, "
-                             "bmm, conv1d, conv2d, scaled_dot_product_attention); the "
+                             "bmm, addmm, baddbmm, conv1d, conv2d, scaled_dot_product_attention); the "
                              "arithmetic level keeps its GEMMs trusted for now")
         from .numerics.accumulation import SCALINGS
 
@@ -140,7 +140,7 @@ class AnalysisConfig:
         if self.gemm_inputs:
             if self.granularity != "op":
                 raise ValueError("gemm_inputs= is modelled at granularity='op' (linear, "
-                                 "matmul, mm, bmm, conv1d, conv2d, "
+                                 "matmul, mm, bmm, addmm, baddbmm, conv1d, conv2d, "
                                  "scaled_dot_product_attention) for now")
         object.__setattr__(self, "formats", format_rules(self.formats))
         if self.formats and (self.granularity != "op" or auto):

@@ -832,3 +832,62 @@ def test_a_weight_used_twice_has_both_its_gradients_gemms_as_wgrad():
     reasons = [e.reason for e in be.coverage().entries if "/grad/mm" in e.operator]
     assert reasons.count("accumulator fp16/b16/random on the samples") == 2, reasons
     assert len(reasons) == 3  # and the dgrad between the two uses, trusted
+
+
+class _AddmmModel(torch.nn.Module):
+    """torch.addmm as Hugging Face's Conv1D calls it (GPT-2's projections), then baddbmm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w = torch.nn.Parameter(torch.randn(64, 32, generator=g) / 8)
+        self.b = torch.nn.Parameter(torch.randn(32, generator=g))
+        self.w2 = torch.nn.Parameter(torch.randn(4, 32, 16, generator=g) / 8)
+
+    def forward(self, x):
+        h = torch.addmm(self.b, x, self.w)
+        return torch.baddbmm(torch.ones(4, 8, 16), h.view(4, 8, 32), self.w2)
+
+
+def _addmm_map(acc, **kw):
+    torch._dynamo.reset()
+    be = fxstab.backend(format="fp32", accumulate=acc, **kw)
+    model, x = _AddmmModel(), torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(torch.compile(model, backend=be)(x), model(x))  # deterministic path
+    return be.digit_map()
+
+
+def test_addmm_and_baddbmm_are_modelled_gemms():
+    trusted = _addmm_map(None)
+    with pytest.warns(UserWarning, match="round every sample alike"):
+        exact = _addmm_map(Accumulation((11, 52), 1, rounding="nearest"))
+    for name in ("addmm#0", "baddbmm#0"):  # fp64's accumulator: the trusted product
+        assert exact[name].avg_digits == trusted[name].avg_digits
+    fp16 = _addmm_map(Accumulation("fp16", 16, rounding="random"))
+    assert "accumulator fp16/b16/random" in str(fp16.metadata["coverage"])
+    for name in ("addmm#0", "baddbmm#0"):
+        assert fp16[name].avg_digits < trusted[name].avg_digits - 2
+
+
+def test_an_hf_gpt2s_conv1d_projections_are_modelled():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                                  bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = torch.randint(0, 64, (1, 16))
+    torch._dynamo.reset()
+    be = fxstab.backend(format="fp32", accumulate=Accumulation("fp16", 16, rounding="random"))
+    torch.compile(model, backend=be)(ids, use_cache=False)
+    modelled = [e.operator for e in be.coverage().entries
+                if e.kind == "addmm" and "accumulator" in e.reason]
+    assert len(modelled) == 4  # c_attn, c_proj, c_fc, mlp.c_proj
+
+
+def test_an_addmm_with_beta_or_alpha_keeps_the_trusted_product():
+    from fxstab.rules.accumulation import accumulable
+
+    x, w, b = torch.randn(4, 8), torch.randn(8, 3), torch.randn(3)
+    assert accumulable((b, x, w), {}, "addmm")
+    assert not accumulable((b, x, w), {"beta": 0.5}, "addmm")
+    assert not accumulable((b, x, w), {"alpha": 2.0}, "addmm")

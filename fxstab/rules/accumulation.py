@@ -30,7 +30,11 @@ from .lifting import Stacked
 __all__ = ["gemm_operands", "accumulable", "accumulated_product", "modelled_gemm",
            "accumulator_error",
            "gemm_model_label", "fused_rounder", "samples_rounder", "product_kernel", "CONV_KINDS",
-           "conv_args", "SDPA", "sdpa_args"]
+           "conv_args", "SDPA", "sdpa_args", "BIASED_KINDS"]
+
+
+# GEMMs that add a tensor to the product: kind -> the names of their two factors
+BIASED_KINDS = {"addmm": ("mat1", "mat2"), "baddbmm": ("batch1", "batch2")}
 
 
 def gemm_operands(a: tuple, kw: dict, kind: str) -> tuple:
@@ -39,6 +43,12 @@ def gemm_operands(a: tuple, kw: dict, kind: str) -> tuple:
         w = a[1] if len(a) > 1 else kw["weight"]
         bias = a[2] if len(a) > 2 else kw.get("bias")
         return a[0], w.transpose(-1, -2), bias
+    if kind in BIASED_KINDS:  # addmm(input, mat1, mat2): input + mat1 @ mat2 (HF's Conv1D)
+        first, second = BIASED_KINDS[kind]
+        bias = a[0] if a else kw["input"]
+        left = a[1] if len(a) > 1 else kw[first]
+        right = a[2] if len(a) > 2 else kw[second]
+        return left, right, bias
     other = a[1] if len(a) > 1 else kw.get("other", kw.get("mat2"))
     return a[0], other, None
 
@@ -119,9 +129,10 @@ def _sdpa_accumulable(a: tuple, kw: dict) -> bool:
 
 def accumulable(a: tuple, kw: dict, kind: str) -> bool:
     """Whether the accumulator can be modelled for these arguments: both operands with two
-    logical dims or more (a 1-D operand's product keeps the trusted path), no ``out=``; a
-    convolution with a batched input and numeric stride, padding and dilation."""
-    if "out" in kw:
+    logical dims or more (a 1-D operand's product keeps the trusted path), no ``out=``, no
+    ``beta``/``alpha`` other than 1 (addmm, baddbmm); a convolution with a batched input and
+    numeric stride, padding and dilation."""
+    if "out" in kw or kw.get("beta", 1) != 1 or kw.get("alpha", 1) != 1:
         return False
     if kind in CONV_KINDS:
         return _conv_accumulable(a, kw, kind)

@@ -49,7 +49,8 @@ ELEMENTWISE_KINDS = ((FAMILIES["activation"] - {"glu", "prelu"}) | FAMILIES["ele
 # GEMMs whose accumulator the samples can model (accumulate=): products of two operands with
 # at least two logical dims each (linear: its 2-D weight); 1-D and 2-D convolutions through
 # their GEMM form, attention as its two products (rules/accumulation.py)
-ACCUMULATED_KINDS = frozenset({"linear", "matmul", "mm", "bmm", "conv1d", "conv2d",
+ACCUMULATED_KINDS = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "baddbmm",
+                               "conv1d", "conv2d",
                                "scaled_dot_product_attention"})
 
 # Views whose samples may have to be copied (reshape): the deterministic pass's strides allowed
