@@ -195,14 +195,23 @@ def _candidates(ev: Evaluation, promoted: list, forward: set, consumers: dict
                 pulled.append(n)
 
     def frontier(name: str) -> list:
-        """The producers where the promoted region upstream of ``name`` begins."""
+        """The producers where the promoted region upstream of ``name`` begins; inside the
+        operator's own module (not the model's top level) the whole upstream part of that
+        module at once: a hazard written as a module is local to it."""
+        path = dmap[name].module_path if name in dmap else ""
+        local = (lambda p: p in dmap and (dmap[p].module_path == path or
+                                          dmap[p].module_path.startswith(path + "."))) \
+            if path else (lambda p: False)
         out, seen, todo = [], {name}, [name]
         while todo:
             for p in producers(todo.pop()):
                 if p in seen:
                     continue
                 seen.add(p)
-                (todo if p in chosen else out).append(p)
+                if p not in chosen:
+                    out.append(p)
+                if p in chosen or local(p):
+                    todo.append(p)
         return out
 
     lost = {x.name for x in ranking if x.nonfinite_origin or x.local_loss >= MIN_LOCAL_LOSS}
