@@ -10,7 +10,8 @@ latest digit map knows, then removes what is not needed:
    add as well as the subtraction: the add's bf16 rounding already erased x), one more
    each round, doubling when a round did not suffice; a promoted operator that still loses
    digits first pulls in the producers where its promoted region begins, one generation a
-   round (``E[x^2] - E[x]^2`` amplifies the rounding of x^2 and of x too);
+   round (``E[x^2] - E[x]^2`` amplifies the rounding of x^2 and of x too), or inside its own
+   module the module's whole upstream part at once;
 2. shrink: delta debugging (ddmin's complement step) over the grown set, each test one
    analysed call, down to a set from which no single operator can be dropped.
 """
