@@ -12,8 +12,8 @@ latest digit map knows, then removes what is not needed:
    digits first pulls in the producers where its promoted region begins, one generation a
    round (``E[x^2] - E[x]^2`` amplifies the rounding of x^2 and of x too), or inside its own
    module the module's whole upstream part at once;
-2. shrink: delta debugging (ddmin's complement step) over the grown set, each test one
-   analysed call, down to a set from which no single operator can be dropped.
+2. shrink: drop chunks of halving size (delta debugging's complement step), then try each
+   operator once, latest added first; each test is one analysed call.
 """
 
 from __future__ import annotations
