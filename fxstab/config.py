@@ -193,29 +193,50 @@ class AnalysisConfig:
         return self.format
 
 
-def format_rules(spec: Any) -> tuple:
-    """``formats=`` as ``((pattern, Format), ...)``: keys are stable operator names
-    (``"blocks.0.attn/exp#0"``) or globs over them; values format names, ``(e, m)`` or
-    :class:`Format`. None or an empty mapping: no override."""
+def _pattern_rules(spec: Any, option: str, keys: str, parse: Callable[[Any], Any],
+                   single: bool = True) -> tuple:
+    """An option given as one value or ``{pattern: value}`` as ``((pattern, value), ...)``,
+    each value through ``parse`` (its ValueError named with the option and key); one value is
+    the rule ``("*", value)`` (``single=False``: only a mapping is accepted). None: no rule;
+    a tuple of pairs reads as a mapping (the normalized form: a config copied with
+    ``dataclasses.replace``; parsing a parsed value returns it)."""
     from collections.abc import Mapping
 
     if spec is None:
         return ()
-    if isinstance(spec, tuple) and all(isinstance(r, tuple) and len(r) == 2
-                                       and isinstance(r[1], Format) for r in spec):
-        return spec  # already normalized (a config copied with dataclasses.replace)
-    if not isinstance(spec, Mapping):
-        raise ValueError(f"formats must be a mapping {{operator name or glob: format}}, got "
-                         f"{type(spec).__name__}")
-    rules = []
-    for key, value in spec.items():
-        if not isinstance(key, str) or not key:
-            raise ValueError(f"formats keys are operator names or globs over them, got {key!r}")
+    pairs = spec.items() if isinstance(spec, Mapping) else spec if (
+        isinstance(spec, tuple) and all(isinstance(r, tuple) and len(r) == 2 for r in spec)) \
+        else None
+
+    def value(v: Any, where: str) -> Any:
         try:
-            rules.append((key, get_format(value)))
+            return parse(v)
         except ValueError as exc:
-            raise ValueError(f"formats[{key!r}]: {exc}") from None
-    return tuple(rules)
+            raise ValueError(f"{where}: {exc}") from None
+
+    if pairs is not None:
+        rules = []
+        for key, v in pairs:
+            if not isinstance(key, str) or not key:
+                raise ValueError(f"{option} keys are {keys}, got {key!r}")
+            rules.append((key, value(v, f"{option}[{key!r}]")))
+        return tuple(rules)
+    if not single:
+        raise ValueError(f"{option} must be a mapping {{{keys}: value}}, got "
+                         f"{type(spec).__name__}")
+    return (("*", value(spec, option)),)
+
+
+_GEMM_KEYS = (f"operator kinds, roles ({', '.join(ROLES)}), names or globs over "
+              f"'module.path/kind'")
+
+
+def format_rules(spec: Any) -> tuple:
+    """``formats=`` as ``((pattern, Format), ...)``: keys are stable operator names
+    (``"blocks.0.attn/exp#0"``) or globs over them; values format names, ``(e, m)`` or
+    :class:`Format`. None or an empty mapping: no override."""
+    return _pattern_rules(spec, "formats", "operator names or globs over them", get_format,
+                          single=False)
 
 
 def accumulation_rules(spec: Any) -> tuple:
@@ -225,56 +246,18 @@ def accumulation_rules(spec: Any) -> tuple:
     them), stable operator names or globs over qualified names (``"blocks.*.mlp.*/linear"``),
     first match wins (:func:`rule_for`); ``"fp32"`` (or None) is the trusted product. An empty
     tuple: nothing is modelled."""
-    from collections.abc import Mapping
-
     from .numerics.accumulation import Accumulation
 
-    if spec is None:
-        return ()
-    if isinstance(spec, tuple) and all(isinstance(r, tuple) and len(r) == 2 for r in spec):
-        return spec  # already normalized (a config copied with dataclasses.replace)
-    if isinstance(spec, Mapping):
-        rules = []
-        for key, value in spec.items():
-            if not isinstance(key, str) or not key:
-                raise ValueError(f"accumulate keys are operator kinds, roles ("
-                                 f"{', '.join(ROLES)}), names or globs over "
-                                 f"'module.path/kind', got {key!r}")
-            rules.append((key, Accumulation.parse(value)))
-        return tuple(rules)
-    parsed = Accumulation.parse(spec)
-    return () if parsed is None else (("*", parsed),)
+    rules = _pattern_rules(spec, "accumulate", _GEMM_KEYS, Accumulation.parse)
+    return () if rules == (("*", None),) else rules
 
 
 def operand_rules(spec: Any) -> tuple:
     """``gemm_inputs=`` as ``((pattern, Format or None), ...)``: one format for every modelled
     GEMM (``"*"``), or ``{kind, role, glob over "module.path/kind" or operator name: format or
     None}`` (None: the operands as the program gives them), first match wins."""
-    from collections.abc import Mapping
-
-    if spec is None:
-        return ()
-    if isinstance(spec, tuple) and all(isinstance(r, tuple) and len(r) == 2 for r in spec):
-        return spec  # already normalized (a config copied with dataclasses.replace)
-
-    def fmt(value: Any, where: str) -> Any:
-        if value is None:
-            return None
-        try:
-            return get_format(value)
-        except ValueError as exc:
-            raise ValueError(f"{where}: {exc}") from None
-
-    if isinstance(spec, Mapping):
-        rules = []
-        for key, value in spec.items():
-            if not isinstance(key, str) or not key:
-                raise ValueError(f"gemm_inputs keys are operator kinds, roles ("
-                                 f"{', '.join(ROLES)}), names or globs over "
-                                 f"'module.path/kind', got {key!r}")
-            rules.append((key, fmt(value, f"gemm_inputs[{key!r}]")))
-        return tuple(rules)
-    return (("*", fmt(spec, "gemm_inputs")),)
+    return _pattern_rules(spec, "gemm_inputs", _GEMM_KEYS,
+                          lambda v: None if v is None else get_format(v))
 
 
 def rule_for(rules: tuple, kind: str, qualified_name: str, name: Optional[str] = None,
