@@ -18,7 +18,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from ..capture.graph import (
-    identity_dropout, is_metadata, mutated_placeholders, reads_item, selector,
+    floating_dtype, identity_dropout, is_metadata, mutated_placeholders, reads_item, selector,
 )
 from ..capture.naming import module_path, qualified_name, source_location
 from ..capture.opsets import DROPOUT_KINDS, RANDOM_KINDS, is_custom, is_gemm, node_kind
@@ -111,14 +111,11 @@ class GraphAnalysis:
             return self.cfg.format_for(name) if name is not None else self.cfg.format
         from ..numerics.formats import get_format
 
-        value = node.meta.get("example_value", node.meta.get("val"))
-        for leaf in pytree.tree_leaves(value):
-            if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
-                try:
-                    return get_format(leaf.dtype)
-                except ValueError:
-                    break
-        return self.cfg.format
+        dtype = floating_dtype(node)
+        try:
+            return get_format(dtype) if dtype is not None else self.cfg.format
+        except ValueError:
+            return self.cfg.format
 
     def _operator(self, node: torch.fx.Node, kind: str, repeats: dict) -> tuple[str, str, str]:
         """(stable name, module path, source location) of an instrumented node."""

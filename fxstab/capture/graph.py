@@ -18,7 +18,7 @@ import torch.fx
 from .opsets import DEFAULT_KINDS, DROPOUT_KINDS, FAMILIES, is_custom, node_kind
 
 __all__ = ["is_metadata", "selector", "is_inplace", "mutated_placeholders", "identity_dropout",
-           "reads_item", "fetch_attr", "node_callable"]
+           "reads_item", "fetch_attr", "node_callable", "floating_dtype"]
 
 # Operators that only read metadata: run once, on the first sample.
 _METADATA_KINDS = frozenset({"size", "dim", "numel", "stride", "is_floating_point", "is_contiguous",
@@ -140,6 +140,18 @@ def identity_dropout(node: torch.fx.Node, kind: str) -> bool:
         return False
     training = _arg(node, 2, "training", _arg(node, 2, "train", True))
     return training is False or _arg(node, 1, "p", 0.5) == 0
+
+
+def floating_dtype(node: torch.fx.Node) -> Optional[torch.dtype]:
+    """The dtype of the first floating tensor in a node's output as the program computes it
+    (dynamo's example value, a lowered graph's value); None when it has none or no value."""
+    from torch.utils import _pytree as pytree
+
+    value = node.meta.get("example_value", node.meta.get("val"))
+    for leaf in pytree.tree_leaves(value):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            return leaf.dtype
+    return None
 
 
 def reads_item(node: torch.fx.Node) -> bool:

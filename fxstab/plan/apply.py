@@ -22,6 +22,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from ..analysis.op_level import GraphAnalysis
+from ..capture.graph import floating_dtype
 from ..config import AnalysisConfig
 from ..numerics.digits import true_digits
 from ..numerics.formats import get_format, torch_dtype_of
@@ -94,15 +95,6 @@ def _method(name: str) -> Callable:
     return call
 
 
-def _program_dtype(node: torch.fx.Node) -> Optional[torch.dtype]:
-    """The floating dtype of a node's output in the program (dynamo's example value)."""
-    value = node.meta.get("example_value", node.meta.get("val"))
-    for leaf in pytree.tree_leaves(value):
-        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
-            return leaf.dtype
-    return None
-
-
 class PlanBackend:
     """The ``torch.compile`` backend of :func:`apply_plan`.
 
@@ -140,7 +132,7 @@ class PlanBackend:
                               f"runs as the program runs it", UserWarning, stacklevel=2)
                 continue
             fn = new.target if new.op == "call_function" else _method(new.target)
-            new.meta["fxstab_dtype"] = _program_dtype(new)
+            new.meta["fxstab_dtype"] = floating_dtype(new)
             new.op, new.target = "call_function", _promoted(fn, self.dtype)
             high.add(new)
             self.promoted.append(op_name)
@@ -151,7 +143,7 @@ class PlanBackend:
             for node in graph.nodes:
                 if node not in high and node.op == "call_function" and \
                         node.target is operator.getitem and node.args[0] in high:
-                    node.meta["fxstab_dtype"] = _program_dtype(node)
+                    node.meta["fxstab_dtype"] = floating_dtype(node)
                     high.add(node)
                     changed = True
         for node in list(graph.nodes):
