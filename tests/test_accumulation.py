@@ -488,6 +488,8 @@ def test_convolutions_are_the_gemm_of_their_patches_with_the_accumulator(case, m
                                lambda t: t.double()).samples  # fp64 steps: torch's conv
     conv = getattr(torch.nn.functional, kind)
     want = torch.stack([conv(x[n].double(), w.double(), bias.double(), *args) for n in range(2)])
+    # torch sums in its own order: fp64's last bits differ (bit for bit is tested against the
+    # sequential reference above)
     torch.testing.assert_close(fine, want, rtol=1e-12, atol=1e-12)
     o, kh, kw = w4.shape[0], w4.shape[-2], w4.shape[-1]
     og = o // groups
@@ -566,6 +568,7 @@ def test_attention_is_its_two_products_with_the_accumulator(case):
         q[n].double(), k.double(), v.double(),
         **{key: (val.double() if isinstance(val, torch.Tensor) and val.is_floating_point()
                  else val) for key, val in kw.items()}) for n in range(3)])
+    # torch's attention sums (and normalizes) in its own order: fp64's last bits differ
     torch.testing.assert_close(fine, want, rtol=1e-12, atol=1e-12)
     acc = Accumulation("bf16", 4, rounding="zero")
     got = accumulated_product(call, kw, _SDPA, acc, 0, lambda t: t.float()).samples
