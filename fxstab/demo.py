@@ -11,6 +11,7 @@ overflows fp16 although the fp32 model runs fine. The findings name both operato
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Optional
 
@@ -116,6 +117,7 @@ def run_demo(seed: int = 0, format: str = "fp16", output: Optional[str] = None) 
     import fxstab
 
     from .digitmap import DEFAULT_METRIC, hint
+    from .numerics.formats import torch_dtype_of
 
     t0 = time.perf_counter()
     model, batch = build(seed)
@@ -152,4 +154,10 @@ def run_demo(seed: int = 0, format: str = "fp16", output: Optional[str] = None) 
                   f"against its input: {hint(dm[lost.name])}.")
     print(f"\nThe model's own output was unchanged; {DEFAULT_METRIC} digits rank the operators "
           f"[{time.perf_counter() - t0:.1f}s].")
+    if torch_dtype_of(name) is None:  # a format torch does not compute in: no real run
+        return 0
+    here = os.path.abspath(__file__)
+    shown = os.path.relpath(here) if here.startswith(os.getcwd() + os.sep) else here
+    print(f"Next: `fxstab plan {shown}:build --format {name} --keep 1.2 --apply-check` finds "
+          f"the fewest operators to keep in fp32 and checks the fix in a real {name} run.")
     return 0
