@@ -12,13 +12,15 @@ few calls, same seed). The per-node row is a long chain of tiny elementwise oper
 deterministic call (1) plus the N samples' own compute, measured in the same run: the
 checkout's generated graphs with every step that rounds, measures, counts or perturbs made the
 identity (the batched operators alone, in the working dtype: fp64 for the fp32 format at the
-arithmetic level). Steps that compute an operator's value (the bf16 table lookups of exp, tanh...,
+arithmetic level); a step that computes an add, sub, mul or div inside its rounding
+(``binary``) runs that operator on the samples instead. Steps that compute an operator's value (the bf16 table lookups of exp, tanh...,
 which run as the operator itself; CESTAC comparisons, per-sample and random operators) run as
 they are.
 
 ``kernels x`` is the time one analysed call of the checkout spends in the calls of fxstab's C
 kernels (rounding and its statistics, the GEMM surrogate: ``native.Prepared``,
-``native.Rounder``, ``native.perturb``, their few lines of Python included) over the eager
+``native.Rounder``, ``native.perturb``; ``native.Binary``, which also computes its add, sub, mul
+or div: their few lines of Python included) over the eager
 call's, the least over a few calls. ``floor + kernels`` is what the analysed call cannot go
 below without faster kernels (up to the floor's identity steps, a few microseconds each): a
 target under it is a target for the kernels. On tiny tensors (the chain) it is mostly the
@@ -111,6 +113,8 @@ def floor_graph(sg) -> torch.fx.GraphModule:
             node.target = _identity_step(node.meta.get("val"), one)
         elif step is not None and step.what == "lookup":  # the op itself, then the identity
             node.target = _op_step(step.op, one)
+        elif step is not None and step.what == "binary":  # the add/sub/mul/div on the samples
+            node.target = _batched_step(step.op, one)
     gm.recompile()
     return gm
 
@@ -126,6 +130,17 @@ def _op_step(op, one: bool):
     def op_step_one(xs: list) -> torch.Tensor:
         return op(xs[0])
     return op_step_one if one else op_step
+
+
+def _batched_step(call, one: bool):
+    """A binary step's floor: its operator on the samples (``call``: the step's inputs to the
+    operator's batched value, as the rounding step's general path computes it)."""
+    def batched_step(xs: list) -> list:
+        return [call(xs)]
+
+    def batched_step_one(xs: list) -> torch.Tensor:
+        return call(xs)
+    return batched_step_one if one else batched_step
 
 
 def _identity_step(vals, one: bool):
@@ -184,11 +199,13 @@ def make(name: str, quick: bool):
 
 def kernel_time(call, calls: int = 5) -> float:
     """The least time over ``calls`` calls of ``call()`` spent inside fxstab's C kernels (the
-    calls of ``native.Prepared``, ``native.Rounder`` and ``native.perturb``), in seconds."""
+    calls of ``native.Prepared``, ``native.Rounder``, ``native.Binary`` and ``native.perturb``),
+    in seconds."""
     from fxstab.cpu import bindings as native
 
     spent = [0.0]
-    saved = [(native.Prepared, "__call__"), (native.Rounder, "_run"), (native, "perturb")]
+    saved = [(native.Prepared, "__call__"), (native.Rounder, "_run"), (native, "perturb"),
+             (native.Binary, "__call__")]
     originals = [getattr(owner, name) for owner, name in saved]
 
     def timed(fn):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -632,3 +633,102 @@ def test_call_seeds_are_derive_seed_of_each_pair():
     seeds = native.CallSeeds(bases, purposes)
     for call in (0, 1, 17, 2**33):
         assert seeds(call) == [derive_seed(b, call, q) for b, q in zip(bases, purposes)]
+
+
+def _binary_cases(dtype, g):
+    """Operand pairs as the arithmetic level hands them over (ranks aligned): stacked with
+    stacked, with a row statistic, with a plain weight, an expanded input with stacked, a
+    Python number's 0-d tensor, strided samples, an odd size across threads, and the specials
+    (NaN, infinities, signed zeros, subnormals, overflow) against ordinary values."""
+    r = lambda *s: torch.randn(*s, generator=g, dtype=dtype)  # noqa: E731
+    hard = _hard_values(dtype, "bf16" if dtype == torch.float32 else (8, 23))
+    m = hard.numel()
+    return [
+        (r(3, 5, 7), r(3, 5, 7)),
+        (r(3), r(3)),  # a 0-d value's samples
+        (r(3, 256, 129), r(3, 256, 1)),  # (x - mean) over rows
+        (r(3, 4, 33, 16), r(16)),  # a plain weight along the last dim
+        (r(5, 7).expand(3, 5, 7), r(3, 1, 1)),  # identical samples with a stacked scalar
+        (torch.tensor(2.5, dtype=dtype), r(3, 2, 3, 4, 5)),  # 2.5 - x: a number on the left
+        (r(3, 300, 3).transpose(1, 2), r(3, 3, 300)),  # strided samples
+        (r(3, 2, 1, 5), r(3, 1, 4, 5)),  # an outer product's broadcast: three collapsed dims
+        (r(3, 40000), r(3, 40000)),  # two threads from 32768 element-samples
+        (hard.repeat(3, 1), hard.flip(0).repeat(3, 1)),
+        (hard.repeat(3, 1), r(3, m) * 1e-30),
+        (hard.repeat(3, 1), torch.tensor(-0.0, dtype=dtype)),
+    ]
+
+
+@pytest.mark.parametrize("dtype,fmt", [(torch.float32, "bf16"), (torch.float32, "fp16"),
+                                       (torch.float32, "fp8_e4m3"), (torch.float64, "fp32"),
+                                       (torch.float64, "tf32")])
+@pytest.mark.parametrize("mode", [Rounding.RANDOM, Rounding.STOCHASTIC, Rounding.NEAREST])
+@pytest.mark.parametrize("op", sorted(native.BINARY_OPS))
+def test_binary_kernel_is_the_operator_then_the_rounder(dtype, fmt, mode, op):
+    """native.Binary computes add/sub/mul/div inside the rounding: the samples, statistics,
+    digits and zero mask of torch's operator followed by the Rounder, bit for bit, for every
+    broadcast the arithmetic level hands it, call after call (the layout set up once)."""
+    g = torch.Generator().manual_seed(5)
+    r = native.rounder(get_format(fmt), mode, dtype, 3)
+    k = native.Binary(r, op)
+    fn = getattr(torch, op)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for seed, (a, b) in enumerate(_binary_cases(dtype, g)):
+            for x, y in ((a, b), (b, a)):
+                assert k.reads(x, y), (x.shape, y.shape)
+                for s in (seed, seed + 100):  # the second call reuses the layout
+                    out, st, d, z = k(x, y, s, True, True)
+                    want, wst, wd, wz = r(fn(x, y).contiguous(), s, True, True, True)
+                    assert _same_bits(out, want) and st == wst, (op, x.shape, y.shape)
+                    assert torch.equal(d.view(_INT[dtype]), wd.view(_INT[dtype]))
+                    assert torch.equal(z, wz)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_binary_kernel_refuses_what_it_does_not_read():
+    """Other dtypes, a broadcast over four collapsed dims, an empty output: not read (the rule
+    then runs the operator and rounds its result)."""
+    r = native.rounder(get_format("bf16"), Rounding.RANDOM, torch.float32, 3)
+    k = native.Binary(r, "add")
+    a = torch.randn(3, 2, 1, 4, 1)
+    assert not k.reads(a, torch.randn(3, 1, 3, 1, 5))
+    assert not k.reads(a.double(), a.double())
+    assert not k.reads(torch.randn(3, 0, 4), torch.randn(4))
+    assert not k.reads(torch.randn(2, 4), torch.randn(4))  # not [N, ...]
+    assert k.reads(a, a)
+    with pytest.raises(ValueError, match="rounding mode"):
+        native.Binary(native.rounder(get_format("bf16"), None, torch.float32, 3), "add")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp32"])
+def test_binary_steps_give_the_general_paths_maps(fmt, monkeypatch):
+    """At the arithmetic level, adds, subs, products and quotients computed inside the
+    kernel's rounding leave the digit map (statistics, counters with per-event records) as
+    the operator followed by the rounding step does, field for field."""
+    from fxstab.rules.aten import apply
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.LayerNorm(64),
+                                torch.nn.Softmax(-1))
+    x = torch.randn(8, 32) * 30
+    maps, steps, counted = [], [], []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(apply, "_fusable", lambda args, ctx: False)
+        torch._dynamo.reset()
+        be = fxstab.backend(granularity="aten", format=fmt, diagnostics="detailed", seed=3)
+        f = torch.compile(model, backend=be)
+        with torch.no_grad():
+            for _ in range(3):  # untraced, traced, replayed
+                assert torch.equal(f(x), model(x))
+        maps.append(json.loads(be.digit_map().to_json()))
+        steps.append(be.sampled_graphs()[0].code.count("fxstab_binary_"))
+        counted.append(sum(sum(r.counters.values()) for r in be.reports))
+    assert steps[0] >= 6 and steps[1] == 0
+    assert counted[0] == counted[1] > 0  # cancellations (fp32), math functions (bf16)
+    for m in maps:
+        m["metadata"].pop("created", None)
+    assert maps[0] == maps[1]

@@ -32,7 +32,7 @@ from .build import library_path
 
 __all__ = ["available", "supports", "round_stats", "round_perturb", "perturb", "library_path",
            "Rounder", "rounder", "lookup_bf16", "LOOKUP_OPS", "derive_seeds", "CallSeeds",
-           "Prepared"]
+           "Prepared", "Binary", "BINARY_OPS", "binary_layout"]
 
 MAX_SAMPLES = 256  # cpu_kernels.c: per-thread stack buffers
 
@@ -342,13 +342,23 @@ class Rounder:
         return stats, digits, zeros
 
 
+class _Binop(ctypes.Structure):
+    """cpu_kernels.c ``binop_t``: the elementwise primitive a :class:`Binary` computes."""
+
+    _fields_ = [("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("as_", ctypes.c_int64),
+                ("bs", ctypes.c_int64), ("op", ctypes.c_int64), ("size1", ctypes.c_int64),
+                ("size2", ctypes.c_int64), ("ast", ctypes.c_int64 * 3),
+                ("bst", ctypes.c_int64 * 3)]
+
+
 class _PreparedCall(ctypes.Structure):
     """cpu_kernels.c ``prepared_t``: one :class:`Prepared` call's arguments."""
 
     _fields_ = [("x", ctypes.c_void_p), ("xs", ctypes.c_int64), ("out", ctypes.c_void_p),
                 ("n", ctypes.c_int64), ("numel", ctypes.c_int64), ("f64", ctypes.c_int64),
                 ("p", ctypes.POINTER(_Params)), ("stats", ctypes.POINTER(ctypes.c_double)),
-                ("fused", ctypes.POINTER(_Fused))]
+                ("fused", ctypes.POINTER(_Fused)), ("bin", ctypes.POINTER(_Binop)),
+                ("dig", ctypes.c_void_p)]
 
 
 class Prepared:
@@ -430,6 +440,119 @@ class Prepared:
         c.x = ptr
         self._fn(self._cref)
         return out
+
+
+_CONTIGUOUS = torch.contiguous_format
+
+# cpu_kernels.c BIN_*: the primitives :class:`Binary` computes
+BINARY_OPS = {"add": 0, "sub": 1, "mul": 2, "div": 3}
+
+
+def binary_layout(a: torch.Tensor, b: torch.Tensor, n: int) -> Optional[tuple]:
+    """How :class:`Binary` reads two operands that broadcast to ``[n, *shape]`` (samples first;
+    a plain operand without the sample dim broadcasts along it): ``(shape, (size1, size2),
+    (sample stride, strides) of a, of b)`` over the output collapsed to at most three dims, or
+    None when it does not collapse that far."""
+    try:
+        full = torch.broadcast_shapes(a.shape, b.shape)
+    except RuntimeError:
+        return None
+    if not full or full[0] != n or a.dim() > len(full) or b.dim() > len(full):
+        return None
+    ea, eb = a.expand(full), b.expand(full)
+    dims: list = []  # [size, a's stride, b's stride] from the outermost
+    for size, sa, sb in zip(full[1:], ea.stride()[1:], eb.stride()[1:]):
+        if size == 1:
+            continue
+        if dims and dims[-1][1] == sa * size and dims[-1][2] == sb * size:
+            dims[-1] = [dims[-1][0] * size, sa, sb]  # contiguous with the previous dim
+        else:
+            dims.append([size, sa, sb])
+    if len(dims) > 3:
+        return None
+    dims = [[1, 0, 0]] * (3 - len(dims)) + dims
+    return (tuple(full[1:]), (dims[1][0], dims[2][0]),
+            (ea.stride(0), tuple(d[1] for d in dims)), (eb.stride(0), tuple(d[2] for d in dims)))
+
+
+class Binary:
+    """The arithmetic level's usual primitive in one C call: an elementwise add, sub, mul or div
+    of two operands in the samples' dtype (stacked ``[N, ...]``, or plain values every sample
+    shares), computed by the kernel row by row straight into its rounding and statistics
+    (cpu_kernels.c ``binop_t``): the same bits as torch's operator followed by
+    :class:`Prepared`, without the operator's own pass over memory.
+
+    ``binary.reads(a, b)`` says whether it reads ``a``, ``b`` (broadcastable to ``[N, ...]``,
+    ranks aligned: :func:`fxstab.rules.aten.batching.aligned`; the samples' dtype, the CPU, a
+    broadcast that collapses to three dims, a non-empty output); then ``binary(a, b, seed,
+    want_digits, want_zeros)`` returns ``(rounded samples, statistics list, digits or None,
+    zero mask or None)``."""
+
+    __slots__ = ("_prep", "_bin", "dtype", "_layout", "_like")
+
+    def __init__(self, r: Rounder, op: str) -> None:
+        if r.mode is None:
+            raise ValueError("fxstab.cpu.bindings.Binary: needs a rounding mode")
+        self._prep = Prepared(r, False)
+        self._bin = _Binop(op=BINARY_OPS[op])
+        self._prep._c.bin = ctypes.pointer(self._bin)
+        self.dtype = r.dtype
+        self._layout: Optional[tuple] = None  # the strides and shapes of the latest operands
+        self._like: tuple = ()  # the output's, the digits' and the zero mask's layouts
+
+    def reads(self, a: torch.Tensor, b: torch.Tensor) -> bool:
+        key = (a.stride(), b.stride(), a.shape, b.shape, a.dtype, b.dtype, a.device, b.device)
+        if key == self._layout:  # a step sees one layout: set up once
+            return True
+        dt = self.dtype
+        if a.dtype is not dt or b.dtype is not dt or not (a.is_cpu and b.is_cpu):
+            return False
+        layout = binary_layout(a, b, self._prep.n)
+        if layout is None or not all(layout[0]):
+            self._layout = None
+            return False
+        self._layout = key
+        # layouts to allocate from (empty_like parses its arguments in half the time of
+        # torch.empty(shape, dtype=...)): one element each, expanded
+        full = (self._prep.n, *layout[0])
+        self._like = (torch.empty((), dtype=dt).expand(full),
+                      torch.empty((), dtype=dt).expand(full[1:]),
+                      torch.empty((), dtype=torch.bool).expand(full[1:]))
+        bo, c = self._bin, self._prep._c
+        bo.size1, bo.size2 = layout[1]
+        bo.as_, bo.bs = layout[2][0], layout[3][0]
+        bo.ast[:], bo.bst[:] = layout[2][1], layout[3][1]
+        c.x, c.xs = None, 0
+        c.numel = math.prod(layout[0])
+        return True
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, seed: int, want_digits: bool = False,
+                 want_zeros: bool = False) -> tuple:
+        """The operands :meth:`reads` last said it reads (their layout)."""
+        prep = self._prep
+        c, p, bo = prep._c, prep._p, self._bin
+        like = self._like
+        out = torch.empty_like(like[0], memory_format=_CONTIGUOUS)
+        c.out = out.data_ptr()
+        bo.a = a.data_ptr()
+        bo.b = b.data_ptr()
+        digits = zeros = None
+        if want_digits:
+            digits = torch.empty_like(like[1], memory_format=_CONTIGUOUS)
+            c.dig = digits.data_ptr()
+        elif c.dig:
+            c.dig = None
+        if want_zeros:
+            zeros = torch.empty_like(like[2], memory_format=_CONTIGUOUS)
+            p.zmask = zeros.data_ptr()
+        elif p.zmask:
+            p.zmask = 0
+        p.seed = seed & M64
+        nt = torch.get_num_threads()
+        if nt != prep._nt:
+            p.nthreads = prep._nt = nt
+        prep._fn(prep._cref)
+        return out, prep.stats[:], digits, zeros
 
 
 @functools.lru_cache(maxsize=256)

@@ -1398,6 +1398,65 @@ DEFINE_PERTURB_GROUP(perturb_group_f32, float)
 DEFINE_PERTURB_GROUP(perturb_group_f64, double)
 
 /* ---------------------------------------------------------------------------------------
+ * The arithmetic level's usual primitive computed inside round_stats (fxstab.cpu.bindings.Binary):
+ * an elementwise add, sub, mul or div of two operands in the samples' dtype, broadcast as torch
+ * broadcasts them, one IEEE operation per element (what torch's CPU kernel computes: the same
+ * bits), straight into the rounding of the row it belongs to. The output [n, numel] is
+ * collapsed to [size0, size1, size2] per sample; an operand's element (i0, i1, i2) of sample k
+ * is at k * as + i0 * ast[0] + i1 * ast[1] + i2 * ast[2] (strides 0 where it broadcasts).
+ */
+#define BIN_ADD 0
+#define BIN_SUB 1
+#define BIN_MUL 2
+#define BIN_DIV 3
+typedef struct {
+    const void *a, *b;
+    int64_t as, bs; /* sample strides, in elements (0: every sample reads the same values) */
+    int64_t op;     /* BIN_* */
+    int64_t size1, size2;
+    int64_t ast[3], bst[3];
+} binop_t;
+
+#define BINARY_RUN(FT, OP)                                                                      \
+    if (a2 == 1 && b2 == 1)                                                                     \
+        for (int64_t k = 0; k < run; k++) o[k] = pa[k] OP pb[k];                                \
+    else if (a2 == 1 && b2 == 0) {                                                              \
+        const FT vb = pb[0];                                                                    \
+        for (int64_t k = 0; k < run; k++) o[k] = pa[k] OP vb;                                   \
+    } else if (a2 == 0 && b2 == 1) {                                                            \
+        const FT va = pa[0];                                                                    \
+        for (int64_t k = 0; k < run; k++) o[k] = va OP pb[k];                                   \
+    } else                                                                                      \
+        for (int64_t k = 0; k < run; k++) o[k] = pa[k * a2] OP pb[k * b2];
+
+/* Sample i's values of elements e0 .. e0 + cnt - 1 into t. */
+#define DEFINE_BINARY_BLOCK(NAME, FT)                                                           \
+    ALWAYS_INLINE void NAME(const binop_t *bo, int64_t i, int64_t e0, int64_t cnt,             \
+                            FT *restrict t) {                                                   \
+        const FT *A = (const FT *)bo->a + i * bo->as, *B = (const FT *)bo->b + i * bo->bs;      \
+        const int64_t s1 = bo->size1, s2 = bo->size2, a2 = bo->ast[2], b2 = bo->bst[2];         \
+        int64_t i2 = e0 % s2, r = e0 / s2, i1 = r % s1, i0 = r / s1;                            \
+        for (int64_t el = 0; el < cnt;) {                                                       \
+            int64_t run = s2 - i2 < cnt - el ? s2 - i2 : cnt - el;                              \
+            const FT *pa = A + i0 * bo->ast[0] + i1 * bo->ast[1] + i2 * a2;                     \
+            const FT *pb = B + i0 * bo->bst[0] + i1 * bo->bst[1] + i2 * b2;                     \
+            FT *restrict o = t + el;                                                            \
+            switch (bo->op) {                                                                   \
+            case BIN_ADD: { BINARY_RUN(FT, +) } break;                                          \
+            case BIN_SUB: { BINARY_RUN(FT, -) } break;                                          \
+            case BIN_MUL: { BINARY_RUN(FT, *) } break;                                          \
+            default: { BINARY_RUN(FT, /) } break;                                               \
+            }                                                                                   \
+            el += run;                                                                          \
+            i2 = 0;                                                                             \
+            if (++i1 == s1) { i1 = 0; i0++; }                                                   \
+        }                                                                                       \
+    }
+
+DEFINE_BINARY_BLOCK(binary_block_f32, float)
+DEFINE_BINARY_BLOCK(binary_block_f64, double)
+
+/* ---------------------------------------------------------------------------------------
  * round_stats: round (mode != MODE_NONE) the n samples of each element into `out` and
  * accumulate stats[11] = [sum of digits, min, max, computational zeros, non-finite, numel,
  * squared norm of the means, squared norm of the standard deviations, underflowed elements,
@@ -1419,6 +1478,7 @@ typedef struct {
     double K, eta;
     uint8_t *zm;
     ext_t *total;
+    const binop_t *bin; /* the primitive computed in the kernel (x unused), or NULL */
 } rs_call_t;
 
 /* The parallel region of round_stats, NAME_region: run by each thread of an OpenMP team (its
@@ -1426,7 +1486,7 @@ typedef struct {
  * called directly with one thread, where an OpenMP region with a team of one would cost about
  * 1 us, more than the work of a tiny tensor (then the loop runs every superblock and `ext` is
  * the total itself). */
-#define DEFINE_RS_REGION(NAME, FT, ROW, DIGITS, EXTRAS, CLOSE, PERTURB_GROUP, MODE)              \
+#define DEFINE_RS_REGION(NAME, FT, ROW, DIGITS, EXTRAS, CLOSE, PERTURB_GROUP, BINARY, MODE)      \
     NOINLINE void NAME##_region(const rs_call_t *a, double *s_sum, double *s_min,               \
                                 double *s_max, double *s_zero, double *s_nf,                    \
                                 int64_t *n_close) {                                             \
@@ -1443,6 +1503,7 @@ typedef struct {
         const double K = a->K;                                                                  \
         uint8_t *zm = a->zm;                                                                    \
         ext_t *total = a->total;                                                                \
+        const binop_t *bin = a->bin;                                                            \
         const FT eta = (FT)a->eta;                                                              \
         {                                                                                       \
         acc8_t acc;                                                                             \
@@ -1482,7 +1543,10 @@ typedef struct {
                         int64_t e0 = g * BLK, cnt = e0 + BLK < numel ? BLK : numel - e0;        \
                         sample_bits(p, mode, g, cnt, i, draws, flips,                           \
                                     dwords + (g - g0) * n_free, swords, rb);                    \
-                        normal[g - g0] &= ROW(x + i * xs + e0, out + i * numel + e0, cnt, r,    \
+                        const FT *src = x + i * xs + e0;                                        \
+                        FT tmp[BLK];                                                            \
+                        if (bin) { BINARY(bin, i, e0, cnt, tmp); src = tmp; }                   \
+                        normal[g - g0] &= ROW(src, out + i * numel + e0, cnt, r,                \
                                               mode, rb, flag_uf ? ufb + (g - g0) * BLK : NULL); \
                     }                                                                           \
             for (int64_t g = g0; g < g1; g++) {                                                 \
@@ -1526,10 +1590,11 @@ typedef struct {
         }                                                                                       \
     }
 
-#define DEFINE_ROUND_STATS_MODE(NAME, FT, ROW, DIGITS, EXTRAS, CLOSE, PERTURB_GROUP, MODE)      \
-    DEFINE_RS_REGION(NAME, FT, ROW, DIGITS, EXTRAS, CLOSE, PERTURB_GROUP, MODE)                  \
+#define DEFINE_ROUND_STATS_MODE(NAME, FT, ROW, DIGITS, EXTRAS, CLOSE, PERTURB_GROUP, BINARY, MODE) \
+    DEFINE_RS_REGION(NAME, FT, ROW, DIGITS, EXTRAS, CLOSE, PERTURB_GROUP, BINARY, MODE)          \
     static void NAME(const FT *x, int64_t xs, FT *out, int64_t n, int64_t numel,                \
-                     const params_t *p, double *stats, FT *dig, fused_t *fused) {               \
+                     const params_t *p, double *stats, FT *dig, fused_t *fused,                 \
+                     const binop_t *bin) {                                                      \
         const int mode = MODE;                                                                  \
         int draws[MAX_SAMPLES], flips[MAX_SAMPLES];                                             \
         int n_free = sample_draws(n, draws, flips);                                             \
@@ -1555,7 +1620,7 @@ typedef struct {
         const int64_t n_sb = (groups + sbg - 1) / sbg;                                          \
         const rs_call_t a = {x, out, dig, xs, n, numel, groups, qstride, sbg, n_sb, p, fused,    \
                              draws, flips, n_free, want_stats, want_ext, fuse, nt, r, K,         \
-                             fuse ? fused->eta : 0.0, zm, &total};                               \
+                             fuse ? fused->eta : 0.0, zm, &total, bin};                          \
         if (nt > 1) {                                                                           \
             _Pragma("omp parallel num_threads(nt) reduction(+:s_sum, s_zero, s_nf) reduction(min:s_min) reduction(max:s_max) reduction(+:n_close)") \
             NAME##_region(&a, &s_sum, &s_min, &s_max, &s_zero, &s_nf, &n_close);              \
@@ -1579,34 +1644,34 @@ typedef struct {
     }
 
 DEFINE_ROUND_STATS_MODE(rs_f32_random, float, round_row_f32, digits_block_f32, extras_block_f32, close_block_f32,
-                        perturb_group_f32, MODE_RANDOM)
+                        perturb_group_f32, binary_block_f32, MODE_RANDOM)
 DEFINE_ROUND_STATS_MODE(rs_f32_stochastic, float, round_row_f32, digits_block_f32, extras_block_f32, close_block_f32,
-                        perturb_group_f32, MODE_STOCHASTIC)
+                        perturb_group_f32, binary_block_f32, MODE_STOCHASTIC)
 DEFINE_ROUND_STATS_MODE(rs_f32_nearest, float, round_row_f32, digits_block_f32, extras_block_f32, close_block_f32,
-                        perturb_group_f32, MODE_NEAREST)
+                        perturb_group_f32, binary_block_f32, MODE_NEAREST)
 DEFINE_ROUND_STATS_MODE(rs_f32_up, float, round_row_f32, digits_block_f32, extras_block_f32, close_block_f32,
-                        perturb_group_f32, MODE_UP)
+                        perturb_group_f32, binary_block_f32, MODE_UP)
 DEFINE_ROUND_STATS_MODE(rs_f32_down, float, round_row_f32, digits_block_f32, extras_block_f32, close_block_f32,
-                        perturb_group_f32, MODE_DOWN)
+                        perturb_group_f32, binary_block_f32, MODE_DOWN)
 DEFINE_ROUND_STATS_MODE(rs_f32_zero, float, round_row_f32, digits_block_f32, extras_block_f32, close_block_f32,
-                        perturb_group_f32, MODE_ZERO)
+                        perturb_group_f32, binary_block_f32, MODE_ZERO)
 DEFINE_ROUND_STATS_MODE(rs_f32_none, float, round_row_f32, digits_block_f32, extras_block_f32, close_block_f32,
-                        perturb_group_f32, MODE_NONE)
+                        perturb_group_f32, binary_block_f32, MODE_NONE)
 
 DEFINE_ROUND_STATS_MODE(rs_f64_random, double, round_row_f64, digits_block_f64, extras_block_f64, close_block_f64,
-                        perturb_group_f64, MODE_RANDOM)
+                        perturb_group_f64, binary_block_f64, MODE_RANDOM)
 DEFINE_ROUND_STATS_MODE(rs_f64_stochastic, double, round_row_f64, digits_block_f64, extras_block_f64, close_block_f64,
-                        perturb_group_f64, MODE_STOCHASTIC)
+                        perturb_group_f64, binary_block_f64, MODE_STOCHASTIC)
 DEFINE_ROUND_STATS_MODE(rs_f64_nearest, double, round_row_f64, digits_block_f64, extras_block_f64, close_block_f64,
-                        perturb_group_f64, MODE_NEAREST)
+                        perturb_group_f64, binary_block_f64, MODE_NEAREST)
 DEFINE_ROUND_STATS_MODE(rs_f64_up, double, round_row_f64, digits_block_f64, extras_block_f64, close_block_f64,
-                        perturb_group_f64, MODE_UP)
+                        perturb_group_f64, binary_block_f64, MODE_UP)
 DEFINE_ROUND_STATS_MODE(rs_f64_down, double, round_row_f64, digits_block_f64, extras_block_f64, close_block_f64,
-                        perturb_group_f64, MODE_DOWN)
+                        perturb_group_f64, binary_block_f64, MODE_DOWN)
 DEFINE_ROUND_STATS_MODE(rs_f64_zero, double, round_row_f64, digits_block_f64, extras_block_f64, close_block_f64,
-                        perturb_group_f64, MODE_ZERO)
+                        perturb_group_f64, binary_block_f64, MODE_ZERO)
 DEFINE_ROUND_STATS_MODE(rs_f64_none, double, round_row_f64, digits_block_f64, extras_block_f64, close_block_f64,
-                        perturb_group_f64, MODE_NONE)
+                        perturb_group_f64, binary_block_f64, MODE_NONE)
 
 /* The per-call constants of the statistics, once per call instead of once per group. */
 static params_t derive_params(const params_t *p, int64_t n) {
@@ -1635,13 +1700,13 @@ static params_t derive_params(const params_t *p, int64_t n) {
         params_t q = derive_params(p, n);                                                       \
         p = &q;                                                                                 \
         switch (p->mode) {                                                                      \
-        case MODE_RANDOM: rs_##DT##_random(x, xs, out, n, numel, p, stats, dig, fused); break;         \
-        case MODE_STOCHASTIC: rs_##DT##_stochastic(x, xs, out, n, numel, p, stats, dig, fused); break; \
-        case MODE_NEAREST: rs_##DT##_nearest(x, xs, out, n, numel, p, stats, dig, fused); break;       \
-        case MODE_UP: rs_##DT##_up(x, xs, out, n, numel, p, stats, dig, fused); break;                 \
-        case MODE_DOWN: rs_##DT##_down(x, xs, out, n, numel, p, stats, dig, fused); break;             \
-        case MODE_ZERO: rs_##DT##_zero(x, xs, out, n, numel, p, stats, dig, fused); break;             \
-        default: rs_##DT##_none(x, xs, out, n, numel, p, stats, dig, fused); break;                    \
+        case MODE_RANDOM: rs_##DT##_random(x, xs, out, n, numel, p, stats, dig, fused, NULL); break;         \
+        case MODE_STOCHASTIC: rs_##DT##_stochastic(x, xs, out, n, numel, p, stats, dig, fused, NULL); break; \
+        case MODE_NEAREST: rs_##DT##_nearest(x, xs, out, n, numel, p, stats, dig, fused, NULL); break;       \
+        case MODE_UP: rs_##DT##_up(x, xs, out, n, numel, p, stats, dig, fused, NULL); break;                 \
+        case MODE_DOWN: rs_##DT##_down(x, xs, out, n, numel, p, stats, dig, fused, NULL); break;             \
+        case MODE_ZERO: rs_##DT##_zero(x, xs, out, n, numel, p, stats, dig, fused, NULL); break;             \
+        default: rs_##DT##_none(x, xs, out, n, numel, p, stats, dig, fused, NULL); break;                    \
         }                                                                                       \
     }
 
@@ -1659,25 +1724,27 @@ typedef struct {
     params_t *p; /* derived: its seed and nthreads set per call */
     double *stats;
     fused_t *fused; /* the consumer GEMM's surrogate (its seed set per call), or NULL */
+    const binop_t *bin; /* the primitive whose values are rounded (x unused), or NULL */
+    void *dig;          /* per-element digits out, or NULL */
 } prepared_t;
 
 void fxstab_prepare_params(params_t *p, int64_t n) { *p = derive_params(p, n); }
 
 void fxstab_round_stats_prepared(const prepared_t *c) {
     const params_t *p = c->p;
-    if (c->n < 1 || c->n > MAX_SAMPLES) return;
+    if (c->n < 1 || c->n > MAX_SAMPLES || (c->bin && p->mode == MODE_NONE)) return;
 #define PREPARED_CALL(DT, FT)                                                                     \
     do {                                                                                          \
         const FT *x = (const FT *)c->x;                                                           \
         FT *out = (FT *)c->out;                                                                   \
         switch (p->mode) {                                                                        \
-        case MODE_RANDOM: rs_##DT##_random(x, c->xs, out, c->n, c->numel, p, c->stats, NULL, c->fused); break; \
-        case MODE_STOCHASTIC: rs_##DT##_stochastic(x, c->xs, out, c->n, c->numel, p, c->stats, NULL, c->fused); break; \
-        case MODE_NEAREST: rs_##DT##_nearest(x, c->xs, out, c->n, c->numel, p, c->stats, NULL, c->fused); break; \
-        case MODE_UP: rs_##DT##_up(x, c->xs, out, c->n, c->numel, p, c->stats, NULL, c->fused); break; \
-        case MODE_DOWN: rs_##DT##_down(x, c->xs, out, c->n, c->numel, p, c->stats, NULL, c->fused); break; \
-        case MODE_ZERO: rs_##DT##_zero(x, c->xs, out, c->n, c->numel, p, c->stats, NULL, c->fused); break; \
-        default: rs_##DT##_none(x, c->xs, out, c->n, c->numel, p, c->stats, NULL, c->fused); break; \
+        case MODE_RANDOM: rs_##DT##_random(x, c->xs, out, c->n, c->numel, p, c->stats, (FT *)c->dig, c->fused, c->bin); break; \
+        case MODE_STOCHASTIC: rs_##DT##_stochastic(x, c->xs, out, c->n, c->numel, p, c->stats, (FT *)c->dig, c->fused, c->bin); break; \
+        case MODE_NEAREST: rs_##DT##_nearest(x, c->xs, out, c->n, c->numel, p, c->stats, (FT *)c->dig, c->fused, c->bin); break; \
+        case MODE_UP: rs_##DT##_up(x, c->xs, out, c->n, c->numel, p, c->stats, (FT *)c->dig, c->fused, c->bin); break; \
+        case MODE_DOWN: rs_##DT##_down(x, c->xs, out, c->n, c->numel, p, c->stats, (FT *)c->dig, c->fused, c->bin); break; \
+        case MODE_ZERO: rs_##DT##_zero(x, c->xs, out, c->n, c->numel, p, c->stats, (FT *)c->dig, c->fused, c->bin); break; \
+        default: rs_##DT##_none(x, c->xs, out, c->n, c->numel, p, c->stats, (FT *)c->dig, c->fused, c->bin); break; \
         }                                                                                         \
     } while (0)
     if (c->f64)

@@ -20,7 +20,9 @@ from torch.utils import _pytree as pytree
 from ...cpu import bindings as native
 from ...numerics import randbits
 from ...records.report import OBSERVED, PER_SAMPLE, ROUNDED, UNLIFTED, OpReport, empty_counters
-from .batching import PASS_THROUGH, has_stacked, logical_ndim, owned, run_batched, scan_args
+from .batching import (
+    PASS_THROUGH, aligned, has_stacked, logical_ndim, owned, run_batched, scan_args,
+)
 from .context import AtenContext, PrimitiveRecord
 from .counters import (
     compute_counters, count_found, counting_mode, diff_analysis, differs, limit_diff, no_counts,
@@ -217,9 +219,49 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
         # exp, log, ... of values in the format: a table of the op's own results (unless a
         # value is not one of the format's), then rounded
         return ctx.emit("lookup", name, rule.lookup, (), args, kwargs, op)
+    elif info.binary and not kwargs and _fusable(args, ctx):
+        # add, sub, mul, div: computed by the kernel inside its rounding (one step, no pass of
+        # the operator's own)
+        return ctx.emit("binary", name, rule.binary, (), args, kwargs, _batched_call(info, args))
     else:
         raw, rule.lifted = run_batched(op, info, args, kwargs, n, ctx)
     return rule.finish_raw(ctx, raw, args, kwargs)
+
+
+def _fusable(args: tuple, ctx: AtenContext) -> bool:
+    """Whether :meth:`_Rule.binary` reads these two operands: samples or plain tensors in the
+    working dtype on the CPU, or Python numbers, with the fused kernels running."""
+    if len(args) != 2 or ctx.eft or not ctx.use_native:
+        return False
+    wd = ctx.working_dtype
+    for a in args:
+        t = type(a)
+        if t is Stacked:
+            a = a.samples
+        elif t is float or t is int:
+            continue
+        if not isinstance(a, torch.Tensor) or a.dtype != wd or not a.is_cpu:
+            return False
+    return True
+
+
+def _batched_call(info: OpInfo, args: tuple):
+    """The primitive on the tensors a step of :meth:`_Rule.binary` receives (the samples of
+    its stacked operands, its plain tensors, in order), as the general path runs it: what a
+    benchmark's floor runs instead of the step."""
+    stacked = [type(a) is Stacked for a in args if type(a) is Stacked or isinstance(a, torch.Tensor)]
+
+    def call(xs: list) -> torch.Tensor:
+        it = iter(zip(xs, stacked))
+        new = []
+        for a in args:
+            if type(a) is Stacked or isinstance(a, torch.Tensor):
+                x, s = next(it)
+                new.append(Stacked(x) if s else x)
+            else:
+                new.append(a)
+        return info.call(*aligned(tuple(new)))
+    return call
 
 
 class _Rule:
@@ -228,7 +270,7 @@ class _Rule:
     run-time values (:meth:`AtenContext.emit`): they hold no tensor."""
 
     __slots__ = ("op", "info", "name", "salt", "need_digits", "need_zeros", "lifted", "spec",
-                 "reused", "fast")
+                 "reused", "fast", "kernel", "numbers", "realign")
 
     def __init__(self, op, info, name, salt, need_digits, need_zeros, reused=False) -> None:
         self.op, self.info, self.name, self.salt = op, info, name, salt
@@ -240,6 +282,9 @@ class _Rule:
         # (native.Prepared, digits wanted when counting, zero mask wanted when counting,
         # the output's logical shape)
         self.fast: Any = None
+        self.kernel: Any = None  # binary: its native.Binary (made on the first call)
+        self.numbers: dict = {}  # binary: Python numbers as 0-d tensors of the working dtype
+        self.realign = True  # binary: whether its stacked operands' ranks need aligning
 
     def finish_raw(self, ctx: AtenContext, raw: Any, args: tuple, kwargs: dict) -> Any:
         """Round, measure, count and record the outputs ``raw`` of the batched primitive."""
@@ -248,6 +293,59 @@ class _Rule:
         else:
             flat, self.spec = pytree.tree_flatten(raw)
         return ctx.emit("round", self.name, self.finish, flat, args, kwargs)
+
+    def _wants(self, ctx: AtenContext, counting: bool) -> tuple[bool, bool]:
+        """(per-element digits, zero mask) to write in the rounding pass (:meth:`finish`): a
+        cancellation needs a format with more digits than cancel_digits; the zero masks of
+        the other counters are measured later, only for values whose statistics count zeros."""
+        if not counting:
+            return False, False
+        need_digits, need_zeros = self.need_digits, self.need_zeros
+        digits = ctx.cap > ctx.cancel_digits and (
+            need_digits is not False or self.info.kind in OUTPUT_DIGITS_KINDS)
+        zeros = (need_digits if need_zeros is None else need_zeros) is not False
+        return digits, zeros
+
+    def binary(self, ctx: AtenContext, raw: list, args: tuple, kwargs: dict) -> Any:
+        """An add, sub, mul or div computed by the kernel inside its rounding
+        (:class:`fxstab.cpu.bindings.Binary`): the same samples, statistics, counters and
+        record as the operator followed by :meth:`finish`, which runs instead where the kernel
+        does not read the operands (a broadcast over more than three collapsed dims)."""
+        a, b = args
+        k = self.kernel
+        if k is None:
+            k = self.kernel = native.Binary(ctx.rounder(ctx.working_dtype, True), self.info.binary)
+            # whether a stacked operand's rank needs aligning (the same on every call)
+            nd = logical_ndim(args) + 1
+            self.realign = any(type(v) is Stacked and v.samples.dim() != nd for v in args)
+        if self.realign:
+            a, b = aligned(args)
+        else:
+            a = a.samples if type(a) is Stacked else a
+            b = b.samples if type(b) is Stacked else b
+        if type(a) is not torch.Tensor:
+            a = self._number(a, ctx)
+        if type(b) is not torch.Tensor:
+            b = self._number(b, ctx)
+        if not k.reads(a, b):
+            return self.finish(ctx, [self.info.call(*aligned(args))], args, kwargs)
+        counting, detailed = counting_mode(ctx)
+        want_digits, want_zeros = self._wants(ctx, counting)
+        seed = ctx.rounding_seed(ctx.next_seed(self.salt), 0)
+        out, st, d, z = k(a, b, seed, want_digits, want_zeros and not want_digits)
+        first = Stacked(out, Analysis(out, ctx, digits=d, stats=st, zero=z))
+        return self._conclude(ctx, first, first, st, args, kwargs, False, True,
+                              ctx.recorder is not None, False, counting, detailed)
+
+    def _number(self, v: Any, ctx: AtenContext) -> torch.Tensor:
+        """A Python number operand as a 0-d tensor of the working dtype (as torch reads it)."""
+        if isinstance(v, torch.Tensor):  # a tensor subclass (a parameter)
+            return v
+        key = (type(v), repr(v))  # -0.0 is not 0.0
+        t = self.numbers.get(key)
+        if t is None:  # (not a tensor of the call: the same on every call)
+            t = self.numbers[key] = torch.tensor(v, dtype=ctx.working_dtype)
+        return t
 
     def compare(self, ctx: AtenContext, raw: list, args: tuple, kwargs: dict) -> torch.Tensor:
         kind = self.info.kind
@@ -308,13 +406,9 @@ class _Rule:
         do_round = (lifted or ctx.round_per_sample) and not exact
         want_record = ctx.recorder is not None and (
             not exact or ctx.record_exact or _writes_nonfinite(kind, args, kwargs))
-        # Per-element digits now, in the rounding pass, when a counter will read them: a
-        # cancellation needs a format with more digits than cancel_digits; the zero masks of
-        # the other counters are measured later, only for values whose statistics count zeros.
-        need_digits, need_zeros = self.need_digits, self.need_zeros
-        digits_if_counting = ctx.cap > ctx.cancel_digits and (
-            need_digits is not False or kind in OUTPUT_DIGITS_KINDS)
-        zeros_if_counting = (need_digits if need_zeros is None else need_zeros) is not False
+        # per-element digits (or the zero mask) now, in the rounding pass, when a counter will
+        # read them
+        digits_if_counting, zeros_if_counting = self._wants(ctx, True)
         want_digits = counting and digits_if_counting
         want_zeros = counting and zeros_if_counting
         if fast is None and self.reused:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -97,6 +97,8 @@ class OpInfo:
     call: Any = None  # what runs it on aligned samples: ``prim`` or ``op``, without the
     # Python frame of OpOverload.__call__
     inplace: bool = False  # writes into its first argument (``add_``, ``copy_``...)
+    binary: Optional[str] = None  # one IEEE operation per element (add, sub, mul, div of two
+    # operands, nothing else): what fxstab.cpu.bindings.Binary computes inside the rounding
 
 
 # Exact primitives whose per-element digits are the same rearrangement of their operand's
@@ -137,6 +139,12 @@ def broadcast_in_dim(x: torch.Tensor, shape, broadcast_dimensions) -> torch.Tens
 _PRIMS_PLAIN = {"var": prims_var, "sum": _prims_sum, "broadcast_in_dim": broadcast_in_dim}
 
 
+# The overloads that are one IEEE add, sub, mul or true division per element (with no alpha
+# or rounding mode given: the rule checks that no keyword argument is given)
+_BINARY = {f"{ns}.{k}.{o}": k for k in ("add", "sub", "mul", "div")
+           for ns, o in (("aten", "Tensor"), ("aten", "Scalar"), ("prims", "default"))}
+
+
 def _compute_op_info(op: Any) -> OpInfo:
     kind = primitive_kind(op)
     prim = None
@@ -150,7 +158,7 @@ def _compute_op_info(op: Any) -> OpInfo:
         factory=kind.startswith(_FACTORY_PREFIXES), layout=kind in _LAYOUT,
         compare=kind in COMPARISONS, prim=prim, text=str(op),
         plain=_PRIMS_PLAIN.get(kind) if is_prim else None,
-        call=getattr(run, "_op", run), inplace=_writes_first(op))
+        call=getattr(run, "_op", run), inplace=_writes_first(op), binary=_BINARY.get(str(op)))
 
 
 def _writes_first(op: Any) -> bool:
