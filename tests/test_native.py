@@ -68,6 +68,30 @@ def test_rounding_is_bit_identical_to_the_reference(dtype, fmt, mode):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("mode", list(Rounding))
+def test_masked_rows_round_as_the_reference(dtype, fmt, mode):
+    """Rows of normal values with infinities among them (a causal mask's -inf, an overflow's
+    +inf) take the short path with the infinities kept; where the format saturates or has no
+    infinity (fn formats) they take the general one: bit for bit the reference either way,
+    with the statistics of the general path (non-finite elements counted)."""
+    f = get_format(fmt)
+    if not f.fits_in(dtype):
+        pytest.skip("format does not fit the dtype")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 16, 128, generator=g, dtype=dtype) * min(4.0, f.max_normal / 8)
+    causal = torch.ones(128, 128, dtype=torch.bool).tril()[:16]
+    x = x.masked_fill(~causal, float("-inf"))
+    x[:, 3, 5] = float("inf")  # one +inf in a row of its own samples
+    for saturate in (False, True):
+        ref = round_samples(x, f, mode, seed=77, saturate=saturate)
+        out, stats, _ = native.round_stats(x, f, mode, 77, saturate=saturate)
+        assert _same_bits(out, ref), (fmt, mode, saturate)
+        _, mstats, _ = native.round_stats(ref, f, None, 0)
+        assert stats[4] == mstats[4] == int((~torch.isfinite(ref)).any(0).sum())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("mode", list(Rounding))
 def test_groups_at_the_edges_of_the_normal_range(dtype, fmt, mode):
     """The kernel rounds a 128-element group whose values all lie in the format's normal range
     below its top binade (or are zeros) by a short path, any other group by the general one:

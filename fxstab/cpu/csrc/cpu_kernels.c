@@ -292,15 +292,22 @@ DEFINE_ROUND_NORMAL(round_normal_f64, uint64_t, int64_t, 52, 62)
         /* exponents [k, top - 1]: normal in the format, no overflow when rounding up */         \
         const UT e_lo = (UT)r.k, span = (UT)(((UT)r.max_bits >> (WM)) - 1) - e_lo;              \
         int all_normal = r.k >= 1 && ((UT)r.max_bits >> (WM)) > (UT)r.k;                        \
+        /* infinities stay infinities in every mode unless the format saturates or has none */ \
+        const UT inf_bits = (UT)(~sign) & ~(((UT)1 << (WM)) - 1);                               \
+        const UT inf_ok = (UT)(!r.saturate && !r.finite_only);                                  \
+        UT infs = 0;                                                                            \
         if (all_normal) {                                                                       \
             /* every magnitude 0 or in [e_lo, e_lo + span] binades: the least of mag - 1       \
-             * (0 wraps to the top) and the largest mag, unsigned */                            \
+             * (0 wraps to the top) and the largest mag, unsigned; an infinity counts as a 0 */ \
             UT lo = ~(UT)0, hi = 0;                                                             \
-            _Pragma("omp simd reduction(min:lo) reduction(max:hi)")                             \
+            _Pragma("omp simd reduction(min:lo) reduction(max:hi) reduction(|:infs)")          \
             for (int64_t el = 0; el < cnt; el++) {                                              \
                 UT b;                                                                           \
                 memcpy(&b, &x[el], sizeof b);                                                   \
                 UT mag = b & ~sign;                                                             \
+                UT inf = inf_ok & (UT)(mag == inf_bits);                                        \
+                infs |= inf;                                                                    \
+                mag = inf ? 0 : mag;                                                            \
                 lo = mag - 1 < lo ? mag - 1 : lo;                                               \
                 hi = mag > hi ? mag : hi;                                                       \
             }                                                                                   \
@@ -308,14 +315,26 @@ DEFINE_ROUND_NORMAL(round_normal_f64, uint64_t, int64_t, 52, 62)
         }                                                                                       \
         if (all_normal) {                                                                       \
             const IT sh = (IT)(WM) - (IT)r.m;                                                   \
+            if (!infs) {                                                                        \
+                _Pragma("omp simd")                                                             \
+                for (int64_t el = 0; el < cnt; el++) {                                          \
+                    UT b;                                                                       \
+                    memcpy(&b, &x[el], sizeof b);                                               \
+                    b = NORMAL(b, sh, mode, rb[el]);                                            \
+                    memcpy(&o[el], &b, sizeof b);                                               \
+                }                                                                               \
+                return 1; /* every value in the format's normal range: finite results */       \
+            }                                                                                   \
+            /* a masked row (-inf where attention may not look): the infinities as they are */  \
             _Pragma("omp simd")                                                                 \
             for (int64_t el = 0; el < cnt; el++) {                                              \
                 UT b;                                                                           \
                 memcpy(&b, &x[el], sizeof b);                                                   \
-                b = NORMAL(b, sh, mode, rb[el]);                                                \
+                UT rounded = NORMAL(b, sh, mode, rb[el]);                                       \
+                b = (b & ~sign) == inf_bits ? b : rounded;                                      \
                 memcpy(&o[el], &b, sizeof b);                                                   \
             }                                                                                   \
-            return 1; /* every value in the format's normal range: finite results */           \
+            return 0; /* infinite results: the statistics look for them */                     \
         }                                                                                       \
         if (uf && r.k >= 1) {                                                                   \
             const UT tiny = (UT)r.k << (WM); /* the format's smallest normal */               \
