@@ -133,6 +133,52 @@ def test_anomaly_from_finite_inputs_only():
     assert c.counts["anomaly"] == 1 and c.counts["math_function"] == 0
 
 
+def _masked_scores():
+    """Attention scores with a causal mask's -inf above the diagonal, as samples."""
+    g = torch.Generator().manual_seed(2)
+    scores = torch.randn(2, 6, 6, generator=g) * 3
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    return fxstab.stochastic(scores, seed=3).masked_fill(~causal, -math.inf)
+
+
+@pytest.mark.parametrize("case", ["masked_softmax", "overflow", "both_masked", "over_inf",
+                                  "inf_weight", "nan_number", "overflow_with_mask"])
+def test_anomalies_counted_from_counts_are_the_masks(case, monkeypatch):
+    """Anomalies of add/sub/mul/div are counted from non-finite counts where those decide
+    (finite operands; one operand's infinities that the result carries: a causal mask through
+    the softmax) and from masks otherwise (both operands non-finite, a divisor's, a plain
+    operand's); summary counts are the per-element masks' (``detailed``) in every case."""
+    big = lambda: fxstab.stochastic(torch.full((2, 6, 6), 1e30), seed=4)  # noqa: E731
+    fns = {
+        "masked_softmax": lambda: torch.softmax(_masked_scores(), -1),
+        "overflow": lambda: big() * 1e10,  # finite operands, infinite products
+        "both_masked": lambda: _masked_scores() + _masked_scores().transpose(-1, -2),
+        "over_inf": lambda: big() / _masked_scores(),  # a divisor's -inf gives zeros
+        "inf_weight": lambda: big() * torch.tensor([1.0, math.inf, 1e10, 2, 3, 4]),
+        "nan_number": lambda: big() - math.nan,
+        "overflow_with_mask": lambda: (_masked_scores() * 1e38) * 1e3,
+    }
+    want = {"masked_softmax": 0, "overflow": 72, "both_masked": 0, "over_inf": None,
+            "inf_weight": 12, "nan_number": 0, "overflow_with_mask": None}[case]
+    from fxstab.rules.aten import counters
+
+    decided = []
+    counted = counters._anomalies_counted
+
+    def spy(*args):
+        found = counted(*args)
+        decided.append(found is not None)
+        return found
+
+    monkeypatch.setattr(counters, "_anomalies_counted", spy)
+    summary = _counts(fns[case], "summary").counts["anomaly"]
+    detailed = _counts(fns[case], "detailed").counts["anomaly"]
+    assert summary == detailed
+    assert want is None or summary == want, summary
+    # by counts where they decide, by masks where they do not
+    assert any(decided) == (case in ("masked_softmax", "overflow", "overflow_with_mask")), decided
+
+
 def test_stable_code_counts_nothing():
     g = torch.Generator().manual_seed(0)
     x = fxstab.stochastic(torch.rand(16, 32, generator=g) + 0.5, seed=2)

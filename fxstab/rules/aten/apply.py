@@ -505,7 +505,7 @@ class _Rule:
             if kind in SELECT2_KINDS or kind in ("clamp", "clamp_min", "clamp_max"):
                 diff = limit_diff(kind, args, kwargs, ctx)
             out_numel = first.samples.numel() // n if first is not None else 0
-            found = compute_counters(kind, args, kwargs, first, out_numel, ctx, diff)
+            found = compute_counters(kind, args, kwargs, first, out_numel, ctx, diff, detailed)
             counts = count_found(kind, found, out_numel, first, ctx, rec_name, op, detailed, None) \
                 if found else no_counts(ctx)
         else:
@@ -569,6 +569,8 @@ def _record_stats(first: Stacked, st: Optional[list], ctx: AtenContext) -> list:
         _, st, an = round_measure(first.samples, ctx, None, True, first.measured is None)
         if first.measured is None:
             first.measured = an
+        elif st is not None:  # the counters made it: what the statistics tell its readers
+            first.measured.set_stats(st)
     return st
 
 

@@ -69,9 +69,52 @@ def diff_analysis(a, b, ctx, nd) -> Optional[Analysis]:
     return Analysis(torch.sub(x, y) if isinstance(x, torch.Tensor) else torch.rsub(y, x), ctx)
 
 
+class Counted(int):
+    """A counter's count found without its mask (summary counters only)."""
+
+
+# Elementwise kinds whose result is non-finite wherever the operands at these positions are
+# (IEEE: an infinity or NaN in a sum, a difference or a product, or in a quotient's numerator)
+_NONFINITE_CARRIERS = {"add": (0, 1), "sub": (0, 1), "mul": (0, 1), "div": (0,)}
+
+
+def _anomalies_counted(kind: str, args: tuple, oa: Analysis, out_numel: int,
+                       ctx: AtenContext) -> Optional[Counted]:
+    """The anomalies of an add, sub, mul or div from counts, without masks, where they
+    decide it: with finite operands every non-finite output element is one; with one operand
+    holding non-finite elements that the output carries (a causal mask's -inf through the
+    softmax's x - max), the output's non-finite elements beyond the ones it carries. None
+    where only masks tell (both operands non-finite, a divisor's infinities)."""
+    carriers = _NONFINITE_CARRIERS.get(kind)
+    if carriers is None or len(args) != 2:
+        return None
+    found = None  # (position, non-finite elements, logical numel) of the one non-finite operand
+    for i, x in enumerate(args):
+        o = _operand(x, ctx)
+        if o is not None:
+            if o.all_finite:
+                continue
+            if found is not None:
+                return None
+            found = (i, o.non_finite, o.samples.numel() // o.samples.shape[0])
+        elif isinstance(x, torch.Tensor):
+            if x.is_floating_point() and not bool(torch.isfinite(x).all()):
+                return None
+        elif isinstance(x, float) and not math.isfinite(x):
+            return None
+    if found is None:
+        return Counted(oa.non_finite)
+    i, nf, numel = found
+    if i not in carriers or not numel or out_numel % numel:
+        return None
+    return Counted(oa.non_finite - nf * (out_numel // numel))
+
+
 def compute_counters(kind: str, args: tuple, kwargs: dict, out: Optional[Stacked],
-                      out_numel: int, ctx: AtenContext, diff: Optional[Analysis]):
-    """Masks (or counts) of the counters this primitive triggers: list of (key, mask)."""
+                      out_numel: int, ctx: AtenContext, diff: Optional[Analysis],
+                      masks: bool = False):
+    """Masks (or counts) of the counters this primitive triggers: list of (key, mask); with
+    ``masks`` (per-event records) every one as a mask."""
     found = []
     oa = out.analysis(ctx) if out is not None and out.samples.is_floating_point() else None
     # no output digit is below cap - cancel_digits (>= every reference): no cancellation
@@ -144,6 +187,10 @@ def compute_counters(kind: str, args: tuple, kwargs: dict, out: Optional[Stacked
         found.append(("branching", c.any(0) & ~c.all(0)))
     # NaN/inf produced from finite operands; an exact primitive only moves values around
     if oa is not None and kind not in EXACT_PRIMITIVES and not oa.all_finite:
+        counted = None if masks else _anomalies_counted(kind, args, oa, out_numel, ctx)
+        if counted is not None:
+            found.append(("anomaly", counted))
+            return found
         bad = ~oa.finite
         for x in pytree.tree_leaves(args, is_leaf=lambda v: isinstance(v, Stacked)):
             o = _operand(x, ctx)
@@ -205,14 +252,15 @@ def count_found(kind, found, out_numel, out, ctx, rec_name, op, detailed, diff) 
     ctx.last_events = []
     if not found:
         return counts
-    masks = [m for _, m in found if type(m) is not Analysis]
+    masks = [m for _, m in found if type(m) is not Analysis and type(m) is not Counted]
     if len(masks) == 1:
         counted = [int(_bcount(masks[0], out_numel))]
     elif masks:
         counted = torch.stack([_bcount(m, out_numel) for m in masks]).tolist()
     counted = iter(counted if masks else ())
     for key, mask in found:
-        v = int(mask.zeros) if type(mask) is Analysis else int(next(counted))
+        v = int(mask.zeros) if type(mask) is Analysis else int(mask) \
+            if type(mask) is Counted else int(next(counted))
         if v <= 0:
             continue
         counts[key] += v

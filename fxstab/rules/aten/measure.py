@@ -107,6 +107,12 @@ class Analysis:
         return self._nf == 0
 
     @property
+    def non_finite(self) -> int:
+        """The elements with a non-finite sample (from the statistics, or one reduction)."""
+        self.all_finite
+        return self._nf
+
+    @property
     def finite(self) -> torch.Tensor:
         if self._finite is None:
             s = self._s
