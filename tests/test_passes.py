@@ -4,6 +4,7 @@ against the same rules run untraced, on the test models."""
 from __future__ import annotations
 
 import operator
+import re
 import warnings
 
 import pytest
@@ -519,3 +520,31 @@ def test_value_dependent_shapes_run_untraced_with_the_shapes_of_each_call(granul
         per_call = [sum(r.counters["cancellation"] for r in be.reports if r.call == c)
                     for c in range(3)]
         assert min(per_call) > 0 and counters.counts["cancellation"] == sum(per_call)
+
+
+def test_aten_views_no_reader_measures_through_are_no_steps():
+    """A view whose readers' counters read neither its digits nor its zero mask (a GEMM's
+    operand) is a plain aten call of the sampled graph; one whose reader reads its digits (a
+    sum's cancellation, fp32) stays a step that carries them. The map is the same either way
+    (benchmarks/maps_ab.py compares them on every configuration)."""
+
+    class ViewsThen(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 3))
+
+        def forward(self, x):
+            y = torch.exp(x)
+            return y.reshape(4, 8) @ self.w, y.reshape(-1).sum()
+
+    torch._dynamo.reset()
+    be = fxstab.backend(granularity="aten", format="fp32")
+    f = torch.compile(ViewsThen(), backend=be)
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        for _ in range(3):
+            f(x)
+    code = be.sampled_graphs()[0].code
+    steps_ = re.findall(r"(\w+) = fxstab_round_\w*aten_(?:view|_unsafe_view)_\d+\(", code)
+    assert len(steps_) == 1, code  # the sum's operand
+    assert "torch_Tensor_view(" in code or "torch.ops.aten.view" in code, code

@@ -225,6 +225,12 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
         return ctx.emit("binary", name, rule.binary, (), args, kwargs, _batched_call(info, args))
     else:
         raw, rule.lifted = run_batched(op, info, args, kwargs, n, ctx)
+    if info.layout and info.exact and need_digits is False and need_zeros is False and \
+            rule.lifted and type(raw) is torch.Tensor and \
+            not (ctx.record_exact and ctx.recorder is not None):
+        # a view no reader measures through (a graph driver's plan says so): nothing to round,
+        # count, record or carry, so no step
+        return Stacked(raw)
     return rule.finish_raw(ctx, raw, args, kwargs)
 
 
