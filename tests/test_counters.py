@@ -243,3 +243,32 @@ def test_finite_mask_matches_isfinite_over_samples(dtype):
     got = Analysis(s, ctx).finite
     assert torch.equal(got, torch.isfinite(s).all(0))
     assert got.tolist() == [True, False, False, False, True, True, True, True, False, False]
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16"])
+@pytest.mark.parametrize("op", ["eq", "ne", "lt", "le", "gt", "ge"])
+def test_comparison_of_identical_samples_is_the_cestac_rule(fmt, op):
+    """Identical samples (data, a buffer) compared need no step: the sign of one sample's
+    difference decides, as CESTAC's rule on N real copies of the same values does (signed
+    zeros, subnormals, infinities, NaN), against a stacked value, a plain tensor, a number;
+    and nothing is counted."""
+    special = [0.0, -0.0, 1.0, -1.0, 1e-40, -1e-40, math.inf, -math.inf, math.nan, 3.5, 1e30]
+    a = torch.tensor(special)
+    b = torch.tensor([v for v in reversed(special)])
+    fn = getattr(aten, op).Tensor
+    for other in ("stacked", "plain", "number"):
+        results = []
+        for copies in (False, True):
+            ctx = AtenContext(fmt, 3, 0)
+            emitted = []
+            ctx.emit = lambda what, *rest, _e=ctx.emit: emitted.append(what) or _e(what, *rest)
+            x = ctx.stack(a, materialize=copies)
+            y = {"stacked": lambda: ctx.stack(b, materialize=copies), "plain": lambda: b,
+                 "number": lambda: 0.0}[other]()
+            with instability_counters() as c:
+                op_ = fn if other != "number" else getattr(aten, op).Scalar
+                results.append(apply_primitive(op_, (x, y), {}, ctx))
+            assert sum(c.counts.values()) == 0
+            assert ("compare" in emitted) == copies  # the rule's step only for real copies
+        assert isinstance(results[0], torch.Tensor) and results[0].dtype == torch.bool
+        assert torch.equal(results[0], results[1]), (op, other)

@@ -56,6 +56,20 @@ def _cestac_compare(kind: str, diff: Analysis, mean_diff: torch.Tensor) -> torch
     return (mean_diff > 0) | equal
 
 
+def _compare_identical(kind: str, args: tuple) -> torch.Tensor:
+    """A comparison whose stacked operands are identical samples (data entering the analysis,
+    a buffer: a causal mask's ``bias == 0``): their difference has no noise (no computational
+    zero, no branching to count), so CESTAC's rule (:func:`_cestac_compare`) is the sign of
+    the difference of one sample, without a step (torch operators only)."""
+    x, y = (v[0] if type(a) is Stacked else v
+            for a, v in zip(args, aligned(args, logical_ndim(args))))
+    d = torch.sub(x, y) if isinstance(x, torch.Tensor) else torch.rsub(y, x)
+    c = COMPARISONS[kind]
+    if c in ("eq", "ne"):
+        return d == 0 if c == "eq" else d != 0
+    return d < 0 if c == "lt" else d <= 0 if c == "le" else d > 0 if c == "gt" else d >= 0
+
+
 def _fix_dtype_kwargs(kind: str, kwargs: dict, ctx: AtenContext) -> dict:
     dt = kwargs.get("dtype")
     if isinstance(dt, torch.dtype) and dt.is_floating_point:
@@ -194,6 +208,8 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
 
     # Comparisons: one plain boolean decision per element (CESTAC), branching on noise.
     if info.compare and len(args) >= 2 and differs(args[0], args[1]):
+        if identical and len(args) == 2 and not kwargs:
+            return _compare_identical(info.kind, args)
         return ctx.emit("compare", name, rule.compare, (), args, kwargs)
     if info.gemm and not from_plain:
         # the surrogate on the stacked operands (a step), then the product on the samples
