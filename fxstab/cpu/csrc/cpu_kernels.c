@@ -1420,7 +1420,7 @@ DEFINE_PERTURB_GROUP(perturb_group_f64, double)
  * The arithmetic level's usual primitive computed inside round_stats (fxstab.cpu.bindings.Binary):
  * an elementwise add, sub, mul or div of two operands in the samples' dtype, broadcast as torch
  * broadcasts them, one IEEE operation per element (what torch's CPU kernel computes: the same
- * bits), straight into the rounding of the row it belongs to. The output [n, numel] is
+ * bits), block by block into the rounding of the row it belongs to. The output [n, numel] is
  * collapsed to [size0, size1, size2] per sample; an operand's element (i0, i1, i2) of sample k
  * is at k * as + i0 * ast[0] + i1 * ast[1] + i2 * ast[2] (strides 0 where it broadcasts).
  */
@@ -1448,13 +1448,24 @@ typedef struct {
     } else                                                                                      \
         for (int64_t k = 0; k < run; k++) o[k] = pa[k * a2] OP pb[k * b2];
 
-/* Sample i's values of elements e0 .. e0 + cnt - 1 into t. */
+/* Where element e0 lies in the collapsed output: a cursor the blocks move along (one
+ * division per sample and superblock, none per block). */
+typedef struct {
+    int64_t i0, i1, i2;
+} bcur_t;
+
+ALWAYS_INLINE bcur_t binary_cursor(const binop_t *bo, int64_t e0) {
+    const int64_t r = e0 / bo->size2;
+    return (bcur_t){r / bo->size1, r % bo->size1, e0 % bo->size2};
+}
+
+/* Sample i's values of the cnt elements at the cursor into t; moves the cursor past them. */
 #define DEFINE_BINARY_BLOCK(NAME, FT)                                                           \
-    ALWAYS_INLINE void NAME(const binop_t *bo, int64_t i, int64_t e0, int64_t cnt,             \
-                            FT *restrict t) {                                                   \
+    ALWAYS_INLINE void NAME(const binop_t *bo, int64_t i, int64_t cnt, FT *restrict t,         \
+                            bcur_t *cur) {                                                      \
         const FT *A = (const FT *)bo->a + i * bo->as, *B = (const FT *)bo->b + i * bo->bs;      \
         const int64_t s1 = bo->size1, s2 = bo->size2, a2 = bo->ast[2], b2 = bo->bst[2];         \
-        int64_t i2 = e0 % s2, r = e0 / s2, i1 = r % s1, i0 = r / s1;                            \
+        int64_t i0 = cur->i0, i1 = cur->i1, i2 = cur->i2;                                       \
         for (int64_t el = 0; el < cnt;) {                                                       \
             int64_t run = s2 - i2 < cnt - el ? s2 - i2 : cnt - el;                              \
             const FT *pa = A + i0 * bo->ast[0] + i1 * bo->ast[1] + i2 * a2;                     \
@@ -1467,9 +1478,13 @@ typedef struct {
             default: { BINARY_RUN(FT, /) } break;                                               \
             }                                                                                   \
             el += run;                                                                          \
-            i2 = 0;                                                                             \
-            if (++i1 == s1) { i1 = 0; i0++; }                                                   \
+            i2 += run;                                                                          \
+            if (i2 == s2) {                                                                     \
+                i2 = 0;                                                                         \
+                if (++i1 == s1) { i1 = 0; i0++; }                                               \
+            }                                                                                   \
         }                                                                                       \
+        *cur = (bcur_t){i0, i1, i2};                                                            \
     }
 
 DEFINE_BINARY_BLOCK(binary_block_f32, float)
@@ -1557,17 +1572,19 @@ typedef struct {
             if (flag_uf) memset(ufb, 0, (size_t)((g1 - g0) * BLK));                             \
             for (int64_t g = g0; g < g1; g++) normal[g - g0] = mode != MODE_NONE;               \
             if (mode != MODE_NONE)                                                              \
-                for (int64_t i = 0; i < n; i++)                                                 \
+                for (int64_t i = 0; i < n; i++) {                                               \
+                    bcur_t cur = bin ? binary_cursor(bin, g0 * BLK) : (bcur_t){0, 0, 0};       \
                     for (int64_t g = g0; g < g1; g++) {                                         \
                         int64_t e0 = g * BLK, cnt = e0 + BLK < numel ? BLK : numel - e0;        \
                         sample_bits(p, mode, g, cnt, i, draws, flips,                           \
                                     dwords + (g - g0) * n_free, swords, rb);                    \
                         const FT *src = x + i * xs + e0;                                        \
-                        FT tmp[BLK];                                                            \
-                        if (bin) { BINARY(bin, i, e0, cnt, tmp); src = tmp; }                   \
+                        FT tmp[BLK]; /* the primitive's values, rounded from L1 */              \
+                        if (bin) { BINARY(bin, i, cnt, tmp, &cur); src = tmp; }                 \
                         normal[g - g0] &= ROW(src, out + i * numel + e0, cnt, r,                \
                                               mode, rb, flag_uf ? ufb + (g - g0) * BLK : NULL); \
                     }                                                                           \
+                }                                                                               \
             for (int64_t g = g0; g < g1; g++) {                                                 \
                 int64_t e0 = g * BLK, cnt = e0 + BLK < numel ? BLK : numel - e0;                \
                 for (int64_t i = 0; i < n; i++)                                                 \
