@@ -420,9 +420,11 @@ def test_aten_sampled_graph_gives_the_reports_and_counters_of_the_untraced_rules
     _check_same_runs(make_model(), make_inputs(), "aten", monkeypatch, **options)
 
 
-def test_aten_sampled_graph_is_aten_nodes_and_one_step_per_primitive():
+def test_aten_sampled_graph_is_aten_nodes_and_one_step_per_primitive(monkeypatch):
     from fxstab.passes.steps import lowered as lowered_step
+    from fxstab.rules.aten import apply
 
+    monkeypatch.setattr(apply, "_BINARY_MIN_BYTES", 0)  # small outputs: fused all the same
     torch._dynamo.reset()
     be = fxstab.backend(granularity="aten")
     f = torch.compile(MLP(), backend=be)
@@ -548,3 +550,23 @@ def test_aten_views_no_reader_measures_through_are_no_steps():
     steps_ = re.findall(r"(\w+) = fxstab_round_\w*aten_(?:view|_unsafe_view)_\d+\(", code)
     assert len(steps_) == 1, code  # the sum's operand
     assert "torch_Tensor_view(" in code or "torch.ops.aten.view" in code, code
+
+
+def test_aten_small_adds_and_products_stay_the_operator_and_its_rounding():
+    """Below _BINARY_MIN_BYTES of output samples the operator's result stays in cache until
+    the rounding reads it: the operator then its rounding step (computing it in the kernel
+    pays only when it would go to memory); above, one binary step."""
+    from fxstab.rules.aten import apply
+
+    codes = []
+    for n in (16, apply._BINARY_MIN_BYTES // 4 // 3 + 1):
+        torch._dynamo.reset()
+        be = fxstab.backend(granularity="aten")
+        f = torch.compile(lambda x: x * 1.5 + x, backend=be)
+        x = torch.randn(n)
+        for _ in range(3):
+            f(x)
+        codes.append(be.sampled_graphs()[0].code)
+    # (x * 1.5 of identical samples runs once, before its rounding, at every size)
+    assert "fxstab_binary_" not in codes[0] and "torch.add(" in codes[0], codes[0]
+    assert codes[1].count("fxstab_binary_") == 1 and "torch.add(" not in codes[1], codes[1]
