@@ -298,20 +298,31 @@ DEFINE_ROUND_NORMAL(round_normal_f64, uint64_t, int64_t, 52, 62)
         UT infs = 0;                                                                            \
         if (all_normal) {                                                                       \
             /* every magnitude 0 or in [e_lo, e_lo + span] binades: the least of mag - 1       \
-             * (0 wraps to the top) and the largest mag, unsigned; an infinity counts as a 0 */ \
+             * (0 wraps to the top) and the largest mag, unsigned */                            \
             UT lo = ~(UT)0, hi = 0;                                                             \
-            _Pragma("omp simd reduction(min:lo) reduction(max:hi) reduction(|:infs)")          \
+            _Pragma("omp simd reduction(min:lo) reduction(max:hi)")                             \
             for (int64_t el = 0; el < cnt; el++) {                                              \
                 UT b;                                                                           \
                 memcpy(&b, &x[el], sizeof b);                                                   \
                 UT mag = b & ~sign;                                                             \
-                UT inf = inf_ok & (UT)(mag == inf_bits);                                        \
-                infs |= inf;                                                                    \
-                mag = inf ? 0 : mag;                                                            \
                 lo = mag - 1 < lo ? mag - 1 : lo;                                               \
                 hi = mag > hi ? mag : hi;                                                       \
             }                                                                                   \
-            all_normal = lo >= (e_lo << (WM)) - 1 && hi < ((e_lo + span + 1) << (WM));         \
+            const UT lo_ok = (e_lo << (WM)) - 1, hi_end = (e_lo + span + 1) << (WM);            \
+            all_normal = lo >= lo_ok && hi < hi_end;                                            \
+            if (!all_normal && inf_ok && lo >= lo_ok && hi == inf_bits) {                       \
+                /* an infinity is the largest: the same test with infinities counted as 0 */   \
+                UT hi2 = 0;                                                                     \
+                _Pragma("omp simd reduction(max:hi2)")                                          \
+                for (int64_t el = 0; el < cnt; el++) {                                          \
+                    UT b;                                                                       \
+                    memcpy(&b, &x[el], sizeof b);                                               \
+                    UT mag = b & ~sign;                                                         \
+                    mag = mag == inf_bits ? 0 : mag;                                            \
+                    hi2 = mag > hi2 ? mag : hi2;                                                \
+                }                                                                               \
+                all_normal = infs = hi2 < hi_end;                                               \
+            }                                                                                   \
         }                                                                                       \
         if (all_normal) {                                                                       \
             const IT sh = (IT)(WM) - (IT)r.m;                                                   \
