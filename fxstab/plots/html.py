@@ -204,6 +204,15 @@ def _coverage(cov: Any, names: set) -> tuple[dict, dict]:
     return per_op, summary
 
 
+def _ops_table(head: tuple, rows) -> str:
+    """A static ``ops`` table: ``rows`` of HTML cells, a cell ``(html, cls)`` with its class."""
+    def cell(c: Any) -> str:
+        return f'<td class="{c[1]}">{c[0]}</td>' if isinstance(c, tuple) else f"<td>{c}</td>"
+    body = "".join("<tr>" + "".join(cell(c) for c in row) + "</tr>" for row in rows)
+    return (f'<table class="ops"><thead><tr>{"".join(f"<th>{h}</th>" for h in head)}</tr>'
+            f"</thead><tbody>{body}</tbody></table>")
+
+
 def _coverage_html(summary: dict) -> str:
     if not summary:
         return ('<p class="muted" id="coverage">This map carries no coverage (recorded before '
@@ -216,20 +225,18 @@ def _coverage_html(summary: dict) -> str:
                  if summary.get(k) is not None)
     out = [f'<div id="coverage"><p>{head}.</p><div class="kpis">{kp}</div>']
     if summary["missing"]:
-        rows = "".join(f"<tr><td><code>{escape(n)}</code></td><td>{escape(k)}</td>"
-                       f"<td>{escape(h)}</td><td>{escape(r)}</td></tr>"
-                       for n, k, h, r in summary["missing"])
+        table = _ops_table(("operator", "kind", "how", "reason"),
+                           ((f"<code>{escape(n)}</code>", escape(k), escape(h), escape(r))
+                            for n, k, h, r in summary["missing"]))
         out.append(f"<p><b>Not analysed ({len(summary['missing'])})</b>: not in the map.</p>"
-                   f'<table class="ops"><thead><tr><th>operator</th><th>kind</th><th>how</th>'
-                   f"<th>reason</th></tr></thead><tbody>{rows}</tbody></table>")
+                   + table)
     if summary["others"]:
-        rows = "".join(f"<tr><td>{escape(h)}</td><td>{escape(r)}</td><td class=\"n\">{c}</td>"
-                       f"<td><code>{escape(', '.join(ex))}</code></td></tr>"
-                       for h, r, c, ex in summary["others"])
+        table = _ops_table(("how", "reason", "count", "e.g."),
+                           ((escape(h), escape(r), (c, "n"),
+                             f"<code>{escape(', '.join(ex))}</code>")
+                            for h, r, c, ex in summary["others"]))
         out.append(f"<details><summary>Not counted (cannot lose digits) and not rounded "
-                   f"</summary><table class=\"ops\"><thead><tr><th>how</th><th>reason</th>"
-                   f"<th>count</th><th>e.g.</th></tr></thead><tbody>{rows}</tbody></table>"
-                   f"</details>")
+                   f"</summary>{table}</details>")
     out.append("</div>")
     return "".join(out)
 
