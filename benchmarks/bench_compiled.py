@@ -112,9 +112,9 @@ def floor_graph(sg) -> torch.fx.GraphModule:
         if step is not None and step.what in _FXSTABS_OWN:
             node.target = _identity_step(node.meta.get("val"), one)
         elif step is not None and step.what == "lookup":  # the op itself, then the identity
-            node.target = _op_step(step.op, one)
+            node.target = _computing_step(lambda xs, op=step.op: op(xs[0]), one)
         elif step is not None and step.what == "binary":  # the add/sub/mul/div on the samples
-            node.target = _batched_step(step.op, one)
+            node.target = _computing_step(step.op, one)
     gm.recompile()
     return gm
 
@@ -123,24 +123,16 @@ def floor_graph(sg) -> torch.fx.GraphModule:
 _FXSTABS_OWN = frozenset({"round", "perturb", "observe"})
 
 
-def _op_step(op, one: bool):
-    def op_step(xs: list) -> list:
-        return [op(xs[0])]
-
-    def op_step_one(xs: list) -> torch.Tensor:
-        return op(xs[0])
-    return op_step_one if one else op_step
-
-
-def _batched_step(call, one: bool):
-    """A binary step's floor: its operator on the samples (``call``: the step's inputs to the
-    operator's batched value, as the rounding step's general path computes it)."""
-    def batched_step(xs: list) -> list:
+def _computing_step(call, one: bool):
+    """A step that computes its value from its inputs in the floor: ``call(xs)`` (a table
+    lookup: its op on the one input; a binary step: the batched operator), laid out as the
+    step's outputs (the output itself with ``one``)."""
+    def computing_step(xs: list) -> list:
         return [call(xs)]
 
-    def batched_step_one(xs: list) -> torch.Tensor:
+    def computing_step_one(xs: list) -> torch.Tensor:
         return call(xs)
-    return batched_step_one if one else batched_step
+    return computing_step_one if one else computing_step
 
 
 def _identity_step(vals, one: bool):
