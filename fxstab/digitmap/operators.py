@@ -72,6 +72,13 @@ class OperatorDigits(_Metrics):
     # that measured it; NaN where none did (no accumulator modelled, a map without the key)
     accumulator_digits: float = math.nan
     accumulator_min_digits: float = math.nan
+    # a modelled GEMM's operands in a recipe (gemm_inputs=): summed over the calls (elements,
+    # underflow, saturation) and the extreme group scales; 0 / NaN where none was measured
+    operand_elements: int = 0
+    operand_underflow: int = 0
+    operand_saturation: int = 0
+    operand_scale_min: float = math.nan
+    operand_scale_max: float = math.nan
 
     def as_dict(self) -> dict:
         return {
@@ -85,7 +92,7 @@ class OperatorDigits(_Metrics):
             "zero_fraction": self.zero_fraction, "non_finite": self.non_finite,
             "underflow": self.underflow,
             "surrogate": self.surrogate, "counters": dict(self.counters),
-            "inputs": list(self.inputs), **accumulator_keys(self),
+            "inputs": list(self.inputs), **accumulator_keys(self), **operand_keys(self),
         }
 
 
@@ -109,6 +116,11 @@ class StepDigits(_Metrics):
     underflow: int = 0
     accumulator_digits: float = math.nan  # as OperatorDigits'
     accumulator_min_digits: float = math.nan
+    operand_elements: int = 0  # as OperatorDigits'
+    operand_underflow: int = 0
+    operand_saturation: int = 0
+    operand_scale_min: float = math.nan
+    operand_scale_max: float = math.nan
 
 
 @dataclass
@@ -180,7 +192,62 @@ def aggregate(reports: Sequence[OpReport]) -> dict:
         "p50_digits": _weighted([float(r.p50_digits) for r in reports], numels),
         "underflow": sum(int(r.underflow) for r in reports),
         **_accumulator(reports, numels),
+        **_operands(reports),
     }
+
+
+OPERAND_KEYS = ("operand_elements", "operand_underflow", "operand_saturation",
+                "operand_scale_min", "operand_scale_max")
+"""A modelled GEMM's operand statistics (optional JSON keys, docs/accumulation.md)."""
+
+# a GEMM whose recipe flushes more than this share of its operands' non-zero elements to zero
+# gets a finding (operand_findings): 1% of the elements is where the flushed products start to
+# move the output's digits on the experiments' Gaussian operands (docs/accumulation.md)
+UNDERFLOW_FINDING_PCT = 1.0
+
+
+def _operands(reports: Sequence[OpReport]) -> dict:
+    """The operands' statistics over the calls that measured them (none: no keys)."""
+    measured = [r for r in reports if getattr(r, "operand_elements", 0)]
+    if not measured:
+        return {}
+    return {"operand_elements": sum(int(r.operand_elements) for r in measured),
+            "operand_underflow": sum(int(r.operand_underflow) for r in measured),
+            "operand_saturation": sum(int(r.operand_saturation) for r in measured),
+            "operand_scale_min": _nanmin(float(r.operand_scale_min) for r in measured),
+            "operand_scale_max": nanmax(float(r.operand_scale_max) for r in measured)}
+
+
+def operand_keys(rec: "OperatorDigits | StepDigits") -> dict:
+    """The operands' statistics keys of a record's JSON, only where it has them."""
+    if not rec.operand_elements:
+        return {}
+    return {k: getattr(rec, k) for k in OPERAND_KEYS}
+
+
+def operand_percent(rec: "OperatorDigits | StepDigits") -> tuple[float, float]:
+    """(underflow %, saturation %) of a record's operand elements; NaN without any."""
+    n = rec.operand_elements
+    if not n:
+        return math.nan, math.nan
+    return 100.0 * rec.operand_underflow / n, 100.0 * rec.operand_saturation / n
+
+
+def operand_findings(operators: Iterable["OperatorDigits"],
+                     threshold: float = UNDERFLOW_FINDING_PCT) -> list[str]:
+    """One finding per modelled GEMM whose recipe flushes more than ``threshold`` % of its
+    operands' non-zero elements to zero, most first, with the scales' range and the fix."""
+    rows = []
+    for op in operators:
+        under, sat = operand_percent(op)
+        if not math.isnan(under) and under > threshold:
+            rows.append((under, sat, op))
+    rows.sort(key=lambda r: -r[0])
+    return [f"the operands of {op.name} lose {under:.1f}% of their non-zero elements to "
+            f"underflow in their recipe ({sat:.1f}% saturate; group scales "
+            f"{op.operand_scale_min:.3g} ... {op.operand_scale_max:.3g}): use smaller "
+            f"scaling groups (mx32, nvfp4), a format with more exponent range, or keep this "
+            f"GEMM's operands wider" for under, sat, op in rows]
 
 
 def _accumulator(reports: Sequence[OpReport], numels: list) -> dict:

@@ -4,7 +4,10 @@ A format is a pair (exp_bits, man_bits); ``man_bits`` excludes the implicit bit,
 precision is ``p = man_bits + 1`` and the unit roundoff ``u = 2**-p``. Formats are IEEE-like
 (the all-ones exponent encodes inf/NaN) except the ``fn`` ("finite, NaN only") variant used by
 ``fp8_e4m3``: it has no infinities, uses the all-ones exponent for finite values and keeps only
-the all-ones pattern as NaN, so its largest value is 448 rather than 240.
+the all-ones pattern as NaN, so its largest value is 448 rather than 240. The OCP MX element
+formats ``fp6_e3m2``, ``fp6_e2m3`` and ``fp4_e2m1`` (``all_finite``) have neither: every pattern
+is a finite number (largest 28, 7.5 and 6); a rounding past the largest value is a NaN unless
+it saturates (the recipes' conversions saturate).
 """
 
 from __future__ import annotations
@@ -34,12 +37,16 @@ class Format:
         name: Display name; defaults to ``e{exp_bits}m{man_bits}``.
         finite_only: ``True`` for the "fn" variant (no infinities, NaN is the all-ones
             pattern); only meaningful for formats that have spare encodings, like fp8_e4m3fn.
+        all_finite: ``True`` for formats without inf and NaN encodings (the OCP MX element
+            formats fp6 and fp4): the all-ones pattern is the largest value. Implies
+            ``finite_only`` (what the rounding kernels read: no infinity).
     """
 
     exp_bits: int
     man_bits: int
     name: str = ""
     finite_only: bool = False
+    all_finite: bool = False
 
     def __post_init__(self) -> None:
         for field, value, lo, hi in (
@@ -57,6 +64,8 @@ class Format:
                 raise ValueError(f"{field} must be in [{lo}, {hi}], got {value}")
         if not self.name:
             object.__setattr__(self, "name", f"e{self.exp_bits}m{self.man_bits}")
+        if self.all_finite:
+            object.__setattr__(self, "finite_only", True)
 
     # -- derived constants -------------------------------------------------------------
     @property
@@ -92,7 +101,7 @@ class Format:
     def max_normal(self) -> float:
         """Largest finite value."""
         # fn formats give up one mantissa pattern (all ones) at the top exponent for NaN.
-        top_ulps = (1 << self.man_bits) - (2 if self.finite_only else 1)
+        top_ulps = (1 << self.man_bits) - (2 if self.finite_only and not self.all_finite else 1)
         return math.ldexp(1.0 + top_ulps / (1 << self.man_bits), self.emax)
 
     @property
@@ -135,11 +144,17 @@ FORMATS: dict[str, Format] = {
     "bf16": Format(8, 7, "bf16"),
     "fp8_e5m2": Format(5, 2, "fp8_e5m2"),
     "fp8_e4m3": Format(4, 3, "fp8_e4m3", finite_only=True),
+    # OCP MX v1.0 element formats (no inf, no NaN): MXFP6 and MXFP4, NVFP4's values
+    "fp6_e3m2": Format(3, 2, "fp6_e3m2", all_finite=True),
+    "fp6_e2m3": Format(2, 3, "fp6_e2m3", all_finite=True),
+    "fp4_e2m1": Format(2, 1, "fp4_e2m1", all_finite=True),
 }
 _ALIASES = {
     "float64": "fp64", "double": "fp64", "float32": "fp32", "float": "fp32",
     "float16": "fp16", "half": "fp16", "bfloat16": "bf16",
     "fp8_e4m3fn": "fp8_e4m3", "e4m3": "fp8_e4m3", "e5m2": "fp8_e5m2",
+    "e3m2": "fp6_e3m2", "e2m3": "fp6_e2m3", "e2m1": "fp4_e2m1", "fp6_e3m2fn": "fp6_e3m2",
+    "fp6_e2m3fn": "fp6_e2m3", "fp4_e2m1fn": "fp4_e2m1",
 }
 _DTYPE_NAMES = {
     torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",

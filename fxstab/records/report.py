@@ -82,6 +82,15 @@ class OpReport:
     # directed accumulator, which the samples' spread (the digits above) cannot show
     accumulator_digits: float = math.nan
     accumulator_min_digits: float = math.nan
+    # a modelled GEMM's operands in a low-precision recipe (gemm_inputs=): per-block statistics
+    # of both operands as the recipe scales them and rounds them to nearest
+    # (numerics.accumulation.operand_stats): non-zero elements, how many flush to zero, how
+    # many saturate, the smallest and largest group scale (NaN: no recipe, no non-zero group)
+    operand_elements: int = 0
+    operand_underflow: int = 0
+    operand_saturation: int = 0
+    operand_scale_min: float = math.nan
+    operand_scale_max: float = math.nan
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -235,6 +244,8 @@ def report_builder(phase: str, step: Optional[int], call: int, n: int,
                        n, t, cap)
         if len(row) > 5:  # a modelled GEMM's accumulator digits (avg, min)
             r.accumulator_digits, r.accumulator_min_digits = row[5]
+            for k, v in getattr(row[5], "operands", {}).items():  # its operands' statistics
+                setattr(r, f"operand_{k}", v)
         return r
 
     return build

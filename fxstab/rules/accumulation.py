@@ -7,13 +7,16 @@ element (CESTAC inside the product), from the call's seed of that operator. A pl
 broadcasts as one sample: its batch dims are aligned with the stacked operand's logical ones
 (the sample dim leads), as ``torch.matmul`` aligns them on one sample. ``conv1d`` and
 ``conv2d`` run through their GEMM form (im2col: each group's weight times the input's
-patches), ``scaled_dot_product_attention`` as its two products around the softmax. On CUDA the Triton kernel of :mod:`fxstab.kernels.accumulate` computes the product,
-on the CPU blocked fp64 products with each block rounded by the fused C kernel
-(:func:`product_kernel`): the same bits.
+patches), ``scaled_dot_product_attention`` as its two products around the softmax. On CUDA
+the Triton kernel of :mod:`fxstab.kernels.accumulate` computes the product, on the CPU blocked
+fp64 products with each block rounded by the fused C kernel (:func:`product_kernel`): the same
+bits. A nearest or directed accumulator's samples round randomly and carry its bias
+(:func:`modelled_gemm`, issue 43).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 from typing import Any, Callable, Optional
@@ -21,14 +24,15 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..cpu import bindings
-from ..numerics.accumulation import emulate_matmul, quantize_operand
+from ..numerics.accumulation import emulate_matmul, operand_stats, quantize_operand
 from ..numerics.digits import true_digits
-from ..numerics.rounding import quantize, round_samples
+from ..numerics.rounding import Rounding, quantize, round_samples
 from ..numerics.randbits import derive_seed
 from .lifting import Stacked
 
 __all__ = ["gemm_operands", "accumulable", "accumulated_product", "modelled_gemm",
-           "accumulator_error",
+           "accumulator_error", "biased_accumulator", "GemmFigures", "merge_operand_stats",
+           "sample_accumulator", "bias_weights", "with_bias",
            "gemm_model_label", "fused_rounder", "samples_rounder", "product_kernel", "CONV_KINDS",
            "conv_args", "SDPA", "sdpa_args", "BIASED_KINDS"]
 
@@ -206,16 +210,20 @@ def product_kernel(kernels: str, t: torch.Tensor, n: int) -> str:
 def accumulated_product(a: tuple, kw: dict, kind: str, acc: Any, seed: int,
                         to_working: Callable[[torch.Tensor], torch.Tensor], inputs: Any = None,
                         scaling: str = "tensor", mode: Any = "random",
-                        kernels: str = "auto") -> Stacked:
+                        kernels: str = "auto", stats: Optional[list] = None) -> Stacked:
     """The GEMM's samples with the accumulator ``acc`` (None: the exact sum); plain operands
     enter through ``to_working`` (the working dtype). With ``inputs``, each operand's samples
     are first scaled and rounded into that format (``scaling``; each sample its own scales,
     the analysis's rounding ``mode``: the samples draw their own directions). ``kernels``
-    picks the implementation (:func:`product_kernel`)."""
+    picks the implementation (:func:`product_kernel`). With ``inputs`` and a ``stats`` list,
+    the operands' statistics in that recipe (:func:`~fxstab.numerics.accumulation.
+    operand_stats`, of every product's two operands, the first sample's) are appended to it."""
     if kind in CONV_KINDS:
-        return _conv_product(a, kw, kind, acc, seed, to_working, inputs, scaling, mode, kernels)
+        return _conv_product(a, kw, kind, acc, seed, to_working, inputs, scaling, mode, kernels,
+                             stats)
     if kind == SDPA:
-        return _sdpa_product(a, kw, acc, seed, to_working, inputs, scaling, mode, kernels)
+        return _sdpa_product(a, kw, acc, seed, to_working, inputs, scaling, mode, kernels,
+                             stats)
     x, w, bias = gemm_operands(a, kw, kind)
     rank = max(_logical_dim(x), _logical_dim(w))
 
@@ -226,7 +234,7 @@ def accumulated_product(a: tuple, kw: dict, kind: str, acc: Any, seed: int,
         return t
 
     left, right = aligned(x), aligned(w)
-    y = _samples_product(left, right, acc, seed, inputs, scaling, mode, kernels)
+    y = _samples_product(left, right, acc, seed, inputs, scaling, mode, kernels, stats)
     if bias is not None:
         b = bias.samples if isinstance(bias, Stacked) else to_working(bias)
         while isinstance(bias, Stacked) and b.dim() < y.dim():  # the sample dim leads
@@ -243,25 +251,111 @@ def modelled_gemm(a: tuple, kw: dict, plan: Any, cfg: Any, seed: int,
     ``plan.gemm_inputs``) and the analysis's settings (``cfg``: the operands' scaling, the
     rounding mode, the kernels).
 
+    What the samples carry, whatever the accumulator's rounding mode (issue 43):
+
+    * its rounding error: the samples run the accumulator with *random* rounding in its
+      format (CESTAC's model of any rounding: each sample draws its own directions in every
+      block), whatever mode the hardware rounds in;
+    * a nearest or directed mode's bias (and an alignment's truncation,
+      ``Accumulation.align``), which no random rounding shows: ``b = D - E`` per output
+      element, the hardware's accumulator (``D``, its own mode, aligned) against the exact sum
+      (``E``) of the first sample's operands, is added to the samples as ``(1 + t_i) b`` with
+      ``t`` fixed, of mean 0 and sample standard deviation 1 (:func:`bias_weights`). The
+      samples' mean is then centred on the hardware's result, their spread holds ``|b|``, and
+      a sum of biases downstream adds them sample by sample as the hardware's errors add (a
+      fixed ``t``: coherent biases stay coherent, opposite ones cancel). Where ``D`` is not
+      finite (an fp16 accumulator past 65504) every sample takes it.
+
     Returns the samples and, with ``cap`` and an accumulator, the accumulator's own error
-    (:func:`accumulator_error`): the same operator on the same operand samples with the exact
-    sum, against which its output is measured. A nearest or directed accumulator rounds every
-    sample alike, so its error is a bias the samples' spread cannot show; this is the figure
-    that can. Measured on the first sample (the exact product of all N doubled the modelled
-    GEMM's time on an MLP; one costs 1/N of that), on all of them with ``gemm_inputs`` (the
-    same seed draws the same fp8 operands only for the same samples). None without an
-    accumulator (the exact sum has no error of its own) or without ``cap``."""
-    out = accumulated_product(a, kw, plan.kind, plan.accumulate, seed, to_working,
-                              plan.gemm_inputs, cfg.gemm_scaling, cfg.rounding, cfg.kernels)
-    if cap is None or plan.accumulate is None:
-        return out, None
+    (:func:`accumulator_error`): the hardware's accumulator (``D``; a random one: the first
+    sample's, or all of them with ``gemm_inputs``) against the exact sum of the same
+    operands. None without an accumulator (the exact sum has no error of its own) or without
+    ``cap``."""
+    acc = plan.accumulate
+    biased = acc is not None and biased_accumulator(acc)
+    sampled = sample_accumulator(acc, cfg.rounding) if biased else acc
+    stats: Optional[list] = [] if plan.gemm_inputs is not None else None
+    out = accumulated_product(a, kw, plan.kind, sampled, seed, to_working,
+                              plan.gemm_inputs, cfg.gemm_scaling, cfg.rounding, cfg.kernels,
+                              stats)
+    operands = merge_operand_stats(stats) if stats else {}
+    if acc is None or (cap is None and not biased):
+        return out, (GemmFigures((math.nan, math.nan), operands) if operands else None)
     value = out.samples
-    if plan.gemm_inputs is None:  # the operands as given: the first sample's are its own
+    if biased or plan.gemm_inputs is None:  # the first sample's operands are its own
         a, kw = _first_sample(a), _first_sample(kw)
         value = value[:1]
     exact = accumulated_product(a, kw, plan.kind, None, seed, to_working, plan.gemm_inputs,
-                                cfg.gemm_scaling, cfg.rounding, cfg.kernels)
-    return out, accumulator_error(value, exact.samples, cap)
+                                cfg.gemm_scaling, cfg.rounding, cfg.kernels).samples
+    if biased:
+        value = accumulated_product(a, kw, plan.kind, acc, seed, to_working, plan.gemm_inputs,
+                                    cfg.gemm_scaling, cfg.rounding, cfg.kernels).samples
+        out = Stacked(with_bias(out.samples, value, exact))
+    if cap is None:
+        return out, (GemmFigures((math.nan, math.nan), operands) if operands else None)
+    return out, GemmFigures(accumulator_error(value, exact, cap), operands)
+
+
+class GemmFigures(tuple):
+    """A modelled GEMM's figures for its report: the accumulator's digits ``(avg, min)``
+    (NaN: none modelled) and, as ``operands``, its operands' statistics in their recipe
+    (:func:`merge_operand_stats`; empty without ``gemm_inputs``)."""
+
+    operands: dict
+
+    def __new__(cls, digits: tuple, operands: Optional[dict] = None) -> "GemmFigures":
+        self = super().__new__(cls, digits)
+        self.operands = dict(operands or {})
+        return self
+
+
+def merge_operand_stats(stats: list) -> dict:
+    """The statistics of all of a GEMM's operands (:func:`~fxstab.numerics.accumulation.
+    operand_stats`, one per operand) as the report's ``operand_*`` fields: the counts summed,
+    the extreme scales."""
+    lo = [s["scale_min"] for s in stats if not math.isnan(s["scale_min"])]
+    hi = [s["scale_max"] for s in stats if not math.isnan(s["scale_max"])]
+    return {"elements": sum(s["elements"] for s in stats),
+            "underflow": sum(s["underflow"] for s in stats),
+            "saturation": sum(s["saturation"] for s in stats),
+            "scale_min": min(lo) if lo else math.nan, "scale_max": max(hi) if hi else math.nan}
+
+
+def biased_accumulator(acc: Any) -> bool:
+    """Whether ``acc``'s error has a part the samples' random rounding cannot show: a
+    nearest or directed rounding (every sample alike; nearest stagnates on long sums of one
+    sign) or an alignment's truncation."""
+    return acc.rounding not in (Rounding.RANDOM, Rounding.STOCHASTIC) or acc.align is not None
+
+
+def sample_accumulator(acc: Any, mode: Any) -> Any:
+    """The accumulator the samples run for a biased ``acc``: the same format, block and
+    promotion, rounding randomly (the analysis's ``mode`` where it is random or stochastic,
+    else ``random``), without alignment (its truncation is in the bias term)."""
+    mode = Rounding.parse(mode)
+    if mode not in (Rounding.RANDOM, Rounding.STOCHASTIC):
+        mode = Rounding.RANDOM
+    return dataclasses.replace(acc, rounding=mode, align=None, name="")
+
+
+def bias_weights(n: int, like: torch.Tensor) -> torch.Tensor:
+    """``t`` of :func:`modelled_gemm`, shaped ``[n, 1, ...]`` like ``like``: +1, -1
+    alternating (0 for an odd last sample), scaled to a sample standard deviation of 1
+    (N = 3: (1, -1, 0)); zeros for one sample."""
+    t = torch.tensor([(-1.0) ** i if i < n - n % 2 else 0.0 for i in range(n)],
+                     dtype=like.dtype, device=like.device)
+    if n > 1:
+        t = t / t.std()
+    return t.reshape(n, *(1,) * (like.dim() - 1))
+
+
+def with_bias(samples: torch.Tensor, hardware: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """``samples + (1 + t) (hardware - exact)`` (:func:`modelled_gemm`): where ``hardware``
+    is not finite every sample takes it; where ``exact`` is not finite no bias is added."""
+    ok = torch.isfinite(hardware) & torch.isfinite(exact)
+    bias = torch.where(ok, hardware - exact, torch.zeros_like(exact))
+    out = samples + (1 + bias_weights(samples.shape[0], samples)) * bias
+    return torch.where(torch.isfinite(hardware), out, hardware.expand_as(out))
 
 
 def _first_sample(args: Any) -> Any:
@@ -289,10 +383,15 @@ def accumulator_error(value: torch.Tensor, exact: torch.Tensor, cap: float) -> t
 
 
 def _samples_product(left: torch.Tensor, right: torch.Tensor, acc: Any, seed: int, inputs: Any,
-                     scaling: str, mode: Any, kernels: str) -> torch.Tensor:
+                     scaling: str, mode: Any, kernels: str,
+                     stats: Optional[list] = None) -> torch.Tensor:
     """``left @ right`` of stacked operands ``[N or 1, ..., M, K]`` and ``[N or 1, ..., K, P]``
     with the accumulator ``acc`` (and the operands in ``inputs``), by the implementation
-    ``kernels`` picks (:func:`product_kernel`)."""
+    ``kernels`` picks (:func:`product_kernel`); an aligned accumulator
+    (``Accumulation.align``) runs on the reference path (the kernels do not align)."""
+    if inputs is not None and stats is not None:
+        stats.append(operand_stats(left[:1], inputs, scaling, batch_dims=1))
+        stats.append(operand_stats(right[:1], inputs, scaling, right=True, batch_dims=1))
     if inputs is not None:
         left = quantize_operand(left, inputs, scaling, mode=mode, seed=derive_seed(seed, 1),
                                 batch_dims=1)
@@ -300,6 +399,8 @@ def _samples_product(left: torch.Tensor, right: torch.Tensor, acc: Any, seed: in
                                  seed=derive_seed(seed, 2), batch_dims=1)
     n = max(left.shape[0], right.shape[0])
     impl = product_kernel(kernels, left, n) if acc is not None else "torch"
+    if impl == "triton" and acc.align is not None:
+        impl = "torch"
     if impl == "triton":
         from ..kernels.accumulate import emulate_matmul_triton
 
@@ -310,7 +411,8 @@ def _samples_product(left: torch.Tensor, right: torch.Tensor, acc: Any, seed: in
 
 def _conv_product(a: tuple, kw: dict, kind: str, acc: Any, seed: int,
                   to_working: Callable[[torch.Tensor], torch.Tensor], inputs: Any,
-                  scaling: str, mode: Any, kernels: str) -> Stacked:
+                  scaling: str, mode: Any, kernels: str,
+                  stats: Optional[list] = None) -> Stacked:
     """A convolution's samples through its GEMM form: the input unfolded into patches
     (im2col: K = in_channels/groups x kernel positions, in the order of ``weight.reshape(O,
     -1)``: channel, then kernel row, then column), each group's weight ``[O/g, K]`` times its
@@ -340,7 +442,7 @@ def _conv_product(a: tuple, kw: dict, kind: str, acc: Any, seed: int,
     k = cg * kh * kw_
     right = cols.reshape(nx, b, groups, k, oh * ow)
     left = ws.reshape(nw, 1, groups, o // groups, k)
-    y = _samples_product(left, right, acc, seed, inputs, scaling, mode, kernels)
+    y = _samples_product(left, right, acc, seed, inputs, scaling, mode, kernels, stats)
     y = y.reshape(y.shape[0], b, o, *((ow,) if dims == 1 else (oh, ow)))
     if bias is not None:
         bs = bias.samples if isinstance(bias, Stacked) else to_working(bias).unsqueeze(0)
@@ -350,7 +452,8 @@ def _conv_product(a: tuple, kw: dict, kind: str, acc: Any, seed: int,
 
 def _sdpa_product(a: tuple, kw: dict, acc: Any, seed: int,
                   to_working: Callable[[torch.Tensor], torch.Tensor], inputs: Any,
-                  scaling: str, mode: Any, kernels: str) -> Stacked:
+                  scaling: str, mode: Any, kernels: str,
+                  stats: Optional[list] = None) -> Stacked:
     """Attention's samples with its two products modelled: ``S = (q @ k^T) * scale`` with the
     accumulator (the scale applied to the product, as fused kernels apply it), the mask
     (``is_causal``, boolean or additive), ``P = softmax(S)`` in the working dtype (not rounded
@@ -372,7 +475,7 @@ def _sdpa_product(a: tuple, kw: dict, acc: Any, seed: int,
     if scale is None:
         scale = 1.0 / math.sqrt(qs.shape[-1])
     s = _samples_product(qs, ks.transpose(-1, -2), acc, derive_seed(seed, 3), inputs, scaling,
-                         mode, kernels) * scale
+                         mode, kernels, stats) * scale
     if is_causal:
         keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
         s = s.masked_fill(~keep, float("-inf"))
@@ -382,5 +485,6 @@ def _sdpa_product(a: tuple, kw: dict, acc: Any, seed: int,
             m = m.unsqueeze(1)
         s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.to(s.dtype)
     p = torch.softmax(s, dim=-1)
-    out = _samples_product(p, vs, acc, derive_seed(seed, 4), inputs, scaling, mode, kernels)
+    out = _samples_product(p, vs, acc, derive_seed(seed, 4), inputs, scaling, mode, kernels,
+                           stats)
     return Stacked(to_working(out))
