@@ -9,7 +9,6 @@ bad arguments, a target whose model fails).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import traceback
@@ -59,58 +58,15 @@ def _format_arg(text: str) -> Any:
 
 
 # --------------------------------------------------------------------------- record
-def load_target(spec: str) -> tuple[Any, tuple]:
-    """Import ``path/to/file.py:function``, call it with no arguments, check what it returns.
+def load_target(spec: str, kwargs: Optional[dict] = None, root: Optional[Path] = None) -> Any:
+    """:func:`fxstab.targets.load_target`, its errors as exit code 2."""
+    from .targets import TargetError
+    from .targets import load_target as load
 
-    The contract: the function takes no arguments and returns ``(model, example_inputs)``;
-    ``model`` is a ``torch.nn.Module`` (or any callable torch.compile accepts) and
-    ``example_inputs`` a tuple (or list) of positional arguments; a single tensor is accepted as
-    a one-element tuple. The file's folder and the current directory are put in front of
-    ``sys.path`` so the file can import its own project.
-
-    Raises:
-        CLIError: malformed spec, missing file or function, or a return value that does not
-            follow the contract. Exceptions raised by the target's own code propagate.
-    """
-    import torch
-
-    path_s, sep, func = spec.rpartition(":")
-    if not sep or not path_s or not func:
-        raise CLIError(f"TARGET must be 'path/to/file.py:function', got {spec!r}")
-    if not func.isidentifier():
-        raise CLIError(f"TARGET function {func!r} is not a Python identifier (in {spec!r})")
-    path = Path(path_s)
-    if path.suffix != ".py":
-        raise CLIError(f"TARGET file must be a .py file, got {path_s!r}")
-    if not path.is_file():
-        raise CLIError(f"TARGET file {path_s!r} does not exist")
-    path = path.resolve()
-    for p in (os.getcwd(), str(path.parent)):
-        if p not in sys.path:
-            sys.path.insert(0, p)
-    mod_name = f"_fxstab_target_{path.stem}"
-    mod_spec = importlib.util.spec_from_file_location(mod_name, path)
-    if mod_spec is None or mod_spec.loader is None:  # pragma: no cover - .py files always load
-        raise CLIError(f"cannot import {str(path)!r}")
-    module = importlib.util.module_from_spec(mod_spec)
-    sys.modules[mod_name] = module  # dataclasses and pickling look modules up by name
-    mod_spec.loader.exec_module(module)
-    fn = getattr(module, func, None)
-    if fn is None or not callable(fn):
-        raise CLIError(f"{path_s!r} has no function {func!r}")
-    result = fn()
-    if not isinstance(result, (tuple, list)) or len(result) != 2:
-        raise CLIError(f"{spec} must return (model, example_inputs), got "
-                       f"{type(result).__name__}")
-    model, inputs = result
-    if not callable(model):
-        raise CLIError(f"{spec} returned a model that is not callable: {type(model).__name__}")
-    if isinstance(inputs, torch.Tensor):
-        inputs = (inputs,)
-    if not isinstance(inputs, (tuple, list)):
-        raise CLIError(f"{spec} must return example_inputs as a tuple, got "
-                       f"{type(inputs).__name__}")
-    return model, tuple(inputs)
+    try:
+        return load(spec, kwargs, root)
+    except TargetError as e:
+        raise CLIError(str(e)) from None
 
 
 def _accumulate_arg(preset: str, rounding: Optional[str]):
@@ -128,69 +84,168 @@ def _accumulate_arg(preset: str, rounding: Optional[str]):
     return dataclasses.replace(acc, rounding=rounding, name="")
 
 
-def _gemm_options(args: argparse.Namespace) -> dict:
-    """``--accumulate``, ``--accumulate-rounding``, ``--gemm-inputs``, ``--gemm-scaling`` as
-    backend options."""
+def _gemm_options(opts: dict) -> dict:
+    """The GEMM recipe (``accumulate``, ``accumulate_rounding``, ``gemm_inputs``,
+    ``gemm_scaling``: flags over the settings file) as backend options."""
     extra: dict = {}
-    if args.accumulate is not None:
-        extra["accumulate"] = _accumulate_arg(args.accumulate, args.accumulate_rounding)
-    elif args.accumulate_rounding is not None:
+    if opts.get("accumulate") is not None:
+        extra["accumulate"] = _accumulate_arg(opts["accumulate"], opts.get("accumulate_rounding"))
+    elif opts.get("accumulate_rounding") is not None:
         raise CLIError("--accumulate-rounding needs --accumulate (the accumulator it rounds)")
-    if args.gemm_inputs is not None:
-        extra.update(gemm_inputs=_format_arg(args.gemm_inputs), gemm_scaling=args.gemm_scaling)
-    elif args.gemm_scaling != "tensor":
+    if opts.get("gemm_inputs") is not None:
+        gi = opts["gemm_inputs"]
+        extra.update(gemm_inputs=_format_arg(gi) if isinstance(gi, str) else gi,
+                     gemm_scaling=opts.get("gemm_scaling") or "tensor")
+    elif (opts.get("gemm_scaling") or "tensor") != "tensor":
         raise CLIError("--gemm-scaling needs --gemm-inputs (the format it scales into)")
     return extra
 
 
+_GEMM_KEYS = ("accumulate", "accumulate_rounding", "gemm_inputs", "gemm_scaling")
+# what record and plan use when neither a flag nor the settings file says
+_DEFAULTS = {"granularity": "op", "format": "bf16", "n_samples": 3, "seed": 0,
+             "rounding": "random", "confidence": 0.95}
+
+
+def _settings(args: argparse.Namespace) -> Any:
+    """The settings file (``--config FILE``, else the nearest fxstab.toml / pyproject.toml with
+    [tool.fxstab]); a bad file is exit 2 with the file, key and value named."""
+    from .configfile import ConfigError, load
+
+    try:
+        return load(getattr(args, "config", None))
+    except ConfigError as e:
+        raise CLIError(str(e)) from None
+
+
+def _analysis_options(args: argparse.Namespace, cfg: Any, target: Any = None,
+                      keys: Sequence[str] = tuple(_DEFAULTS)) -> dict:
+    """The analysis options of one run: the defaults, then the settings file, then the
+    configured target's own, then the command-line flags (those given)."""
+    opts = {k: _DEFAULTS[k] for k in keys if k in _DEFAULTS}
+    opts.update(cfg.analysis)
+    if target is not None:
+        opts.update(target.options)
+    for key in (*keys, *_GEMM_KEYS):
+        flag = getattr(args, key, None)
+        if flag is not None:
+            if key == "accumulate":  # a flag's preset replaces the file's accumulator whole
+                opts.pop("accumulate_rounding", None)
+            opts[key] = flag
+    if isinstance(opts.get("format"), str):
+        opts["format"] = _format_arg(opts["format"])
+    if isinstance(opts.get("format"), list):
+        opts["format"] = tuple(opts["format"])
+    return opts
+
+
+def _check_options(opts: dict) -> tuple[dict, dict, Any]:
+    """Split ``opts`` into (backend options, GEMM recipe, the backend) and validate them all by
+    building the backend, before any model is built: a bad --format, --rounding or --n-samples costs
+    nothing."""
+    import fxstab
+
+    extra = _gemm_options(opts)
+    plain = {k: v for k, v in opts.items() if k not in _GEMM_KEYS}
+    if not hasattr(fxstab, "backend"):
+        raise CLIError("this fxstab build has no operator-level backend (fxstab.backend)")
+    try:
+        be = fxstab.backend(**plain, **extra)
+    except (ValueError, TypeError) as e:
+        raise CLIError(str(e)) from None
+    return plain, extra, be
+
+
 def _cmd_record(args: argparse.Namespace) -> int:
+    cfg = _settings(args)
+    if args.calls is not None and args.calls < 1:
+        raise CLIError(f"--calls must be >= 1, got {args.calls}")
+    if args.top < 1:
+        raise CLIError(f"--top must be >= 1, got {args.top}")
+    jobs = []  # (spec, configured target or None, output)
+    if args.target is not None and ":" not in args.target and not cfg.targets:
+        raise CLIError(f"TARGET must be 'path/to/file.py:function' or "
+                       f"'package.module:function' (or a target of the settings file: there "
+                       f"is none), got {args.target!r}")
+    if args.target is None or ":" not in args.target:  # the settings file's targets
+        from .configfile import ConfigError
+
+        try:
+            chosen = (list(cfg.targets.values()) if args.target is None
+                      else [cfg.target(args.target)])
+        except ConfigError as e:
+            raise CLIError(f"{e} (a TARGET function is 'path/to/file.py:function' or "
+                           f"'package.module:function')") from None
+        if not chosen:
+            where = cfg.path or "no fxstab.toml or [tool.fxstab] found from here"
+            raise CLIError(f"no TARGET given and no [targets] configured ({where}): give "
+                           f"'path/to/file.py:function' or 'package.module:function'")
+        if args.output and len(chosen) > 1:
+            raise CLIError(f"-o names one file but {len(chosen)} targets are configured "
+                           f"({', '.join(t.name for t in chosen)}): use --output-dir DIR")
+        for t in chosen:
+            out = args.output or (str(Path(args.output_dir) / f"{t.name}.json")
+                                  if args.output_dir else t.output)
+            if cfg.path is not None and not args.output and not args.output_dir \
+                    and not Path(out).is_absolute():
+                out = str(cfg.path.parent / out)  # relative to the settings file
+            jobs.append((t.target, t, out))
+    else:
+        if not args.output:
+            out = (str(Path(args.output_dir) / "digits.json") if args.output_dir else None)
+            if out is None:
+                raise CLIError("-o/--output FILE is required with a TARGET (the digit map to "
+                               "write)")
+        jobs.append((args.target, None, args.output or out))
+    # every job's options are checked before the first model is built
+    checked = [(spec, t, out, *_check_options(_analysis_options(args, cfg, t)))
+               for spec, t, out in jobs]
+    for spec, t, out, plain, extra, be in checked:
+        calls = args.calls if args.calls is not None else (t.calls if t is not None else 1)
+        _record_one(args, spec, t, out, plain, extra, be, calls)
+    return EXIT_OK
+
+
+def _record_one(args: argparse.Namespace, spec: str, t: Any, output: str, plain: dict,
+                extra: dict, be: Any, calls: int) -> None:
     import torch
 
     import fxstab
 
     from .digitmap import DigitMap
 
-    if args.calls < 1:
-        raise CLIError(f"--calls must be >= 1, got {args.calls}")
-    if not hasattr(fxstab, "backend"):
-        raise CLIError("this fxstab build has no operator-level backend (fxstab.backend)")
-    torch.manual_seed(args.seed)  # the target's parameters and inputs are part of the result
-    model, inputs = load_target(args.target)
-    fmt = _format_arg(args.format)
-    extra = _gemm_options(args)
-    try:
-        be = fxstab.backend(granularity=args.granularity, format=fmt,
-                            n_samples=args.n_samples, seed=args.seed, rounding=args.rounding,
-                            confidence=args.confidence, **extra)
-    except ValueError as e:
-        raise CLIError(str(e)) from None
+    torch.manual_seed(plain["seed"])  # the target's parameters and inputs are part of the result
+    # a configured target's file is relative to the settings file (as its output is)
+    root = t.root if t is not None else None
+    target = load_target(spec, t.kwargs if t is not None else None, root)
     torch._dynamo.reset()  # a fresh compile: names and graph order do not depend on history
-    compiled = torch.compile(model, backend=be)
+    compiled = torch.compile(target.model, backend=be)
     with torch.no_grad():
-        for step in range(args.calls):
+        for step in range(calls):
             with be.phase(args.phase, step=step):
-                compiled(*inputs)
-    meta = {"target": args.target, "format": "auto" if fmt == "auto" else
-            fxstab.get_format(fmt).name,
-            "n_samples": args.n_samples,
-            "seed": args.seed, "granularity": args.granularity,
-            "confidence": args.confidence, "rounding": args.rounding}
+                target(compiled)
+    fmt = plain["format"]
+    meta = {"target": spec, "format": "auto" if fmt == "auto" else fxstab.get_format(fmt).name,
+            "n_samples": plain["n_samples"], "seed": plain["seed"],
+            "granularity": plain["granularity"], "confidence": plain["confidence"],
+            "rounding": plain["rounding"]}
+    if t is not None:
+        meta["target_name"] = t.name
     if hasattr(be, "digit_map"):
         dm = be.digit_map()
         dm.metadata.update(meta)
     else:  # pragma: no cover - the backend offers digit_map(); reports are the fallback
         dm = DigitMap.from_reports(be.reports, metadata=meta)
     if not len(dm):
-        raise CLIError(f"no operator of {args.target} was analysed (nothing compiled to a graph, "
+        raise CLIError(f"no operator of {spec} was analysed (nothing compiled to a graph, "
                        f"or none of its operators is floating or selected): no digit map "
-                       f"written to {args.output}")
-    dm.save(args.output)
+                       f"written to {output}")
+    dm.save(output)
     _warn_coverage(dm.metadata.get("coverage"))
     for line in dm.findings():
         print(f"- {line}")
     print(dm.table(top=args.top))
-    print(f"saved {len(dm)} operators to {args.output}")
-    return EXIT_OK
+    print(f"saved {len(dm)} operators to {output}")
 
 
 # --------------------------------------------------------------------------- plan
@@ -199,16 +254,25 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     from .plan import check_plan, plan_precision
 
-    torch.manual_seed(args.seed)  # the target's parameters and inputs are part of the result
-    model, inputs = load_target(args.target)
-    fmt, higher = _format_arg(args.format), _format_arg(args.higher)
-    if fmt == "auto" or higher == "auto":
+    cfg = _settings(args)
+    if args.keep <= 0:
+        raise CLIError(f"--keep must be > 0 digits, got {args.keep}")
+    if args.budget is not None and args.budget < 1:
+        raise CLIError(f"--budget must be >= 1 analysed call, got {args.budget}")
+    opts = _analysis_options(args, cfg, keys=("format", "n_samples", "seed"))
+    if opts["format"] == "auto":
         raise CLIError("plan needs one --format and one --higher (not auto)")
-    extra = _gemm_options(args)
+    higher = _format_arg(args.higher)
+    if higher == "auto":
+        raise CLIError("plan needs one --format and one --higher (not auto)")
+    plain, extra, _ = _check_options({k: v for k, v in opts.items()
+                                      if k in ("format", "n_samples", "seed", *_GEMM_KEYS)})
+    torch.manual_seed(plain["seed"])  # the target's parameters and inputs are part of the result
+    model, inputs = load_target(args.target)
     try:
-        plan = plan_precision(model, inputs, format=fmt, keep=args.keep, higher=higher,
-                              outputs=args.outputs, budget=args.budget,
-                              n_samples=args.n_samples, seed=args.seed, **extra)
+        plan = plan_precision(model, inputs, format=plain["format"], keep=args.keep,
+                              higher=higher, outputs=args.outputs, budget=args.budget,
+                              n_samples=plain["n_samples"], seed=plain["seed"], **extra)
     except ValueError as e:
         raise CLIError(str(e)) from None
     plan.settings["target"] = args.target
@@ -253,12 +317,16 @@ def _load(path: str):
 def _cmd_diff(args: argparse.Namespace) -> int:
     from .digitmap import DigitMapError, diff
 
-    if args.max_drop < 0:
-        raise CLIError(f"--max-drop must be >= 0, got {args.max_drop}")
+    gate = _settings(args).gate
+    max_drop = args.max_drop if args.max_drop is not None else gate.get("max_drop", 0.5)
+    metric = args.metric or gate.get("metric")
+    if max_drop < 0:
+        raise CLIError(f"--max-drop must be >= 0, got {max_drop}")
     _check_page_path(args.html)
     base, head = _load(args.base), _load(args.head)
     try:
-        result = diff(base, head, max_drop=args.max_drop, metric=args.metric)
+        result = diff(base, head, max_drop=max_drop, metric=metric,
+                      base_label=_label(base, args.base), head_label=_label(head, args.head))
     except DigitMapError as e:
         raise CLIError(str(e)) from None
     render = {"text": result.to_text, "markdown": result.to_markdown, "json": result.to_json}
@@ -272,6 +340,13 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     text = render[args.format]()
     sys.stdout.write(text if text.endswith("\n") else text + "\n")
     return EXIT_DROP if result.failed else EXIT_OK
+
+
+def _label(dm: Any, path: str) -> str:
+    """A map's name in a diff: its file, and its commit when it has one."""
+    commit = dm.metadata.get("git_commit")
+    name = Path(path).name
+    return f"{name} ({commit[:10]})" if isinstance(commit, str) and commit else name
 
 
 def _check_page_path(path: Optional[str]) -> None:
@@ -311,11 +386,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     meta = dm.metadata
     extras = ", ".join(f"{k}={meta[k]}" for k in ("target", "seed", "granularity", "rounding",
                                                   "git_commit") if meta.get(k) is not None)
-    findings = dm.findings(metric=args.metric)
-    print("findings:" if findings else "findings: none (no NaN/inf origin, no operator losing "
-          "a quarter of the cap or more)")
-    for line in findings:
-        print(f"  - {line}")
+    print(dm.summary(metric=args.metric))
     print()
     print(dm.table(top=args.top, metric=args.metric))
     if extras:
@@ -342,7 +413,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
             print(f"wrote {out}")
     if args.html:
         try:
-            _write_page(args.html, lambda html: html.map_page(dm, metric=args.metric))
+            _write_page(args.html, lambda html: html.map_page(
+                dm, metric=args.metric, title=html.map_title(dm, args.digits)))
         except ValueError as e:
             raise CLIError(f"--html: {e}") from None
         print(f"wrote {args.html}")
@@ -352,6 +424,51 @@ def _cmd_show(args: argparse.Namespace) -> int:
             print(f"wrote {n} TensorBoard scalars to {args.tensorboard}")
         except ModuleNotFoundError as e:
             print(f"fxstab show: skipped --tensorboard: {e}", file=sys.stderr)
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------- ci / history
+def _cmd_ci(args: argparse.Namespace) -> int:
+    from . import ci
+
+    try:
+        if args.ci_command == "init":
+            install = tuple(args.install) if args.install else ci.DEFAULT_INSTALL
+            path = ci.init(args.kind, Path(args.output) if args.output else None,
+                           force=args.force, main=args.main, python=args.python,
+                           install=install)
+            print(f"wrote {path}: records the configured targets on every "
+                  f"{'pull' if args.kind == 'github' else 'merge'} request, diffs them "
+                  f"against the base, comments, uploads the pages, fails on the gate; "
+                  f"pushes to {args.main} build the history (docs/ci.md)")
+            return EXIT_OK
+        if args.ci_command == "run":
+            return ci.run(args.base, args.head, Path(args.out), config=args.config,
+                          history_branch=args.history_branch)
+        path = ci.keep(args.branch, config=args.config,
+                       page=Path(args.html) if args.html else None)
+        print(f"kept {path} in {args.branch}" + (f"; wrote {args.html}" if args.html else ""))
+        return EXIT_OK
+    except (ci.CIError, ValueError) as e:
+        raise CLIError(str(e)) from None
+
+
+def _cmd_history(args: argparse.Namespace) -> int:
+    from .digitmap import DigitMapError
+    from .history import collect, trend_lines
+
+    if args.top < 1:
+        raise CLIError(f"--top must be >= 1, got {args.top}")
+    _check_page_path(args.html)
+    try:
+        points = collect(args.maps)
+    except DigitMapError as e:
+        raise CLIError(str(e)) from None
+    print("\n".join(trend_lines(points, top=min(args.top, 3), metric=args.metric)))
+    if args.html:
+        _write_page(args.html, lambda html: html.history_page(points, top=args.top,
+                                                              metric=args.metric))
+        print(f"wrote {args.html}")
     return EXIT_OK
 
 
@@ -383,9 +500,16 @@ def _add_gemm_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gemm-inputs", default=None, metavar="FORMAT",
                    help="round the GEMMs' operands into FORMAT (fp8_e4m3, fp8_e5m2...) as an "
                         "fp8 recipe does, the rest of the program in --format")
-    p.add_argument("--gemm-scaling", default="tensor",
+    p.add_argument("--gemm-scaling", default=None,
                    choices=("tensor", "row", "block128", "mx32"),
                    help="how --gemm-inputs scales the operands (default tensor)")
+
+
+def _add_config_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="settings file (fxstab.toml, or pyproject.toml's [tool.fxstab]); "
+                        "default: the nearest one from the current folder up; flags override "
+                        "it (docs/config.md)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -411,9 +535,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "outputs keep --keep avg digits in the analysis (docs/precision-plan.md).",
         epilog=_PLAN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("target", metavar="TARGET", help="path/to/file.py:function")
+    p.add_argument("target", metavar="TARGET",
+                   help="path/to/file.py:function or package.module:function")
     p.add_argument("-o", "--output", metavar="FILE", help="write the plan (JSON)")
-    p.add_argument("--format", default="bf16", help="the low-precision format (default bf16)")
+    p.add_argument("--format", default=None,
+                   help="the low-precision format (default: the settings file's, else bf16)")
     p.add_argument("--higher", default="fp32",
                    help="the format promoted operators run in (default fp32)")
     p.add_argument("--keep", type=float, default=2.0,
@@ -422,9 +548,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="check these operators' digits instead of the model's outputs")
     p.add_argument("--budget", type=int, default=None,
                    help="at most this many analysed calls (default: no cap)")
-    p.add_argument("--n-samples", type=int, default=3, help="stochastic samples N (default 3)")
-    p.add_argument("--seed", type=int, default=0, help="seed of rounding and model (default 0)")
+    p.add_argument("--n-samples", type=int, default=None,
+                   help="stochastic samples N (default 3)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of rounding and model (default 0)")
     _add_gemm_options(p)
+    _add_config_option(p)
     p.add_argument("--apply-check", action="store_true",
                    help="run the target for real in --format with and without the plan and "
                         "print the true digits of both against an fp64 run")
@@ -434,22 +563,30 @@ def build_parser() -> argparse.ArgumentParser:
         "record", help="analyse a model given by a TARGET file and save its digit map",
         description="Compile a model with the fxstab backend, run it and save its digit map.",
         epilog=_RECORD_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("target", metavar="TARGET", help="path/to/file.py:function")
-    p.add_argument("-o", "--output", required=True, help="digit map to write (JSON)")
-    p.add_argument("--granularity", default="op", choices=("op", "aten"),
+    p.add_argument("target", metavar="TARGET", nargs="?", default=None,
+                   help="path/to/file.py:function, package.module:function, or the name of a "
+                        "target of the settings file; none: every configured target")
+    p.add_argument("-o", "--output", default=None,
+                   help="digit map to write (JSON); required with a TARGET function")
+    p.add_argument("--output-dir", metavar="DIR", default=None,
+                   help="write each configured target's map as DIR/NAME.json")
+    p.add_argument("--granularity", default=None, choices=("op", "aten"),
                    help="operator level or aten arithmetic level (default op)")
-    p.add_argument("--format", default="bf16",
+    p.add_argument("--format", default=None,
                    help="simulated format: bf16, fp16, fp8_e4m3, tf32, ..., E,M bit counts "
                         "such as 5,2, or auto (each operator in its dtype in the program; "
                         "operator level) (default bf16)")
-    p.add_argument("--n-samples", type=int, default=3, help="stochastic samples N (default 3)")
-    p.add_argument("--seed", type=int, default=0, help="seed of rounding and model (default 0)")
-    p.add_argument("--confidence", type=float, default=0.95,
+    p.add_argument("--n-samples", type=int, default=None,
+                   help="stochastic samples N (default 3)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of rounding and model (default 0)")
+    p.add_argument("--confidence", type=float, default=None,
                    help="confidence of the digit estimate (default 0.95)")
-    p.add_argument("--rounding", default="random",
+    p.add_argument("--rounding", default=None,
                    help="rounding mode: random, stochastic, nearest, ... (default random)")
     _add_gemm_options(p)
-    p.add_argument("--calls", type=int, default=1,
+    _add_config_option(p)
+    p.add_argument("--calls", type=int, default=None,
                    help="number of analysed calls, recorded as steps 0..calls-1 (default 1)")
     p.add_argument("--phase", default="eval", help="phase label of the calls (default eval)")
     p.add_argument("--top", type=int, default=10, help="operators printed (default 10)")
@@ -467,8 +604,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "analysed operator).")
     p.add_argument("base", metavar="BASE", help="reference digit map (e.g. main)")
     p.add_argument("head", metavar="HEAD", help="digit map under test (e.g. the branch)")
-    p.add_argument("--max-drop", type=float, default=0.5,
-                   help="digits an operator may lose before the diff fails (default 0.5)")
+    p.add_argument("--max-drop", type=float, default=None,
+                   help="digits an operator may lose before the diff fails (default: the "
+                        "settings file's [gate] max_drop, else 0.5)")
     p.add_argument("--metric", choices=_metrics(), default=None,
                    help=f"per-operator digits compared (default {_default_metric()})")
     p.add_argument("--format", choices=("text", "markdown", "json"), default="text",
@@ -479,6 +617,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--html", metavar="OUT",
                    help="also write the diff as a self-contained page (OUT.html: the verdict, "
                         "the graph coloured by the change; opens offline)")
+    _add_config_option(p)
     p.set_defaults(func=_cmd_diff)
 
     p = sub.add_parser(
@@ -501,6 +640,47 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensorboard", metavar="LOGDIR",
                    help="also write TensorBoard scalars (needs the tensorboard package)")
     p.set_defaults(func=_cmd_show)
+
+    p = sub.add_parser(
+        "history", help="digits across commits: a trend page of the outputs and worst operators",
+        description="Read digit maps by commit (map files, a folder of maps, or a folder of "
+                    "commit folders such as the CI history branch's maps/STAMP-SHA/) and print "
+                    "and draw each target's outputs' and worst operators' digits across them.")
+    p.add_argument("maps", metavar="MAP", nargs="+",
+                   help="digit map files or folders, oldest first")
+    p.add_argument("--html", metavar="OUT", help="write the trend page (OUT.html)")
+    p.add_argument("--top", type=int, default=8,
+                   help="worst operators drawn per target (default 8)")
+    p.add_argument("--metric", choices=_metrics(), default=None,
+                   help=f"digits drawn (default {_default_metric()})")
+    p.set_defaults(func=_cmd_history)
+
+    p = sub.add_parser("ci", help="generate and run the CI workflow of digit maps (docs/ci.md)")
+    csub = p.add_subparsers(dest="ci_command", required=True)
+    c = csub.add_parser("init", help="write a GitHub or GitLab CI file for the configured "
+                                     "targets")
+    c.add_argument("kind", choices=("github", "gitlab"))
+    c.add_argument("-o", "--output", metavar="FILE",
+                   help="default .github/workflows/fxstab.yml or .gitlab-ci.yml")
+    c.add_argument("--force", action="store_true", help="overwrite an existing file")
+    c.add_argument("--main", default="main", help="the branch whose pushes build the history")
+    c.add_argument("--python", default="3.12", help="the jobs' Python version")
+    c.add_argument("--install", action="append", metavar="CMD",
+                   help="a shell command installing torch, fxstab and the project (repeat; "
+                        "default: torch CPU, then pip install fxstab)")
+    c = csub.add_parser("run", help="record the configured targets at two commits and diff them")
+    c.add_argument("base", metavar="BASE", help="the base commit (ref or sha)")
+    c.add_argument("head", metavar="HEAD", nargs="?", default="HEAD",
+                   help="the commit under test (default HEAD)")
+    c.add_argument("--out", default="fxstab-ci", help="output folder (default fxstab-ci)")
+    c.add_argument("--history-branch", default=None, metavar="BRANCH",
+                   help="also write history.html: the branch's maps and this head's")
+    _add_config_option(c)
+    c = csub.add_parser("keep", help="add HEAD's maps to the history branch (a commit there)")
+    c.add_argument("--branch", default="fxstab-history", help="default fxstab-history")
+    c.add_argument("--html", metavar="OUT", help="also write the history page")
+    _add_config_option(c)
+    p.set_defaults(func=_cmd_ci)
     return parser
 
 

@@ -11,7 +11,6 @@ overflows fp16 although the fp32 model runs fine. The findings name both operato
 from __future__ import annotations
 
 import math
-import os
 import time
 from typing import Optional
 
@@ -132,9 +131,7 @@ def run_demo(seed: int = 0, format: str = "fp16", output: Optional[str] = None) 
           f"(N=3 samples, random rounding, cap {dm.cap:.2f} digits).")
     print("Its embeddings carry a common offset of 64; block 1's attention sharpens its scores "
           "(x4, not 1/sqrt(d)) and its softmax skips the max subtraction.\n")
-    print("findings:")
-    for line in dm.findings() or ["(none: no NaN/inf origin, no operator loses digits)"]:
-        print(f"  - {line}")
+    print(dm.summary())
     print()
     print(dm.table(top=12))
     print()
@@ -156,8 +153,6 @@ def run_demo(seed: int = 0, format: str = "fp16", output: Optional[str] = None) 
           f"[{time.perf_counter() - t0:.1f}s].")
     if torch_dtype_of(name) is None:  # a format torch does not compute in: no real run
         return 0
-    here = os.path.abspath(__file__)
-    shown = os.path.relpath(here) if here.startswith(os.getcwd() + os.sep) else here
-    print(f"Next: `fxstab plan {shown}:build --format {name} --keep 1.2 --apply-check` finds "
+    print(f"Next: `fxstab plan fxstab.demo:build --format {name} --keep 1.2 --apply-check` finds "
           f"the fewest operators to keep in fp32 and checks the fix in a real {name} run.")
     return 0

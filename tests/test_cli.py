@@ -309,7 +309,9 @@ def test_record_target_contract(tmp_path, monkeypatch, capsys, stand_in_backend)
         def wrong():
             return torch.nn.Linear(4, 4)
         def not_tuple():
-            return torch.nn.Linear(4, 4), {"x": 1}
+            return torch.nn.Linear(4, 4), 3
+        def wrong_keywords():
+            return torch.nn.Linear(4, 4), {"x": torch.randn(2, 4)}
         def boom():
             raise RuntimeError("the target's own bug")
         value = 3
@@ -325,6 +327,8 @@ def test_record_target_contract(tmp_path, monkeypatch, capsys, stand_in_backend)
              ("t.py:value", "has no function 'value'"),
              ("t.py:wrong", "must return (model, example_inputs)"),
              ("t.py:not_tuple", "example_inputs as a tuple"),
+             ("t.py:wrong_keywords", "do not fit the model's call"),
+             ("no_such_module:build", "cannot be imported"),
              ("t.py:boom", "RuntimeError: the target's own bug")]
     for target, message in cases:
         assert main(["record", target, "-o", "x.json"]) == 2, target
@@ -703,3 +707,143 @@ def test_record_models_the_accumulator_it_is_given(tmp_path, monkeypatch, capsys
     assert DigitMap.load(tmp_path / "fp8.json").metadata["gemm_inputs"] == "fp8_e4m3/block128"
     assert main(["record", f"{TARGET}:build", "-o", "x.json", "--gemm-scaling", "row"]) == 2
     assert "needs --gemm-inputs" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- issue 45
+_KW_TARGET = """
+import torch
+from torch import nn
+
+
+class Tagger(nn.Module):
+    \"\"\"A Hugging Face style model: keyword inputs, an optional mask.\"\"\"
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, input_ids, attention_mask=None):
+        h = self.emb(input_ids)
+        if attention_mask is not None:
+            h = h * attention_mask[..., None]
+        return torch.softmax(self.head(h), -1)
+
+
+def build(width=8):
+    ids = torch.randint(0, 16, (2, 5))
+    return Tagger(), {"input_ids": ids, "attention_mask": torch.ones(2, 5)}
+"""
+
+
+def test_record_keyword_inputs_from_a_module_target(tmp_path, monkeypatch, capsys,
+                                                    stand_in_backend):
+    """`package.module:function` (imported from the current folder) and dict inputs, passed as
+    keyword arguments (issue 45: "must return example_inputs as a tuple, got dict")."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / "__init__.py").write_text("")
+    (tmp_path / "proj" / "tagging.py").write_text(_KW_TARGET)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["record", "proj.tagging:build", "-o", "kw.json"]) == 0
+    dm = DigitMap.load(tmp_path / "kw.json")
+    assert dm.metadata["target"] == "proj.tagging:build"
+    # the mask's multiplication ran: the keyword input reached forward()
+    assert any(op.kind == "mul" for op in dm.operators.values()), sorted(dm.operators)
+    assert any(op.kind == "softmax" for op in dm.operators.values())
+    capsys.readouterr()
+    assert main(["record", "proj.tagging:missing", "-o", "x.json"]) == 2
+    assert "'proj.tagging' has no function 'missing'" in capsys.readouterr().err
+    assert main(["record", "proj.absent:build", "-o", "x.json"]) == 2
+    assert "TARGET module 'proj.absent' cannot be imported" in capsys.readouterr().err
+
+
+def test_an_installed_package_target_from_another_folder(tmp_path, monkeypatch,
+                                                         stand_in_backend):
+    """The demo as a wheel user names it: a module of an installed package, from any folder."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["record", "fxstab.demo:build", "-o", "demo.json", "--calls", "1"]) == 0
+    assert DigitMap.load(tmp_path / "demo.json").metadata["target"] == "fxstab.demo:build"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--format", "fp99"], "fp99"),
+    (["--rounding", "sideways"], "sideways"),
+    (["--n-samples", "1"], "n_samples"),
+    (["--confidence", "1.5"], "confidence"),
+    (["--gemm-scaling", "row"], "--gemm-scaling needs --gemm-inputs"),
+    (["--accumulate", "fp9"], "fp9"),
+])
+def test_bad_options_are_refused_before_the_model_is_built(tmp_path, monkeypatch, capsys,
+                                                           flags, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "slow.py").write_text(
+        "from pathlib import Path\nimport torch\n\ndef build():\n"
+        "    Path('built').write_text('the model was built')\n"
+        "    return torch.nn.Linear(4, 4), (torch.randn(2, 4),)\n")
+    assert main(["record", "slow.py:build", "-o", "x.json", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fxstab record: error: ") and message in err, err
+    assert not (tmp_path / "built").exists(), "the model was built before the options' check"
+    if flags[0] in ("--format", "--n-samples"):
+        assert main(["plan", "slow.py:build", *flags]) == 2
+        assert message in capsys.readouterr().err
+        assert not (tmp_path / "built").exists()
+
+
+def _two_format_maps(tmp_path: Path) -> tuple[Path, Path]:
+    """The same program in fp16 and in bf16: each operator keeps ~0.4 digits below its cap,
+    one of them (loss#0) loses a whole digit more in bf16."""
+    caps = {"fp16": 11 * math.log10(2), "bf16": 8 * math.log10(2)}
+    paths = []
+    for fmt in ("fp16", "bf16"):
+        reps, prev = [], ()
+        for k, name in enumerate(("a/linear#0", "b/gelu#0", "c/loss#0")):
+            d = caps[fmt] - 0.4 - (1.0 if fmt == "bf16" and name == "c/loss#0" else 0.0)
+            reps.append(rep(name, d, d, caps[fmt], inputs=prev, format=fmt))
+            prev = (name,)
+        path = tmp_path / f"{fmt}.json"
+        DigitMap.from_reports(reps, metadata={"seed": 0, "format": fmt}).save(path)
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def test_a_diff_across_formats_compares_digits_below_each_cap_and_says_so_first(
+        tmp_path, capsys):
+    fp16, bf16 = _two_format_maps(tmp_path)
+    assert main(["diff", str(fp16), str(bf16)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    # the first note, right under the verdict, says how the digits were compared
+    assert out[1].startswith("note: formats differ: fp16 (base, cap 3.31 digits) vs bf16 "
+                             "(head, cap 2.41)") and "relative to each map's cap" in out[1]
+    assert not any("format differs" in ln for ln in out)
+    # the caps' difference (0.90) is no drop; the one real loss (1.00 digit) is
+    assert "FAIL: 1 operator(s) lost more than 0.5" in out[0]
+    drop = next(ln for ln in out if "c/loss#0" in ln)
+    assert "2.91 ->  1.01" in drop and "(-1.00)" in drop
+    result = fxstab.diff(DigitMap.load(fp16), DigitMap.load(bf16))
+    assert [c.name for c in result.drops] == ["c/loss#0"] and result.unchanged == 2
+    assert math.isclose(result.cap_shift, -3 * math.log10(2))
+    # the same formats: absolute digits, as before (no shift)
+    same = fxstab.diff(DigitMap.load(bf16), DigitMap.load(bf16))
+    assert same.cap_shift == 0.0 and not same.failed and not same.notes
+
+
+def test_findings_are_empty_for_a_healthy_map_and_the_summary_says_none(tmp_path, capsys):
+    from fxstab.digitmap.map import NO_FINDINGS
+
+    healthy = DigitMap.from_reports([rep("a/linear#0", 2.3, 2.0, 2.41),
+                                     rep("b/relu#0", 2.3, 2.0, 2.41, inputs=["a/linear#0"])],
+                                    metadata={"seed": 0, "format": "bf16"})
+    assert healthy.findings() == []
+    assert healthy.summary() == f"findings: {NO_FINDINGS}"
+    assert NO_FINDINGS.startswith("none (no NaN/inf origin")
+    sick = DigitMap.from_reports([rep("a/linear#0", 2.3, 2.0, 2.41),
+                                  rep("b/exp#0", 2.0, 2.0, 2.41, non_finite=3,
+                                      inputs=["a/linear#0"])],
+                                 metadata={"seed": 0, "format": "bf16"})
+    lines = sick.summary().splitlines()
+    assert lines[0] == "findings:" and lines[1].startswith("  - NaN/inf first appear at b/exp#0")
+    healthy.save(tmp_path / "ok.json")
+    assert main(["show", str(tmp_path / "ok.json")]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == f"findings: {NO_FINDINGS}"

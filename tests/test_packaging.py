@@ -47,8 +47,14 @@ def wheel(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("wheel")
     src = tmp / "src"
     shutil.copytree(REPO, src, ignore=_ignore, symlinks=True)
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-          "--no-index", "-q", "-w", str(tmp / "dist"), str(src)])
+    # setuptools' own build entry point, its output kept: what pip -q would hide
+    proc = _run([sys.executable, "-c", "import setuptools.build_meta as b; "
+                 f"b.build_wheel({str(tmp / 'dist')!r})"], cwd=src)
+    # issue 45: no deprecation box (a license table, data folders outside `packages`)
+    noise = [ln for ln in (proc.stdout + proc.stderr).splitlines()
+             if any(w in ln for w in ("Deprecat", "SetuptoolsWarning", "_Warning",
+                                      "absent from the `packages`"))]
+    assert not noise, "\n".join(noise)
     wheels = list((tmp / "dist").glob("fxstab-*.whl"))
     assert len(wheels) == 1, wheels
     return wheels[0]

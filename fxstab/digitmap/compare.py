@@ -22,11 +22,15 @@ class OpChange:
     # head's digits are its accumulator's own (fewer than its CESTAC digits): a drop of the
     # accumulator's figure counts like a drop of digits (effective_digits)
     accumulator: bool = False
+    # head's cap - base's cap when the maps were analysed in different formats: the digits are
+    # compared relative to each map's cap (digits below the cap), see diff()
+    shift: float = 0.0
 
     @property
     def delta(self) -> float:
-        """head - base (negative: digits lost)."""
-        return self.head - self.base
+        """head - base (negative: digits lost), relative to each map's cap when the maps'
+        formats differ."""
+        return self.head - self.base - self.shift
 
 
 @dataclass
@@ -54,11 +58,12 @@ class Rewrite:
     added: list[str]
     base: float
     head: float
+    shift: float = 0.0  # head's cap - base's cap (maps of different formats), as OpChange's
 
     @property
     def delta(self) -> float:
         """head - base at the consumer's input (negative: digits lost)."""
-        return self.head - self.base
+        return self.head - self.base - self.shift
 
     def describe(self) -> str:
         """``rewritten: softmax#0 -> exp#0, sum#0, div#1: -0.74 digits at the input of
@@ -106,6 +111,9 @@ class DiffResult:
     module_drops: list[OpChange] = field(default_factory=list)
     vanished: list[OpPresence] = field(default_factory=list)
     rewrites: list[Rewrite] = field(default_factory=list)
+    # head's cap - base's cap: non-zero when the maps' formats differ, and every change is then
+    # relative to each map's cap (diff())
+    cap_shift: float = 0.0
 
     @property
     def rewrite_drops(self) -> list[Rewrite]:
@@ -289,6 +297,11 @@ def diff(base: DigitMap, head: DigitMap, max_drop: float = 0.5, metric: Optional
     modelled GEMM whose nearest or directed accumulator loses digits the samples' spread cannot
     show drops like an operator that loses them (its row says so).
 
+    Maps of different formats (an fp16 map against a bf16 map) are compared relative to each
+    map's cap: an operator's change is (head digits - head's cap) - (base digits - base's
+    cap), the digits it keeps below its format's cap, so the caps' difference alone is no drop;
+    the first note says so, and each row shows both maps' own digits.
+
     Returns:
         A :class:`DiffResult` (see it for what fails); ``notes`` lists analysis settings that
         differ between the maps (a diff across formats or sample counts compares different
@@ -310,13 +323,14 @@ def diff(base: DigitMap, head: DigitMap, max_drop: float = 0.5, metric: Optional
         if all(math.isnan(op.digits(metric)) for op in dm.operators.values()):
             raise DigitMapError(f"the {what} map has no {metric} digits (a schema version 1 "
                                 f"map): record it again, or compare with --metric avg", src)
+    shift, cross = _cap_shift(base, head)
     drops, gains, unchanged = [], [], 0
     for name, b in base.operators.items():
         if name not in head.operators:
             continue
         h = head.operators[name]
         c = OpChange(name, h.kind, effective_digits(b, metric), effective_digits(h, metric),
-                     effective_digits(h, metric) < as_digits(h.digits(metric)))
+                     effective_digits(h, metric) < as_digits(h.digits(metric)), shift)
         if -c.delta > max_drop:
             drops.append(c)
         elif c.delta > max_drop:
@@ -345,8 +359,8 @@ def diff(base: DigitMap, head: DigitMap, max_drop: float = 0.5, metric: Optional
             continue
         bd = min(effective_digits(o, metric) for o in bops)
         hd = min(effective_digits(o, metric) for o in hops)
-        if bd - hd > max_drop:
-            module_drops.append(OpChange(path or "(top level)", "module", bd, hd))
+        if bd - hd + shift > max_drop:
+            module_drops.append(OpChange(path or "(top level)", "module", bd, hd, shift=shift))
     module_drops.sort(key=lambda c: (c.delta, c.name))
     still = head.metadata.get("modules")
     still = set(still) if isinstance(still, list) else set()
@@ -358,8 +372,10 @@ def diff(base: DigitMap, head: DigitMap, max_drop: float = 0.5, metric: Optional
     base_origins = set(base.nonfinite_sources())
     new_origins = [n for n in head.nonfinite_sources() if n not in base_origins]
 
-    notes = []
+    notes = [cross] if cross else []
     for key in _COMPARED_SETTINGS:
+        if key == "format" and cross:
+            continue  # said first, with how the digits were compared
         bv, hv = base.metadata.get(key), head.metadata.get(key)
         if key == "accumulate":  # a map without it trusted its GEMMs
             bv, hv = bv or "fp32", hv or "fp32"
@@ -377,10 +393,23 @@ def diff(base: DigitMap, head: DigitMap, max_drop: float = 0.5, metric: Optional
     return DiffResult(metric, float(max_drop), drops, gains, added, removed, unchanged, notes,
                       base_label or label(base, "base"), head_label or label(head, "head"),
                       origins, new_origins, module_drops, vanished,
-                      rewrites(base, head, metric))
+                      rewrites(base, head, metric, shift), shift)
 
 
-def rewrites(base: DigitMap, head: DigitMap, metric: Optional[str] = None) -> list[Rewrite]:
+def _cap_shift(base: DigitMap, head: DigitMap) -> tuple[float, str]:
+    """(head's cap - base's cap, the note that says so) for maps analysed in different
+    formats; (0.0, "") when their formats are the same (or unknown)."""
+    bf, hf = base.metadata.get("format"), head.metadata.get("format")
+    if bf is None or hf is None or bf == hf:
+        return 0.0, ""
+    bc, hc = base.cap, head.cap
+    return hc - bc, (f"formats differ: {bf} (base, cap {bc:.2f} digits) vs {hf} (head, cap "
+                     f"{hc:.2f}): digits compared relative to each map's cap (what each "
+                     f"operator keeps below its format's cap), not as absolute digits")
+
+
+def rewrites(base: DigitMap, head: DigitMap, metric: Optional[str] = None,
+             shift: float = 0.0) -> list[Rewrite]:
     """The rewritten regions between two maps, compared at their boundary: for each operator
     of both maps that reads operators only base has (removed) and operators only head has
     (added), the digits of what it reads from the region, base producer against head producer;
@@ -409,7 +438,7 @@ def rewrites(base: DigitMap, head: DigitMap, metric: Optional[str] = None) -> li
         new = [i for i in h.inputs if i in head.operators and i not in base.operators]
         if gone and new:
             out.append(Rewrite(name, region(base, gone, head), region(head, new, base),
-                               digits(base, gone), digits(head, new)))
+                               digits(base, gone), digits(head, new), shift))
     out.sort(key=lambda r: (r.delta, r.consumer))
     return out
 

@@ -290,7 +290,11 @@ class DigitMap:
     def findings(self, top: int = 3, metric: Optional[str] = None) -> list[str]:
         """What to look at first, one line each with a hint: where NaN/inf first appear, then
         the largest local losses (:meth:`localize`) and underflow; last, as notes, NaN/inf that
-        the program absorbs before any output (:meth:`absorbed_nonfinite`)."""
+        the program absorbs before any output (:meth:`absorbed_nonfinite`).
+
+        The empty list is the healthy answer: no NaN/inf origin, no operator losing a quarter
+        of the cap or more (:data:`NO_FINDINGS` says so in words); :meth:`summary` gives the
+        text ``fxstab show`` prints in either case."""
         metric = check_metric(metric)
         out = []
         ranked = self.localize(metric)
@@ -335,6 +339,15 @@ class DigitMap:
                        f"or fp16): what a real run in {op.format or self.metadata.get('format')} "
                        f"computes, not a finding")
         return out
+
+    def summary(self, top: int = 3, metric: Optional[str] = None) -> str:
+        """The findings as ``fxstab show`` prints them: ``findings:`` and one ``- line`` each,
+        or ``findings: none (no NaN/inf origin, no operator losing a quarter of the cap or
+        more)`` when :meth:`findings` is empty."""
+        lines = self.findings(top=top, metric=metric)
+        if not lines:
+            return f"findings: {NO_FINDINGS}"
+        return "\n".join(["findings:", *(f"  - {line}" for line in lines)])
 
     def biased_accumulators(self, metric: Optional[str] = None) -> list[tuple]:
         """The modelled GEMMs whose accumulator keeps fewer digits of its exact sum than the
@@ -650,6 +663,10 @@ class DigitMap:
         except OSError as e:
             raise DigitMapError(f"cannot read ({e.strerror or e})", src) from None
         return cls.from_json(data, source=src)
+
+
+# what an empty :meth:`DigitMap.findings` means (MIN_FINDING of the cap: a quarter)
+NO_FINDINGS = "none (no NaN/inf origin, no operator losing a quarter of the cap or more)"
 
 
 def _umask() -> int:

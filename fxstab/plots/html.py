@@ -12,7 +12,9 @@ Each page is one file: the CSS and the script (``fxstab/plots/pages/``) and the 
 - :func:`diff_page`: the gate's verdict, what failed it first, the graph coloured by the change
   (lost / gained / new / gone), base and head side by side on hover;
 - :func:`monitor_page`: a :class:`~fxstab.monitor.StabilityMonitor`'s scores per operator and
-  step, its thresholds and promotions (``StabilityMonitor.save_html``).
+  step, its thresholds and promotions (``StabilityMonitor.save_html``);
+- :func:`history_page`: digit maps across commits, per target its outputs' and worst
+  operators' digits as lines and a table (``fxstab history``).
 
 Every function takes plain data and returns the page as text; :func:`write_page` saves it.
 ``docs/pictures.md`` shows the pages.
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from ..digitmap import METRICS, DiffResult, DigitMap, PathLike, operators
+from ..digitmap.map import NO_FINDINGS
 from .layout import layout_graph
 from .svg import BoxStyle, graph_svg
 
@@ -207,7 +210,8 @@ def _coverage(cov: Any, names: set) -> tuple[dict, dict]:
 def _ops_table(head: tuple, rows) -> str:
     """A static ``ops`` table: ``rows`` of HTML cells, a cell ``(html, cls)`` with its class."""
     def cell(c: Any) -> str:
-        return f'<td class="{c[1]}">{c[0]}</td>' if isinstance(c, tuple) else f"<td>{c}</td>"
+        return (f'<td class="{c[1]}">{c[0]}</td>' if isinstance(c, tuple)
+                else f'<td class="txt">{c}</td>')
     body = "".join("<tr>" + "".join(cell(c) for c in row) + "</tr>" for row in rows)
     return (f'<table class="ops"><thead><tr>{"".join(f"<th>{h}</th>" for h in head)}</tr>'
             f"</thead><tbody>{body}</tbody></table>")
@@ -256,14 +260,23 @@ def _findings_html(dm: DigitMap, metric: str) -> str:
         lines = dm.findings(metric=m)
         items = "".join(f'<li class="{_finding_class(t)}">{escape(t)}</li>' for t in lines)
         if not lines:
-            items = ("<li>none: no NaN/inf origin, no operator losing a quarter of the cap or "
-                     "more</li>")
+            items = f'<li class="none">{escape(NO_FINDINGS)}</li>'
         hidden = "" if m == metric else " hidden"
         out.append(f'<ul class="findings" data-metric="{m}"{hidden}>{items}</ul>')
     return "".join(out)
 
 
 # --------------------------------------------------------------------------- the map page
+def map_title(dm: DigitMap, path: Optional[PathLike] = None) -> str:
+    """``fxstab digit map: TARGET (FILE)``: the model the map is of (its ``target``, or
+    ``model``; else its operator count and format) and the file it was read from."""
+    meta = dm.metadata
+    what = meta.get("target") or meta.get("model")
+    if not what:
+        what = f"{len(dm)} operators in {meta.get('format') or 'an unknown format'}"
+    return f"fxstab digit map: {what}" + (f" ({Path(path).name})" if path else "")
+
+
 def map_page(dm: DigitMap, metric: Optional[str] = None, title: Optional[str] = None) -> str:
     """The page of one digit map (see the module docstring).
 
@@ -271,7 +284,8 @@ def map_page(dm: DigitMap, metric: Optional[str] = None, title: Optional[str] = 
         dm: the digit map.
         metric: the metric selected when the page opens (default: the map's default
             metric); the page's selector switches between all of them.
-        title: the page's title (default: the target, or "digit map").
+        title: the page's title (default: ``fxstab digit map: TARGET``, the map's target;
+            without one, its operator count and format; ``fxstab show`` adds the file).
 
     Raises:
         ValueError: an unknown metric, or a map without operators.
@@ -280,7 +294,7 @@ def map_page(dm: DigitMap, metric: Optional[str] = None, title: Optional[str] = 
     if not len(dm):
         raise ValueError("the digit map has no operators: nothing to show")
     meta = dm.metadata
-    title = title or f"fxstab digit map: {meta.get('target') or 'digit map'}"
+    title = title or map_title(dm)
     names = list(dm.operators)
     index = {n: i for i, n in enumerate(names)}
     consumers = dm.consumers()
@@ -301,7 +315,9 @@ def map_page(dm: DigitMap, metric: Optional[str] = None, title: Optional[str] = 
     for m in METRICS:
         per = [None] * len(names)
         for r in dm.localize(m):
-            per[index[r.name]] = [_num(r.local_loss), index.get(r.worst_input, -1)]
+            # an operator more accurate than its least accurate input lost nothing: 0, not a
+            # negative loss (the ranking's order is the same)
+            per[index[r.name]] = [_num(max(0.0, r.local_loss)), index.get(r.worst_input, -1)]
         loss[m] = per
     styles = {}
     for n, op in dm.operators.items():
@@ -386,7 +402,7 @@ def diff_page(base: DigitMap, head: DigitMap, result: DiffResult,
         state = ("lost" if n in lost else "gained" if n in gained else "vanished"
                  if n in vanished else "new" if b is None else "gone" if h is None else "same")
         delta = (operators.as_digits(h.digits(metric)) - operators.as_digits(b.digits(metric))
-                 if b is not None and h is not None else None)
+                 - result.cap_shift if b is not None and h is not None else None)
         ops.append({"name": n, "kind": op.kind, "module": op.module_path, "state": state,
                     "b": _stats(b) if b is not None else None,
                     "h": _stats(h) if h is not None else None,
@@ -415,12 +431,12 @@ def diff_page(base: DigitMap, head: DigitMap, result: DiffResult,
         return f"<code>{escape(n)}</code>"
 
     def change_rows(rows: list) -> str:
-        return "".join(f"<tr><td>{code(r.name)}</td><td>{escape(r.kind)}</td>"
+        return "".join(f'<tr><td class="txt">{code(r.name)}</td><td>{escape(r.kind)}</td>'
                        f'<td class="n">{r.base:.2f}</td><td class="n">{r.head:.2f}</td>'
                        f'<td class="n"><b>{r.delta:+.2f}</b></td></tr>' for r in rows)
 
     def presence_rows(rows: list) -> str:
-        return "".join(f"<tr><td>{code(r.name)}</td><td>{escape(r.kind)}</td>"
+        return "".join(f'<tr><td class="txt">{code(r.name)}</td><td>{escape(r.kind)}</td>'
                        f'<td class="n">{r.digits:.2f}</td></tr>' for r in rows)
 
     ch_head = ("<thead><tr><th>operator</th><th>kind</th><th>base</th><th>head</th>"
@@ -470,8 +486,9 @@ def diff_page(base: DigitMap, head: DigitMap, result: DiffResult,
 {result.unchanged} operator(s) unchanged within &plusmn;{result.max_drop:g}.</div>
 {notes}</header>
 <main>
-<section id="failed-section"><h2>What failed the gate</h2>
-{''.join(first) or '<p>Nothing: no operator or module lost more than the threshold.</p>'}
+<section id="failed-section"><h2>{'What failed the gate' if result.failed else
+ 'Nothing failed the gate'}</h2>
+{''.join(first) or '<p>No operator or module lost more than the threshold.</p>'}
 {''.join(folded)}</section>
 <section id="graph-section"><h2>Operator graph: the change</h2>
 {_graph_controls(colour_by)}
@@ -555,6 +572,75 @@ promotion. Click a row to add it to the lines below.</p><div class="heatbox">
 <section id="table-section"><h2>Operators</h2><div class="tablebox" id="table"></div></section>
 </main>"""
     return _page(title, body, data, "monitor.js")
+
+
+# --------------------------------------------------------------------------- the history page
+def history_page(points: list, top: int = 8, metric: Optional[str] = None,
+                 title: str = "fxstab digit history") -> str:
+    """The trend page of digit maps across commits (``fxstab history``).
+
+    Args:
+        points: ``(label, {target name: DigitMap})`` in order, oldest first (a commit each).
+        top: the worst operators drawn per target beside its outputs (the operators no other
+            reads): those with the fewest digits at any point.
+        metric: the metric selected when the page opens (the selector offers all).
+        title: the page's title.
+
+    Raises:
+        ValueError: no point, a point without maps, or ``top`` < 1.
+    """
+    metric = operators.check_metric(metric)
+    if not points:
+        raise ValueError("no digit map: the history needs at least one")
+    if top < 1:
+        raise ValueError(f"top must be >= 1, got {top}")
+    labels = [str(lbl) for lbl, _ in points]
+    targets = list(dict.fromkeys(t for _, maps in points for t in maps))
+    out = []
+    for t in targets:
+        names: dict = {}  # every operator any point has, first seen first
+        for _, maps in points:
+            if t in maps:
+                names.update(dict.fromkeys(maps[t].operators))
+        outputs = set()
+        for _, maps in points:
+            if t in maps:
+                cons = maps[t].consumers()
+                outputs |= {n for n in maps[t].operators if not cons[n]}
+        values = {m: {n: [None] * len(points) for n in names} for m in METRICS}
+        bad = {n: [] for n in names}
+        caps = [None] * len(points)
+        for k, (_, maps) in enumerate(points):
+            dm = maps.get(t)
+            if dm is None:
+                continue
+            caps[k] = _num(dm.cap, 3)
+            for n, op in dm.operators.items():
+                for m in METRICS:
+                    values[m][n][k] = _num(op.digits(m), 3)
+                if op.non_finite:
+                    bad[n].append(k)
+
+        def lowest(n: str, m: str) -> float:
+            vs = [v for v in values[m][n] if isinstance(v, (int, float))]
+            return min(vs) if vs else math.inf
+
+        worst = {m: sorted(names, key=lambda n: (lowest(n, m), n))[:top] for m in METRICS}
+        out.append({"name": t, "ops": list(names), "outputs": [n for n in names if n in outputs],
+                    "worst": worst, "values": values, "bad": bad, "caps": caps})
+    data = {"page": "history", "metric": metric, "metrics": list(METRICS), "labels": labels,
+            "targets": out, "top": top}
+    sections = "".join(
+        f'<section class="target" id="target-{k}"><h2>{escape(t["name"])}</h2>'
+        f'<div class="lines" id="lines-{k}"></div><div class="tablebox" id="table-{k}"></div>'
+        f"</section>" for k, t in enumerate(out))
+    body = f"""
+<header><h1>{escape(title)}</h1>
+<div class="muted">{len(labels)} commit(s), {len(out)} target(s): each target's outputs (the
+operators no other reads) and its {top} worst operators, their digits at each commit.</div>
+<div class="controls">{_metric_select(metric)}</div></header>
+<main>{sections}</main>"""
+    return _page(title, body, data, "history.js")
 
 
 # --------------------------------------------------------------------------- writing

@@ -93,7 +93,30 @@ const FX = (() => {
    * consumers (indices); `tipHtml(i)` the hover text; `onSelect(i)` runs after a click (i is
    * -1 when the selection is cleared).
    */
+  /** Fit each operator's label in its box: a label the browser's font draws wider than the
+   * box loses characters from its start, ellipsised (the full name stays in data-full and in
+   * the tip on hover). */
+  function fitLabels(svg) {
+    $$("g.op", svg).forEach(g => {
+      const t = g.querySelector("text.lbl"), box = g.querySelector("rect.box");
+      if (!t || !box) return;
+      const full = t.dataset.full || t.textContent;
+      t.dataset.full = full;
+      const room = +box.getAttribute("width") - 6;
+      t.textContent = full;
+      if (t.getComputedTextLength() <= room) return;
+      let lo = 0, hi = full.length;
+      while (lo < hi) {
+        const mid = (lo + hi) >> 1;
+        t.textContent = "\u2026" + full.slice(mid);
+        if (t.getComputedTextLength() <= room) hi = mid; else lo = mid + 1;
+      }
+      t.textContent = "\u2026" + full.slice(lo);
+    });
+  }
+
   function initGraph(svg, preds, succs, tipHtml, onSelect) {
+    fitLabels(svg);
     const nodes = $$("g.op", svg);
     const byIndex = [];
     nodes.forEach(g => { byIndex[+g.dataset.i] = g; });
@@ -179,7 +202,7 @@ const FX = (() => {
         tr.innerHTML = columns.map(c => {
           const v = c.html ? c.html(r) : esc(c.num ? fmt(c.get(r)) : c.get(r));
           const st = c.style ? ` style="${c.style(r)}"` : "";
-          return `<td class="${c.num ? "n" : ""}"${st}>${v}</td>`;
+          return `<td class="${c.num ? "n" : "txt"}"${st}>${v}</td>`;
         }).join("");
         body.appendChild(tr);
       });
@@ -244,6 +267,18 @@ const FX = (() => {
    * cell would not). `cell(r, c)` -> {fill, mark} or null (no value: left white); `mark`
    * draws a violet cross (NaN/inf). `tipHtml(r, c)` on hover, `onRow(r)` on click.
    */
+  /** `s`, or its end after an ellipsis, as wide as `width` at most in `ctx`'s font (a row
+   * label is right-aligned at the heatmap's edge: its start is what may go). */
+  function fitLeft(ctx, s, width) {
+    if (ctx.measureText(s).width <= width) return s;
+    let lo = 0, hi = s.length;  // the fewest leading characters to drop
+    while (lo < hi) {
+      const mid = (lo + hi) >> 1;
+      if (ctx.measureText("\u2026" + s.slice(mid)).width <= width) hi = mid; else lo = mid + 1;
+    }
+    return "\u2026" + s.slice(lo);
+  }
+
   function heatmap(canvas, rowLabels, colLabels, cell, tipHtml, onRow) {
     const ch = rowLabels.length > 120 ? 6 : rowLabels.length > 60 ? 9 : 14;
     const cw = Math.max(3, Math.min(26, Math.floor(900 / Math.max(1, colLabels.length))));
@@ -275,7 +310,7 @@ const FX = (() => {
         const y = top + r * ch;
         if (r % skip === 0 || r === hiRow) {
           ctx.fillStyle = r === hiRow ? "#000" : "#333";
-          ctx.fillText(rowLabels[r].slice(-48), lw - 6, y + ch / 2);
+          ctx.fillText(fitLeft(ctx, rowLabels[r], lw - 8), lw - 6, y + ch / 2);
         }
         for (let c = 0; c < colLabels.length; c++) {
           const v = cell(r, c);
