@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 import torch.fx
 
+from . import executors
 from .analysis.op_level import GraphAnalysis, GraphInfo, SampleCapture
 from .capture.naming import NameRegistry
 from .config import AnalysisConfig
@@ -87,11 +88,11 @@ class FxstabBackend:
 
     def uses_triton(self, t: torch.Tensor) -> bool:
         """Whether rounding/statistics of ``t`` go through the fused Triton kernels."""
-        return self.state.uses_triton(t)
+        return self.state.kernel_for(executors.ROUND, t) == executors.TRITON
 
     def uses_native(self, t: torch.Tensor) -> bool:
         """Whether rounding/statistics of ``t`` go through the fused CPU kernels."""
-        return self.state.uses_native(t)
+        return self.state.kernel_for(executors.ROUND, t) == executors.CPU
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         state = self.state

@@ -335,7 +335,7 @@ def test_backend_by_name_uses_defaults():
 
 
 def test_a_failing_stochastic_path_never_breaks_the_model(monkeypatch):
-    from fxstab.rules.op_level import SampleTracer
+    from fxstab.rules.op.tracer import SampleTracer
 
     def broken(*args, **kwargs):
         raise RuntimeError("simulated failure inside the stochastic path")
@@ -402,7 +402,7 @@ def test_invalid_options_are_rejected_clearly(kwargs, match):
 def test_surrogate_perturbs_data_operands_not_weights(monkeypatch):
     """A GEMM that meets the model's inputs perturbs its data operands, never the weights."""
     from fxstab.cpu import bindings
-    from fxstab.rules import op_level
+    from fxstab.rules.op import tracer as op_level
 
     seen = []
     for mod, name in ((bindings, "perturb"), (op_level, "perturb_samples")):

@@ -491,7 +491,7 @@ def test_coverage_lists_every_operator_with_its_reason_and_goes_into_the_map(tmp
 
 
 def test_a_failed_stochastic_path_shows_in_the_coverage(monkeypatch):
-    from fxstab.rules.op_level import SampleTracer
+    from fxstab.rules.op.tracer import SampleTracer
 
     def broken(*args, **kwargs):
         raise RuntimeError("simulated failure")

@@ -143,7 +143,7 @@ def test_a_call_noted_as_one_block_gives_the_reports_noted_one_by_one(monkeypatc
     """Once a call has noted only prepared one-output steps, later calls copy their statistics
     as one block: the reports (GEMM surrogate flags included) are field for field those of the
     same calls noted operator by operator."""
-    from fxstab.rules.op_level import SampleTracer
+    from fxstab.rules.op.tracer import SampleTracer
 
     torch.manual_seed(0)
     # (a GEMM fed by a rounded operator carries its surrogate in that rounding: not one step

@@ -41,7 +41,7 @@ from ..capture.opsets import node_kind
 from ..records.coverage import ANALYSED, SKIPPED, UNROUNDED, CoverageEntry
 from ..records.report import OBSERVED, PER_SAMPLE, UNLIFTED
 from ..rules.aten import decompositions
-from ..rules.aten.tracer import AtenTracer, LoweredGraph, PrimitivePlan
+from ..rules.aten.tracer import AtenGraph, AtenTracer, LoweredGraph, PrimitivePlan
 from ..rules.lifting import rng_states, set_rng_states
 from .composites import expand_composites
 from .op_level import GraphAnalysis
@@ -65,6 +65,7 @@ class AtenGraphAnalysis(GraphAnalysis):
     def __init__(self, gm: torch.fx.GraphModule, owner: Any, index: int) -> None:
         self._lowered: "collections.OrderedDict[tuple, LoweredGraph]" = collections.OrderedDict()
         self._context = None
+        self._view = None  # what the tracer reads of this graph (AtenGraph), made once
         self.lowerings = 0  # make_fx traces of this graph (each signature once)
         self.lowering_error: Optional[Exception] = None  # a failed lowering, remembered
         self._last_coverage: Optional[tuple] = None  # (lowering, statuses, entries)
@@ -301,22 +302,22 @@ class AtenGraphAnalysis(GraphAnalysis):
                          and placeholders[i] not in self.mutated else a
                          for i, a in enumerate(args))
         set_rng_states(rng_states)  # the deterministic pass's random numbers, again
-        if self._context is None:  # the settings, checked and derived once per graph
-            self._context = AtenContext(format=cfg.format, n_samples=cfg.n_samples,
-                                        rounding=cfg.rounding, confidence=cfg.confidence,
-                                        diagnostics=cfg.diagnostics,
-                                        cancel_digits=cfg.cancel_digits,
-                                        zero_threshold=cfg.zero_threshold, kernels=cfg.kernels,
-                                        saturate=cfg.saturate, round_per_sample=True)
+        if self._context is None:  # the settings, derived once per graph
+            self._context = AtenContext.from_config(cfg, round_per_sample=True)
         key = self._sampled_key(args)
         sg = self.sampled.get(key)
         if sg is not None and sg.tracer.low is low:
             if self.info.coverage is not sg.coverage:
                 self.info.coverage = sg.coverage
             return sg(args, call)
-        tracer = AtenTracer(self, low, call)
+        if self._view is None:
+            self._view = AtenGraph(self._context, self.index, self.owner,
+                                   [n in self.mutated for n in self._placeholders()])
+        tracer = AtenTracer(self._view, low, call)
         if key in self.info.untraced or self.sampled.first_sight(key):
-            return tracer.run(args)
+            out = tracer.run(args)
+            self._note_coverage(low, tracer.statuses)
+            return out
         try:
             with _provisional(self.owner):
                 sg = SampledGraph.trace(tracer, args, Stacked)
@@ -325,6 +326,7 @@ class AtenGraphAnalysis(GraphAnalysis):
             tracer.discard()
             set_rng_states(rng_states)
             return self.run_samples(args, call, rng_states)
+        self._note_coverage(low, tracer.statuses)
         tracer.seal()
         sg.coverage = self.info.coverage
         self.sampled.add(key, sg)

@@ -34,7 +34,7 @@ from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 
 from ..config import rule_for
 from ..rules.lifting import ACCUMULATED_KINDS, NodePlan, Stacked
-from ..rules.op_level import SampleTracer
+from ..rules.op.tracer import Pending, SampleTracer
 from .op_level import GraphAnalysis
 from ..capture.naming import qualified_name, source_location
 from ..records.report import OBSERVED
@@ -210,8 +210,9 @@ class BackwardAnalysis(GraphAnalysis):
                            if name is not None and i < len(nodes)
                            and isinstance(nodes[i], torch.fx.Node)]
         flat = list(out)
-        pending = {p.node: stats for p, stats, *_ in getattr(self.last_tracer, "pending", [])}
-        tracer = SampleTracer(self, call)
+        last = self.last_tracer
+        pending = {e.plan.node: e.stats for e in (last.pending if last is not None else ())}
+        tracer = SampleTracer(self.view, call)
         for i, name, node, source in self._grads:
             v = flat[i] if i < len(flat) else None
             t = v.samples if isinstance(v, Stacked) else v
@@ -224,8 +225,7 @@ class BackwardAnalysis(GraphAnalysis):
             stats = pending.get(source[0]) if source is not None else None
             vec = stats[source[1]] if stats is not None and source[1] < len(stats) else None
             if vec is None:
-                _, vec = tracer._round_stats(samples.contiguous(), False, 0, False,
-                                             self._format_of(node, f"{name}/grad"))
+                vec = tracer.measure(samples.contiguous(), self._format_of(node, f"{name}/grad"))
             pname = f"{name}/grad"
             plan = NodePlan(node=node, kind="param_grad", name=pname,
                             module_path=name.rsplit(".", 1)[0] if "." in name else "",
@@ -234,6 +234,5 @@ class BackwardAnalysis(GraphAnalysis):
                            "module_path": plan.module_path, "source": "",
                            "inputs": tuple(sorted(self.frontier.get(node, frozenset()))),
                            "direction": "backward", "format": plan.format.name}
-            tracer.pending.append((plan, [vec], False, OBSERVED, tuple(samples.shape[1:])))
-            tracer._tensor_stats = True  # vec may be the references' tensor
+            tracer.note(Pending(plan, [vec], False, OBSERVED, tuple(samples.shape[1:])))
         tracer.finish()

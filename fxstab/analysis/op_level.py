@@ -27,9 +27,9 @@ from ..records.coverage import SKIPPED, CoverageEntry
 from ..records.run import RunState
 from ..config import rule_for
 from ..rules.lifting import (
-    ACCUMULATED_KINDS, NodePlan, Stacked, has_floating, rng_states, set_rng_states,
+    ACCUMULATED_KINDS, NodePlan, OpGraph, Stacked, has_floating, rng_states, set_rng_states,
 )
-from ..rules.op_level import SampleTracer
+from ..rules.op.tracer import SampleTracer
 from .composites import expand_composites
 from .sampled_graph import SampledGraph, SampledGraphs, signature
 
@@ -174,6 +174,10 @@ class GraphAnalysis:
         self._item_inputs = [i for i, n in enumerate(self._placeholders())
                              if any(reads_item(u) for u in n.users)]
         self._plan_fusion()
+        # what the tracer reads of this graph (fxstab.rules.lifting.OpGraph)
+        self.view = OpGraph(self.gm, self.sgraph, self.index, self.plan_of, self.free_after,
+                            self.mutated, self.owner, self.info.unlifted,
+                            self.info.in_model_dtype)
 
     def _plan_fusion(self) -> None:
         """Mark the rounded outputs whose only consumer is an instrumented GEMM that reads them
@@ -279,14 +283,14 @@ class GraphAnalysis:
             return out
         if key in self.info.untraced or self.sampled.first_sight(key):
             # notes of its own: the current ones may be a sampled graph's (its coverage)
-            self.info.coverage = dict(self.info.coverage)
-            tracer = SampleTracer(self, call)
+            tracer = SampleTracer(self.view, call, dict(self.info.coverage))
+            self.info.coverage = tracer.coverage
             out = tracer.run(args)
             tracer.finish()
             self.last_tracer = tracer
             return out
-        tracer = SampleTracer(self, call)
-        self.info.coverage = {}
+        tracer = SampleTracer(self.view, call)
+        self.info.coverage = tracer.coverage
         try:
             sg = SampledGraph.trace(tracer, args, Stacked)
         except Exception as exc:  # noqa: BLE001 - the rules, untraced, for this signature
@@ -294,7 +298,7 @@ class GraphAnalysis:
             set_rng_states(rng_states)
             self.info.coverage = {}
             return self.run_samples(args, call, rng_states)
-        sg.coverage = self.info.coverage
+        sg.coverage = tracer.coverage
         self.sampled.add(key, sg)
         tracer.finish()
         self.last_tracer = tracer

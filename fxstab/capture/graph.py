@@ -17,11 +17,11 @@ import torch.fx
 
 from .opsets import DEFAULT_KINDS, DROPOUT_KINDS, FAMILIES, is_custom, node_kind
 
-__all__ = ["is_metadata", "selector", "is_inplace", "mutated_placeholders", "identity_dropout",
+__all__ = ["METADATA_KINDS", "is_metadata", "selector", "is_inplace", "mutated_placeholders", "identity_dropout",
            "reads_item", "fetch_attr", "node_callable", "floating_dtype"]
 
 # Operators that only read metadata: run once, on the first sample.
-_METADATA_KINDS = frozenset({"size", "dim", "numel", "stride", "is_floating_point", "is_contiguous",
+METADATA_KINDS = frozenset({"size", "dim", "numel", "stride", "is_floating_point", "is_contiguous",
                              "getattr", "sym_size", "sym_numel", "sym_stride", "nelement",
                              "element_size", "get_device", "is_complex"})
 # Attributes that are tensors computed from the tensor (x.T, x.mT, x.real...): operators, not
@@ -31,7 +31,7 @@ _TENSOR_ATTRS = frozenset({"T", "mT", "H", "mH", "real", "imag"})
 
 def is_metadata(node: torch.fx.Node, kind: str) -> bool:
     if kind != "getattr":
-        return kind in _METADATA_KINDS
+        return kind in METADATA_KINDS
     return not (len(node.args) > 1 and node.args[1] in _TENSOR_ATTRS)
 
 

@@ -4,7 +4,8 @@ The backend (:class:`fxstab.backend.FxstabBackend`) owns one; every graph analys
 (:mod:`fxstab.analysis`) and every tracer of samples (:mod:`fxstab.rules`) reads it: the
 configuration, the report log the tracers append to, the phase and step that label the
 reports, the stable names given so far, the open ``capture_samples()`` blocks, whether analysis
-is on, and which kernels round a tensor. Nothing below the backend reads the backend itself.
+is on, and which implementation computes a kernel on a tensor (:mod:`fxstab.executors`).
+Nothing below the backend reads the backend itself.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from ..capture.naming import NameRegistry
 from ..config import AnalysisConfig
-from ..cpu import bindings
+from .. import executors
 from .report import OpReport, ReportLog
 
 __all__ = ["RunState"]
@@ -45,12 +46,7 @@ class RunState:
     def reports(self, reports: Iterable[OpReport]) -> None:
         self._reports = reports if isinstance(reports, ReportLog) else ReportLog(reports)
 
-    def uses_triton(self, t: torch.Tensor) -> bool:
-        """Whether rounding/statistics of ``t`` go through the fused Triton kernels."""
-        k = self.config.kernels
-        return k == "triton" or (k == "auto" and t.device.type == "cuda")
-
-    def uses_native(self, t: torch.Tensor) -> bool:
-        """Whether rounding/statistics of ``t`` go through the fused CPU kernels
-        (:mod:`fxstab.cpu.bindings`): ``kernels="cpu"``, or ``"auto"`` on a CPU tensor."""
-        return self.config.kernels in ("auto", "cpu") and bindings.supports(t, self.config.n_samples)
+    def kernel_for(self, function: str, t: torch.Tensor) -> str:
+        """The implementation that computes ``function`` (:data:`fxstab.executors.ROUND`,
+        ``PERTURB``, ``ACCUMULATE``) on ``t`` under this analysis's ``kernels`` option."""
+        return executors.implementation(self.config.kernels, function, t, self.config.n_samples)

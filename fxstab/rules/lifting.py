@@ -1,10 +1,10 @@
 """How a torch-level operator runs on N stacked samples: the value that carries them
-(:class:`Stacked`), the compile-time plan of one node (:class:`NodePlan`), the kinds that run
-batched, elementwise or once per sample, SDPA folded over the samples, and the RNG state the
-deterministic pass saw (so every sample draws what it drew).
+(:class:`Stacked`), the compile-time plan of one node (:class:`NodePlan`) and of one graph
+(:class:`OpGraph`: what the analysis hands the operator level's tracer), SDPA folded over the
+samples, and the RNG state the deterministic pass saw (so every sample draws what it drew).
 
-Shared by the operator-level tracer (:mod:`fxstab.rules.op_level`) and the analyses that plan
-and run it (:mod:`fxstab.analysis`).
+Shared by the operator-level tracer and its rules (:mod:`fxstab.rules.op`) and the analyses
+that plan and run it (:mod:`fxstab.analysis`).
 """
 
 from __future__ import annotations
@@ -17,34 +17,10 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from ..capture import user_ops as user_operator
-from ..capture.opsets import FAMILIES
 
-__all__ = ["Stacked", "NodePlan", "ACCUMULATED_KINDS", "CAST_METHODS", "PER_SAMPLE_KINDS", "MASK_DROPOUT_KINDS",
-           "BATCHED_KINDS", "ELEMENTWISE_KINDS", "RESHAPE_VIEWS", "reshape", "attention_folded",
+__all__ = ["Stacked", "NodePlan", "OpGraph", "ACCUMULATED_KINDS", "reshape", "attention_folded",
            "has_floating", "rng_states", "set_rng_states", "broadcasts_directly", "has_vmap_rule",
            "is_float_cast"]
-
-# Floating dtype conversions keep the working dtype on the stochastic path: the simulated format
-# is what rounds, not the dtype the model happens to cast to.
-CAST_METHODS = frozenset({"to", "type", "float", "half", "bfloat16", "double", "type_as"})
-# Run per sample: BatchNorm/InstanceNorm in training mode must not mix the samples' statistics,
-# and their in-place running-stat updates cannot be batched.
-PER_SAMPLE_KINDS = frozenset({"batch_norm", "instance_norm"})
-
-# Dropout that multiplies by a mask (scaled by 1/(1-p)): the mask is drawn once. Alpha dropout
-# is affine in the mask and runs per sample, each sample with the deterministic pass's draws.
-MASK_DROPOUT_KINDS = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d"})
-
-# Operators that take stacked samples directly in their leading arguments (count): SDPA batches
-# over leading dims, and linear with a plain weight runs as one addmm over N * batch rows
-# (vmap would split it into mm + add).
-BATCHED_KINDS = {"scaled_dot_product_attention": 3, "linear": 1}
-# Elementwise operators (no dim argument): the stacked samples broadcast against the other
-# operands as the plain values do, so the operator runs once on them, without vmap's dispatch,
-# whenever the sample dim cannot meet another operand's dims (see _broadcasts_directly).
-ELEMENTWISE_KINDS = ((FAMILIES["activation"] - {"glu", "prelu"}) | FAMILIES["elementwise"]
-                      | FAMILIES["addsub"] | {"mul", "neg", "abs"})
-
 
 # GEMMs whose accumulator the samples can model (accumulate=): products of two operands with
 # at least two logical dims each (linear: its 2-D weight); 1-D and 2-D convolutions through
@@ -52,10 +28,6 @@ ELEMENTWISE_KINDS = ((FAMILIES["activation"] - {"glu", "prelu"}) | FAMILIES["ele
 ACCUMULATED_KINDS = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "baddbmm",
                                "conv1d", "conv2d",
                                "scaled_dot_product_attention"})
-
-# Views whose samples may have to be copied (reshape): the deterministic pass's strides allowed
-# the view, the samples' need not.
-RESHAPE_VIEWS = frozenset({"view", "unsafe_view"})
 
 
 def reshape(x: torch.Tensor, *shape: Any) -> torch.Tensor:
@@ -160,6 +132,26 @@ class NodePlan:
     # Accumulation, or None: the trusted sum) and its operands' format (or None)
     accumulate: Any = None
     gemm_inputs: Any = None
+
+
+@dataclass
+class OpGraph:
+    """What an operator-level analysis (:class:`fxstab.analysis.op_level.GraphAnalysis`) hands
+    its tracer (:class:`fxstab.rules.op.tracer.SampleTracer`): the graph the samples run and
+    the decisions made once for it. The tracer hands back values (the outputs' samples, its
+    coverage notes, its reports through ``state``); it reads nothing else of the analysis."""
+
+    gm: torch.fx.GraphModule  # the captured module (its submodules and attributes)
+    graph: torch.fx.Graph  # the graph the samples run (fused operators expanded)
+    index: int  # the graph's index in its backend (seeds, coverage)
+    plan_of: dict  # node -> its NodePlan
+    free_after: dict  # node -> the values whose last use it is
+    mutated: set  # the placeholders the graph writes into
+    state: Any  # the backend's RunState (fxstab.records.run): config, reports, kernels
+    # operator -> why vmap does not lift it / why its samples run in the model's dtype: what
+    # the default rule learned, kept across calls (GraphInfo shows them)
+    unlifted: dict = field(default_factory=dict)
+    in_model_dtype: dict = field(default_factory=dict)
 
 
 def has_floating(out: Any) -> bool:

@@ -399,7 +399,7 @@ class _Rule:
         """The GEMM surrogate on the stacked floating operands; the primitive's seed and
         whether it perturbed anything wait in the context for :meth:`finish`."""
         seed = ctx.next_seed(self.salt)
-        eta = ctx.fmt.unit_roundoff
+        eta = ctx.eta  # data_perturbation_threshold (the format's unit roundoff by default)
         surrogate = False
         new_args = list(args)
         for i, a in enumerate(args):

@@ -1,27 +1,28 @@
 """Running one primitive on all N samples at once (DESIGN.md §3).
 
 Pointwise primitives run directly on the samples with ranks aligned (:func:`aligned`); hot
-views, reductions, softmax and GEMMs shift their dimension arguments past the sample dimension;
-the rest go through ``torch.vmap``; a primitive that cannot be batched runs once per sample
+views, reductions, softmax and GEMMs have a batcher in the table :data:`BATCHERS` (registered
+with :func:`batcher`: their dimension arguments shifted past the sample dimension); the rest go
+through ``torch.vmap``; a primitive that cannot be batched runs once per sample
 (:func:`run_batched` says whether it was lifted).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch.utils import _pytree as pytree
 
 from .context import AtenContext
-from .kinds import OpInfo, broadcast_in_dim, prims_var
+from .kinds import OpInfo, broadcast_in_dim, primitive_kind, prims_var
 from ..lifting import Stacked
 
 aten = torch.ops.aten
 
 __all__ = ["aligned", "logical_ndim", "run_batched", "owned", "scan_args", "has_stacked",
-           "PASS_THROUGH"]
+           "PASS_THROUGH", "BATCHERS", "batcher"]
 
 # Argument types that need no conversion to the working dtype: samples already are in it.
 PASS_THROUGH = frozenset({Stacked, int, float, bool, type(None)})
@@ -75,97 +76,192 @@ def logical_ndim(args) -> int:
     return nd
 
 
-def _special(op, kind: str, args: tuple, kwargs: dict):
-    """Batched evaluation of hot non-pointwise primitives without vmap, or ``NotImplemented``."""
-    if kwargs and kind not in ("sum", "mean", "amax", "amin", "var", "_softmax", "_log_softmax",
-                               "addmm"):
+# -- the batchers: hot non-pointwise primitives on all samples without vmap ---------------------
+# kind -> batcher(op, args, kwargs): the outputs with their sample dim, or NotImplemented (then
+# vmap, then once per sample), as JAX's primitive_batchers. A batcher meets no stacked keyword
+# argument (_batched_special checks), and no keyword argument at all unless registered with
+# ``kwargs=True``.
+BATCHERS: dict[str, Callable] = {}
+_TAKES_KWARGS: set = set()
+
+
+def batcher(*kinds: str, kwargs: bool = False) -> Callable:
+    """Register the decorated ``batcher(op, args, kwargs)`` for every kind in ``kinds``."""
+    def register(fn: Callable) -> Callable:
+        for kind in kinds:
+            BATCHERS[kind] = fn
+            if kwargs:
+                _TAKES_KWARGS.add(kind)
+        return fn
+    return register
+
+
+def _batched_special(op, kind: str, args: tuple, kwargs: dict):
+    """The batcher of ``kind`` on these arguments, or ``NotImplemented``."""
+    fn = BATCHERS.get(kind)
+    if fn is None or kwargs and kind not in _TAKES_KWARGS:
         return NotImplemented
     if any(isinstance(v, Stacked) for v in kwargs.values()):
         return NotImplemented
-    a0 = args[0] if args else None
-    if kind in ("mm", "bmm", "matmul"):
-        a, b = (_samples_or(x, 0) for x in args[:2])
-        if isinstance(args[0], Stacked) and isinstance(args[1], Stacked) and kind == "mm":
-            return torch.bmm(a, b)
-        return torch.matmul(a, b)
-    if kind == "addmm":
-        bias, m1, m2 = args[:3]
-        beta = kwargs.get("beta", args[3] if len(args) > 3 else 1)
-        alpha = kwargs.get("alpha", args[4] if len(args) > 4 else 1)
-        if isinstance(m1, Stacked) and not isinstance(m2, Stacked) and \
-                not isinstance(bias, Stacked) and m2.dim() == 2:
-            # one GEMM over the samples' rows with the bias fused, as the plain addmm runs
-            s = m1.samples
-            out = torch.addmm(bias, s.reshape(-1, s.shape[-1]), m2, beta=beta, alpha=alpha)
-            return out.view(s.shape[0], s.shape[1], m2.shape[1])
-        prod = torch.matmul(_samples_or(m1, 0), _samples_or(m2, 0))
-        if alpha != 1:
-            prod = prod * alpha
-        b = aligned((bias,), 2)[0]
-        if beta != 1:
-            b = b * beta
-        return prod + b
-    if not isinstance(a0, Stacked):
+    return fn(op, args, kwargs)
+
+
+@batcher("mm", "bmm", "matmul")
+def _products(op, args: tuple, kwargs: dict):
+    a, b = (_samples_or(x, 0) for x in args[:2])
+    if isinstance(args[0], Stacked) and isinstance(args[1], Stacked) and \
+            primitive_kind(op) == "mm":
+        return torch.bmm(a, b)
+    return torch.matmul(a, b)
+
+
+@batcher("addmm", kwargs=True)
+def _addmm(op, args: tuple, kwargs: dict):
+    bias, m1, m2 = args[:3]
+    beta = kwargs.get("beta", args[3] if len(args) > 3 else 1)
+    alpha = kwargs.get("alpha", args[4] if len(args) > 4 else 1)
+    if isinstance(m1, Stacked) and not isinstance(m2, Stacked) and \
+            not isinstance(bias, Stacked) and m2.dim() == 2:
+        # one GEMM over the samples' rows with the bias fused, as the plain addmm runs
+        s = m1.samples
+        out = torch.addmm(bias, s.reshape(-1, s.shape[-1]), m2, beta=beta, alpha=alpha)
+        return out.view(s.shape[0], s.shape[1], m2.shape[1])
+    prod = torch.matmul(_samples_or(m1, 0), _samples_or(m2, 0))
+    if alpha != 1:
+        prod = prod * alpha
+    b = aligned((bias,), 2)[0]
+    if beta != 1:
+        b = b * beta
+    return prod + b
+
+
+def _on_samples(fn: Callable) -> Callable:
+    """A batcher of a primitive whose first operand must carry samples: ``fn(op, s, nd, rest,
+    kwargs)`` with ``s`` its samples, ``nd`` its logical rank, ``rest`` the other arguments."""
+    def run(op, args: tuple, kwargs: dict):
+        a0 = args[0] if args else None
+        if not isinstance(a0, Stacked):
+            return NotImplemented
+        return fn(op, a0.samples, a0.ndim, args[1:], kwargs)
+    run.__name__ = fn.__name__
+    return run
+
+
+@batcher("view", "_unsafe_view", "reshape", "expand")
+@_on_samples
+def _reshape(op, s, nd, rest, kwargs):
+    if len(rest) != 1 or isinstance(rest[0], Stacked):
         return NotImplemented
-    nd = a0.ndim
-    s = a0.samples
-    rest = args[1:]
-    if kind in ("view", "_unsafe_view", "reshape", "expand") and len(rest) == 1 and not isinstance(rest[0], Stacked):
-        size = list(rest[0])
-        if kind != "expand":
-            return op(s, [s.shape[0]] + size)
-        if len(size) > nd:  # to a higher rank (pos.expand(B, -1, -1)): new dims after dim 0
-            s = s.reshape(s.shape[:1] + (1,) * (len(size) - nd) + s.shape[1:])
-        return s.expand([s.shape[0]] + size)
-    if kind == "permute":
-        return s.permute([0] + [_norm_dim(d, nd) for d in rest[0]])
-    if kind == "transpose":
-        return s.transpose(_norm_dim(rest[0], nd), _norm_dim(rest[1], nd))
-    if kind == "t":
-        return s.transpose(1, 2) if nd == 2 else s
-    if kind == "unsqueeze":
-        return s.unsqueeze(_norm_dim(rest[0], nd + 1))
-    if kind in ("clone", "alias", "detach", "lift_fresh_copy", "contiguous"):
-        return s.clone()
-    if kind == "select":
-        return s.select(_norm_dim(rest[0], nd), rest[1])
-    if kind == "slice" and len(rest) >= 1:
-        dim = _norm_dim(rest[0], nd)
-        start = rest[1] if len(rest) > 1 else None
-        end = rest[2] if len(rest) > 2 else None
-        step = rest[3] if len(rest) > 3 else 1
-        return op(s, dim, start, end, step)
-    if nd == 0 and kind in _DIM_KINDS:
-        # a 0-d value: its only dim (0 or -1) is the value itself; run on [N, 1] over dim 1
+    size = list(rest[0])
+    if primitive_kind(op) != "expand":
+        return op(s, [s.shape[0]] + size)
+    if len(size) > nd:  # to a higher rank (pos.expand(B, -1, -1)): new dims after dim 0
+        s = s.reshape(s.shape[:1] + (1,) * (len(size) - nd) + s.shape[1:])
+    return s.expand([s.shape[0]] + size)
+
+
+@batcher("permute")
+@_on_samples
+def _permute(op, s, nd, rest, kwargs):
+    return s.permute([0] + [_norm_dim(d, nd) for d in rest[0]])
+
+
+@batcher("transpose")
+@_on_samples
+def _transpose(op, s, nd, rest, kwargs):
+    return s.transpose(_norm_dim(rest[0], nd), _norm_dim(rest[1], nd))
+
+
+@batcher("t")
+@_on_samples
+def _t(op, s, nd, rest, kwargs):
+    return s.transpose(1, 2) if nd == 2 else s
+
+
+@batcher("unsqueeze")
+@_on_samples
+def _unsqueeze(op, s, nd, rest, kwargs):
+    return s.unsqueeze(_norm_dim(rest[0], nd + 1))
+
+
+@batcher("clone", "alias", "detach", "lift_fresh_copy", "contiguous")
+@_on_samples
+def _copy(op, s, nd, rest, kwargs):
+    return s.clone()
+
+
+@batcher("select")
+@_on_samples
+def _select(op, s, nd, rest, kwargs):
+    return s.select(_norm_dim(rest[0], nd), rest[1])
+
+
+@batcher("slice")
+@_on_samples
+def _slice(op, s, nd, rest, kwargs):
+    if len(rest) < 1:
+        return NotImplemented
+    dim = _norm_dim(rest[0], nd)
+    start = rest[1] if len(rest) > 1 else None
+    end = rest[2] if len(rest) > 2 else None
+    step = rest[3] if len(rest) > 3 else 1
+    return op(s, dim, start, end, step)
+
+
+# The batchers below take a dim argument, which a 0-d value reaches with dim 0 or -1 (torch
+# wraps a scalar's dims), not a dim of its samples: _on_scalar runs them.
+@batcher("sum", "mean", "amax", "amin", kwargs=True)
+@_on_samples
+def _reduce(op, s, nd, rest, kwargs):
+    kind = primitive_kind(op)
+    if nd == 0:
         return _on_scalar(op, kind, s, rest, kwargs)
-    if kind in ("sum", "mean", "amax", "amin") and not any(isinstance(r, Stacked) for r in rest) \
-            and not kwargs.get("output_dtype"):
-        dim = rest[0] if rest else kwargs.get("dim", None)
-        keepdim = rest[1] if len(rest) > 1 else kwargs.get("keepdim", False)
-        extra = {k: v for k, v in kwargs.items() if k == "dtype"}
-        dims = _dims(dim, nd)
-        if kind in ("amax", "amin"):
-            return getattr(torch, kind)(s, dims, keepdim)
-        if isinstance(dims, int):
-            dims = [dims]
-        if not dims:
-            return s.clone()
-        return getattr(torch, kind)(s, dims, keepdim, **extra)
-    if kind == "broadcast_in_dim" and len(rest) == 2:  # prims: shape, broadcast_dimensions
-        return broadcast_in_dim(s, [s.shape[0]] + list(rest[0]), [0] + [d + 1 for d in rest[1]])
-    if kind == "var" and getattr(op, "namespace", None) == "prims" and not kwargs.get("output_dtype"):
-        dims = _dims(rest[0] if rest else None, nd)
-        correction = rest[1] if len(rest) > 1 else kwargs.get("correction", 1)
-        return prims_var(s, [dims] if isinstance(dims, int) else dims, correction)
-    if kind in ("_softmax", "_log_softmax", "cumsum") and len(rest) >= 1:
-        return op(s, _norm_dim(rest[0], nd), *rest[1:], **kwargs)
-    return NotImplemented
+    if any(isinstance(r, Stacked) for r in rest) or kwargs.get("output_dtype"):
+        return NotImplemented
+    dim = rest[0] if rest else kwargs.get("dim", None)
+    keepdim = rest[1] if len(rest) > 1 else kwargs.get("keepdim", False)
+    extra = {k: v for k, v in kwargs.items() if k == "dtype"}
+    dims = _dims(dim, nd)
+    if kind in ("amax", "amin"):
+        return getattr(torch, kind)(s, dims, keepdim)
+    if isinstance(dims, int):
+        dims = [dims]
+    if not dims:
+        return s.clone()
+    return getattr(torch, kind)(s, dims, keepdim, **extra)
 
 
-# Primitives of _special with a dim argument (reductions, softmax, cumsum), which a 0-d
-# value reaches with dim 0 or -1 (torch wraps a scalar's dims), not a dim of its samples.
-_DIM_KINDS = frozenset({"sum", "mean", "amax", "amin", "var", "_softmax", "_log_softmax",
-                        "cumsum"})
+@batcher("var", kwargs=True)
+@_on_samples
+def _var(op, s, nd, rest, kwargs):
+    if nd == 0:
+        return _on_scalar(op, "var", s, rest, kwargs)
+    if getattr(op, "namespace", None) != "prims" or kwargs.get("output_dtype"):
+        return NotImplemented
+    dims = _dims(rest[0] if rest else None, nd)
+    correction = rest[1] if len(rest) > 1 else kwargs.get("correction", 1)
+    return prims_var(s, [dims] if isinstance(dims, int) else dims, correction)
+
+
+@batcher("_softmax", "_log_softmax", kwargs=True)
+@_on_samples
+def _along_dim(op, s, nd, rest, kwargs):
+    if nd == 0:
+        return _on_scalar(op, primitive_kind(op), s, rest, kwargs)
+    if len(rest) < 1:
+        return NotImplemented
+    return op(s, _norm_dim(rest[0], nd), *rest[1:], **kwargs)
+
+
+batcher("cumsum")(_along_dim)  # (no keyword arguments)
+
+
+@batcher("broadcast_in_dim")
+@_on_samples
+def _broadcast_in_dim(op, s, nd, rest, kwargs):
+    if len(rest) != 2:  # prims: shape, broadcast_dimensions
+        return NotImplemented
+    return broadcast_in_dim(s, [s.shape[0]] + list(rest[0]), [0] + [d + 1 for d in rest[1]])
 
 
 def _on_scalar(op, kind: str, s: torch.Tensor, rest: tuple, kwargs: dict):
@@ -227,7 +323,7 @@ def run_batched(op, info: OpInfo, args: tuple, kwargs: dict, n: int, ctx: "AtenC
                 for a in lined[:2]):
             return torch.div(*lined[:2], rounding_mode="trunc"), True  # prims.div of ints
         return info.call(*lined, **kwargs), True
-    res = _special(op, info.kind, args, kwargs)
+    res = _batched_special(op, info.kind, args, kwargs)
     if res is not NotImplemented:
         return res, True
     if not stacked_kw:

@@ -11,13 +11,14 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ...config import Kernels
+from ... import executors
+from ...config import AnalysisConfig
 from ...cpu import bindings as native
 from ...numerics import randbits
 from ...numerics.digits import ZERO_THRESHOLD, DigitStats, stats_from_list, student_t
-from ...numerics.formats import Format, FormatLike, get_format, working_dtype_for
+from ...numerics.formats import Format, FormatLike, working_dtype_for
 from ...numerics.rounding import Rounding
-from ...records.counters import Counters, check_diagnostics
+from ...records.counters import Counters
 from ...records.report import ROUNDED
 from .kinds import primitive_kind
 from ..lifting import Stacked
@@ -51,13 +52,19 @@ class PrimitiveRecord:
         return stats_from_list(self.values, self.n_samples, self.t, self.cap)
 
 
-_KERNELS = Kernels.values([Kernels.AUTO, Kernels.CPU, Kernels.TORCH])  # no Triton path here yet
-_NATIVE_DTYPES = (torch.float32, torch.float64)
+# the settings AtenContext takes from an AnalysisConfig (AtenContext.from_config)
+_SETTINGS = ("format", "n_samples", "seed", "rounding", "confidence", "diagnostics",
+             "cancel_digits", "zero_threshold", "kernels", "saturate",
+             "data_perturbation_threshold")
 
 
 @dataclass
 class AtenContext:
     """Configuration and running state shared by the primitives of one analysed call.
+
+    The settings are an :class:`~fxstab.config.AnalysisConfig` (``config``), validated there
+    and only there: the backend passes its own (:meth:`from_config`); the eager driver's
+    keyword settings below make one.
 
     Args:
         format: Simulated format (name, pair, dtype or Format).
@@ -72,9 +79,12 @@ class AtenContext:
         recorder: Called with a :class:`PrimitiveRecord` for every recorded primitive.
         kernels: ``auto``/``cpu``: the fused CPU kernels (:mod:`fxstab.cpu.bindings`) where they run
             (CPU fp32/fp64 samples), the plain-torch references elsewhere; ``torch``: always
-            the references. Both draw the same Philox streams: the rounded samples are the same
-            bits either way.
+            the references (:mod:`fxstab.executors`: this level has no Triton path yet, so
+            ``triton`` means ``auto``). Both draw the same Philox streams: the rounded samples
+            are the same bits either way.
         saturate: Clamp overflow to the format's largest finite value instead of inf/NaN.
+        data_perturbation_threshold: The GEMM surrogate's eta (default: the format's unit
+            roundoff, docs/design.md §4).
         record_exact: Also record digit statistics of exact primitives (views, selections).
         round_per_sample: Round the results of a primitive that vmap cannot batch (it runs once
             per sample; status ``per_sample``) like any other, as the backend does (DESIGN.md
@@ -102,27 +112,40 @@ class AtenContext:
     saturate: bool = False
     record_exact: bool = False
     round_per_sample: bool = False
+    data_perturbation_threshold: Optional[float] = None
+    # the settings above as one validated config (given: the settings are read from it)
+    config: Optional[AnalysisConfig] = None
     counters: Counters = field(init=False)
     calls: int = field(default=0, init=False)
     # emits the parts of the rules that read values as steps of a graph being traced (the
     # backend's sampled graph, fxstab.analysis.aten_level); None: they run directly
     stepper: Optional[Callable] = field(default=None, init=False, repr=False)
 
+    @classmethod
+    def from_config(cls, config: AnalysisConfig, **running: Any) -> "AtenContext":
+        """The context of an analysis configured by ``config`` (its settings as they are:
+        already validated); ``running``: ``recorder``, ``record_exact``,
+        ``round_per_sample``."""
+        return cls(config=config, **running)
+
     def __post_init__(self) -> None:
-        self.fmt: Format = get_format(self.format)
-        self.rounding = Rounding.parse(self.rounding)
-        if isinstance(self.n_samples, bool) or not isinstance(self.n_samples, int) or self.n_samples < 2:
-            raise ValueError(f"n_samples must be an integer >= 2, got {self.n_samples!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
-        check_diagnostics(self.diagnostics)
-        if self.kernels == "triton":  # the backend's option: no Triton path at this level yet
-            self.kernels = "auto"
-        if self.kernels not in _KERNELS:
-            raise ValueError(f"kernels must be one of {_KERNELS} (the fused CPU kernels or the "
-                             f"plain-torch references), got {self.kernels!r}")
-        if not self.cancel_digits > 0:
-            raise ValueError(f"cancel_digits must be > 0, got {self.cancel_digits!r}")
+        config = self.config
+        if config is None:  # the keyword settings: validated by the one config
+            config = AnalysisConfig(
+                granularity="aten", format=self.format, n_samples=self.n_samples,
+                seed=self.seed, rounding=self.rounding, confidence=self.confidence,
+                diagnostics=self.diagnostics, cancel_digits=self.cancel_digits,
+                zero_threshold=self.zero_threshold, kernels=self.kernels,
+                saturate=self.saturate,
+                data_perturbation_threshold=self.data_perturbation_threshold)
+        else:  # the settings read from the config
+            for name in _SETTINGS:
+                setattr(self, name, getattr(config, name))
+        self.config = config
+        self.fmt: Format = config.format
+        self.rounding = config.rounding
+        # the GEMM surrogate's threshold (config: the format's unit roundoff by default)
+        self.eta: float = config.data_perturbation_threshold
         self.working_dtype = working_dtype_for(self.fmt)
         # complex samples: real and imaginary parts in the working dtype
         self.complex_dtype = torch.complex128 if self.working_dtype == torch.float64 else \
@@ -138,7 +161,7 @@ class AtenContext:
         self._occurrence: dict[str, int] = {}
         self._seeds: Optional[dict] = None  # salt -> seed, derived ahead (for_call)
         self._round_seeds: Optional[dict] = None  # seed -> its first output's rounding seed
-        self.use_native = self.kernels != "torch" and native.available()
+        self.use_native = executors.native_possible(self.kernels)
         self._rounders: dict = {}
         self.gemm_pending: Optional[tuple] = None  # (seed, surrogate fired) of the GEMM being run
         # unary math on rounded values of a format with at most bf16's significand (bf16, fp8:
@@ -183,7 +206,7 @@ class AtenContext:
 
     def native_for(self, samples: torch.Tensor) -> bool:
         """Whether ``samples`` ([N, ...]) go through the fused CPU kernels."""
-        return self.use_native and samples.is_cpu and samples.dtype in _NATIVE_DTYPES
+        return self.use_native and samples.is_cpu and samples.dtype in executors.NATIVE_DTYPES
 
     def rounder(self, dtype: torch.dtype, rounded: bool) -> "native.Rounder":
         """The fused kernel with this context's settings, rounding (or only measuring)."""

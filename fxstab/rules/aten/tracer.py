@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import operator
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -27,9 +28,22 @@ from ...records.report import OpReport, report_builder, stats_row
 from .apply import apply_primitive, observe
 from ..lifting import Stacked
 
-__all__ = ["AtenTracer", "PrimitivePlan", "LoweredGraph", "plain_call"]
+__all__ = ["AtenTracer", "AtenGraph", "PrimitivePlan", "LoweredGraph", "plain_call"]
 
 _EMPTY: frozenset = frozenset()
+
+
+@dataclass
+class AtenGraph:
+    """What an arithmetic-level analysis (:class:`fxstab.analysis.aten_level.AtenGraphAnalysis`)
+    hands its tracer: the settings, the graph's index (its seeds) and the run state (reports,
+    phase, step); per placeholder, whether the graph writes into it. The tracer hands back the
+    outputs' samples and, per operator, the statuses of its primitives (``statuses``)."""
+
+    context: Any  # the AtenContext of the analysis's settings (fxstab.rules.aten.context)
+    index: int
+    state: Any  # the backend's RunState (fxstab.records.run)
+    mutated_inputs: list  # per placeholder of the captured graph: the graph writes into it
 
 
 class AtenTracer(torch.fx.Interpreter):
@@ -52,13 +66,16 @@ class AtenTracer(torch.fx.Interpreter):
     refused), :meth:`run` is the same rules run directly.
     """
 
-    def __init__(self, analysis: Any, low: "LoweredGraph", call: int) -> None:
+    def __init__(self, graph: "AtenGraph", low: "LoweredGraph", call: int) -> None:
         # values are freed after their last use by the lowering's table (free_after), which also
         # drops a freed value's slot; a failure keeps the primitive's own message
         super().__init__(low.gm, garbage_collect_values=False)
         self.extra_traceback = False
-        self.a = analysis
+        self.g = graph
         self.low = low
+        # per operator (dynamo node name): the statuses of its recorded primitives in the
+        # latest run (what the analysis's coverage reads)
+        self.statuses: dict[str, dict] = {}
         self._reads: list[list[int]] = []  # per step: the slots it reads
         self._drop: Optional[list] = None  # per step: the slots it reads last (seal)
         self._kept: Optional[set] = None  # the slots some step reads (seal)
@@ -69,13 +86,14 @@ class AtenTracer(torch.fx.Interpreter):
 
     def begin(self, call: int) -> None:
         """The state of one analysed call, which the steps use and fill."""
-        a = self.a
+        g = self.g
         self.call = call
         self.live: dict[int, Any] = {}
         self.noted: list = []  # this call's records
-        self.ctx = ctx = a._context.for_call(randbits.derive_seed(a.cfg.seed, a.index, call),
-                                             self._record, self.low.salts)
-        owner = a.owner
+        self.ctx = ctx = g.context.for_call(
+            randbits.derive_seed(g.context.config.seed, g.index, call), self._record,
+            self.low.salts)
+        owner = g.state
         self._build = report_builder(owner.phase, owner.step, call, ctx.n_samples, ctx.t)
         self._defer = owner.reports.defer()
 
@@ -199,24 +217,21 @@ class AtenTracer(torch.fx.Interpreter):
     def run(self, args: tuple) -> Any:
         """Interpret the lowered graph on ``args`` (under ``make_fx``: the trace); returns the
         outputs' samples."""
-        a, low = self.a, self.low
+        low = self.low
         ctx = self.ctx
         if steps.active():
             ctx = copy.copy(ctx)  # decides and traces; the steps run with self.ctx
             ctx.stepper = self._step
         self._rules_ctx = ctx
         self._frontier: dict[torch.fx.Node, frozenset] = {}
-        # per operator: the statuses of its recorded primitives in this call
-        self._statuses: dict[str, set] = {}
+        self.statuses = {}
         # Samples of inputs are expanded views of one value; a graph that updates values in
         # place (BatchNorm's running statistics) gets N real copies instead.
-        self._copies = iter([low.mutates or node in a.mutated for node in a._placeholders()])
+        self._copies = iter([low.mutates or m for m in self.g.mutated_inputs])
         try:
-            result = super().run(*args, enable_io_processing=False)
+            return super().run(*args, enable_io_processing=False)
         finally:
             self.env = {}
-        a._note_coverage(low, self._statuses)
-        return result
 
     def run_node(self, node: torch.fx.Node) -> Any:
         low = self.low
@@ -283,7 +298,7 @@ class AtenTracer(torch.fx.Interpreter):
             for rec in noted[before:]:
                 self._frontier[node] = frozenset({rec.name})
                 if plan.origin is not None:
-                    self._statuses.setdefault(plan.origin, {}).setdefault(rec.status, rec.name)
+                    self.statuses.setdefault(plan.origin, {}).setdefault(rec.status, rec.name)
         return out
 
 

@@ -1,47 +1,66 @@
-"""The operator level's rules: what each torch-level operator of a captured graph becomes on N
-stacked samples (:class:`SampleTracer`): lifted with ``vmap``, batched or elementwise on the
-samples, run once per sample where it cannot be lifted; the selected operators' outputs rounded
-into the format and measured, the GEMM surrogate where a product's operands are too close.
-The analysis (:class:`fxstab.analysis.op_level.GraphAnalysis`) plans the graph and runs this
-tracer once per call, or traces it into a sampled graph.
+"""The operator level's tracer: each torch-level operator of a captured graph run on N stacked
+samples (:class:`SampleTracer`) by the rule its kind has in the table of
+:mod:`fxstab.rules.op.registry` (lifted with ``vmap``, batched or elementwise on the samples,
+once per sample where it cannot be lifted...); what every operator shares is here: the GEMM
+surrogate before a product, the selected operators' outputs rounded into the format and
+measured, the coverage notes. The analysis (:class:`fxstab.analysis.op_level.GraphAnalysis`)
+plans the graph (:class:`~fxstab.rules.lifting.OpGraph`) and runs this tracer once per call, or
+traces it into a sampled graph.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.fx
-from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.utils import _pytree as pytree
 
-from ..capture import user_ops as user_operator
-from ..capture.flat import flatten_call as _flatten, unflatten_call as _unflatten
-from ..capture.graph import fetch_attr, identity_dropout, is_inplace, is_metadata, node_callable, reads_item
-from ..capture.naming import qualified_name
-from ..capture.opsets import DROPOUT_KINDS, EXACT_KINDS, RANDOM_KINDS, RNN_KINDS
-from ..cpu import bindings as native
-from ..numerics import randbits
-from ..numerics.digits import (
+from ...capture import user_ops as user_operator
+from ...capture.flat import flatten_call as _flatten, unflatten_call as _unflatten
+from ...capture.graph import fetch_attr, identity_dropout, is_inplace, node_callable
+from ...capture.naming import qualified_name
+from ...capture.opsets import DROPOUT_KINDS, EXACT_KINDS, RANDOM_KINDS
+from ... import executors
+from ...cpu import bindings as native
+from ...numerics import randbits
+from ...numerics.digits import (
     digits_cap, empty_stats, extra_stats, merge_stats, stats_vector, student_t, underflow_count,
 )
-from ..numerics.formats import working_dtype_for
-from ..numerics.rounding import round_samples
-from ..numerics.surrogate import perturb_samples
-from ..passes import steps
-from ..records.coverage import ANALYSED, SKIPPED, UNROUNDED, CoverageEntry
-from ..records.report import (
-    PER_SAMPLE, ROUNDED, UNLIFTED, OpReport, block_builder, report_builder, stats_row,
+from ...numerics.formats import working_dtype_for
+from ...numerics.rounding import round_samples
+from ...numerics.surrogate import perturb_samples
+from ...passes import steps
+from ...records.coverage import ANALYSED, SKIPPED, UNROUNDED, CoverageEntry
+from ...records.report import (
+    ROUNDED, UNLIFTED, OpReport, block_builder, report_builder, stats_row,
 )
-from .accumulation import accumulable, gemm_model_label, modelled_gemm
-from .lifting import (
-    BATCHED_KINDS, CAST_METHODS, ELEMENTWISE_KINDS, MASK_DROPOUT_KINDS, PER_SAMPLE_KINDS,
-    RESHAPE_VIEWS, NodePlan, Stacked, attention_folded, broadcasts_directly, has_floating,
-    has_vmap_rule, is_float_cast, reshape, rng_states, set_rng_states,
-)
+from ..lifting import NodePlan, OpGraph, Stacked, has_floating, reshape
+from . import draws, elementwise, gemm, per_sample, structural  # noqa: F401 - their rules
+from .lifted import lifted
+from .registry import ONCE, OpCall, rules_for
 
-__all__ = ["SampleTracer"]
+__all__ = ["SampleTracer", "Pending"]
+
+
+class Pending(NamedTuple):
+    """What a round step of one call notes for :meth:`SampleTracer.finish`: the operator's
+    plan, a statistics row per rounded output (:func:`fxstab.numerics.digits.stats_vector`'s
+    layout: a list, a kernel's buffer or a tensor), whether its GEMM surrogate fired (None: in
+    its row's byte, a prepared step's), its status and its output's shape."""
+
+    plan: NodePlan
+    stats: list
+    fired: Optional[bool]
+    status: str
+    shape: tuple
+
+
+# Views whose samples may have to be copied (reshape): the deterministic pass's strides allowed
+# the view, the samples' need not.
+RESHAPE_VIEWS = frozenset({"view", "unsafe_view"})
+
 
 class SampleTracer(torch.fx.Interpreter):
     """The stochastic rules of one graph: what each operator becomes on N stacked samples.
@@ -60,14 +79,18 @@ class SampleTracer(torch.fx.Interpreter):
     with the same signature.
     """
 
-    def __init__(self, analysis: Any, call: int) -> None:
+    def __init__(self, graph: OpGraph, call: int, coverage: Optional[dict] = None) -> None:
         # values are freed after their last use by the plan's own table (free_after), which
         # also forgets a freed weight's id; a failure keeps the operator's own message (the
         # coverage and the warning quote it)
-        super().__init__(analysis.gm, garbage_collect_values=False, graph=analysis.sgraph)
+        super().__init__(graph.gm, garbage_collect_values=False, graph=graph.graph)
         self.extra_traceback = False
-        self.a = analysis
-        self.cfg = analysis.cfg
+        self.g = graph
+        self.state = graph.state
+        self.cfg = graph.state.config
+        # node name -> how it ran (fxstab.records.coverage), noted by run(): the previous
+        # call's notes, which a note equal to them keeps
+        self.coverage: dict = {} if coverage is None else coverage
         self.n = self.cfg.n_samples
         self.fmt = self.cfg.format
         self.wdtype = working_dtype_for(self.cfg.widest_format)
@@ -98,7 +121,7 @@ class SampleTracer(torch.fx.Interpreter):
     def begin(self, call: int) -> None:
         """The state of one analysed call, which the steps fill."""
         self.call = call
-        self.pending: list[tuple[NodePlan, list, bool, str, tuple]] = []
+        self.pending: list[Pending] = []
         self.fired: dict[int, bool] = {}  # GEMM plan index -> its surrogate perturbed something
         self.acc_errors: dict[int, Optional[tuple]] = {}  # GEMM plan -> accumulator's digits
         # whether a step of this call may have left statistics as tensors (only the general
@@ -113,7 +136,7 @@ class SampleTracer(torch.fx.Interpreter):
             self._now = self._call_seeds(call)
 
     # -- helpers --------------------------------------------------------------------------
-    def _seed(self, plan: NodePlan, purpose: int) -> int:
+    def seed(self, plan: NodePlan, purpose: int) -> int:
         """``derive_seed(seed, graph, operator, call, purpose)``: the first three salts once,
         the whole call's at its start once the steps are known."""
         key = (plan.index, purpose)
@@ -122,26 +145,26 @@ class SampleTracer(torch.fx.Interpreter):
             return self._now[slot]
         base = self._seeds.get(plan.index)
         if base is None:
-            base = self._seeds[plan.index] = randbits.derive_seed(self.cfg.seed, self.a.index,
+            base = self._seeds[plan.index] = randbits.derive_seed(self.cfg.seed, self.g.index,
                                                                   plan.index)
         if slot is None:
             self._slots[key] = len(self._slots)
         return randbits.derive_seed(base, self.call, purpose)
 
-    def _to_working(self, t: torch.Tensor) -> torch.Tensor:
+    def to_working(self, t: torch.Tensor) -> torch.Tensor:
         if t.is_floating_point():
             return t.to(self.wdtype) if t.dtype != self.wdtype else t
         if t.is_complex():
             return t.to(self.cdtype) if t.dtype != self.cdtype else t
         return t
 
-    def _stack(self, v: Any) -> torch.Tensor:
+    def stack(self, v: Any) -> torch.Tensor:
         """Samples of a leaf: stacked as is, or N identical copies of a plain tensor."""
         if isinstance(v, Stacked):
             return v.samples
         return v.unsqueeze(0).expand(self.n, *v.shape)
 
-    def _step(self, what: str, plan: NodePlan, fn: Callable[[list], Any], leaves: list) -> Any:
+    def step(self, what: str, plan: NodePlan, fn: Callable[[list], Any], leaves: list) -> Any:
         """``fn(leaves)`` as one step of the generated graph: the tensors among ``leaves``
         (stacked or plain) are its inputs at run time, the other leaves are constants of the
         trace, and the tensors of its result its outputs. ``fn`` returns a value built like
@@ -183,7 +206,7 @@ class SampleTracer(torch.fx.Interpreter):
             self.preperturbed.clear()  # holds samples of the trace otherwise
 
     def run_node(self, node: torch.fx.Node) -> Any:
-        plan = self.a.plan_of[node]
+        plan = self.g.plan_of[node]
         op = node.op
         if op == "placeholder":
             out = self._input(node, next(self.args_iter))
@@ -193,7 +216,7 @@ class SampleTracer(torch.fx.Interpreter):
             out = torch.fx.node.map_arg(node.args[0], self.env.__getitem__)
         else:
             out = self._run_node(plan, self.env)
-        for dead in self.a.free_after.get(node, ()):
+        for dead in self.g.free_after.get(node, ()):
             gone = self.env.pop(dead, None)
             if isinstance(gone, torch.Tensor):  # a freed id may be reused by a data tensor
                 self.weights.discard(id(gone))
@@ -206,17 +229,17 @@ class SampleTracer(torch.fx.Interpreter):
         surrogate perturbs data operands only)."""
         if isinstance(v, torch.Tensor):
             weight = _is_weight(node, v)
-            if node in self.a.mutated:
+            if node in self.g.mutated:
                 v = v.detach().clone()
-            v = self._to_working(v.detach())
+            v = self.to_working(v.detach())
             if weight:
                 self.weights.add(id(v))
         return v
 
     def _attribute(self, node: torch.fx.Node) -> Any:
-        v = fetch_attr(self.a.gm, node.target)
+        v = fetch_attr(self.g.gm, node.target)
         if isinstance(v, torch.Tensor):
-            v = self._to_working(v.detach())
+            v = self.to_working(v.detach())
             self.weights.add(id(v))
         return v
 
@@ -224,7 +247,7 @@ class SampleTracer(torch.fx.Interpreter):
         node = plan.node
         args = torch.fx.node.map_arg(node.args, lambda m: env[m])
         kwargs = torch.fx.node.map_arg(node.kwargs, lambda m: env[m])
-        fn = node_callable(self.a.gm, node)
+        fn = node_callable(self.g.gm, node)
         if plan.custom:
             fn = user_operator.implementation(node.target) or fn
         leaves, spec = _flatten(args, kwargs)
@@ -240,7 +263,7 @@ class SampleTracer(torch.fx.Interpreter):
             # x += f(samples) into a plain tensor (a T5-style relative bias): the target
             # becomes N copies that the operator updates in place, and every later reader of
             # the target sees the samples
-            target = Stacked(self._stack(self._to_working(args[0])).clone())
+            target = Stacked(self.stack(self.to_working(args[0])).clone())
             leaves[0] = target
             if isinstance(node.args[0], torch.fx.Node):
                 env[node.args[0]] = target
@@ -250,56 +273,7 @@ class SampleTracer(torch.fx.Interpreter):
             leaves = self._perturb(plan, leaves)
             stacked = [i for i, v in enumerate(leaves) if isinstance(v, Stacked)]
 
-        if (plan.accumulate is not None or plan.gemm_inputs is not None) and stacked and \
-                accumulable(*_unflatten(leaves, spec), kind):
-            # the GEMM's accumulator on the samples (fxstab.numerics.accumulation): blocks of
-            # K summed exactly, one rounding into the accumulator each; a random rounding
-            # draws per sample and element (CESTAC inside the product), each call anew
-            out = self._step("accumulate", plan,
-                             lambda lv: self._accumulated(plan, lv, spec), leaves)
-            status, how = ROUNDED, gemm_model_label(plan.accumulate, plan.gemm_inputs,
-                                                    self.cfg.gemm_scaling)
-        elif kind in RANDOM_KINDS and kind not in MASK_DROPOUT_KINDS:
-            # every sample draws what the deterministic pass drew (its RNG state, its dtype)
-            out = self._step("random", plan, lambda lv: self._per_sample(fn, lv, spec, plan),
-                             leaves)
-            status = ROUNDED
-            how = "random: the deterministic pass's draws in every sample"
-        elif kind == "item" and not stacked and reads_item(node) and \
-                getattr(node.args[0], "op", "") == "placeholder":
-            # the value of an input scalar (in the trace's signature): a constant of the trace
-            with disable_proxy_modes_tracing():
-                out = args[0].item()
-            status, how = ROUNDED, "once: no operand carries samples"
-        elif not stacked:
-            a, k = _unflatten(leaves, spec)
-            out = fn(*a, **k)
-            out = self._to_working(out) if isinstance(out, torch.Tensor) else pytree.tree_map(
-                lambda t: self._to_working(t) if isinstance(t, torch.Tensor) else t, out)
-            status, how = ROUNDED, "once: no operand carries samples"
-        elif identity_dropout(node, kind) and isinstance(leaves[0], Stacked):
-            out, status, how = leaves[0], ROUNDED, "identity: dropout with training=False or p=0"
-        elif kind in MASK_DROPOUT_KINDS:
-            out = self._step("dropout", plan, lambda lv: self._dropout(fn, lv, spec, plan),
-                             leaves)
-            status = ROUNDED
-            how = "dropout: the deterministic pass's mask on every sample"
-        elif is_metadata(node, kind):
-            first = [v.samples[0] if isinstance(v, Stacked) else v for v in leaves]
-            a, k = _unflatten(first, spec)
-            out, status, how = fn(*a, **k), ROUNDED, "metadata: read on the first sample"
-        elif node.op == "call_method" and kind in CAST_METHODS and is_float_cast(node, leaves):
-            out, status, how = leaves[0], ROUNDED, "floating cast: kept in the working dtype"
-        elif kind == "getitem" and isinstance(args[0], (tuple, list)):
-            out, status, how = args[0][args[1]], ROUNDED, "item of a tuple"
-        elif kind in ELEMENTWISE_KINDS and broadcasts_directly(leaves):
-            a, k = _unflatten([v.samples if isinstance(v, Stacked) else v for v in leaves], spec)
-            out, status, how = self._wrap_out(fn(*a, **k)), ROUNDED, "elementwise on the samples"
-        elif kind in BATCHED_KINDS and all(i < BATCHED_KINDS[kind] for i in stacked):
-            out = self._batched(fn, leaves, spec, BATCHED_KINDS[kind], kind)
-            status, how = ROUNDED, "batched over the samples"
-        else:
-            out, status, how = self._lifted(plan, fn, leaves, spec, stacked)
+        out, status, how = self._apply_rules(OpCall(self, plan, fn, args, leaves, spec, stacked))
 
         if plan.name is not None:
             out, measured = self._round_and_record(plan, out, status, leaves)
@@ -326,80 +300,40 @@ class SampleTracer(torch.fx.Interpreter):
             reason = ("exact (data movement or selection), " if kind in EXACT_KINDS else
                       "random draws, ") + reason
         counted = floating and not (exact and how != ANALYSED) and how != SKIPPED
-        cov = self.a.info.coverage
+        cov = self.coverage
         old = cov.get(plan.node.name)
         if old is not None and (old.how, old.reason, old.floating) == (how, reason, floating):
             return  # as in the previous call (the usual case): no new entry
         cov[plan.node.name] = CoverageEntry(
             operator=plan.name or qualified_name(plan.module_path, kind), kind=kind, how=how,
-            reason=reason, graph=self.a.index, node=plan.node.name, floating=floating,
+            reason=reason, graph=self.g.index, node=plan.node.name, floating=floating,
             counted=counted)
 
-    # -- lifting --------------------------------------------------------------------------
-    def _lifted(self, plan: NodePlan, fn: Callable, leaves: list, spec, stacked: list):
-        """vmap over the samples, else once per sample: (output, status, how it ran)."""
-        info = self.a.info
-        key = plan.name or plan.node.name
-        kind = plan.kind
-        def per_sample(dtype: Optional[torch.dtype] = None) -> Any:
-            return self._step("per_sample", plan,
-                              lambda lv: self._per_sample(fn, lv, spec, plan, dtype=dtype), leaves)
+    # -- the rules' table ---------------------------------------------------------------
+    def _apply_rules(self, call: OpCall) -> tuple:
+        """The outcome of the first rule of the node's kind that answers
+        (:mod:`fxstab.rules.op.registry`: those for any operands, then once on plain operands,
+        then those that need samples, then the default)."""
+        rules = rules_for(call.plan.kind)
+        for rule in rules:
+            if not rule.samples:
+                found = rule.run(call)
+                if found is not None:
+                    return found
+        if not call.stacked:
+            a, k = _unflatten(call.leaves, call.spec)
+            out = call.fn(*a, **k)
+            out = self.to_working(out) if isinstance(out, torch.Tensor) else pytree.tree_map(
+                lambda t: self.to_working(t) if isinstance(t, torch.Tensor) else t, out)
+            return out, ROUNDED, ONCE
+        for rule in rules:
+            if rule.samples:
+                found = rule.run(call)
+                if found is not None:
+                    return found
+        return lifted(call)
 
-        if kind in PER_SAMPLE_KINDS:
-            return per_sample(), ROUNDED, "per sample: samples must not share batch statistics"
-        if kind in RNN_KINDS:
-            return per_sample(), ROUNDED, \
-                "per sample: no vmap rule for recurrent layers (deterministic pass's dropout)"
-        if plan.custom and key not in info.unlifted and not has_vmap_rule(plan.node.target):
-            info.unlifted[key] = "custom operator without a vmap rule"
-        if key not in info.unlifted:
-            def call(*ts):
-                new = list(leaves)
-                for i, t in zip(stacked, ts):
-                    new[i] = t
-                a, k = _unflatten(new, spec)
-                # vmap returns tensors only: the other leaves (None, numbers) go around it
-                flat, out_spec = pytree.tree_flatten(fn(*a, **k))
-                where = [j for j, v in enumerate(flat) if isinstance(v, torch.Tensor)]
-                holder[:] = [flat, out_spec, where]
-                return tuple(flat[j] for j in where)
-
-            holder: list = []
-            states = rng_states(())
-            try:
-                outs = torch.vmap(call, randomness="error")(*[leaves[i].samples for i in stacked])
-                flat, out_spec, where = holder
-                flat = list(flat)
-                for j, t in zip(where, outs):
-                    flat[j] = t
-                return self._wrap_out(pytree.tree_unflatten(flat, out_spec)), ROUNDED, "vmap"
-            except Exception as exc:  # not batch-transparent: fall back to per-sample
-                set_rng_states(states)  # a random operator may have drawn before failing
-                info.unlifted[key] = (f"vmap: {type(exc).__name__}: "
-                                      f"{(str(exc).splitlines() or [''])[0][:200]}")
-        status = PER_SAMPLE if plan.name is not None else UNLIFTED
-        det = self._det_dtype(plan)
-        if key not in info.in_model_dtype:
-            try:
-                return per_sample(), status, f"per sample ({info.unlifted[key]})"
-            except Exception as exc:
-                if det is None or det == self.wdtype:
-                    raise
-                info.in_model_dtype[key] = f"{type(exc).__name__}: {str(exc)[:160]}"
-        # the operator refuses the working dtype (fp64 for an fp32 format, say): its samples
-        # run in the model's dtype, then return to the working dtype
-        return (per_sample(det), status,
-                f"per sample in {str(det).replace('torch.', '')} ({info.unlifted[key]}; the "
-                f"working dtype: {info.in_model_dtype[key]})")
-
-    def _accumulated(self, plan: NodePlan, leaves: list, spec) -> "Stacked":
-        """The GEMM of ``plan`` on the samples with its accumulator (``plan.accumulate``)."""
-        out, self.acc_errors[plan.index] = modelled_gemm(
-            *_unflatten(leaves, spec), plan, self.cfg, self._seed(plan, 2000), self._to_working,
-            digits_cap(plan.format or self.fmt, self.wdtype))
-        return out
-
-    def _det_dtype(self, plan: NodePlan) -> Optional[torch.dtype]:
+    def det_dtype(self, plan: NodePlan) -> Optional[torch.dtype]:
         """The floating dtype of the node's output in the deterministic pass (dynamo's
         example value), if known: random draws depend on it (rand of fp64 consumes twice the
         bits of fp32's)."""
@@ -409,71 +343,13 @@ class SampleTracer(torch.fx.Interpreter):
             return leaf.dtype
         return None
 
-    def _per_sample(self, fn: Callable, leaves: list, spec, plan: Optional[NodePlan] = None,
-                    dtype: Optional[torch.dtype] = None) -> Any:
-        """Run ``fn`` once per sample and stack the results as they come: each sample's output
-        is copied into its slot and freed, so the peak holds one stacked output, not two.
-
-        Every sample starts from the RNG state the operator found, so an operator that draws
-        random numbers (inter-layer dropout of an LSTM, a custom kernel) draws the same ones in
-        every sample, those of the deterministic pass; the state afterwards is the one a single
-        call leaves. Random operators run in the deterministic pass's dtype."""
-        merged: list = []
-        out_spec = None
-        states = rng_states(())
-        random = plan is not None and plan.kind in RANDOM_KINDS
-        det = dtype or (self._det_dtype(plan) if random else None)
-        if not any(isinstance(v, Stacked) for v in leaves):  # a random draw from plain values
-            a, kw = _unflatten([v.to(det) if det is not None and isinstance(v, torch.Tensor)
-                                and v.is_floating_point() else v for v in leaves], spec)
-            return pytree.tree_map(lambda t: self._to_working(t) if isinstance(t, torch.Tensor)
-                                   else t, fn(*a, **kw))
-        for k in range(self.n):
-            set_rng_states(states)
-            sample = [v.samples[k] if isinstance(v, Stacked) else v for v in leaves]
-            if det is not None:
-                sample = [v.to(det) if isinstance(v, torch.Tensor) and v.is_floating_point()
-                          else v for v in sample]
-            a, kw = _unflatten(sample, spec)
-            flat, out_spec = pytree.tree_flatten(fn(*a, **kw))
-            if k == 0:
-                merged = [torch.empty((self.n, *v.shape), dtype=v.dtype, device=v.device)
-                          if isinstance(v, torch.Tensor) else v for v in flat]
-            for slot, v in zip(merged, flat):
-                if isinstance(v, torch.Tensor):
-                    slot[k].copy_(v)
-            del flat
-        merged = [Stacked(self._to_working(v)) if isinstance(v, torch.Tensor) else v
-                  for v in merged]
-        return pytree.tree_unflatten(merged, out_spec)
-
-    def _wrap_out(self, out: Any) -> Any:
+    def wrap_out(self, out: Any) -> Any:
+        """An operator's result on the samples as :class:`Stacked` values in the working
+        dtype (every tensor of it)."""
         if isinstance(out, torch.Tensor):
-            return Stacked(self._to_working(out))
+            return Stacked(self.to_working(out))
         return pytree.tree_map(
-            lambda t: Stacked(self._to_working(t)) if isinstance(t, torch.Tensor) else t, out)
-
-    def _batched(self, fn: Callable, leaves: list, spec, k: int, kind: str) -> Any:
-        a, kw = _unflatten(leaves, spec)
-        a = [self._stack(v) if i < k and isinstance(v, (Stacked, torch.Tensor)) else v
-             for i, v in enumerate(a)]
-        if kind == "scaled_dot_product_attention":
-            return Stacked(self._to_working(attention_folded(fn, a, kw)))
-        return Stacked(self._to_working(fn(*a, **kw)))
-
-    def _dropout(self, fn: Callable, leaves: list, spec, plan: NodePlan) -> Any:
-        # The mask of the deterministic pass: same RNG state, same shape and dtype, ones as
-        # input; the samples are multiplied by it (the 1/(1-p) scaling then rounds).
-        det = self._det_dtype(plan)
-        first = [torch.ones_like(v.samples[0], dtype=det or v.samples.dtype) if isinstance(v, Stacked) else v
-                 for v in leaves]
-        a, k = _unflatten(first, spec)
-        k = dict(k)
-        if "inplace" in k:
-            k["inplace"] = False
-        mask = fn(*a, **k)
-        x = next(v for v in leaves if isinstance(v, Stacked))
-        return Stacked(x.samples * mask.to(x.samples.dtype))
+            lambda t: Stacked(self.to_working(t)) if isinstance(t, torch.Tensor) else t, out)
 
     # -- surrogate, rounding, recording ----------------------------------------------------
     def _perturb(self, plan: NodePlan, leaves: list) -> list:
@@ -504,7 +380,7 @@ class SampleTracer(torch.fx.Interpreter):
             v = leaves[i]
             if pre is not None and v is pre:  # perturbed in its producer's rounding step
                 continue
-            x = v.samples if isinstance(v, Stacked) else self._to_working(v)
+            x = v.samples if isinstance(v, Stacked) else self.to_working(v)
             step = steps.Step("perturb", f"{plan.name}_{i}", functools.partial(
                 self._perturb_step, plan, 1000 + i, isinstance(v, Stacked)))
             new[i] = Stacked(steps.emit(step, [x])[0])
@@ -519,15 +395,16 @@ class SampleTracer(torch.fx.Interpreter):
     def _perturb_step(self, plan: NodePlan, purpose: int, stacked: bool, xs: list) -> list:
         x = xs[0]
         eta = self._eta(plan)
-        seed = self._seed(plan, purpose)
-        if self.a.owner.uses_native(x):  # a plain operand is read N times, never copied
+        seed = self.seed(plan, purpose)
+        impl = self.state.kernel_for(executors.PERTURB, x)
+        if impl == executors.CPU:  # a plain operand is read N times, never copied
             out, count = native.perturb(x, eta, seed, n_samples=None if stacked else self.n)
         else:
             samples = (x if stacked else x.unsqueeze(0).expand(self.n, *x.shape)).contiguous()
-            if self.a.owner.uses_triton(samples):
-                from ..kernels.dispatch import perturb
+            if impl == executors.TRITON:
+                from ...kernels.dispatch import perturb
 
-                out, count = perturb(samples, eta, seed, kernels=self.cfg.kernels)
+                out, count = perturb(samples, eta, seed, kernels=impl)
             else:
                 out, count = perturb_samples(samples, eta, seed)
         if count:
@@ -555,8 +432,9 @@ class SampleTracer(torch.fx.Interpreter):
             stacked = isinstance(v, Stacked)
             if not shape:
                 shape = tuple(t.shape[1:] if stacked else t.shape)
-            samples = self._stack(v)
-            native_ok = not t.is_complex() and self.a.owner.uses_native(samples)
+            samples = self.stack(v)
+            native_ok = not t.is_complex() and \
+                self.state.kernel_for(executors.ROUND, samples) == executors.CPU
             fused = fuse is not None and native_ok
             own = stacked and _storage(t) not in taken
             prepared = None
@@ -601,7 +479,7 @@ class SampleTracer(torch.fx.Interpreter):
         user, leaf = plan.fuse if fz is not None else (None, 0)
         purpose = 1000 + leaf  # its seed's purpose, as _round_step's (the operand's position)
         row = len(self._rows)
-        entry = (plan, [prepared.stats], None if gemm else False, status, shape)
+        entry = Pending(plan, [prepared.stats], None if gemm else False, status, shape)
         self._rows[id(entry)] = (row, prepared)
         fired_rows = self._fired_rows
         fired_rows.append(0)
@@ -614,13 +492,13 @@ class SampleTracer(torch.fx.Interpreter):
             if now is not None and slot >= 0:
                 seed = now[slot]
             else:
-                seed = self._seed(plan, j)
+                seed = self.seed(plan, j)
                 slot = self._slots.get(key, -1)
             if fz is not None:
                 if now is not None and fslot >= 0:
                     fz.seed = now[fslot]
                 else:
-                    fz.seed = self._seed(user, purpose) & randbits.M64
+                    fz.seed = self.seed(user, purpose) & randbits.M64
                     fslot = self._slots.get((user.index, purpose), -1)
             x = xs[0]
             out = prepared(x if stacked else x.unsqueeze(0).expand(n, *x.shape), seed)
@@ -642,7 +520,7 @@ class SampleTracer(torch.fx.Interpreter):
         for (j, stacked, own, cplx, fused, prepared), t in zip(to_round, xs):
             samples = t if stacked else t.unsqueeze(0).expand(self.n, *t.shape)
             if prepared is not None and prepared.fused is None:  # (fused: one-output steps')
-                out = prepared(samples, self._seed(plan, j))
+                out = prepared(samples, self.seed(plan, j))
                 if out is not None:
                     outs.append(out)
                     stats.append(prepared.stats)  # read by finish, before the next call
@@ -651,14 +529,14 @@ class SampleTracer(torch.fx.Interpreter):
                 # real and imaginary parts round (and are measured) as two real values each
                 parts, vec = self._round_stats(torch.view_as_real(samples.resolve_conj()
                                                                   .contiguous()),
-                                               status != UNLIFTED, self._seed(plan, j), False,
+                                               status != UNLIFTED, self.seed(plan, j), False,
                                                plan.format)
                 outs.append(torch.view_as_complex(parts))
             elif fused:
                 user, leaf = plan.fuse
                 samples, vec, count = native.round_perturb(
-                    samples, plan.format or self.fmt, cfg.rounding, self._seed(plan, j),
-                    self._eta(user), self._seed(user, 1000 + leaf),
+                    samples, plan.format or self.fmt, cfg.rounding, self.seed(plan, j),
+                    self._eta(user), self.seed(user, 1000 + leaf),
                     saturate=cfg.saturate, confidence=cfg.confidence,
                     zero_threshold=cfg.zero_threshold, in_place=own, as_list=True)
                 if count:
@@ -666,10 +544,10 @@ class SampleTracer(torch.fx.Interpreter):
                 outs.append(samples)
             else:
                 samples, vec = self._round_stats(samples, status != UNLIFTED,
-                                                 self._seed(plan, j), own, plan.format)
+                                                 self.seed(plan, j), own, plan.format)
                 outs.append(samples)
             stats.append(vec)
-        self.pending.append((plan, stats, self.fired.pop(plan.index, False), status, shape))
+        self.pending.append(Pending(plan, stats, self.fired.pop(plan.index, False), status, shape))
         self._tensor_stats = True
         return outs
 
@@ -691,7 +569,8 @@ class SampleTracer(torch.fx.Interpreter):
         numel = samples[0].numel()
         if numel == 0:
             return samples, empty_stats(cap)
-        if self.a.owner.uses_native(samples):
+        impl = self.state.kernel_for(executors.ROUND, samples)
+        if impl == executors.CPU:
             out, vec, _ = native.round_stats(samples, fmt, cfg.rounding if rounded else None,
                                              seed, saturate=cfg.saturate,
                                              confidence=cfg.confidence,
@@ -700,12 +579,12 @@ class SampleTracer(torch.fx.Interpreter):
             return out, vec
         t = student_t(n, cfg.confidence)
         under = underflow_count(samples, fmt) if rounded else 0
-        if rounded and self.a.owner.uses_triton(samples):
-            from ..kernels.dispatch import round_and_stats
+        if rounded and impl == executors.TRITON:
+            from ...kernels.dispatch import round_and_stats
 
             out, st = round_and_stats(samples, fmt, cfg.rounding, seed,
                                       saturate=cfg.saturate, confidence=cfg.confidence,
-                                      zero_threshold=cfg.zero_threshold, kernels=cfg.kernels)
+                                      zero_threshold=cfg.zero_threshold, kernels=impl)
             # the extras (norms, underflow, quantiles) with torch operations on the device
             return out, [st.avg * numel, st.min, st.max, st.zero_fraction * numel,
                          float(st.non_finite), float(numel)] + extra_stats(out, t, cap, under)
@@ -714,13 +593,24 @@ class SampleTracer(torch.fx.Interpreter):
                                     saturate=cfg.saturate)
         return samples, stats_vector(samples, t, cap, cfg.zero_threshold, under)
 
+    def measure(self, samples: torch.Tensor, fmt: Any) -> Any:
+        """The statistics row of ``samples`` ([N, ...]) measured, not rounded: a value no rule
+        rounded that an analysis reports (a parameter's gradient)."""
+        return self._round_stats(samples, False, 0, False, fmt)[1]
+
+    def note(self, entry: Pending) -> None:
+        """An entry of this call besides the steps' (a parameter gradient's), reported by
+        :meth:`finish` with them."""
+        self.pending.append(entry)
+        self._tensor_stats = True  # its row may be the references' tensor
+
     def finish(self) -> None:
         """The reports of this call, from what its steps recorded: deferred into the log
         (``ReportLog``), built when it is read."""
         pending = self.pending
         if not pending:
             return
-        owner = self.a.owner
+        owner = self.state
         n = self.n
         t = student_t(n, self.cfg.confidence)
         if pending == self._usual and not self.acc_errors:  # _learn_block's (by identity)
@@ -730,16 +620,16 @@ class SampleTracer(torch.fx.Interpreter):
             return
         # the CPU kernels give lists or their own buffers; tensors (Triton, references): one
         # stack, one transfer
-        tensors = [(i, j) for i, e in enumerate(pending) for j, v in enumerate(e[1])
+        tensors = [(i, j) for i, e in enumerate(pending) for j, v in enumerate(e.stats)
                    if isinstance(v, torch.Tensor)] if self._tensor_stats else ()
         if tensors:
-            rows = [pending[i][1][j] for i, j in tensors]
+            rows = [pending[i].stats[j] for i, j in tensors]
             try:
                 values = torch.stack(rows).tolist()
             except RuntimeError:  # outputs on several devices
                 values = torch.stack([r.cpu() for r in rows]).tolist()
             for (i, j), v in zip(tensors, values):
-                pending[i][1][j] = v
+                pending[i].stats[j] = v
         build = report_builder(owner.phase, owner.step, self.call, n, t)
         defer = owner.reports.defer()
         rows = self._rows
@@ -766,9 +656,9 @@ class SampleTracer(torch.fx.Interpreter):
         for k, prepared in rows.values():
             prepared.use_row(block, k)
         for e in pending:  # the entries hold their kernel's buffer
-            e[1][0] = rows[id(e)][1].stats
+            e.stats[0] = rows[id(e)][1].stats
         self._block, self._usual = block, list(pending)
-        self._layout = tuple((*self._template_of(e[0], e[3], e[4]), rows[id(e)][0])
+        self._layout = tuple((*self._template_of(e.plan, e.status, e.shape), rows[id(e)][0])
                              for e in pending)
 
     def _template_of(self, plan: NodePlan, status: str, shape: tuple) -> tuple:

@@ -1,0 +1,62 @@
+"""Operators that compute nothing the format rounds: reads of metadata (``size``, ``dim``...:
+on the first sample), an input's ``.item()`` (a constant of the trace), floating casts (the
+samples stay in the working dtype: the simulated format is what rounds, not the dtype the
+model casts to) and the items of a tuple."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+from ...capture.flat import unflatten_call
+from ...capture.graph import METADATA_KINDS, is_metadata, reads_item
+from ...records.report import ROUNDED
+from ..lifting import Stacked, is_float_cast
+from .registry import ONCE, OpCall, Outcome, op_rule
+
+__all__ = ["CAST_METHODS"]
+
+# Floating dtype conversions keep the working dtype on the stochastic path: the simulated format
+# is what rounds, not the dtype the model happens to cast to.
+CAST_METHODS = frozenset({"to", "type", "float", "half", "bfloat16", "double", "type_as"})
+
+
+@op_rule("item", samples=False)
+def input_scalar(call: OpCall) -> Optional[Outcome]:
+    """The value of an input scalar read with ``.item()`` (in the trace's signature): a
+    constant of the trace."""
+    node = call.plan.node
+    if call.stacked or not reads_item(node) or getattr(node.args[0], "op", "") != "placeholder":
+        return None
+    with disable_proxy_modes_tracing():
+        return Outcome(call.args[0].item(), ROUNDED, ONCE)
+
+
+@op_rule(*sorted(METADATA_KINDS))
+def metadata(call: OpCall) -> Optional[Outcome]:
+    """Read on the first sample (``x.T`` and other tensor attributes are operators)."""
+    if not is_metadata(call.plan.node, call.plan.kind):
+        return None
+    first = [v.samples[0] if isinstance(v, Stacked) else v for v in call.leaves]
+    a, k = unflatten_call(first, call.spec)
+    return Outcome(call.fn(*a, **k), ROUNDED, "metadata: read on the first sample")
+
+
+@op_rule(*sorted(CAST_METHODS))
+def floating_cast(call: OpCall) -> Optional[Outcome]:
+    """A cast method that keeps a floating tensor floating: the samples as they are, in the
+    working dtype."""
+    node = call.plan.node
+    if node.op != "call_method" or not is_float_cast(node, call.leaves):
+        return None
+    return Outcome(call.leaves[0], ROUNDED, "floating cast: kept in the working dtype")
+
+
+@op_rule("getitem")
+def tuple_item(call: OpCall) -> Any:
+    """An item of a tuple (an operator's several outputs)."""
+    args = call.args
+    if not isinstance(args[0], (tuple, list)):
+        return None
+    return Outcome(args[0][args[1]], ROUNDED, "item of a tuple")
