@@ -57,10 +57,51 @@ TILE_INTERPRETER = (16, 16, 1)  # small tiles: odd shapes cross tile edges in th
 
 
 @triton.jit
+def _nanmax(x, y):
+    """max(x, y) that propagates NaN (torch's amax)."""
+    return tl.where((x != x) | (x > y), x, y)
+
+
+@triton.jit
+def _quantum(big, bits):
+    """2^(E - bits), torch.frexp(big) = (f, E) (f in [0.5, 1)), at least 2^-1074: E from the
+    fp64 pattern, subnormals scaled by 2^64 first; 0, inf and NaN take E = 0 as torch's frexp
+    gives them (their group's sum is 0, inf or NaN whatever the quantum)."""
+    sub = big < 2.2250738585072014e-308
+    scaled = tl.where(sub, big * 18446744073709551616.0, big)
+    field = (scaled.to(tl.int64, bitcast=True) >> 52) & 0x7FF
+    e = field - 1022 - tl.where(sub, 64, 0)
+    special = (big == 0) | (big != big) | (field == 0x7FF)
+    e = tl.where(special, 0, e) - bits
+    e = tl.maximum(e, -1074)
+    normal = (e + 1023).to(tl.int64) << 52
+    tiny = tl.full(e.shape, 1, tl.int64) << tl.maximum(e + 1074, 0).to(tl.int64)
+    return tl.where(e >= -1022, normal, tiny).to(tl.float64, bitcast=True)
+
+
+@triton.jit
+def _to_quantum(p, q, TRUNC: tl.constexpr):
+    """p rounded to a multiple of the power of two q, toward zero or to nearest even, with
+    p's sign (torch.trunc/torch.round: -0.4 gives -0.0); p / q is exact and below 2^52 in
+    magnitude for finite p, non-finite p stays as it is."""
+    y = p / q
+    ay = tl.abs(y)
+    if TRUNC:
+        r = ay.to(tl.int64).to(tl.float64)  # the conversion truncates
+    else:
+        r = (ay + 4503599627370496.0) - 4503599627370496.0  # 2^52: round half to even
+    r = tl.where(y.to(tl.int64, bitcast=True) < 0, -r, r)
+    r = tl.where(ay < float("inf"), r, y)
+    return r * q
+
+
+@triton.jit
 def _accumulate_kernel(
     a_ptr, b_ptr, out_ptr, seeds_ptr, M, N, K, block, promote, b_inner, n_samples, tiles_n,
     B1, B2, s_a0, s_a1, s_a2, s_am, s_ak, s_b0, s_b1, s_b2, s_bk, s_bn,
-    MODE: tl.constexpr, PROMOTE: tl.constexpr,
+    group, bits,
+    MODE: tl.constexpr, PROMOTE: tl.constexpr, ALIGN: tl.constexpr, ALIGN_ACC: tl.constexpr,
+    ALIGN_TRUNC: tl.constexpr,
     A_WM: tl.constexpr, A_EXP_ONES: tl.constexpr, A_SHMAX: tl.constexpr, A_SHIFT0: tl.constexpr,
     A_EB: tl.constexpr, A_MAX_BITS: tl.constexpr, A_MINSUB_BITS: tl.constexpr,
     A_INF_BITS: tl.constexpr, A_NAN_BITS: tl.constexpr, A_BIG_BITS: tl.constexpr,
@@ -112,16 +153,41 @@ def _accumulate_kernel(
     for i in range(0, n_blocks):
         k0 = i * block
         k1 = tl.minimum(k0 + block, K)
-        part = tl.zeros([BM, BN], dtype=tl.float64)  # +0, as dgemm starts
-        for k in range(k0, k1):
-            av = tl.load(a_row + k * s_ak, mask=mask_m, other=0.0).to(tl.float64)
-            bv = tl.load(b_col + k * s_bk, mask=mask_n, other=0.0).to(tl.float64)
-            part = part + av[:, None] * bv[None, :]
         if PROMOTE:
             fresh = k0 % promote == 0  # the first block of a promotion group
         else:
             fresh = i == 0
-        run = tl.where(fresh, part, run + part)
+        if ALIGN:
+            # each group's products (and the accumulator) aligned to the largest exponent
+            # and rounded to its quantum, summed exactly, added in order (aligned_sum)
+            cur = tl.where(fresh, tl.zeros([BM, BN], dtype=tl.float64), run)
+            for g0 in range(k0, k1, group):
+                g1 = tl.minimum(g0 + group, k1)
+                big = tl.zeros([BM, BN], dtype=tl.float64)
+                for k in range(g0, g1):
+                    av = tl.load(a_row + k * s_ak, mask=mask_m, other=0.0).to(tl.float64)
+                    bv = tl.load(b_col + k * s_bk, mask=mask_n, other=0.0).to(tl.float64)
+                    big = _nanmax(big, tl.abs(av[:, None] * bv[None, :]))
+                if ALIGN_ACC:
+                    big = _nanmax(big, tl.abs(cur))
+                q = _quantum(big, bits)
+                s = tl.zeros([BM, BN], dtype=tl.float64)
+                for k in range(g0, g1):
+                    av = tl.load(a_row + k * s_ak, mask=mask_m, other=0.0).to(tl.float64)
+                    bv = tl.load(b_col + k * s_bk, mask=mask_n, other=0.0).to(tl.float64)
+                    s = s + _to_quantum(av[:, None] * bv[None, :], q, ALIGN_TRUNC)
+                if ALIGN_ACC:
+                    cur = _to_quantum(cur, q, ALIGN_TRUNC) + s
+                else:
+                    cur = cur + s
+            run = cur
+        else:
+            part = tl.zeros([BM, BN], dtype=tl.float64)  # +0, as dgemm starts
+            for k in range(k0, k1):
+                av = tl.load(a_row + k * s_ak, mask=mask_m, other=0.0).to(tl.float64)
+                bv = tl.load(b_col + k * s_bk, mask=mask_n, other=0.0).to(tl.float64)
+                part = part + av[:, None] * bv[None, :]
+            run = tl.where(fresh, part, run + part)
         rand = zero
         if MODE == 0:
             seed = tl.load(seeds_ptr + i)
@@ -221,7 +287,10 @@ def emulate_matmul_triton(a: torch.Tensor, b: torch.Tensor, accumulate: Accumula
         a_x, b_x, out, seeds, m, n, k, acc.block, acc.promote_every or 1, b_inner, n_samples,
         tiles_n, dims[1][0], dims[2][0], dims[0][1], dims[1][1], dims[2][1], a_x.stride(-2),
         a_x.stride(-1), dims[0][2], dims[1][2], dims[2][2], b_x.stride(-2), b_x.stride(-1),
-        MODE=MODE_CODES[mode], PROMOTE=bool(acc.promote_every),
+        acc.align.group if acc.align else 1, acc.align.bits if acc.align else 0,
+        MODE=MODE_CODES[mode], PROMOTE=bool(acc.promote_every), ALIGN=acc.align is not None,
+        ALIGN_ACC=bool(acc.align and acc.align.with_accumulator),
+        ALIGN_TRUNC=bool(acc.align and acc.align.rounding is Rounding.ZERO),
         **_constants(acc.fmt, "A_"), **_constants("fp32", "P_"), BM=bm, BN=bn,
         num_warps=warps)
     return matmul_result(out, squeeze, out_dtype)

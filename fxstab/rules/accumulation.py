@@ -259,41 +259,51 @@ def modelled_gemm(a: tuple, kw: dict, plan: Any, cfg: Any, seed: int,
     * a nearest or directed mode's bias (and an alignment's truncation,
       ``Accumulation.align``), which no random rounding shows: ``b = D - E`` per output
       element, the hardware's accumulator (``D``, its own mode, aligned) against the exact sum
-      (``E``) of the first sample's operands, is added to the samples as ``(1 + t_i) b`` with
-      ``t`` fixed, of mean 0 and sample standard deviation 1 (:func:`bias_weights`). The
-      samples' mean is then centred on the hardware's result, their spread holds ``|b|``, and
-      a sum of biases downstream adds them sample by sample as the hardware's errors add (a
-      fixed ``t``: coherent biases stay coherent, opposite ones cancel). Where ``D`` is not
-      finite (an fp16 accumulator past 65504) every sample takes it.
+      (``E``) of the first sample's operands, moves every sample by ``b`` (the samples' mean
+      is centred on the hardware's result);
+    * the hardware's whole error in the spread: ``t_i (D - X)`` is added to sample ``i``,
+      ``X`` the exact product of the first sample's operands as the program gives them (with
+      ``gemm_inputs``: before the recipe rounds them, whose saturation rounds every sample
+      alike; without, ``X = E``), ``t`` fixed, of mean 0 and sample standard deviation 1
+      (:func:`bias_weights`). A sum of such errors downstream adds them sample by sample as
+      the hardware's errors add (a fixed ``t``: coherent errors stay coherent, opposite ones
+      cancel). Where ``D`` is not finite (an fp16 accumulator past 65504) every sample takes
+      it. A random accumulator with ``gemm_inputs`` adds ``t_i (E - X)``, the recipe's part.
 
     Returns the samples and, with ``cap`` and an accumulator, the accumulator's own error
     (:func:`accumulator_error`): the hardware's accumulator (``D``; a random one: the first
-    sample's, or all of them with ``gemm_inputs``) against the exact sum of the same
-    operands. None without an accumulator (the exact sum has no error of its own) or without
-    ``cap``."""
-    acc = plan.accumulate
+    sample's) against the exact sum of the same operands, with the operands' statistics in
+    their recipe (:class:`GemmFigures`). None without an accumulator and a recipe, or without
+    ``cap`` and a recipe."""
+    acc, inputs = plan.accumulate, plan.gemm_inputs
     biased = acc is not None and biased_accumulator(acc)
     sampled = sample_accumulator(acc, cfg.rounding) if biased else acc
-    stats: Optional[list] = [] if plan.gemm_inputs is not None else None
-    out = accumulated_product(a, kw, plan.kind, sampled, seed, to_working,
-                              plan.gemm_inputs, cfg.gemm_scaling, cfg.rounding, cfg.kernels,
-                              stats)
-    operands = merge_operand_stats(stats) if stats else {}
-    if acc is None or (cap is None and not biased):
-        return out, (GemmFigures((math.nan, math.nan), operands) if operands else None)
-    value = out.samples
-    if biased or plan.gemm_inputs is None:  # the first sample's operands are its own
-        a, kw = _first_sample(a), _first_sample(kw)
-        value = value[:1]
-    exact = accumulated_product(a, kw, plan.kind, None, seed, to_working, plan.gemm_inputs,
-                                cfg.gemm_scaling, cfg.rounding, cfg.kernels).samples
-    if biased:
-        value = accumulated_product(a, kw, plan.kind, acc, seed, to_working, plan.gemm_inputs,
-                                    cfg.gemm_scaling, cfg.rounding, cfg.kernels).samples
-        out = Stacked(with_bias(out.samples, value, exact))
-    if cap is None:
-        return out, (GemmFigures((math.nan, math.nan), operands) if operands else None)
-    return out, GemmFigures(accumulator_error(value, exact, cap), operands)
+    stats: Optional[list] = [] if inputs is not None else None
+    out = accumulated_product(a, kw, plan.kind, sampled, seed, to_working, inputs,
+                              cfg.gemm_scaling, cfg.rounding, cfg.kernels, stats)
+    figures = GemmFigures((math.nan, math.nan), merge_operand_stats(stats)) if stats else None
+    figure = acc is not None and cap is not None
+    if not (biased or inputs is not None or figure):
+        return out, figures
+    # the first sample's product, exactly and as the hardware runs it (the first sample's
+    # operands alone are those of the stacked first sample: the same scales and draws)
+    a, kw = _first_sample(a), _first_sample(kw)
+
+    def product(accumulator: Any, operands: Any) -> torch.Tensor:
+        return accumulated_product(a, kw, plan.kind, accumulator, seed, to_working, operands,
+                                   cfg.gemm_scaling, cfg.rounding, cfg.kernels).samples
+
+    exact = product(None, inputs)
+    value = product(acc, inputs) if biased else out.samples[:1]
+    if figure:
+        figures = GemmFigures(accumulator_error(value, exact, cap),
+                              figures.operands if figures else None)
+    if biased or inputs is not None:
+        # the recipe's own error as the spread's too: its saturation rounds every sample
+        # alike (the exact product of the program's operands: the recipe's error around it)
+        program = product(None, None) if inputs is not None else exact
+        out = Stacked(with_bias(out.samples, value if biased else exact, exact, program))
+    return out, figures
 
 
 class GemmFigures(tuple):
@@ -349,12 +359,20 @@ def bias_weights(n: int, like: torch.Tensor) -> torch.Tensor:
     return t.reshape(n, *(1,) * (like.dim() - 1))
 
 
-def with_bias(samples: torch.Tensor, hardware: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
-    """``samples + (1 + t) (hardware - exact)`` (:func:`modelled_gemm`): where ``hardware``
-    is not finite every sample takes it; where ``exact`` is not finite no bias is added."""
-    ok = torch.isfinite(hardware) & torch.isfinite(exact)
-    bias = torch.where(ok, hardware - exact, torch.zeros_like(exact))
-    out = samples + (1 + bias_weights(samples.shape[0], samples)) * bias
+def with_bias(samples: torch.Tensor, hardware: torch.Tensor, exact: torch.Tensor,
+              program: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``samples + (hardware - exact) + t (hardware - program)`` (:func:`modelled_gemm`;
+    ``program`` defaults to ``exact``): the samples' mean moves by the accumulator's bias, their
+    spread takes the hardware's whole error against the program's exact product. Where
+    ``hardware`` is not finite every sample takes it; where ``exact`` or ``program`` is not
+    finite that term is 0."""
+    def finite_diff(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        ok = torch.isfinite(x) & torch.isfinite(y)
+        return torch.where(ok, x - y, torch.zeros_like(x))
+
+    shift = finite_diff(hardware, exact)
+    spread = shift if program is None else finite_diff(hardware, program)
+    out = samples + shift + bias_weights(samples.shape[0], samples) * spread
     return torch.where(torch.isfinite(hardware), out, hardware.expand_as(out))
 
 
@@ -387,8 +405,7 @@ def _samples_product(left: torch.Tensor, right: torch.Tensor, acc: Any, seed: in
                      stats: Optional[list] = None) -> torch.Tensor:
     """``left @ right`` of stacked operands ``[N or 1, ..., M, K]`` and ``[N or 1, ..., K, P]``
     with the accumulator ``acc`` (and the operands in ``inputs``), by the implementation
-    ``kernels`` picks (:func:`product_kernel`); an aligned accumulator
-    (``Accumulation.align``) runs on the reference path (the kernels do not align)."""
+    ``kernels`` picks (:func:`product_kernel`)."""
     if inputs is not None and stats is not None:
         stats.append(operand_stats(left[:1], inputs, scaling, batch_dims=1))
         stats.append(operand_stats(right[:1], inputs, scaling, right=True, batch_dims=1))
@@ -399,8 +416,6 @@ def _samples_product(left: torch.Tensor, right: torch.Tensor, acc: Any, seed: in
                                  seed=derive_seed(seed, 2), batch_dims=1)
     n = max(left.shape[0], right.shape[0])
     impl = product_kernel(kernels, left, n) if acc is not None else "torch"
-    if impl == "triton" and acc.align is not None:
-        impl = "torch"
     if impl == "triton":
         from ..kernels.accumulate import emulate_matmul_triton
 

@@ -14,7 +14,7 @@ import torch
 import fxstab
 from fxstab.cpu import bindings
 from fxstab.kernels.accumulate import emulate_matmul_triton
-from fxstab.numerics.accumulation import Accumulation, emulate_matmul
+from fxstab.numerics.accumulation import Accumulation, Alignment, emulate_matmul
 from fxstab.rules.accumulation import fused_rounder, product_kernel, samples_rounder
 
 from kernel_testutil import assert_bits_equal, cuda_ready, kernels_runnable
@@ -222,3 +222,55 @@ def test_an_analysed_linear_reads_the_same_digits_with_the_triton_kernel():
         assert digits[other].keys() == digits["triton"].keys()
         for key, got in digits["triton"].items():
             assert got == pytest.approx(digits[other][key], rel=1e-6, abs=1e-6), key
+
+
+# --------------------------------------------------------------------------- alignment (issue 43)
+ALIGNED = {
+    "fp8-fast": "fp8-fast",
+    "fp8-promoted": "fp8-promoted",
+    "b16-g4-trunc": Accumulation(E8M13, 16, rounding="zero", align=Alignment(4, 14)),
+    "b8-g8-acc-nearest-p32": Accumulation("fp16", 8, 32, "nearest",
+                                          align=Alignment(8, 12, True, "nearest")),
+    "b4-g2-random": Accumulation("bf16", 4, rounding="random", align=Alignment(2, 10)),
+}
+
+
+@pytest.mark.parametrize("name", list(ALIGNED))
+def test_aligned_accumulators_are_emulate_matmul_bit_for_bit(name):
+    # K = 70: partial last groups, blocks and promotion groups; rows over 12 decades, so the
+    # alignment shifts whole products out; a NaN, an inf and negative zeros
+    a, b = _operands((2, 17, 70), (70, 19))
+    a = a * torch.logspace(-6, 6, 70, device=a.device)
+    a[0, 3, 5] = float("nan")
+    a[1, 4, 9] = float("inf")
+    a[1, 6] = -0.0
+    _same(ALIGNED[name], a, b)
+
+
+def test_aligned_products_in_fp64_s_subnormals():
+    # products near 2^-1060: the quantum clamps at 2^-1074, the subnormal exponents
+    a, b = _operands((5, 40), (40, 6), dtype=torch.float64)
+    a, b = a.double() * 2.0 ** -530, b.double() * 2.0 ** -530
+    for acc in (Accumulation("fp64", 8, rounding="nearest", align=Alignment(8, 20)),
+                Accumulation("fp64", 8, rounding="zero",
+                             align=Alignment(8, 30, True, "nearest"))):
+        _same(acc, a, b)
+
+
+def test_aligned_accumulator_in_the_analysis_draws_the_same_as_the_cpu_path():
+    """modelled_gemm's hardware product on the first sample (the bias) runs the kernel too."""
+    from types import SimpleNamespace
+
+    from fxstab.rules.accumulation import modelled_gemm
+    from fxstab.rules.lifting import Stacked
+
+    a, b = _operands((3, 9, 96), (24, 96), dtype=torch.float32)
+    plan = SimpleNamespace(kind="linear", accumulate=Accumulation.parse("fp8-promoted"),
+                           gemm_inputs=None)
+    outs = {}
+    for kernels in ("triton", "torch"):
+        cfg = SimpleNamespace(gemm_scaling="tensor", rounding="random", kernels=kernels)
+        outs[kernels] = modelled_gemm((Stacked(a.double()), b.double()), {}, plan, cfg, 7,
+                                      lambda t: t.double(), 7.0)
+    assert_bits_equal(outs["triton"][0].samples.cpu(), outs["torch"][0].samples.cpu())
+    assert tuple(outs["triton"][1]) == tuple(outs["torch"][1])
