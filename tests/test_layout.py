@@ -5,6 +5,8 @@
 - no import circle between fxstab's modules, function-level imports included;
 - no module imports another module's private name (``_x``; dunders such as ``__version__`` are
   public): a shared piece gets a public name in the layer below both;
+- no module reads or writes a private attribute of an object another module owns
+  (``analysis._context``, ``tracer._tensor_stats``): the boundary passes what is needed;
 - no module over 800 lines (the C source excepted).
 
 Each failure names the file, line and name (or the circle, or the modules) to change.
@@ -331,6 +333,97 @@ def test_no_private_name_imported_across_modules():
                        "public name in the layer below both):\n  " + "\n  ".join(found))
 
 
+# ---------------------------------------------------------------- private attributes
+
+# torch's own private members that fxstab reads (an OpOverload's schema, a view's base...):
+# another library's, not another fxstab module's
+_TORCH_PRIVATE = frozenset({"_base", "_schema", "_ops", "_overloadname", "_C", "_op"})
+
+
+def _defined_private(tree: ast.AST) -> set:
+    """The private names a module defines: its functions, classes, class-level names
+    (``__slots__`` entries included) and the attributes it assigns (``self._x = ...``, and any
+    object's inside ``__new__``: the instance it makes)."""
+    names = set()
+    for fn in ast.walk(tree):
+        if isinstance(fn, ast.FunctionDef) and fn.name == "__new__":
+            names |= {n.attr for n in ast.walk(fn)
+                      if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and \
+                isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            names.add(node.attr)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                if isinstance(t, ast.Name):
+                    names.add(t.id)
+                    if t.id == "__slots__" and isinstance(node.value, (ast.Tuple, ast.List)):
+                        names |= {e.value for e in node.value.elts
+                                  if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                node.func.id == "setattr" and len(node.args) > 1 and \
+                isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+            names.add(node.args[1].value)
+    return {n for n in names if _private(n)}
+
+
+def private_attributes() -> list:
+    """``file:line: obj._name`` for each private attribute a module reads or writes on an
+    object it does not own (not ``self``/``cls``) where that name is defined by another fxstab
+    module and not by this one: one module reaching into another's private members (the
+    import contract cannot see it)."""
+    trees = _trees()
+    defined = {name: _defined_private(tree) for name, tree in trees.items()}
+    elsewhere: dict = {}
+    for name, attrs in defined.items():
+        for attr in attrs:
+            elsewhere.setdefault(attr, set()).add(name)
+    found = []
+    for name, tree in trees.items():
+        own = defined[name]
+        external = _external_modules(tree)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and _private(node.attr)):
+                continue
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and (root.id in ("self", "cls") and
+                                               root is node.value or root.id in external):
+                continue  # its own members, or another library's (torch._ops)
+            if node.attr in own or node.attr in _TORCH_PRIVATE or \
+                    not (elsewhere.get(node.attr, set()) - {name}):
+                continue
+            owners = ", ".join(sorted(elsewhere[node.attr] - {name}))
+            found.append(f"{MODULES[name].where}:{node.lineno}: .{node.attr} (defined in "
+                         f"{owners})")
+    return sorted(set(found), key=_by_file_line)
+
+
+def _external_modules(tree: ast.AST) -> set:
+    """Local names bound to modules outside fxstab (``torch``, ``np``, ``fx_traceback``)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] != "fxstab":
+                    names.add(alias.asname or alias.name.split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and not node.level and \
+                (node.module or "").split(".")[0] != "fxstab":
+            names |= {alias.asname or alias.name for alias in node.names}
+    return names
+
+
+def test_no_private_attribute_of_another_module():
+    found = private_attributes()
+    assert not found, ("private attributes of another module's objects (give them a public "
+                       "name, or pass what is needed across the boundary):\n  "
+                       + "\n  ".join(found))
+
+
 # ---------------------------------------------------------------- module size
 
 def long_modules() -> list:
@@ -366,3 +459,6 @@ def test_the_checks_see_every_module_and_function_level_imports():
     aliases = _module_aliases(MODULES["fxstab.cli"], tree)
     assert aliases == {"fxstab": "fxstab", "d": "fxstab.numerics.digits"}
     assert _dotted(ast.parse("a.b.c", mode="eval").body) == "a.b.c"
+    tree = ast.parse("class A:\n    __slots__ = ('_s',)\n    def _m(self):\n        self._x = 1\n"
+                     "def _f():\n    pass\n")
+    assert _defined_private(tree) == {"_s", "_m", "_x", "_f"}

@@ -394,6 +394,11 @@ class Prepared:
         self._numel = self._nt = -1  # what the struct holds (a call sets what changed)
         self._expanded = None  # the expanded layout last found readable
 
+    def write_zeros(self, mask: Optional[torch.Tensor]) -> None:
+        """From the next call on, write the computational-zero mask of the output into
+        ``mask`` (a contiguous bool tensor of one sample's shape), or nothing (None)."""
+        self._p.zmask = 0 if mask is None else mask.data_ptr()
+
     def use_row(self, block: ctypes.Array, k: int) -> None:
         """From now on, write the statistics into row ``k`` of ``block`` (:func:`stats_block`),
         which ``stats`` then is (holding the latest call's statistics, copied): one copy of

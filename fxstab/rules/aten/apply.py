@@ -520,9 +520,7 @@ class _Rule:
         z = None
         if counting and zeros_if_counting:
             z = native.empty(shape, torch.bool)  # the trace's shape: the graph's signature
-            prepared._p.zmask = z.data_ptr()
-        else:
-            prepared._p.zmask = 0
+        prepared.write_zeros(z)
         out = prepared(v, ctx.rounding_seed(seed, 0))
         if out is None:
             return None
