@@ -1,4 +1,4 @@
-"""``granularity="aten"``: the arithmetic level of the backend (DESIGN.md §3, §5).
+"""``granularity="aten"``: the arithmetic level of the backend (docs/design.md §3, §5).
 
 The dynamo graph keeps running as is on the deterministic path. For the stochastic path it is
 lowered to aten primitives with decompositions (softmax becomes exp/sum/div, layer_norm becomes
@@ -41,19 +41,13 @@ from ..capture.opsets import node_kind
 from ..records.coverage import ANALYSED, SKIPPED, UNROUNDED, CoverageEntry
 from ..records.report import OBSERVED, PER_SAMPLE, UNLIFTED
 from ..rules.aten import decompositions
+from ..rules.aten.kinds import RANDOM_PRIMITIVES, SYMBOLIC_PRIMITIVES
 from ..rules.aten.tracer import AtenGraph, AtenTracer, LoweredGraph, PrimitivePlan
 from ..rules.lifting import rng_states, set_rng_states
 from .composites import expand_composites
 from .op_level import GraphAnalysis
 from .sampled_graph import SampledGraph
 
-_RANDOM_PRIMITIVES = frozenset({
-    "rand", "randn", "rand_like", "randn_like", "randint", "randint_like", "bernoulli",
-    "uniform", "normal", "randperm", "multinomial", "native_dropout", "exponential",
-    "bernoulli_", "uniform_", "normal_", "exponential_", "random_", "geometric_", "cauchy_",
-    "log_normal_",
-})
-_SYMBOLIC = frozenset({"sym_size", "sym_stride", "sym_numel", "sym_storage_offset"})
 # Lowerings kept per graph (input signatures: shapes, dtypes, scalars read with .item()); the
 # least recently used one goes first (a dynamic-shape model called with ever new lengths).
 _MAX_LOWERINGS = 16
@@ -240,8 +234,8 @@ class AtenGraphAnalysis(GraphAnalysis):
                 prim = f"aten.{info.kind}#{k}"
                 name = f"{op_name}/{prim}" if op_name else (f"{path}/{prim}" if path else prim)
                 record = origin in self.recorded_ops if self.cfg.select is not None else True
-                action = ("plain" if info.kind in _SYMBOLIC else
-                          "random" if info.kind in _RANDOM_PRIMITIVES else "rule")
+                action = ("plain" if info.kind in SYMBOLIC_PRIMITIVES else
+                          "random" if info.kind in RANDOM_PRIMITIVES else "rule")
                 plan = PrimitivePlan(i, action, node.target, name, path, record, False, False,
                                  origin, info.inplace)
                 by_node[node] = plan

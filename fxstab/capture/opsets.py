@@ -1,9 +1,9 @@
-"""Operator kinds and families at operator granularity (DESIGN.md §3).
+"""Operator kinds and families at operator granularity (docs/design.md §3).
 
 A node of a dynamo graph gets a *kind*: a short stable name of the torch-level operator
 (``linear``, ``softmax``, ``layer_norm``, ``add``...), derived from ``node.target`` (never from the
 node's name). Kinds group into *families* used for selection and for deciding which operators are
-GEMM-like (trusted, with the data-perturbation surrogate of DESIGN.md §4).
+GEMM-like (trusted, with the data-perturbation surrogate of docs/design.md §4).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ KIND_TO_FAMILY = {k: fam for fam, kinds in FAMILIES.items() for k in kinds}
 DEFAULT_KINDS = frozenset(KIND_TO_FAMILY)
 
 # Operators whose results depend on the global RNG: the stochastic path replays them once with
-# the deterministic pass's RNG state so every sample sees the same randomness (DESIGN.md §6).
+# the deterministic pass's RNG state so every sample sees the same randomness (docs/design.md §6).
 DROPOUT_KINDS = FAMILIES["dropout"]
 RANDOM_KINDS = DROPOUT_KINDS | frozenset({
     "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "bernoulli",
@@ -98,6 +98,18 @@ EXACT_KINDS = frozenset({
     "hardtanh",
 })
 
+def nothing_to_lose(kind: str) -> str | None:
+    """Why an operator of ``kind`` cannot lose digits, if it cannot: ``"exact (data movement
+    or selection)"`` (:data:`EXACT_KINDS`), ``"random draws"`` (a random operator that is no
+    dropout: its values are the deterministic pass's draws); None otherwise. The coverage does
+    not count such an operator against the analysis when it is not analysed."""
+    if kind in EXACT_KINDS:
+        return "exact (data movement or selection)"
+    if kind in RANDOM_KINDS and kind not in DROPOUT_KINDS:
+        return "random draws"
+    return None
+
+
 # Fused operators the stochastic path runs as their composite of torch-level operators
 # (GraphAnalysis expands them; the deterministic path keeps the fused call).
 COMPOSITE_KINDS = frozenset({"transformer_encoder_layer_fwd"})
@@ -123,7 +135,7 @@ def custom_namespace(target: Any) -> str | None:
 
 
 def is_custom(node: torch.fx.Node) -> bool:
-    """Whether a node calls a custom operator (always selected by default: DESIGN.md §3)."""
+    """Whether a node calls a custom operator (always selected by default: docs/design.md §3)."""
     return node.op == "call_function" and custom_namespace(node.target) is not None
 
 
@@ -180,4 +192,5 @@ def family_of(kind: str) -> str | None:
 
 __all__ = ["FAMILIES", "DEFAULT_FAMILIES", "GEMM_KINDS", "DEFAULT_KINDS", "RANDOM_KINDS",
            "DROPOUT_KINDS", "RNN_KINDS", "EXACT_KINDS", "COMPOSITE_KINDS", "target_kind",
-           "node_kind", "is_gemm", "family_of", "custom_namespace", "is_custom", "F"]
+           "node_kind", "is_gemm", "family_of", "custom_namespace", "is_custom", "nothing_to_lose",
+           "F"]

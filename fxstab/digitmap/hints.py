@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ..capture.opsets import GEMM_KINDS
+from ..rules.aten.kinds import GEMM_PRIMITIVES
 from .operators import OperatorDigits
 
 # A local loss below this fraction of the cap is the cost of a rounding or two (a bf16 GEMM of
@@ -21,8 +23,7 @@ _INVALID_KINDS = {"div", "reciprocal", "rsqrt", "sqrt", "log", "log2", "log10", 
 _NORM_KINDS = {"layer_norm", "batch_norm", "group_norm", "instance_norm", "rms_norm", "var",
                "std", "var_mean", "rsqrt", "native_layer_norm", "native_batch_norm"}
 _CANCEL_KINDS = {"add", "sub", "rsub", "iadd", "isub", "addmm", "sum", "mean", "cumsum"}
-_GEMM_KINDS = {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "conv1d", "conv2d",
-               "conv3d", "convolution", "einsum", "scaled_dot_product_attention"}
+_GEMM_KINDS = GEMM_KINDS | GEMM_PRIMITIVES  # an operator's kinds, a primitive's
 UNDERFLOW_HINT = ("scale the values up (loss scaling for gradients), or use a format with a "
                    "wider exponent (bf16) or fp32 there")
 

@@ -1,4 +1,4 @@
-"""The CESTAC estimator of significant digits (DESIGN.md §2).
+"""The CESTAC estimator of significant digits (docs/design.md §2).
 
 For N samples x_1..x_N of one value (leading dimension of a tensor), the number of decimal
 digits the samples have in common, at confidence ``c``, is
@@ -22,7 +22,7 @@ import functools
 import math
 import struct
 from dataclasses import asdict, dataclass
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -33,17 +33,32 @@ __all__ = [
     "student_t", "cestac_digits", "computational_zero", "digit_stats", "DigitStats",
     "format_stochastic", "digits_cap", "stats_vector", "stats_from_list", "empty_stats",
     "normwise_digits", "underflow_count", "true_digits", "extra_stats", "merge_stats",
-    "STATS_LEN", "EXTRA_STATS",
+    "STATS_LEN", "EXTRA_STATS", "StatsRow", "MIN", "ZEROS", "NON_FINITE",
 ]
 
 ZERO_THRESHOLD = 0.5
 
-# A statistics vector (stats_vector, the fused kernels) holds the six digit reductions [sum of
-# digits, min, max, computational zeros, non-finite elements, numel], then the extras: the
-# squared Frobenius norms of the sample means and of the sample standard deviations (normwise
-# digits), the elements that underflowed, and the 10% and 50% quantiles of the digits.
-EXTRA_STATS = ("mean_sq", "var_sq", "underflow", "p10", "p50")
-STATS_LEN = 6 + len(EXTRA_STATS)
+class StatsRow(NamedTuple):
+    """The layout of a statistics row (:func:`stats_vector`, the fused kernels' buffers, which
+    hold these floats in this order): the six digit reductions, then the extras."""
+
+    sum_digits: float  # the digits of every element, summed
+    min: float
+    max: float
+    zeros: float  # computational zeros
+    non_finite: float  # elements with a NaN/inf sample
+    numel: float
+    mean_sq: float  # squared Frobenius norm of the sample means (normwise digits)
+    var_sq: float  # ... of the sample standard deviations
+    underflow: float  # elements the rounding took to zero or a subnormal (docs/design.md §2)
+    p10: float  # the 10% and 50% quantiles of the digits
+    p50: float
+
+
+# the positions of a row that the rules read by name (a row is a list or a kernel's buffer)
+MIN, ZEROS, NON_FINITE = (StatsRow._fields.index(f) for f in ("min", "zeros", "non_finite"))
+EXTRA_STATS = StatsRow._fields[6:]
+STATS_LEN = len(StatsRow._fields)
 QUANTILES = (0.1, 0.5)
 # Quantile bins: the top 16 bits of the fp64 relative sample variance s^2 / mean^2 (sign,
 # exponent and 4 significand bits: 16 bins an octave, at most 0.013 digits wide).

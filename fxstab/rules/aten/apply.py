@@ -371,8 +371,9 @@ class _Rule:
         seed = ctx.rounding_seed(ctx.next_seed(self.salt), 0)
         out, st, d, z = k(a, b, seed, want_digits, want_zeros and not want_digits)
         first = Stacked(out, Analysis(out, ctx, digits=d, stats=st, zero=z))
-        return self._conclude(ctx, first, first, st, args, kwargs, False, True,
-                              ctx.recorder is not None, False, counting, detailed)
+        return self._conclude(ctx, first, first, st, args, kwargs, exact=False, do_round=True,
+                              want_record=ctx.recorder is not None, surrogate=False,
+                              counting=counting, detailed=detailed)
 
     def _number(self, v: Any, ctx: AtenContext) -> torch.Tensor:
         """A Python number operand as a 0-d tensor of the working dtype (as torch reads it)."""
@@ -432,8 +433,10 @@ class _Rule:
             done = self._round_prepared(ctx, fast, flat[0], args, seed, counting)
             if done is not None:
                 first, st = done
-                return self._conclude(ctx, first, first, st, args, kwargs, False, True,
-                                      ctx.recorder is not None, surrogate, counting, detailed)
+                return self._conclude(ctx, first, first, st, args, kwargs, exact=False,
+                                      do_round=True, want_record=ctx.recorder is not None,
+                                      surrogate=surrogate, counting=counting,
+                                      detailed=detailed)
         exact = info.exact
         if exact and kind in COMPLEX_ARITHMETIC and type(args[0]) is Stacked and \
                 args[0].samples.is_complex():
@@ -508,8 +511,9 @@ class _Rule:
         result = outs[0] if self.spec is None else pytree.tree_unflatten(outs, self.spec)
         want_record = want_record and first is not None and (first.samples.is_floating_point()
                                                              or first.samples.is_complex())
-        return self._conclude(ctx, result, first, first_stats, args, kwargs, exact, do_round,
-                              want_record, surrogate, counting, detailed)
+        return self._conclude(ctx, result, first, first_stats, args, kwargs, exact=exact,
+                              do_round=do_round, want_record=want_record, surrogate=surrogate,
+                              counting=counting, detailed=detailed)
 
     def _round_prepared(self, ctx: AtenContext, fast: tuple, v: torch.Tensor, args: tuple,
                         seed: int, counting: bool) -> Optional[tuple]:
@@ -528,7 +532,7 @@ class _Rule:
         return Stacked(out, Analysis(out, ctx, stats=st, zero=z)), st
 
     def _conclude(self, ctx: AtenContext, result: Any, first: Optional[Stacked],
-                  first_stats: Optional[list], args: tuple, kwargs: dict, exact: bool,
+                  first_stats: Optional[list], args: tuple, kwargs: dict, *, exact: bool,
                   do_round: bool, want_record: bool, surrogate: bool, counting: bool,
                   detailed: bool) -> Any:
         """The counters and the record of :meth:`finish`."""

@@ -20,7 +20,8 @@ aten = torch.ops.aten
 __all__ = [
     "primitive_kind", "GEMM_PRIMITIVES", "EXACT_PRIMITIVES", "COMPLEX_ARITHMETIC", "ADD_KINDS",
     "DIV_KINDS", "POW_KINDS", "MATH_KINDS", "ROUNDING_INTRINSICS", "COMPARISONS",
-    "SELECT2_KINDS", "REDUCE_SUM_KINDS", "OpInfo", "op_info", "prims_var", "broadcast_in_dim",
+    "SELECT2_KINDS", "REDUCE_SUM_KINDS", "RANDOM_PRIMITIVES", "SYMBOLIC_PRIMITIVES", "OpInfo",
+    "op_info", "prims_var", "broadcast_in_dim",
     "OUTPUT_DIGITS_KINDS", "operand_needs",
 ]
 
@@ -77,6 +78,16 @@ SELECT2_KINDS = frozenset({"maximum", "minimum", "fmax", "fmin"})
 _FACTORY_PREFIXES = ("empty", "zeros", "ones", "full", "arange", "scalar_tensor", "new_",
                      "eye", "linspace", "logspace")
 REDUCE_SUM_KINDS = frozenset({"sum", "mean", "nansum"})
+# Random draws: run once, on the first sample's shape (every sample gets the deterministic
+# pass's random numbers: dropout masks)
+RANDOM_PRIMITIVES = frozenset({
+    "rand", "randn", "rand_like", "randn_like", "randint", "randint_like", "bernoulli",
+    "uniform", "normal", "randperm", "multinomial", "native_dropout", "exponential",
+    "bernoulli_", "uniform_", "normal_", "exponential_", "random_", "geometric_", "cauchy_",
+    "log_normal_",
+})
+# Symbolic sizes of a dynamic-shape lowering: plain values
+SYMBOLIC_PRIMITIVES = frozenset({"sym_size", "sym_stride", "sym_numel", "sym_storage_offset"})
 
 
 # --------------------------------------------------------------------------- per-op decisions

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from ...cpu import bindings as native
+from ...numerics.digits import MIN, NON_FINITE, ZEROS
 
 # ``ctx`` below is the call's fxstab.rules.aten.context.AtenContext (that module imports this
 # one, so it is named in annotations only)
@@ -16,7 +17,7 @@ __all__ = ["Analysis"]
 
 
 class Analysis:
-    """Per-element CESTAC digits (DESIGN.md §2) of stacked samples and the masks the counters
+    """Per-element CESTAC digits (docs/design.md §2) of stacked samples and the masks the counters
     need, each computed on first use (most primitives need only some of them, often none).
 
     ``digits`` comes from the fused kernel when the primitive was rounded with
@@ -38,7 +39,8 @@ class Analysis:
         # counters skip the masks these rule out)
         self.zeros = self.min_digits = None
         if stats is not None:
-            self.zeros, self.min_digits, self._nf = stats[3], stats[1], int(stats[4])
+            self.zeros, self.min_digits, self._nf = stats[ZEROS], stats[MIN], \
+                int(stats[NON_FINITE])
 
     @property
     def samples(self) -> torch.Tensor:
@@ -61,9 +63,9 @@ class Analysis:
         return self._nf
 
     def set_stats(self, st: list) -> None:
-        """Take what the digit statistics ``st`` (``[sum, min, max, zeros, non-finite, ...]``)
+        """Take what the digit statistics ``st`` (a row: :class:`~fxstab.numerics.digits.StatsRow`)
         tell: the computational zeros, the smallest digits, the non-finite elements."""
-        self.zeros, self.min_digits, self._nf = st[3], st[1], int(st[4])
+        self.zeros, self.min_digits, self._nf = st[ZEROS], st[MIN], int(st[NON_FINITE])
 
     @property
     def no_zeros(self) -> bool:
@@ -92,8 +94,8 @@ class Analysis:
                 _, st, d = native.round_stats(s, ctx.fmt, None, confidence=ctx.confidence,
                                               zero_threshold=ctx.zero_threshold, want_digits=True,
                                               as_list=True)
-                self._digits, self._nf = d, int(st[4])
-                self.zeros, self.min_digits = st[3], st[1]
+                self._digits, self._nf = d, int(st[NON_FINITE])
+                self.zeros, self.min_digits = st[ZEROS], st[MIN]
             else:
                 self._digits = _torch_digits(s, ctx, self.identical, self.finite)
         return self._digits

@@ -5,21 +5,37 @@ model casts to) and the items of a tuple."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
+
+import torch
 
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
 from ...capture.flat import unflatten_call
 from ...capture.graph import METADATA_KINDS, is_metadata, reads_item
 from ...records.report import ROUNDED
-from ..lifting import Stacked, is_float_cast
+from ..lifting import Stacked, is_float_cast, reshape
 from .registry import ONCE, OpCall, Outcome, op_rule
 
-__all__ = ["CAST_METHODS"]
+__all__ = ["CAST_METHODS", "RESHAPE_VIEWS", "on_samples"]
 
 # Floating dtype conversions keep the working dtype on the stochastic path: the simulated format
 # is what rounds, not the dtype the model happens to cast to.
 CAST_METHODS = frozenset({"to", "type", "float", "half", "bfloat16", "double", "type_as"})
+
+
+# Views whose samples may have to be copied (reshape): the deterministic pass's strides allowed
+# the view, the samples' need not.
+RESHAPE_VIEWS = frozenset({"view", "unsafe_view"})
+
+
+def on_samples(kind: str, fn: Callable, leaves: list) -> Callable:
+    """What a node's callable ``fn`` becomes on stacked samples: a view is a ``reshape`` (the
+    samples' memory layout is not the deterministic pass's: a rounded output is contiguous, a
+    per-sample one stacked, so a view of it may need a copy), unless it views a dtype."""
+    if kind in RESHAPE_VIEWS and not any(isinstance(v, torch.dtype) for v in leaves):
+        return reshape
+    return fn
 
 
 @op_rule("item", samples=False)

@@ -21,7 +21,7 @@ from ...capture import user_ops as user_operator
 from ...capture.flat import flatten_call as _flatten, unflatten_call as _unflatten
 from ...capture.graph import fetch_attr, identity_dropout, is_inplace, node_callable
 from ...capture.naming import qualified_name
-from ...capture.opsets import DROPOUT_KINDS, EXACT_KINDS, RANDOM_KINDS
+from ...capture.opsets import nothing_to_lose
 from ... import executors
 from ...cpu import bindings as native
 from ...numerics import randbits
@@ -36,10 +36,11 @@ from ...records.coverage import ANALYSED, SKIPPED, UNROUNDED, CoverageEntry
 from ...records.report import (
     ROUNDED, UNLIFTED, OpReport, block_builder, report_builder, stats_row,
 )
-from ..lifting import NodePlan, OpGraph, Stacked, has_floating, reshape
+from ..lifting import NodePlan, OpGraph, Stacked, has_floating
 from . import draws, elementwise, gemm, per_sample, structural  # noqa: F401 - their rules
 from .lifted import lifted
 from .registry import ONCE, OpCall, rules_for
+from .structural import on_samples
 
 __all__ = ["SampleTracer", "Pending"]
 
@@ -55,11 +56,6 @@ class Pending(NamedTuple):
     fired: Optional[bool]
     status: str
     shape: tuple
-
-
-# Views whose samples may have to be copied (reshape): the deterministic pass's strides allowed
-# the view, the samples' need not.
-RESHAPE_VIEWS = frozenset({"view", "unsafe_view"})
 
 
 class SampleTracer(torch.fx.Interpreter):
@@ -253,11 +249,8 @@ class SampleTracer(torch.fx.Interpreter):
         leaves, spec = _flatten(args, kwargs)
         stacked = [i for i, v in enumerate(leaves) if isinstance(v, Stacked)]
         kind = plan.kind
-        if stacked and kind in RESHAPE_VIEWS and not any(isinstance(v, torch.dtype)
-                                                           for v in leaves):
-            # the samples' memory layout is not the deterministic pass's (a rounded output is
-            # contiguous, a per-sample one stacked): a view of it may need a copy
-            fn = reshape
+        if stacked:
+            fn = on_samples(kind, fn, leaves)
 
         if stacked and is_inplace(node) and isinstance(args[0], torch.Tensor):
             # x += f(samples) into a plain tensor (a T5-style relative bias): the target
@@ -295,10 +288,10 @@ class SampleTracer(torch.fx.Interpreter):
     def _note(self, plan: NodePlan, how: str, reason: str, floating: bool) -> None:
         """Record how the node ran (fxstab.records.coverage)."""
         kind = plan.kind
-        exact = kind in EXACT_KINDS or (kind in RANDOM_KINDS and kind not in DROPOUT_KINDS)
+        why = nothing_to_lose(kind)  # exact or random draws: nothing to round there
+        exact = why is not None
         if plan.name is None and exact and floating:
-            reason = ("exact (data movement or selection), " if kind in EXACT_KINDS else
-                      "random draws, ") + reason
+            reason = f"{why}, {reason}"
         counted = floating and not (exact and how != ANALYSED) and how != SKIPPED
         cov = self.coverage
         old = cov.get(plan.node.name)
@@ -353,7 +346,7 @@ class SampleTracer(torch.fx.Interpreter):
 
     # -- surrogate, rounding, recording ----------------------------------------------------
     def _perturb(self, plan: NodePlan, leaves: list) -> list:
-        """The GEMM surrogate (DESIGN.md §4) on the operands that carry samples.
+        """The GEMM surrogate (docs/design.md §4) on the operands that carry samples.
 
         Weights (the module's parameters and buffers: identical in every sample) are not
         perturbed: perturbing the data already moves every term x_k * w_k of a dot product by
