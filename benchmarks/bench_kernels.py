@@ -1,4 +1,4 @@
-"""Fused versus unfused rounding + digit statistics (the kernel ablation of DESIGN.md §9).
+"""Fused versus unfused rounding + digit statistics (the kernel ablation of docs/design.md §9).
 
 Paths, all computing rounded samples and the five digit statistics of one operator output:
   fused     the Triton kernel (fxstab.kernels.round_digits; CUDA only)

@@ -62,7 +62,7 @@ def make(name: str, quick: bool):
     elif name == "transformer":
         m = GPT(vocab=256, d=128 if not quick else 64, heads=4, layers=2, ctx=64)
         x = (torch.randint(0, 256, (8 if not quick else 2, 64)),)
-    elif name == "lnsoftmax":  # DESIGN.md issue 4's target: LayerNorm + softmax, 256x1024
+    elif name == "lnsoftmax":  # issue 4's target: LayerNorm + softmax, 256x1024
         m = LayerNormSoftmax(1024)
         x = (torch.randn(256 if not quick else 64, 1024),)
     else:

@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import Progress  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-# The data sets ship beside the clone, in <clone>/../shared/data (DESIGN.md §10); FXSTAB_DATA
+# The data sets ship beside the clone, in <clone>/../shared/data (docs/design.md §10); FXSTAB_DATA
 # names another copy of that folder, --data the wikitext-2 folder itself. Nothing is downloaded.
 DATA_ENV = "FXSTAB_DATA"
 SPLITS = ("train.txt", "valid.txt")

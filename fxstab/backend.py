@@ -1,4 +1,4 @@
-"""The ``torch.compile`` backend (DESIGN.md §3, §4, §6).
+"""The ``torch.compile`` backend (docs/design.md §3, §4, §6).
 
 ``fxstab.backend(...)`` returns an :class:`FxstabBackend`. For every graph dynamo captures it
 builds a :class:`GraphAnalysis`: the selection of instrumented operators, their stable names and
@@ -267,7 +267,7 @@ def backend(
         rounding: ``random`` (CESTAC), ``stochastic``, ``nearest``, ``up``, ``down``, ``zero``.
         output: ``"deterministic"`` returns exactly what eager returns; ``"mean"`` returns the
             sample mean with straight-through gradients.
-        select: Which operators to instrument: ``None`` (the default families of DESIGN.md §3),
+        select: Which operators to instrument: ``None`` (the default families of docs/design.md §3),
             a family/kind name or a glob over ``module.path/kind``, a list of those, or a
             predicate ``(node, qualified_name) -> bool``.
         every: Analyse one call in ``every``; the others only run the deterministic path.

@@ -1,4 +1,4 @@
-"""Calibration bands of the two tables in benchmarks/ (DESIGN.md §10), one seed.
+"""Calibration bands of the two tables in benchmarks/ (docs/design.md §10), one seed.
 
 The bands: unstable formulations keep ~0 digits in fp32 (classical) and ~0-1 (operators);
 stabilized ones keep >= 5.5 of fp32's 7.22 and >= 14 of fp64's 15.95. The benchmark scripts print

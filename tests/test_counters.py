@@ -1,4 +1,4 @@
-"""CADNA's instability counters (DESIGN.md §5) on constructed cases of each kind."""
+"""CADNA's instability counters (docs/design.md §5) on constructed cases of each kind."""
 
 import math
 

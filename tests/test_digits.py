@@ -33,7 +33,7 @@ def _mp_t(n: int, conf: float) -> mpmath.mpf:
 
 
 def _mp_digits(col: list[float], conf: float) -> float:
-    """DESIGN.md §2: C = log10(sqrt(N)|mean| / (t sigma)), exact arithmetic on the samples."""
+    """docs/design.md §2: C = log10(sqrt(N)|mean| / (t sigma)), exact arithmetic on the samples."""
     with mpmath.workdps(50):
         xs = [mpmath.mpf(v) for v in col]
         n = len(xs)

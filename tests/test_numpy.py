@@ -45,7 +45,7 @@ M = np.outer(X[:3], Y[:3]).astype(np.float32)
 V = X[:3].copy()
 
 # Ufuncs whose results are (a selection of) input values: the rules neither round nor record
-# them (DESIGN.md §3); for exact inputs their samples stay identical.
+# them (docs/design.md §3); for exact inputs their samples stay identical.
 EXACT = {"absolute", "fabs", "negative", "positive", "conjugate", "floor", "ceil", "trunc",
          "rint", "sign", "maximum", "minimum", "nextafter"}
 # Signed zeros torch gives differently from NumPy: 2.5 % -2.5 is +0 (NumPy -0), max/min of

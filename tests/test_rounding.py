@@ -29,7 +29,7 @@ RANDOM_MODES = ("random", "stochastic")
 PROPS = settings(max_examples=40, derandomize=True, deadline=None,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
-# Oracle dtypes for round-to-nearest from fp32 (DESIGN.md §1: ml_dtypes for bf16/fp8, NumPy fp16).
+# Oracle dtypes for round-to-nearest from fp32 (docs/design.md §1: ml_dtypes for bf16/fp8, NumPy fp16).
 NP_DTYPES = {
     "bf16": ml_dtypes.bfloat16,
     "fp16": np.float16,

@@ -164,7 +164,7 @@ def round_and_stats(
 
 def perturb(samples: torch.Tensor, eta: float, seed: int, *,
             kernels: str = "auto") -> tuple[torch.Tensor, int]:
-    """GEMM data-perturbation surrogate on stacked samples ``[N, ...]`` (DESIGN.md §4).
+    """GEMM data-perturbation surrogate on stacked samples ``[N, ...]`` (docs/design.md §4).
 
     Returns the perturbed samples and the number of perturbed elements (one host transfer).
     Non-floating tensors pass through unchanged.

@@ -1,4 +1,4 @@
-"""Fused GEMM data-perturbation surrogate (DESIGN.md §4): separation test + perturbation.
+"""Fused GEMM data-perturbation surrogate (docs/design.md §4): separation test + perturbation.
 
 For stacked input samples ``[N, numel]`` an element is *close* when every sample is within
 ``eta * |mean|`` of the mean (identical samples included); close elements are multiplied, per

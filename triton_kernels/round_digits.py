@@ -1,4 +1,4 @@
-"""Fused rounding of stacked samples plus CESTAC digit statistics (DESIGN.md §2, §9).
+"""Fused rounding of stacked samples plus CESTAC digit statistics (docs/design.md §2, §9).
 
 One program owns a tile of ``ROWS x 128`` consecutive elements of every one of the N samples.
 Pass 1 loads each sample's tile, rounds it into the format with the chosen mode, stores it and

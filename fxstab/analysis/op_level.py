@@ -1,4 +1,4 @@
-"""The operator level's analysis of one captured graph (DESIGN.md §3): the plan (which nodes
+"""The operator level's analysis of one captured graph (docs/design.md §3): the plan (which nodes
 are instrumented, their stable names, the edges between them, which roundings carry their
 consumer GEMM's surrogate), decided once at compile time, and the analysed call: the
 deterministic path as captured, then the stochastic path (:class:`fxstab.rules.op_level.SampleTracer`,

@@ -41,7 +41,7 @@ _VIEW_KINDS = frozenset({"view", "reshape", "transpose", "permute", "getitem", "
 
 def selector(select: Any) -> Callable[[torch.fx.Node, str, str], bool]:
     """Build ``pred(node, kind, qualified_name)`` from the ``select`` option."""
-    if select is None:  # the default families, and custom operators (DESIGN.md §3)
+    if select is None:  # the default families, and custom operators (docs/design.md §3)
         return lambda node, kind, qn: kind in DEFAULT_KINDS or is_custom(node)
     if callable(select) and not isinstance(select, str):
         return lambda node, kind, qn: bool(select(node, qn))

@@ -1,4 +1,4 @@
-"""Stable operator names: ``module.path/kind#k`` (DESIGN.md §7).
+"""Stable operator names: ``module.path/kind#k`` (docs/design.md §7).
 
 The module path is the innermost module in the node's ``nn_module_stack`` (dynamo records it), in
 the dotted form of ``model.named_modules()`` (``blocks.3.attn``); ``kind`` is the operator kind
@@ -54,7 +54,7 @@ def module_path(node: torch.fx.Node) -> str:
 
 
 def op_name(path: str, kind: str, index: int) -> str:
-    """Stable operator name ``path/kind#index`` (``kind#index`` at the root; DESIGN.md §7)."""
+    """Stable operator name ``path/kind#index`` (``kind#index`` at the root; docs/design.md §7)."""
     return f"{path}/{kind}#{index}" if path else f"{kind}#{index}"
 
 

@@ -1,5 +1,5 @@
 """The eager driver: stochastic values that run the arithmetic-level rules primitive by
-primitive as the program executes (DESIGN.md §3).
+primitive as the program executes (docs/design.md §3).
 
 :mod:`.stochastic` holds :class:`StochasticTensor`, :func:`stochastic` and :func:`analyze`, and
 the registry other value types join through (:func:`register_value_type`); NumPy arrays join

@@ -1,4 +1,4 @@
-"""Stochastic values in eager PyTorch code: CADNA's ``float_st`` for tensors (DESIGN.md §3, §5).
+"""Stochastic values in eager PyTorch code: CADNA's ``float_st`` for tensors (docs/design.md §3, §5).
 
 ``fxstab.stochastic(x, format="fp32")`` returns a :class:`StochasticTensor`, a wrapper tensor
 subclass that holds N stacked samples and runs every aten primitive it meets through the

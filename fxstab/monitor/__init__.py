@@ -1,4 +1,4 @@
-"""Training-time stability monitor (DESIGN.md §8): detect operators going unstable in
+"""Training-time stability monitor (docs/design.md §8): detect operators going unstable in
 low-precision training and promote them to safer kernels without recompiling.
 
 Entry point: :class:`StabilityMonitor` (``monitor.backend()`` for ``torch.compile``,

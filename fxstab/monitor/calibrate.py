@@ -1,4 +1,4 @@
-"""Threshold calibration from clean versus injected-instability scores (DESIGN.md §8).
+"""Threshold calibration from clean versus injected-instability scores (docs/design.md §8).
 
 Clean operators of different families disperse differently: in the CPU WikiText-2 experiment
 clean softmax S stayed near 0.0013 on the initial model while clean attention-score matmuls

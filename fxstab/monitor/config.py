@@ -1,4 +1,4 @@
-"""Configuration of the stability monitor (DESIGN.md §8): modes and the frozen config."""
+"""Configuration of the stability monitor (docs/design.md §8): modes and the frozen config."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Per-operator implementations of the monitor's modes (DESIGN.md §8).
+"""Per-operator implementations of the monitor's modes (docs/design.md §8).
 
 Every implementation has the signature ``impl(args, kwargs)`` and takes the operator's own
 arguments (the ones the model passed to ``F.linear``, ``Tensor.softmax``...). Outputs keep the

@@ -2,7 +2,7 @@
 
 Randomness in fxstab is a function of (seed, counter), never a stored random tensor, so a
 Triton kernel (which calls ``tl.philox``/``tl.randint``) and the plain-torch reference here
-produce the same bits and can be compared with ``atol=0`` (DESIGN.md §9).
+produce the same bits and can be compared with ``atol=0`` (docs/design.md §9).
 
 The layout of the streams is part of the contract shared with ``fxstab.kernels``:
 

@@ -1,4 +1,4 @@
-"""Rounding of floating tensors into a simulated format (DESIGN.md §1).
+"""Rounding of floating tensors into a simulated format (docs/design.md §1).
 
 The rounding works on the bit patterns of the working dtype (fp32 or fp64): truncating the low
 ``shift`` bits of |x| gives the lower neighbour ``lo`` on the format's grid, adding one unit at
@@ -59,7 +59,7 @@ _SIGN = {torch.int32: -(1 << 31), torch.int64: -(1 << 63)}
 
 
 def sample_draws(n_samples: int) -> tuple[list[int], list[bool]]:
-    """Cross-sample scheme of DESIGN.md §1: (draw index, flipped) for each sample.
+    """Cross-sample scheme of docs/design.md §1: (draw index, flipped) for each sample.
 
     CADNA's rule for N=3: samples 0 and 1 draw independent directions, sample 2 takes the
     opposite of sample 1. In general the samples pair up antithetically (for odd N the first
@@ -253,7 +253,7 @@ def round_samples(
     *,
     saturate: bool = False,
 ) -> torch.Tensor:
-    """Round stacked samples ``[N, ...]`` with the cross-sample scheme of DESIGN.md §1.
+    """Round stacked samples ``[N, ...]`` with the cross-sample scheme of docs/design.md §1.
 
     In ``random`` mode sample ``i`` uses draw ``sample_draws(N)[0][i]`` and, for the antithetic
     member of a pair, the complement of its partner's bit; in ``stochastic`` mode sample ``i``

@@ -1,4 +1,4 @@
-"""GEMM data-perturbation surrogate (DESIGN.md §4), plain-torch reference.
+"""GEMM data-perturbation surrogate (docs/design.md §4), plain-torch reference.
 
 A GEMM is one vendor kernel whose internal rounding fxstab does not see. When an input's samples
 are insufficiently separated, each sample's copy of that input is perturbed by a relative factor

@@ -1,4 +1,4 @@
-"""CADNA's instability counters at the arithmetic level (DESIGN.md §5).
+"""CADNA's instability counters at the arithmetic level (docs/design.md §5).
 
 Each aten primitive executed on stacked samples is checked against CADNA's taxonomy. CADNA counts
 *events*: one per scalar operation that met the condition. A tensor primitive is many scalar

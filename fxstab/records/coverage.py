@@ -1,4 +1,4 @@
-"""How each operator of the captured graphs ran on the samples (DESIGN.md §3, coverage).
+"""How each operator of the captured graphs ran on the samples (docs/design.md §3, coverage).
 
 Every call node of an analysed graph gets one :class:`CoverageEntry`:
 

@@ -45,7 +45,7 @@ class OpReport:
     """Digits of one instrumented operator's output in one analysed call.
 
     ``name`` is stable across runs and unrelated edits: ``module.path/kind#k`` where ``k``
-    counts the operators of that kind within that module, in graph order (DESIGN.md §7).
+    counts the operators of that kind within that module, in graph order (docs/design.md §7).
     ``inputs`` names the instrumented operators whose outputs feed this one (graph edges).
     """
 

@@ -1,4 +1,4 @@
-"""Running one primitive on all N samples at once (DESIGN.md §3).
+"""Running one primitive on all N samples at once (docs/design.md §3).
 
 Pointwise primitives run directly on the samples with ranks aligned (:func:`aligned`); hot
 views, reductions, softmax and GEMMs have a batcher in the table :data:`BATCHERS` (registered

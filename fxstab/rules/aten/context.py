@@ -73,7 +73,7 @@ class AtenContext:
             caller passes its own ``salt``.
         rounding: Rounding mode of every result (``random``: CESTAC).
         confidence: Student-t confidence of the digits.
-        diagnostics: ``off`` | ``summary`` | ``detailed`` (counters, DESIGN.md §5).
+        diagnostics: ``off`` | ``summary`` | ``detailed`` (counters, docs/design.md §5).
         cancel_digits: Digits an add/sub must lose to count as a cancellation (CADNA: 4).
         zero_threshold: Digits below which a value is a computational zero (0.5).
         recorder: Called with a :class:`PrimitiveRecord` for every recorded primitive.
@@ -87,8 +87,8 @@ class AtenContext:
             roundoff, docs/design.md §4).
         record_exact: Also record digit statistics of exact primitives (views, selections).
         round_per_sample: Round the results of a primitive that vmap cannot batch (it runs once
-            per sample; status ``per_sample``) like any other, as the backend does (DESIGN.md
-            §3); ``False`` (the eager driver) leaves them unrounded (status ``unlifted``).
+            per sample; status ``per_sample``) like any other, as the backend does
+            (docs/design.md §3); ``False`` (the eager driver) leaves them unrounded (status ``unlifted``).
 
     Derived once (read by the rules' modules): ``fmt``, ``working_dtype``, ``complex_dtype``,
     ``eft`` (the fp64 format's error-free rounding), ``cap`` (the format's digit cap), ``t``

@@ -1,4 +1,4 @@
-"""CADNA's counters at the arithmetic level (DESIGN.md §5), from the digits the rules already
+"""CADNA's counters at the arithmetic level (docs/design.md §5), from the digits the rules already
 have: which counters a primitive triggers (:func:`compute_counters`, :func:`limit_diff` for
 max/min/clamp), and counting them into the context, the open collectors and per-event records
 (:func:`count_found`)."""

@@ -1,5 +1,5 @@
 """The composite operators the arithmetic level lowers into primitives: one table for both
-drivers (DESIGN.md §3 ``aten``).
+drivers (docs/design.md §3 ``aten``).
 
 :data:`DECOMPOSED` names the composites (softmax, the norms, the activations, the losses...)
 whose primitives the rules must see, so that the digits and counters are those of the

@@ -1,10 +1,10 @@
-"""Rounding of a primitive's results into the format (DESIGN.md §1), with their measurement.
+"""Rounding of a primitive's results into the format (docs/design.md §1), with their measurement.
 
 :func:`round_measure` rounds stacked samples and measures their digits in one pass of the fused
 CPU kernel (or the references: :func:`fxstab.numerics.rounding.round_samples` and torch digits);
 the fp64 format rounds through error-free transformations (:func:`round_fp64`), complex values
 part by part (:func:`round_complex`); :func:`perturb_operand` is the GEMM surrogate
-(DESIGN.md §4).
+(docs/design.md §4).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ __all__ = ["round_stacked", "round_measure", "round_fp64", "round_complex", "per
 
 def round_stacked(samples: torch.Tensor, fmt: Format, mode: Rounding, seed: int, *,
                   saturate: bool = False, kernels: str = "auto") -> torch.Tensor:
-    """Round stacked samples into ``fmt`` with the cross-sample scheme of DESIGN.md §1.
+    """Round stacked samples into ``fmt`` with the cross-sample scheme of docs/design.md §1.
 
     The same bits as :func:`fxstab.numerics.rounding.round_samples` (Philox streams), through the fused
     CPU kernel where it runs (``kernels`` ``auto``/``cpu``) and the reference elsewhere.
@@ -107,7 +107,7 @@ _PROBE = 1.0 + 2.0 ** -9  # between bf16's neighbours 1 and 1 + 2**-7
 _PROBE_FORMAT = get_format("bf16")
 
 
-# Error-free transformations for the fp64 format (DESIGN.md §1): the working dtype is the
+# Error-free transformations for the fp64 format (docs/design.md §1): the working dtype is the
 # format, so the side of the exact result must be computed, not read off extra bits.
 _SPLIT = 134217729.0  # 2**27 + 1, Veltkamp's splitter for binary64
 
@@ -187,7 +187,7 @@ def round_fp64(kind: str, op, args: tuple, kwargs: dict, y: torch.Tensor, seed: 
 
 
 def perturb_operand(samples: torch.Tensor, eta: float, seed: int, ctx: AtenContext) -> tuple[torch.Tensor, int]:
-    """The GEMM surrogate (DESIGN.md §4): :func:`fxstab.numerics.surrogate.perturb_samples`, through the
+    """The GEMM surrogate (docs/design.md §4): :func:`fxstab.numerics.surrogate.perturb_samples`, through the
     fused kernel where it runs (same bits)."""
     if ctx.native_for(samples):
         return native.perturb(samples, eta, seed)

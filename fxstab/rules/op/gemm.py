@@ -6,7 +6,7 @@ inside the product, each call anew). Otherwise ``linear`` (a plain weight: one a
 N x batch rows; vmap would split it into mm + add) and ``scaled_dot_product_attention`` (any
 leading dims; folded over the samples: :func:`fxstab.rules.lifting.attention_folded`) take
 the stacked samples directly; the others are lifted by the default rule. The GEMM surrogate
-(DESIGN.md §4) runs before any of these, in the tracer."""
+(docs/design.md §4) runs before any of these, in the tracer."""
 
 from __future__ import annotations
 
