@@ -7,7 +7,8 @@ paths given, in order:
   generated CI workflow keeps them): each subfolder, sorted by name, is a point whose targets
   are its files' names;
 - a folder of maps and no subfolder, or map files: each map is a point of its own target
-  (its ``target_name``, else its ``target``), sorted by name within a folder.
+  (its ``target``, else its ``target_name``, else the file's name), sorted by name within a
+  folder.
 
 A point is labelled with its maps' commit (``git_commit``, 10 characters), else its folder's
 or file's name. :func:`fxstab.plots.html.history_page` draws them; :func:`trend_lines` is the
@@ -28,7 +29,7 @@ Point = tuple  # (label, {target: DigitMap})
 
 def _target_of(dm: DigitMap, path: Path) -> str:
     meta = dm.metadata
-    return str(meta.get("target_name") or meta.get("target") or path.stem)
+    return str(meta.get("target") or meta.get("target_name") or path.stem)
 
 
 def _label(maps: dict, default: str) -> str:

@@ -11,6 +11,7 @@ are not run; ``fxstab.__file__`` is checked to lie in the new environment.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -142,3 +143,66 @@ def test_installed_wheel_analyses_and_runs_the_demo(venv, tmp_path):
     demo = _run([str(python), "-m", "fxstab", "demo"], cwd=work, env=env, timeout=300).stdout
     origin = [line for line in demo.splitlines() if "NaN/inf first appear at" in line]
     assert origin and "/exp#" in origin[0], demo[-3000:]
+
+
+# --------------------------------------------------------------------------- the README
+def readme_steps(text: str) -> list:
+    """The README's runnable steps, in order: ("file", name, text) for a ```toml block whose
+    first line is ``# FILE`` (written where the commands run), ("sh", command) for each line of
+    a ```bash block that starts with ``fxstab ``, and ("py", code) for a ```python block that
+    starts with an import (a whole program; the other Python blocks are fragments that use a
+    model of the reader's own)."""
+    steps = []
+    for lang, body in re.findall(r"```(\w+)\n(.*?)```", text, re.S):
+        first = body.splitlines()[0] if body.strip() else ""
+        if lang == "toml" and first.startswith("# "):
+            steps.append(("file", first[2:].strip(), body))
+        elif lang == "bash":
+            steps += [("sh", ln.split("  #")[0].strip()) for ln in body.splitlines()
+                      if ln.startswith("fxstab ")]
+        elif lang == "python" and first.startswith(("import ", "from ")) and \
+                "fxstab.integrations" not in body:
+            steps.append(("py", body))
+    return steps
+
+
+def test_readme_steps_are_found():
+    steps = readme_steps((REPO / "README.md").read_text())
+    commands = [s[1] for s in steps if s[0] == "sh"]
+    assert "fxstab plan fxstab.demo:build --format fp16 --keep 1.2 -o plan.json --apply-check" \
+        in commands
+    assert any(c.startswith("fxstab record fxstab.demo:build") for c in commands)
+    assert any(c.startswith("fxstab ci init") for c in commands)
+    assert ("file", "pyproject.toml") in [s[:2] for s in steps]
+    assert any("backward=True" in s[1] for s in steps if s[0] == "py")
+    assert not any("tests.models" in s[-1] or "fxstab/demo.py" in s[-1] for s in steps)
+
+
+def test_every_readme_command_works_from_the_installed_wheel(venv, tmp_path):
+    """Each README command, run as a user of the wheel runs it: in a fresh folder outside the
+    checkout (a git repository, as `fxstab ci init` expects), with the wheel's `fxstab`."""
+    python, site = venv
+    work = tmp_path / "project"
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env["PYTHONNOUSERSITE"] = "1"
+    env["PATH"] = f"{python.parent}{os.pathsep}{env.get('PATH', '')}"
+    subprocess.run(["git", "init", "-q"], cwd=work, check=True)
+    assert (python.parent / "fxstab").is_file()  # the wheel's console script
+    for step in readme_steps((REPO / "README.md").read_text()):
+        if step[0] == "file":
+            (work / step[1]).write_text(step[2])
+            continue
+        if step[0] == "sh":
+            cmd = ["bash", "-c", step[1]]
+            ok = (0, 1) if step[1].startswith("fxstab diff") else (0,)  # 1: the gate failed
+        else:
+            (work / "snippet.py").write_text(step[1])
+            cmd, ok = [str(python), "snippet.py"], (0,)
+        proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True,
+                              timeout=900)
+        assert proc.returncode in ok, (f"{step[0]}: {step[1][:300]}\nexit {proc.returncode}\n"
+                                       f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    for made in ("base.json", "head.json", "plan.json", "head.html", "diff.html",
+                 "maps/demo.json", ".github/workflows/fxstab.yml", "history.html"):
+        assert (work / made).is_file(), made
