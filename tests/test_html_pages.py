@@ -446,3 +446,168 @@ def test_stability_monitor_saves_its_page(tmp_path):
     assert [o["name"] for o in data["ops"]] == list(mon.history)
     assert all(len(o["checks"]) == len(mon.history[o["name"]]) for o in data["ops"])
     assert data["ops"][0]["warn"] == mon.config.tau_warn
+
+
+# --------------------------------------------------------------------------- issue 45
+def test_map_page_fits_1280_px_and_its_title_names_the_model_and_the_file(browser, demo_map,
+                                                                            tmp_path):
+    out = tmp_path / "demo.html"
+    assert main(["show", str(demo_map), "--html", str(out)]) == 0
+    dm = DigitMap.load(demo_map)
+    pg = Opened(browser, out, width=1280)
+    page = pg.page
+    try:
+        assert pg.errors == []
+        assert page.title() == f"fxstab digit map: {dm.metadata['target']} ({demo_map.name})"
+        # every operator's label inside its box; a shortened one ends as the name ends
+        fits = page.eval_on_selector_all("#graph g.op", """gs => gs.map(g => {
+            const t = g.querySelector("text.lbl"), r = g.querySelector("rect.box");
+            return [t.getComputedTextLength(), +r.getAttribute("width"), t.textContent,
+                    t.dataset.full];
+        })""")
+        assert len(fits) == len(dm)
+        for width, box, shown, full in fits:
+            assert width <= box - 4, (shown, width, box)
+            assert shown == full or (shown.startswith("\u2026") and full.endswith(shown[1:]))
+        # no horizontal cut: neither the page nor the table scrolls sideways
+        assert page.evaluate("document.documentElement.scrollWidth") <= 1280
+        assert page.eval_on_selector("#table", "e => e.scrollWidth - e.clientWidth") <= 1
+        # local loss is never negative
+        page.click("#table th:text-is('local loss')")
+        col = page.eval_on_selector_all("#table thead th", "ths => ths.map(t => t.textContent)"
+                                        ).index("local loss")
+        cells = page.eval_on_selector_all(
+            "#table tbody tr", f"trs => trs.map(t => t.cells[{col}].textContent)")
+        numbers = [float(c) for c in cells if re.fullmatch(r"-?[\d.]+", c)]
+        assert numbers and min(numbers) >= 0.0, cells
+    finally:
+        pg.close()
+
+
+def test_a_python_saved_map_is_titled_by_its_operators_and_format():
+    dm = DigitMap.from_reports([_rep("a/linear#0", 2.0)], metadata={"format": "bf16"})
+    assert html.map_title(dm) == "fxstab digit map: 1 operators in bf16"
+    assert "<title>fxstab digit map: 1 operators in bf16</title>" in html.map_page(dm)
+    assert html.map_title(dm, "/x/y/run.json") == "fxstab digit map: 1 operators in bf16 (run.json)"
+
+
+def test_heatmap_row_labels_are_cut_at_their_start_to_fit(browser, tmp_path):
+    out = html.write_page(html.map_page(training_map(blocks=3, steps=4)), tmp_path / "t.html")
+    pg = Opened(browser, out, width=1280)
+    try:
+        name = "blocks.12.attn.qkv/linear#0" * 4
+        shown, width = pg.page.evaluate("""name => {
+            const ctx = document.createElement("canvas").getContext("2d");
+            ctx.font = "11px system-ui, sans-serif";
+            const s = FX.fitLeft(ctx, name, 120);
+            return [s, ctx.measureText(s).width];
+        }""", name)
+        assert width <= 120 and shown.startswith("\u2026") and name.endswith(shown[1:])
+        assert pg.errors == []
+    finally:
+        pg.close()
+
+
+def test_a_passing_diff_page_names_its_files_and_says_nothing_failed(browser, demo_map,
+                                                                      tmp_path):
+    other = tmp_path / "head.json"
+    other.write_text(demo_map.read_text())
+    out = tmp_path / "diff.html"
+    assert main(["diff", str(demo_map), str(other), "--html", str(out)]) == 0
+    pg = Opened(browser, out, width=1280)
+    page = pg.page
+    try:
+        assert pg.errors == []
+        assert page.title().startswith(f"fxstab diff: {demo_map.name}") and "head.json" in \
+            page.title()
+        assert page.locator("#verdict").inner_text().startswith("PASS")
+        heading = page.locator("#failed-section h2").inner_text()
+        assert heading == "Nothing failed the gate", heading
+        assert page.evaluate("document.documentElement.scrollWidth") <= 1280
+    finally:
+        pg.close()
+
+
+def _history_folder(tmp_path: Path) -> Path:
+    """Three commits of two targets; the second target's softmax loses a digit at the third
+    and its output goes NaN there."""
+    root = tmp_path / "maps"
+    for k, sha in enumerate(("a1b2c3d4e5f6", "b2c3d4e5f6a1", "c3d4e5f6a1b2")):
+        folder = root / f"2026120{k + 1}T120000-{sha[:10]}"
+        folder.mkdir(parents=True)
+        for target in ("mlp", "lm"):
+            reps, prev = [], ()
+            for j, name in enumerate(("emb/linear#0", "attn/softmax#0", "head/linear#0")):
+                d = 2.3 - 0.1 * j - (1.0 if target == "lm" and k == 2 and j >= 1 else 0.0)
+                r = _rep(name, d, prev, step=0)
+                if target == "lm" and k == 2 and j == 2:
+                    r = _rep(name, d, prev, step=0, bad=True)
+                reps.append(r)
+                prev = (name,)
+            DigitMap.from_reports(reps, metadata={"seed": 0, "format": "bf16",
+                                                  "git_commit": sha}).save(folder / f"{target}.json")
+    return root
+
+
+def test_history_page_in_chromium(browser, tmp_path, capsys):
+    root = _history_folder(tmp_path)
+    out = tmp_path / "history.html"
+    assert main(["history", str(root), "--html", str(out), "--top", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "3 commit(s): a1b2c3d4e5 .. c3d4e5f6a1" in text
+    assert "output head/linear#0: 2.10 -> 1.10 (-1.00)" in text  # lm's output, first -> last
+    pg = Opened(browser, out, width=1280)
+    page = pg.page
+    try:
+        assert pg.errors == []
+        assert pg.load_s < LOAD_LIMIT_S
+        assert page.locator("section.target h2").all_inner_texts() == ["lm", "mlp"]  # by file name
+        # each target: its output and its 2 worst operators (the output among them) as lines
+        assert page.locator("#lines-0 path.series").count() == 2
+        assert page.locator("#lines-0 path.bad").count() == 1  # lm's NaN output at commit 3
+        head = page.eval_on_selector_all("#table-0 thead th", "ths => ths.map(t => t.textContent)")
+        assert head == ["operator", "role", "a1b2c3d4e5", "b2c3d4e5f6", "c3d4e5f6a1", "change"]
+        rows = page.eval_on_selector_all(
+            "#table-0 tbody tr", "trs => trs.map(t => [...t.cells].map(c => c.textContent))")
+        out_row = next(r for r in rows if r[0] == "head/linear#0")
+        assert out_row[1] == "output" and out_row[2] == "2.10" and out_row[-1] == "-1.00"
+        assert out_row[4].endswith("NaN/inf")
+        page.select_option("#metric", "min")
+        assert page.locator("#lines-1 path.series").count() >= 1 and pg.errors == []
+        assert page.evaluate("document.documentElement.scrollWidth") <= 1280
+    finally:
+        pg.close()
+    assert main(["history", str(tmp_path / "absent")]) == 2
+    assert "no such file or folder" in capsys.readouterr().err
+
+
+def test_monitor_table_and_page_say_never_checked(browser, tmp_path):
+    from fxstab.monitor import StabilityMonitor
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8),
+                                torch.nn.Softmax(-1))
+    mon = StabilityMonitor(period=1)
+    wrapped = mon.wrap(model)
+    x = torch.randn(4, 8)
+    wrapped(x)
+    mon.step()  # one step: one operator checked, the others not yet
+    never = [n for n in mon.history if not mon.history[n]]
+    assert never, mon.history
+    table = mon.table()
+    for n in never:
+        line = next(ln for ln in table.splitlines() if ln.startswith(n))
+        assert "not checked" in line, line
+    out = mon.save_html(tmp_path / "mon.html")
+    pg = Opened(browser, out, width=1280)
+    try:
+        assert pg.errors == []
+        rows = pg.page.eval_on_selector_all(
+            "#table tbody tr", "trs => trs.map(t => [...t.cells].map(c => c.textContent))")
+        for r in rows:
+            if r[0] in never:
+                assert r[3] == "not checked yet", r
+            else:
+                assert re.fullmatch(r"[\d.e+-]+", r[3]), r
+    finally:
+        pg.close()

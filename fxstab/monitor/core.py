@@ -3,7 +3,7 @@
 Both front ends (``monitor.backend()`` for ``torch.compile`` and ``monitor.wrap(model)`` for
 eager models) discover operators, name them ``module.path/kind#k`` and route every call of a
 candidate through :meth:`StabilityMonitor.route`, which runs the operator's current mode and,
-when the schedule says so, K perturbed replicas of it (DESIGN.md §8).
+when the schedule says so, K perturbed replicas of it (docs/design.md §8).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def _floats_of(out: Any) -> list[torch.Tensor]:
 
 
 class StabilityMonitor:
-    """Always-on stability monitor for low-precision training (DESIGN.md §8).
+    """Always-on stability monitor for low-precision training (docs/design.md §8).
 
     Example::
 
@@ -556,10 +556,12 @@ class StabilityMonitor:
         return html.write_page(html.monitor_page(self.history, self.summary(), cut), path)
 
     def table(self) -> str:
-        """Operators as text: name, mode, score, checks."""
+        """Operators as text: name, mode, score, checks; an operator not checked yet says so
+        (its score is no measurement, not 0)."""
         w = max([len(n) for n in self._order] + [8])
-        lines = [f"{'operator':<{w}}  {'mode':<17}  {'score':>9}  checks"]
+        lines = [f"{'operator':<{w}}  {'mode':<17}  {'score':>11}  checks"]
         for n in self._order:
             op = self._ops[n]
-            lines.append(f"{n:<{w}}  {op.mode.name:<17}  {op.score:9.3g}  {op.checks}")
+            score = f"{op.score:11.3g}" if op.checks else f"{'not checked':>11}"
+            lines.append(f"{n:<{w}}  {op.mode.name:<17}  {score}  {op.checks}")
         return "\n".join(lines)

@@ -450,6 +450,6 @@ const FX = (() => {
   }
 
   return {DATA, ORIGIN, num, fmt, fmtg, digitColour, inkFor, scaleGradient, esc, $, $$, globRe,
-          showTip, moveTip, hideTip, initGraph, initZoom, makeTable, heatmap, linePlot,
+          showTip, moveTip, hideTip, initGraph, initZoom, makeTable, heatmap, linePlot, fitLeft,
           PALETTE, ready};
 })();

@@ -38,7 +38,8 @@
     ops.map((o, i) => i).sort((a, b) => peak(b) - peak(a)).slice(0, 4).forEach(i => sel.push(i));
   }
   function draw() {
-    FX.heatmap($("#heat"), ops.map(o => o.name), stepLabels, (r, c) => {
+    // an operator never checked has no score yet: its row says so (a blank row would read as 0)
+    FX.heatmap($("#heat"), ops.map(o => o.checks.length ? o.name : o.name + " (not checked yet)"), stepLabels, (r, c) => {
       const ch = at[r].get(c);
       const p = promoAt.get(r + ":" + c);
       if (!ch && !p) return null;
@@ -83,9 +84,9 @@
     {label: "mode", get: r => r.o.mode},
     {label: "checks", num: true, get: r => r.o.checks.length, html: r => String(r.o.checks.length)},
     {label: "last score", num: true, get: r => last(r.o) ? last(r.o)[2] : null,
-     html: r => last(r.o) ? fmtg(last(r.o)[2]) : ""},
+     html: r => last(r.o) ? fmtg(last(r.o)[2]) : '<span class="muted unchecked">not checked yet</span>'},
     {label: "peak score", num: true, get: r => Math.max(-Infinity, ...r.o.checks.map(c => num(c[2])).filter(Number.isFinite)),
-     html: r => r.o.checks.length ? fmtg(Math.max(-Infinity, ...r.o.checks.map(c => num(c[2])).filter(Number.isFinite))) : ""},
+     html: r => r.o.checks.length ? fmtg(Math.max(-Infinity, ...r.o.checks.map(c => num(c[2])).filter(Number.isFinite))) : '<span class="muted">-</span>'},
     {label: "tau_warn", num: true, get: r => r.o.warn, html: r => fmtg(r.o.warn)},
     {label: "tau_safe", num: true, get: r => r.o.safe, html: r => fmtg(r.o.safe)},
   ], rows, i => {
