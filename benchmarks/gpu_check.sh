@@ -76,7 +76,8 @@ step e2e_aten 60 "$PY" benchmarks/gpu_e2e.py --step aten --out "$OUTDIR" "${E2E[
 step e2e_backward 45 "$PY" benchmarks/gpu_e2e.py --step backward --out "$OUTDIR" "${E2E[@]}"
 step e2e_monitor 45 "$PY" benchmarks/gpu_e2e.py --step monitor --out "$OUTDIR" "${E2E[@]}"
 step e2e_inductor 60 "$PY" benchmarks/gpu_e2e.py --step inductor --out "$OUTDIR" "${E2E[@]}"
-# the GEMM accumulator's Triton kernel: bit for bit the CPU reference, GB/s against torch.matmul
+# the GEMM accumulator's Triton kernel: bit for bit the CPU reference (the aligned fp8 presets
+# on nvfp4/mxfp4/mxfp6/mxfp8 operands too), GB/s against torch.matmul
 step e2e_accumulate 30 "$PY" benchmarks/gpu_e2e.py --step accumulate --out "$OUTDIR" "${E2E[@]}"
 
 if [ $DRY -eq 0 ]; then

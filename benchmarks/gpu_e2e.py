@@ -17,7 +17,8 @@ rotting before a device arrives. Steps:
   entries in the map).
 * ``monitor``: ten monitored AdamW steps of a small LM, interleaved with the plain step
   (overhead per step, checks run).
-* ``accumulate``: the GEMM accumulator's Triton kernel (``fxstab.kernels.accumulate``, issue 31)
+* ``accumulate``: the GEMM accumulator's Triton kernel (``fxstab.kernels.accumulate``, issue 31;
+  issue 43's aligned fp8 presets on nvfp4/MX operands)
   compiled on the device: its result bit for bit the CPU reference's (``emulate_matmul``, the
   analysis's draws with ``samples=True``) in a random, a toward-zero and a nearest
   accumulator, with and without promotion; then its time on linears of the samples ([3, 1024,
@@ -281,6 +282,15 @@ def step_accumulate(device: str, dry: bool) -> dict:
         same = torch.equal(got.view(torch.int32), want.view(torch.int32))
         rows.append({"case": f"{acc.label} samples={samples}", "bit_identical": same})
         ok = ok and same
+    # issue 43: the aligned fp8 presets (the hardware's product of the bias term), on the
+    # recipes' operands (nvfp4, MX: scaled and rounded before the kernel, as on the CPU)
+    for acc, inputs in (("fp8-fast", None), ("fp8-promoted", "nvfp4"), ("fp8-promoted", "mxfp4"),
+                        ("fp8-fast", "mxfp6"), ("fp8-promoted", "mxfp8")):
+        got = emulate_matmul_triton(a[:1].to(device), w.to(device), acc, inputs=inputs).cpu()
+        want = emulate_matmul(a[:1], w, acc, inputs=inputs)
+        same = torch.equal(got.view(torch.int32), want.view(torch.int32))
+        rows.append({"case": f"{acc} operands={inputs or 'fp32'}", "bit_identical": same})
+        ok = ok and same
     # speed: linears of 3 samples in fp32, the analysis's accumulator
     acc = Accumulation((8, 13), 32, 128, "random")
     shapes = [(16, 64, 8)] if dry else [(1024, 4096, 1024), (1024, 1024, 4096)]
@@ -298,6 +308,16 @@ def step_accumulate(device: str, dry: bool) -> dict:
                      "matmul_gbps": nbytes / t_mm / 1e9,
                      "kernel_tflops": 2 * 3 * m * k * n / t_kernel / 1e12,
                      "ratio": t_kernel / t_mm})
+    # the aligned preset on one sample (the analysis's bias term), against torch.matmul
+    m, k, n = (16, 64, 8) if dry else (1024, 1024, 1024)
+    x = torch.randn(1, m, k, generator=g).to(device)
+    wt = torch.randn(k, n, generator=g).to(device)
+    t_kernel = _time(lambda: emulate_matmul_triton(x, wt, "fp8-promoted"), device,
+                     2 if dry else 5)
+    t_mm = _time(lambda: torch.matmul(x, wt), device, 2 if dry else 5)
+    rows.append({"shape": f"[1, {m}, {k}] @ [{k}, {n}]", "accumulator": "fp8-promoted (aligned)",
+                 "kernel_ms": t_kernel * 1e3, "matmul_ms": t_mm * 1e3,
+                 "ratio": t_kernel / t_mm})
     return {"pass": ok, "rows": rows}
 
 

@@ -340,8 +340,11 @@ def test_an_analysed_linear_reports_its_operands_block_statistics_and_the_findin
     assert doc["operators"][0]["operand_underflow"] == op.operand_underflow
     back = DigitMap.from_json(dm.to_json())
     assert back.operators["linear#0"].operand_underflow == op.operand_underflow
+    # where its digits go: the recipe's operands' digits beside the accumulator's
+    assert 0 <= r.operand_min_digits <= r.operand_digits < 3 and op.operand_digits > 0
+    assert back.operators["linear#0"].operand_digits == op.operand_digits
     for k in ("operand_elements", "operand_underflow", "operand_saturation",
-              "operand_scale_min", "operand_scale_max"):
+              "operand_scale_min", "operand_scale_max", "operand_digits", "operand_min_digits"):
         del doc["operators"][0][k]
     old = DigitMap.from_json(json.dumps(doc)).operators["linear#0"]
     assert old.operand_elements == 0 and math.isnan(operand_percent(old)[0])
@@ -350,3 +353,47 @@ def test_an_analysed_linear_reports_its_operands_block_statistics_and_the_findin
     plain = fxstab.backend(format="fp32")
     torch.compile(lin, backend=plain)(x)
     assert all(r.operand_elements == 0 for r in plain.reports)
+
+
+def test_where_a_gemms_digits_go_operands_against_accumulator():
+    """Item 3 of issue 43: modelled_gemm measures the digits the recipe's operands keep of the
+    program's product (exact sums of both, first sample) beside the accumulator's; the finding
+    names the larger loss with its fix."""
+    from types import SimpleNamespace
+
+    from fxstab.digitmap.operators import OperatorDigits, digit_budget_findings
+    from fxstab.numerics.digits import true_digits
+    from fxstab.rules.accumulation import accumulated_product, modelled_gemm
+    from fxstab.rules.lifting import Stacked
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 16, 512, generator=g, dtype=torch.float64)
+    w = torch.randn(24, 512, generator=g, dtype=torch.float64)
+    cfg = SimpleNamespace(gemm_scaling="mx32", rounding="random", kernels="torch")
+    got = {}
+    for fmt in ("fp8_e4m3", "fp4_e2m1"):
+        plan = SimpleNamespace(kind="linear", accumulate=Accumulation.parse("fp8-promoted"),
+                               gemm_inputs=get_format(fmt))
+        _, fig = modelled_gemm((Stacked(x), w), {}, plan, cfg, 9, lambda t: t.double(), 7.0)
+        rounded = accumulated_product((Stacked(x[:1]), w), {}, "linear", None, 9,
+                                      lambda t: t.double(), get_format(fmt), "mx32", "random",
+                                      "torch").samples
+        want = true_digits(rounded, x[:1] @ w.T, 7.0)
+        assert fig.operands["digits"] == pytest.approx(float(want.mean()), abs=1e-12)
+        assert fig.operands["min_digits"] == pytest.approx(float(want.min()), abs=1e-12)
+        got[fmt] = fig
+    assert got["fp4_e2m1"].operands["digits"] < got["fp8_e4m3"].operands["digits"] - 0.5
+    # promoted e8m13 keeps ~3.9 digits; e4m3 operands ~2, fp4 ~1: the operands cost more
+    assert got["fp8_e4m3"][0] > got["fp8_e4m3"].operands["digits"]
+
+    def op(name, ops, acc):
+        return OperatorDigits(name=name, kind="linear", module_path="", status="rounded",
+                              calls=1, numel=4, avg_digits=1.0, min_digits=1.0, max_digits=1.0,
+                              operand_elements=8, operand_digits=ops, accumulator_digits=acc)
+    findings = digit_budget_findings([op("a", 6.5, 2.0), op("b", 1.0, 3.5), op("c", 6.9, 6.8),
+                                      op("d", math.nan, 1.0)], cap=7.22)
+    assert len(findings) == 2
+    assert findings[0].startswith("the operands' recipe, not the accumulator, costs b 6.2 "
+                                  "digits")
+    assert findings[1].startswith("the accumulator, not the operands, costs a 5.2 digits")
+    assert "promote the partial sums into fp32 every 128" in findings[1]

@@ -79,6 +79,10 @@ class OperatorDigits(_Metrics):
     operand_saturation: int = 0
     operand_scale_min: float = math.nan
     operand_scale_max: float = math.nan
+    # the digits its recipe's operands keep of the program's product (exact sums of both;
+    # numel-weighted average, minimum), NaN where none was measured
+    operand_digits: float = math.nan
+    operand_min_digits: float = math.nan
 
     def as_dict(self) -> dict:
         return {
@@ -121,6 +125,8 @@ class StepDigits(_Metrics):
     operand_saturation: int = 0
     operand_scale_min: float = math.nan
     operand_scale_max: float = math.nan
+    operand_digits: float = math.nan
+    operand_min_digits: float = math.nan
 
 
 @dataclass
@@ -197,7 +203,7 @@ def aggregate(reports: Sequence[OpReport]) -> dict:
 
 
 OPERAND_KEYS = ("operand_elements", "operand_underflow", "operand_saturation",
-                "operand_scale_min", "operand_scale_max")
+                "operand_scale_min", "operand_scale_max", "operand_digits", "operand_min_digits")
 """A modelled GEMM's operand statistics (optional JSON keys, docs/accumulation.md)."""
 
 # a GEMM whose recipe flushes more than this share of its operands' non-zero elements to zero
@@ -211,7 +217,11 @@ def _operands(reports: Sequence[OpReport]) -> dict:
     measured = [r for r in reports if getattr(r, "operand_elements", 0)]
     if not measured:
         return {}
-    return {"operand_elements": sum(int(r.operand_elements) for r in measured),
+    digits = [r for r in measured if not math.isnan(getattr(r, "operand_digits", math.nan))]
+    return {"operand_digits": _weighted([float(r.operand_digits) for r in digits],
+                                        [int(r.numel) for r in digits]) if digits else math.nan,
+            "operand_min_digits": _nanmin(float(r.operand_min_digits) for r in digits),
+            "operand_elements": sum(int(r.operand_elements) for r in measured),
             "operand_underflow": sum(int(r.operand_underflow) for r in measured),
             "operand_saturation": sum(int(r.operand_saturation) for r in measured),
             "operand_scale_min": _nanmin(float(r.operand_scale_min) for r in measured),
@@ -219,10 +229,45 @@ def _operands(reports: Sequence[OpReport]) -> dict:
 
 
 def operand_keys(rec: "OperatorDigits | StepDigits") -> dict:
-    """The operands' statistics keys of a record's JSON, only where it has them."""
+    """The operands' statistics keys of a record's JSON, only where it has them (the digits
+    only where measured: JSON has no NaN)."""
     if not rec.operand_elements:
         return {}
-    return {k: getattr(rec, k) for k in OPERAND_KEYS}
+    return {k: getattr(rec, k) for k in OPERAND_KEYS
+            if not (k.endswith("digits") and math.isnan(getattr(rec, k)))}
+
+
+def digit_budget_findings(operators: Iterable["OperatorDigits"], cap: float,
+                          margin: float = 0.25) -> list[str]:
+    """Where a modelled GEMM's digits go, for the GEMMs that measured both its recipe's
+    operands (``operand_digits``: their exact product against the program's) and its
+    accumulator (``accumulator_digits``: its sum against the exact sum of those operands):
+    one finding per GEMM where one of the two costs at least ``margin`` x ``cap`` digits, the
+    larger loss named with its fix, largest first."""
+    rows = []
+    for op in operators:
+        ops_d, acc_d = op.operand_digits, op.accumulator_digits
+        if math.isnan(ops_d) or math.isnan(acc_d):
+            continue
+        lost_ops, lost_acc = cap - ops_d, cap - acc_d
+        if max(lost_ops, lost_acc) >= margin * cap:
+            rows.append((max(lost_ops, lost_acc), lost_ops, lost_acc, op))
+    rows.sort(key=lambda r: -r[0])
+    out = []
+    for _, lost_ops, lost_acc, op in rows:
+        if lost_acc >= lost_ops:
+            out.append(f"the accumulator, not the operands, costs {op.name} {lost_acc:.1f} "
+                       f"digits (its sum keeps {op.accumulator_digits:.2f} of the exact sum; "
+                       f"the recipe's operands keep {op.operand_digits:.2f} of the program's "
+                       f"product): promote the partial sums into fp32 every 128 elements of K "
+                       f"(accumulate='fp8-promoted') or accumulate in fp32")
+        else:
+            out.append(f"the operands' recipe, not the accumulator, costs {op.name} "
+                       f"{lost_ops:.1f} digits (the recipe's operands keep "
+                       f"{op.operand_digits:.2f} of the program's product; the accumulator "
+                       f"keeps {op.accumulator_digits:.2f} of their exact sum): scale in "
+                       f"smaller groups (block128, mx32, nvfp4) or use a wider operand format")
+    return out
 
 
 def operand_percent(rec: "OperatorDigits | StepDigits") -> tuple[float, float]:

@@ -254,6 +254,6 @@ def _extras(c: "_Checker", o: dict, where: str) -> dict:
     # a modelled GEMM's operand statistics in a recipe (optional, as above)
     for f in ("operand_elements", "operand_underflow", "operand_saturation"):
         out[f] = c.get(o, f, "a non-negative integer", where, False, 0)
-    for f in ("operand_scale_min", "operand_scale_max"):
+    for f in ("operand_scale_min", "operand_scale_max", "operand_digits", "operand_min_digits"):
         out[f] = c.get(o, f, "a number", where, False, math.nan)
     return out

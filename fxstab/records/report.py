@@ -91,6 +91,10 @@ class OpReport:
     operand_saturation: int = 0
     operand_scale_min: float = math.nan
     operand_scale_max: float = math.nan
+    # where its digits go: the digits the exact product of the recipe's operands keeps of the
+    # program's exact product (average, minimum; NaN: no recipe), beside accumulator_digits
+    operand_digits: float = math.nan
+    operand_min_digits: float = math.nan
 
     def as_dict(self) -> dict:
         d = asdict(self)

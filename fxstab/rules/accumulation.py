@@ -273,7 +273,8 @@ def modelled_gemm(a: tuple, kw: dict, plan: Any, cfg: Any, seed: int,
     Returns the samples and, with ``cap`` and an accumulator, the accumulator's own error
     (:func:`accumulator_error`): the hardware's accumulator (``D``; a random one: the first
     sample's) against the exact sum of the same operands, with the operands' statistics in
-    their recipe (:class:`GemmFigures`). None without an accumulator and a recipe, or without
+    their recipe and, with ``cap``, the digits the recipe's operands keep of the program's
+    product (both exact sums; :class:`GemmFigures`). None without an accumulator and a recipe, or without
     ``cap`` and a recipe."""
     acc, inputs = plan.accumulate, plan.gemm_inputs
     biased = acc is not None and biased_accumulator(acc)
@@ -303,6 +304,11 @@ def modelled_gemm(a: tuple, kw: dict, plan: Any, cfg: Any, seed: int,
         # alike (the exact product of the program's operands: the recipe's error around it)
         program = product(None, None) if inputs is not None else exact
         out = Stacked(with_bias(out.samples, value if biased else exact, exact, program))
+        if inputs is not None and cap is not None and figures is not None:
+            # where the digits go: the recipe's operands against the program's (the exact
+            # sums of both), beside the accumulator's figure against the former
+            figures.operands["digits"], figures.operands["min_digits"] = \
+                accumulator_error(exact, program, cap)
     return out, figures
 
 
