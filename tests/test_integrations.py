@@ -158,3 +158,55 @@ def test_lightning_trainer_with_the_callback(tmp_path):
     assert "train_loss" in scalars(tmp_path / "run")  # the module's own logging still works
     for (n, p), q in zip(module.named_parameters(), plain.parameters()):
         assert torch.equal(p, q), n
+
+
+# --------------------------------------------------------------------------- monitor mode
+def test_both_callbacks_step_a_stability_monitor_and_log_it(tmp_path):
+    pl = pytest.importorskip("pytorch_lightning", reason="the test extra installs it")
+    from pytorch_lightning.loggers import TensorBoardLogger
+    from transformers import Trainer, TrainingArguments
+
+    from fxstab.integrations.lightning import FxstabCallback as LitCallback
+    from fxstab.integrations.transformers import FxstabCallback as HFCallback
+
+    # transformers: the model wrapped by the monitor, the callback steps and logs it
+    mon = fxstab.StabilityMonitor(format="bf16", period=1)
+    model = mon.wrap(tiny_gpt2())
+    args = TrainingArguments(str(tmp_path / "hf"), max_steps=10, per_device_train_batch_size=4,
+                             logging_steps=5, report_to=["tensorboard"], use_cpu=True,
+                             save_strategy="no", disable_tqdm=True, seed=0,
+                             remove_unused_columns=False)
+    trainer = Trainer(model=model, args=args, train_dataset=batches())
+    cb = HFCallback.attach(trainer, every=5, monitor=mon)
+    trainer.train()
+    assert mon.checks_run > 0 and [r["step"] for r in cb.logged] == [5, 10]
+    tb = {k.removeprefix("train/"): v for k, v in scalars(tmp_path / "hf").items()}
+    assert sorted(s for s, _ in tb["fxstab/monitor_max_score"]) == [5, 10]
+    assert (tmp_path / "hf" / "fxstab" / "monitor.html").is_file()
+
+    # Lightning: the network inside the module wrapped
+    mon = fxstab.StabilityMonitor(format="bf16", period=1)
+
+    class LitGPT(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = mon.wrap(tiny_gpt2())
+
+        def training_step(self, batch, batch_idx):
+            return self.model(**batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    loader = torch.utils.data.DataLoader(batches(), batch_size=4)
+    lit = LitCallback(every=5, monitor=mon)
+    trainer = pl.Trainer(max_steps=10, accelerator="cpu",
+                         logger=TensorBoardLogger(str(tmp_path / "pl")),
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[lit])
+    trainer.fit(LitGPT(), loader)
+    assert mon.checks_run > 0 and [r["step"] for r in lit.logged] == [5, 10]
+    tb = scalars(tmp_path / "pl")
+    assert sorted(s for s, _ in tb["fxstab/monitor_max_score"]) == [5, 10]
+    assert math.isfinite(tb["fxstab/monitor_max_score"][-1][1])
+    assert (Path(trainer.log_dir) / "fxstab" / "monitor.html").is_file()
