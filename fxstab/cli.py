@@ -232,7 +232,13 @@ def _record_one(args: argparse.Namespace, spec: str, t: Any, output: str, plain:
     if t is not None:
         meta["target_name"] = t.name
     if hasattr(be, "digit_map"):
-        dm = be.digit_map()
+        import warnings
+
+        from .backend import CoverageWarning
+
+        with warnings.catch_warnings():  # said below, as record's own warning (with the fix)
+            warnings.simplefilter("ignore", CoverageWarning)
+            dm = be.digit_map()
         dm.metadata.update(meta)
     else:  # pragma: no cover - the backend offers digit_map(); reports are the fallback
         dm = DigitMap.from_reports(be.reports, metadata=meta)
@@ -290,7 +296,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _warn_coverage(cov: Any) -> None:
     """Warn (stderr) when less than 90% of the model's floating operators were analysed,
-    saying which were not and why (fxstab.records.coverage)."""
+    saying which were not, why (fxstab.records.coverage) and the fix (``select = "*"`` in
+    the settings file analyses the kinds left "not selected": fxstab.backend.coverage_fix)."""
+    from .backend import coverage_fix
     from .records.coverage import WARN_BELOW, coverage_lines
 
     if not isinstance(cov, dict) or cov.get("fraction") is None:
@@ -302,6 +310,11 @@ def _warn_coverage(cov: Any) -> None:
               f"the map:", file=sys.stderr)
         for line in coverage_lines(cov)[1:]:
             print(line, file=sys.stderr)
+        fix = coverage_fix(cov)
+        if fix.startswith("select="):  # record's selection is the settings file's
+            fix = fix.replace('select="*"', 'select = "*" (the settings file: [tool.fxstab] '
+                                            'or fxstab.toml)', 1)
+        print(f"  fix: {fix}", file=sys.stderr)
 
 
 # --------------------------------------------------------------------------- diff / show
@@ -474,11 +487,15 @@ def _cmd_history(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- parser
 _TARGET_CONTRACT = """\
-TARGET contract: TARGET is 'path/to/file.py:function'. fxstab imports the file (its folder and
-the current directory go first on sys.path), calls function() with no arguments and expects
-(model, example_inputs): a torch.nn.Module (or callable) and a tuple of positional inputs.
-torch.manual_seed(SEED) is set before the call, so a target that builds its model and inputs
-with torch's default generator is deterministic. """
+TARGET contract: TARGET is 'path/to/file.py:function' (fxstab imports the file; its folder and
+the current directory go first on sys.path) or 'package.module:function' (an installed package,
+or a module under the current directory). fxstab calls function() with no arguments (a target
+of the settings file: with its kwargs) and expects (model, example_inputs): a torch.nn.Module
+(or callable) and a tuple of positional inputs or a dict of keyword inputs, which must fit the
+model's forward. torch.manual_seed(SEED) is set before the call, so a target that builds its
+model and inputs with torch's default generator is deterministic. The options are checked
+before the model is built; the settings file (--config, docs/config.md) gives defaults that
+the flags override. """
 _RECORD_EPILOG = _TARGET_CONTRACT + """record compiles the model with the fxstab
 backend, runs it --calls times under torch.no_grad() (step 0, 1, ... of --phase), and saves
 the digit map as JSON. The same target, options and seed give the same digit map.
