@@ -27,9 +27,15 @@ lint: $(VENV)/.installed
 	cp -R fxstab $(LAYOUT)/fxstab && cp -R triton_kernels $(LAYOUT)/fxstab/kernels
 	cd $(LAYOUT) && $(abspath $(VENV))/bin/lint-imports $(CURDIR)/pyproject.toml --no-cache
 
-# Kernel tests run the Triton kernels on the CPU under the interpreter.
+# Kernel tests run the Triton kernels on the CPU under the interpreter; skips print their
+# reasons (-rs, pyproject.toml's addopts).
 test: $(VENV)/.installed lint
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider
+
+# What a developer runs between edits: every test but those marked slow (tests/conftest.py
+# marks them from measured durations), under 3 minutes on 2 cores; `make test` runs them all.
+test-fast: $(VENV)/.installed
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -m "not slow"
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_rounding.py

@@ -41,7 +41,9 @@ from .records.coverage import Coverage
 from .records.report import OpReport, ReportLog
 from .records.run import RunState
 
-__all__ = ["backend", "FxstabBackend", "default_backend", "get_default_backend", "NEVER_RAN"]
+__all__ = ["backend", "FxstabBackend", "default_backend", "get_default_backend", "NEVER_RAN",
+           "CoverageWarning", "PatternWarning", "coverage_warning", "coverage_fix",
+           "unmatched_pattern_warning"]
 
 # What digit_map() says when torch.compile never handed this backend a graph.
 NEVER_RAN = (
@@ -52,12 +54,121 @@ NEVER_RAN = (
     "check that the compiled model was called.")
 
 
+class CoverageWarning(UserWarning):
+    """Less than :data:`~fxstab.records.coverage.WARN_BELOW` of the floating operators were
+    analysed (:meth:`FxstabBackend.digit_map` says which were not, why, and the fix)."""
+
+
+class PatternWarning(UserWarning):
+    """A ``formats=``, ``accumulate=`` or ``gemm_inputs=`` pattern matched no analysed
+    operator (:meth:`FxstabBackend.digit_map` names the closest)."""
+
+
+def coverage_fix(cov: dict) -> str:
+    """What to do about the counted operators a coverage dict (``metadata["coverage"]``) left
+    out: ``select="*"`` analyses the kinds left "not selected"; other reasons (an operator
+    whose analysis failed) are in ``be.coverage()`` / ``fxstab show``."""
+    missed = [o for o in cov.get("operators", ())
+              if o.get("counted") and o.get("how") != "analysed"]
+    unselected = [o for o in missed if str(o.get("reason", "")).startswith("not selected")]
+    fix = []
+    if unselected:
+        fix.append('select="*" analyses the operator kinds left "not selected"')
+    if len(unselected) < len(missed):
+        fix.append("be.coverage().table() (fxstab show) lists every operator left out and why")
+    return "; ".join(fix)
+
+
+def coverage_warning(cov: dict) -> Optional[str]:
+    """One line saying that less than :data:`WARN_BELOW` of the floating operators were
+    analysed: the top reasons (each with the kinds and counts of its operators) and the fix;
+    None at or above it (or when nothing is counted)."""
+    from collections import Counter
+
+    from .records.coverage import WARN_BELOW
+
+    frac = cov.get("fraction") if isinstance(cov, dict) else None
+    if frac is None or frac >= WARN_BELOW:
+        return None
+    missed = [o for o in cov.get("operators", ())
+              if o.get("counted") and o.get("how") != "analysed"]
+    by_reason: dict = {}
+    for o in missed:
+        reason = str(o.get("reason", "")).split(";")[0]
+        reason = reason if len(reason) <= 100 else reason[:97] + "..."
+        by_reason.setdefault(reason, Counter())[o.get("kind", "")] += 1
+    top = sorted(by_reason.items(), key=lambda kv: (-sum(kv[1].values()), kv[0]))
+    parts = []
+    for reason, kinds in top[:3]:
+        shown = [f"{k} x{n}" if n > 1 else k
+                 for k, n in sorted(kinds.items(), key=lambda kn: (-kn[1], kn[0]))]
+        parts.append(f"{sum(kinds.values())} x {reason} ({', '.join(shown[:6])}"
+                     f"{', ...' if len(shown) > 6 else ''})")
+    if len(top) > 3:
+        parts.append(f"{sum(sum(k.values()) for _, k in top[3:])} for other reasons")
+    counted = cov.get("counted", 0)
+    return (f"fxstab: only {round(frac * counted)} of the {counted} floating operators "
+            f"({100 * frac:.0f}%) were analysed; the digit map leaves out: {'; '.join(parts)}. "
+            f"Fix: {coverage_fix(cov)}")
+
+
+def unmatched_pattern_warning(option: str, pattern: str, operators: list) -> Optional[str]:
+    """The warning for an ``option`` (``formats``, ``accumulate``, ``gemm_inputs``) pattern that
+    matches none of ``operators`` (``[(stable name, kind), ...]``, the analysed ones) as the
+    option matches them (``formats``: a name or a glob over names,
+    :meth:`AnalysisConfig.format_for`; the GEMM options also a kind or a glob over
+    ``module.path/kind``, :func:`fxstab.config.rule_for`), with the closest names; None when
+    it matches one, or is ``"*"`` or a role."""
+    import difflib
+    import fnmatch
+    import re
+
+    from .config import ROLES
+
+    if pattern == "*" or (option != "formats" and pattern in ROLES):
+        return None
+    for name, kind in operators:
+        if pattern == name or fnmatch.fnmatchcase(name, pattern):
+            return None
+        qn = name.rsplit("#", 1)[0]
+        if option != "formats" and (pattern == kind or fnmatch.fnmatchcase(qn, pattern)):
+            return None
+    names = sorted({name for name, _ in operators})
+    close = difflib.get_close_matches(pattern, names, n=3, cutoff=0.5)
+    if not close:  # a glob far from any name: the names holding its longest literal part
+        word = max(re.split(r"[*?\[\]]+", pattern), key=len).strip("./#")
+        close = [n for n in names if word and word in n][:3]
+    hint = (f"; the closest: {', '.join(close)}" if close else
+            f"; its operators are named like {', '.join(names[:3])}")
+    if option == "formats" and pattern in {kind for _, kind in operators}:
+        hint += f" (formats= keys are operator names: a kind as '*{pattern}#*')"
+    return (f"fxstab: {option}={{{pattern!r}: ...}} matches no analysed operator of the "
+            f"model, so it changes nothing{hint}")
+
+
+def _user_stacklevel() -> int:
+    """The ``warnings.warn`` stacklevel, for the function calling this one, of the first
+    frame outside fxstab: a warning points at the user's line (``be.digit_map()``,
+    ``be.table()``), however deep inside fxstab it was raised."""
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(root):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 class FxstabBackend:
     """A ``torch.compile`` backend that records per-operator digits (see :func:`backend`)."""
 
     def __init__(self, config: AnalysisConfig) -> None:
         # what every analysis of this backend reads and writes (fxstab.records.run)
         self.state = RunState(config)
+        # what digit_map() has warned about (each once per backend): "coverage", and
+        # (option, pattern) for formats=/accumulate=/gemm_inputs= patterns matching nothing
+        self._warned: set = set()
 
     @property
     def config(self) -> AnalysisConfig:
@@ -196,6 +307,9 @@ class FxstabBackend:
         if c.accumulate:  # the GEMMs' accumulator: pattern -> its label ("fp32": trusted)
             meta["accumulate"] = {p: acc.label if acc is not None else "fp32"
                                   for p, acc in c.accumulate}
+        no_output = sorted(set().union(*(g.info.no_output for g in self.graphs)))
+        if no_output:  # operators whose values reach only integer results (DigitMap's notes)
+            meta["no_output"] = no_output
         if c.formats:  # per-operator formats (a precision plan): pattern -> format
             meta["formats"] = {p: f.name for p, f in c.formats}
         if c.gemm_inputs:  # the GEMMs' operand format: "fp8_e4m3/block128", or per pattern
@@ -217,6 +331,7 @@ class FxstabBackend:
         if not self.graphs:
             warnings.warn(NEVER_RAN, RuntimeWarning, stacklevel=2)
         meta = self.metadata()
+        self._warn_what_was_skipped(meta["coverage"])
         if target:
             meta["target"] = target
         if not gather:
@@ -239,6 +354,39 @@ class FxstabBackend:
                 where[str(rank)] = where.get(str(rank), 0) + 1
         meta.update(world_size=world, provenance=provenance, analysed_calls=calls)
         return DigitMap.from_reports([r for reports in per_rank for r in reports], metadata=meta)
+
+    def _warn_what_was_skipped(self, cov: dict) -> None:
+        """Say, once per backend, what the digit map leaves out (called by :meth:`digit_map`).
+
+        * A :class:`CoverageWarning` when less than :data:`WARN_BELOW` of the floating
+          operators were analysed: the top reasons, with the kinds and counts of the operators
+          left out, and the fix (:func:`coverage_fix`).
+        * A :class:`PatternWarning` per ``formats=``, ``accumulate=`` or ``gemm_inputs=``
+          pattern that matches no analysed operator, with the closest operator names. Checked
+          here rather than when a graph is planned: a model compiles to several graphs (graph
+          breaks, the backward), and a pattern is only unmatched if no graph has it; by the
+          first ``digit_map()`` every graph the user ran has been planned. A role
+          (``"fprop"``, ``"dgrad"``, ``"wgrad"``) and ``"*"`` are never warned about.
+        """
+        if "coverage" not in self._warned:
+            message = coverage_warning(cov)
+            if message:
+                self._warned.add("coverage")
+                warnings.warn(message, CoverageWarning, stacklevel=_user_stacklevel())
+        c = self.config
+        if not (c.formats or c.accumulate or c.gemm_inputs):
+            return
+        ops = {(o["operator"], o["kind"]) for o in cov.get("operators", ())
+               if o.get("how") == "analysed"} | {(r.name, r.kind) for r in self.reports}
+        for option, rules in (("formats", c.formats), ("accumulate", c.accumulate),
+                              ("gemm_inputs", c.gemm_inputs)):
+            for pattern, _ in rules:
+                if (option, pattern) in self._warned or not ops:
+                    continue
+                message = unmatched_pattern_warning(option, pattern, sorted(ops))
+                if message:
+                    self._warned.add((option, pattern))
+                    warnings.warn(message, PatternWarning, stacklevel=_user_stacklevel())
 
     def table(self, top: Optional[int] = None) -> str:
         return self.digit_map().table(top) if top is not None else self.digit_map().table()
@@ -268,8 +416,10 @@ def backend(
         output: ``"deterministic"`` returns exactly what eager returns; ``"mean"`` returns the
             sample mean with straight-through gradients.
         select: Which operators to instrument: ``None`` (the default families of docs/design.md §3),
-            a family/kind name or a glob over ``module.path/kind``, a list of those, or a
-            predicate ``(node, qualified_name) -> bool``.
+            a family/kind name (any torch function's name: ``"erfinv"``, ``"fft_rfft"``),
+            ``"custom"``, ``"all"`` or ``"*"`` (every operator), a glob over
+            ``module.path/kind``, a list of those, or a predicate ``(node, qualified_name) ->
+            bool``; any other name is a ValueError (docs/backend.md, "Selection").
         every: Analyse one call in ``every``; the others only run the deterministic path.
         confidence: Confidence of the CESTAC estimator (Student t).
         kernels: Implementation of rounding, statistics and the surrogate: ``auto`` (Triton on

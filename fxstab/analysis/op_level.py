@@ -54,6 +54,9 @@ class GraphInfo:
     composites: dict = field(default_factory=dict)
     # signature -> why its stochastic path could not be traced (its rules then run untraced)
     untraced: dict = field(default_factory=dict)
+    # instrumented operators whose values reach no floating output but through instrumented
+    # operators (a NaN/inf there is absorbed: GraphAnalysis._reaching_no_output)
+    no_output: set = field(default_factory=set)
 
 
 class GraphAnalysis:
@@ -169,6 +172,7 @@ class GraphAnalysis:
             self.plans.append(plan)
         self.frontier = frontier
         self.plan_of = {plan.node: plan for plan in self.plans}  # the tracer's lookup
+        self.info.no_output = self._reaching_no_output()
         # placeholders read with .item() (dynamo passes a module's float as a 0-d tensor):
         # their values are part of a trace's signature
         self._item_inputs = [i for i, n in enumerate(self._placeholders())
@@ -178,6 +182,38 @@ class GraphAnalysis:
         self.view = OpGraph(self.gm, self.sgraph, self.index, self.plan_of, self.free_after,
                             self.mutated, self.owner, self.info.unlifted,
                             self.info.in_model_dtype)
+
+    def _reaching_no_output(self) -> set:
+        """The instrumented operators whose values reach no floating output of the graph but
+        through instrumented operators (the map's edges): past them, only through integer
+        results (a cast to int, a comparison, a mask) or nowhere. A NaN/inf they hold is
+        absorbed there (a T5 relative-position bucket's ``log(0)`` feeds an integer cast)."""
+        plans = self.plan_of
+        reaches: dict = {}
+
+        def reaches_output(node: torch.fx.Node) -> bool:  # past ``node``, not through plans
+            if node in reaches:
+                return reaches[node]
+            reaches[node] = False  # (a graph has no cycle; guards a revisit)
+            found = False
+            for user in node.users:
+                if user.op == "output":
+                    found = True
+                elif (plans.get(user) is None or plans[user].name is None) and \
+                        has_floating(user.meta.get("example_value", True)) and \
+                        reaches_output(user):
+                    found = True
+                if found:
+                    break
+            reaches[node] = found
+            return found
+
+        out = set()
+        for node in reversed(list(self.sgraph.nodes)):  # users first: shallow recursion
+            plan = plans.get(node)
+            if plan is not None and plan.name is not None and not reaches_output(node):
+                out.add(plan.name)
+        return out
 
     def _plan_fusion(self) -> None:
         """Mark the rounded outputs whose only consumer is an instrumented GEMM that reads them

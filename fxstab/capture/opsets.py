@@ -18,7 +18,10 @@ FAMILIES: dict[str, frozenset[str]] = {
     "linear": frozenset({"linear", "bilinear"}),
     "conv": frozenset({"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
                        "conv_transpose3d"}),
-    "matmul": frozenset({"matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "einsum"}),
+    # grouped GEMMs of mixture-of-experts layers: torch._grouped_mm, F.grouped_mm and
+    # transformers' fallback custom op (one product per expert over its rows)
+    "matmul": frozenset({"matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "einsum",
+                         "grouped_mm", "scaled_grouped_mm", "grouped_mm_fallback"}),
     "attention": frozenset({"scaled_dot_product_attention"}),
     # F.multi_head_attention_forward is one torch-level call (in-projection, attention,
     # out-projection): one trusted operator like SDPA (GEMM_KINDS); the fused encoder-layer
@@ -89,7 +92,9 @@ EXACT_KINDS = frozenset({
     "view_as_real", "view_as_complex", "conj", "resolve_conj", "resolve_neg", "atleast_1d",
     "atleast_2d", "atleast_3d", "broadcast_to", "broadcast_tensors", "new_zeros", "new_ones",
     "new_empty", "new_full", "new_tensor", "fill_", "zero_", "copy_", "setitem", "unfold",
-    "getattr",
+    "getattr", "slice", "pad",
+    # a vmap region dynamo captured: its batch dims in and out (rules/op/structural.py)
+    "add_batch_dim", "remove_batch_dim", "vmap_increment_nesting", "vmap_decrement_nesting",
     # selections and sign changes: every output is an input value, a bound or an integer
     "abs", "neg", "positive", "sign", "sgn", "max", "min", "maximum", "minimum", "fmax", "fmin",
     "amax", "amin", "clamp", "clamp_min", "clamp_max", "clip", "where", "masked_fill",
@@ -122,13 +127,21 @@ _TORCH_NAMESPACES = frozenset({"aten", "prims", "prim", "quantized", "_quantized
                                "fxstab"})
 
 
+def qualified_op_name(target: Any) -> str:
+    """``ns::name`` of an OpOverload (``name()``: ``ns::name.overload`` as dispatch takes it) or
+    of an overload packet (which dynamo may record: transformers' ``grouped_mm_fallback``)."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target.name()
+    return getattr(target, "_qualified_op_name", "") or str(target)
+
+
 def custom_namespace(target: Any) -> str | None:
     """The namespace of a custom operator (``mylib`` of ``torch.ops.mylib.f.default``), else
     None (PyTorch's own operators, fxstab's kernels, plain Python callables)."""
     if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         ns = getattr(target, "namespace", None)
-        if ns is None:
-            ns = target.name().split("::", 1)[0] if hasattr(target, "name") else None
+        if ns is None:  # a packet (dynamo may record one: transformers' grouped_mm_fallback)
+            ns = qualified_op_name(target).split("::", 1)[0] or None
         if ns and ns not in _TORCH_NAMESPACES:
             return ns
     return None
@@ -192,5 +205,5 @@ def family_of(kind: str) -> str | None:
 
 __all__ = ["FAMILIES", "DEFAULT_FAMILIES", "GEMM_KINDS", "DEFAULT_KINDS", "RANDOM_KINDS",
            "DROPOUT_KINDS", "RNN_KINDS", "EXACT_KINDS", "COMPOSITE_KINDS", "target_kind",
-           "node_kind", "is_gemm", "family_of", "custom_namespace", "is_custom", "nothing_to_lose",
+           "node_kind", "is_gemm", "family_of", "custom_namespace", "is_custom", "nothing_to_lose", "qualified_op_name",
            "F"]

@@ -333,11 +333,13 @@ class DigitMap:
                 break
         for origin, (_, absorbers) in self.absorbed_nonfinite().items():
             op = self.operators[origin]
+            by = f"absorbed by {', '.join(absorbers)} before any output (as an additive " \
+                 f"mask of fp32's finfo.min is, rounded to -inf in bf16 or fp16)" if absorbers \
+                else "absorbed: they reach only integer results, comparisons or masks (the " \
+                     "log of a relative position 0 cast to an integer bucket)"
             out.append(f"note: NaN/inf appear at {origin} ({op.non_finite} of {op.numel} "
-                       f"elements) and are absorbed by {', '.join(absorbers)} before any output "
-                       f"(as an additive mask of fp32's finfo.min is, rounded to -inf in bf16 "
-                       f"or fp16): what a real run in {op.format or self.metadata.get('format')} "
-                       f"computes, not a finding")
+                       f"elements) and are {by}: what a real run in "
+                       f"{op.format or self.metadata.get('format')} computes, not a finding")
         return out
 
     def summary(self, top: int = 3, metric: Optional[str] = None) -> str:
@@ -536,12 +538,16 @@ class DigitMap:
         """
         consumers = self.consumers()
         order = {name: i for i, name in enumerate(self.operators)}
+        # operators whose values reach no output but through instrumented ones (past them:
+        # integer casts, comparisons, masks); recorded by the analysis (metadata)
+        sinks = set(self.metadata.get("no_output", ()))
         out = {}
         for origin in self._nonfinite_origins():
             region, todo, absorbers, closed = {origin}, [origin], set(), True
             while todo and closed:
-                readers = consumers[todo.pop()]
-                if not readers:  # an output, or read by no instrumented operator
+                name = todo.pop()
+                readers = consumers[name]
+                if not readers and name not in sinks:  # an output, or read by no operator
                     closed = False
                 for r in readers:
                     if not self.operators[r].non_finite:

@@ -17,8 +17,10 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from ..capture import user_ops as user_operator
+from ..capture.opsets import qualified_op_name
 
-__all__ = ["Stacked", "NodePlan", "OpGraph", "ACCUMULATED_KINDS", "reshape", "attention_folded",
+__all__ = ["Stacked", "NodePlan", "OpGraph", "ACCUMULATED_KINDS", "DECISIONS", "decided_on_mean",
+           "reshape", "attention_folded",
            "has_floating", "rng_states", "set_rng_states", "broadcasts_directly", "has_vmap_rule",
            "is_float_cast"]
 
@@ -28,6 +30,40 @@ __all__ = ["Stacked", "NodePlan", "OpGraph", "ACCUMULATED_KINDS", "reshape", "at
 ACCUMULATED_KINDS = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "baddbmm",
                                "conv1d", "conv2d",
                                "scaled_dot_product_attention"})
+
+
+# Decisions (docs/design.md §3): operators whose integer outputs choose positions of the data
+# (a mixture of experts' top-k routing, sort/argsort before a dispatch by index, argmax) decide
+# once for every sample, on the samples' mean, as CADNA's synchronous arithmetic takes every
+# branch on the mean; their floating outputs are each sample's values at the decided positions.
+# kind -> (position of the dim argument, its default, whether the outputs are (values, indices));
+# the same at both levels (aten's overloads take the same arguments)
+DECISIONS = {"topk": (2, -1, True), "sort": (1, -1, True), "argsort": (1, -1, False),
+             "kthvalue": (2, -1, True), "argmax": (1, None, False), "argmin": (1, None, False)}
+
+
+def decided_on_mean(fn: Callable, kind: str, x: "Stacked", rest: tuple, kwargs: dict) -> Any:
+    """``fn(x, *rest, **kwargs)`` decided on the samples' mean: its indices (one plain tensor
+    for every sample) and, where it returns values, each sample's values at them
+    (:class:`Stacked`), in ``fn``'s own return type; None where the call is not one to decide
+    (a dim that is no int)."""
+    pos, default, has_values = DECISIONS[kind]
+    a = (None, *rest)
+    dim = a[pos] if len(a) > pos else kwargs.get("dim", default)
+    if not (dim is None or isinstance(dim, int) and not isinstance(dim, bool)):
+        return None
+    res = fn(x.samples.mean(0), *rest, **kwargs)
+    if not has_values:
+        return res
+    values, indices = res[0], res[1]
+    d = dim % x.ndim if x.ndim else 0
+    idx = indices if indices.dim() == x.ndim else indices.unsqueeze(d)  # keepdim=False
+    s = x.samples
+    taken = torch.gather(s, d + 1, idx.unsqueeze(0).expand(s.shape[0], *idx.shape))
+    if indices.dim() != x.ndim:
+        taken = taken.squeeze(d + 1)
+    pair = (Stacked(taken), indices)
+    return pair if type(res) is tuple else type(res)(pair)
 
 
 def reshape(x: torch.Tensor, *shape: Any) -> torch.Tensor:
@@ -198,7 +234,7 @@ def has_vmap_rule(target: Any) -> bool:
     that decomposes into operators that do); an @fxstab.operator is lifted as its function."""
     if user_operator.implementation(target) is not None:
         return True
-    name = target.name()
+    name = qualified_op_name(target)
     has = torch._C._dispatch_has_kernel_for_dispatch_key
     return has(name, "FuncTorchBatched") or has(name, "CompositeImplicitAutograd")
 

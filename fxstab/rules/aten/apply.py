@@ -32,7 +32,7 @@ from .kinds import (
     primitive_kind,
 )
 from .rounding import perturb_operand, round_complex, round_fp64, round_measure
-from ..lifting import Stacked
+from ..lifting import DECISIONS, Stacked, decided_on_mean
 from .measure import Analysis
 
 __all__ = ["apply_primitive", "observe", "to_op_report"]
@@ -206,6 +206,12 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
         kwargs = _fix_dtype_kwargs(kind, kwargs, ctx)
     rule = _Rule(op, info, name, salt, need_digits, need_zeros, ctx.stepper is not None)
 
+    # Decisions (top-k routing, sort, argmax): once for every sample, on the samples' mean
+    if kind in DECISIONS and type(args[0]) is Stacked and args[0].samples.is_floating_point() \
+            and not any(type(a) is Stacked for a in args[1:]) and not has_stacked((), kwargs):
+        decided = decided_on_mean(info.plain or op, kind, args[0], tuple(args[1:]), kwargs)
+        if decided is not None:
+            return decided
     # Comparisons: one plain boolean decision per element (CESTAC), branching on noise.
     if info.compare and len(args) >= 2 and differs(args[0], args[1]):
         if identical and len(args) == 2 and not kwargs:

@@ -154,7 +154,9 @@ def _reshape(op, s, nd, rest, kwargs):
         return NotImplemented
     size = list(rest[0])
     if primitive_kind(op) != "expand":
-        return op(s, [s.shape[0]] + size)
+        # a view of samples whose layout is not the deterministic pass's (a rounded output is
+        # contiguous, a per-sample one stacked) may need a copy: reshape (a view when it can)
+        return s.reshape([s.shape[0]] + size)
     if len(size) > nd:  # to a higher rank (pos.expand(B, -1, -1)): new dims after dim 0
         s = s.reshape(s.shape[:1] + (1,) * (len(size) - nd) + s.shape[1:])
     return s.expand([s.shape[0]] + size)

@@ -1,7 +1,12 @@
 """The default rule, for every kind no rule of the table answers: ``torch.vmap`` over the
 samples; where vmap fails (no batching rule, a custom operator without one, an operator that
 is not batch-transparent), once per sample, remembered per operator; where the operator also
-refuses the working dtype (fp64 for an fp32 format), once per sample in the model's dtype."""
+refuses the working dtype (fp64 for an fp32 format), once per sample in the model's dtype.
+
+And what the tracer does when any rule raises (:func:`isolated`): that operator alone falls
+back, once per sample, else once on the first sample's operands broadcast to every sample
+(not rounded: its coverage says ``unrounded`` with the exception), so one operator never sinks
+the analysis of its graph."""
 
 from __future__ import annotations
 
@@ -12,11 +17,11 @@ from torch.utils import _pytree as pytree
 
 from ...capture.flat import unflatten_call
 from ...records.report import PER_SAMPLE, ROUNDED, UNLIFTED
-from ..lifting import has_vmap_rule, rng_states, set_rng_states
+from ..lifting import Stacked, has_vmap_rule, rng_states, set_rng_states
 from .per_sample import per_sample_step
 from .registry import OpCall, Outcome
 
-__all__ = ["lifted"]
+__all__ = ["lifted", "isolated"]
 
 
 def lifted(call: OpCall) -> Outcome:
@@ -67,3 +72,33 @@ def lifted(call: OpCall) -> Outcome:
     return Outcome(per_sample_step(call, det), status,
                    f"per sample in {str(det).replace('torch.', '')} ({unlifted[key]}; the "
                    f"working dtype: {in_model_dtype[key]})")
+
+
+def isolated(call: OpCall, exc: Exception) -> Outcome:
+    """The outcome of an operator whose rule raised ``exc`` (no batching rule and no way to
+    run per sample, a dtype the operator refuses, an in-place update vmap cannot express):
+    once per sample from the deterministic pass's RNG state, else once on the first sample's
+    operands with the result broadcast to every sample (status ``unlifted``: measured, not
+    rounded). The reason quotes the exception."""
+    t, plan = call.tracer, call.plan
+    why = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
+    t.g.unlifted.setdefault(plan.name or plan.node.name, f"its rule failed ({why})")
+    if call.stacked:
+        try:
+            return Outcome(per_sample_step(call), PER_SAMPLE if plan.name is not None else
+                           UNLIFTED, f"per sample (its rule failed: {why})")
+        except Exception as again:  # noqa: BLE001 - once, on the first sample
+            why = f"{why}; per sample: {type(again).__name__}: " \
+                  f"{(str(again).splitlines() or [''])[0][:120]}"
+    fn, spec, n = call.fn, call.spec, t.n
+
+    def once(leaves: list) -> Any:
+        first = [v.samples[0] if isinstance(v, Stacked) else v for v in leaves]
+        a, k = unflatten_call(first, spec)
+        return pytree.tree_map(
+            lambda v: Stacked(t.to_working(v).unsqueeze(0).expand(n, *v.shape))
+            if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
+            else v, fn(*a, **k))
+
+    return Outcome(t.step("once", plan, once, call.leaves), UNLIFTED,
+                   f"once on the first sample, broadcast, not rounded (its rule failed: {why})")

@@ -17,7 +17,7 @@ from ...records.report import ROUNDED
 from ..lifting import Stacked, is_float_cast, reshape
 from .registry import ONCE, OpCall, Outcome, op_rule
 
-__all__ = ["CAST_METHODS", "RESHAPE_VIEWS", "on_samples"]
+__all__ = ["CAST_METHODS", "RESHAPE_VIEWS", "on_samples", "in_vmap_region"]
 
 # Floating dtype conversions keep the working dtype on the stochastic path: the simulated format
 # is what rounds, not the dtype the model happens to cast to.
@@ -63,10 +63,12 @@ def metadata(call: OpCall) -> Optional[Outcome]:
 def floating_cast(call: OpCall) -> Optional[Outcome]:
     """A cast method that keeps a floating tensor floating: the samples as they are, in the
     working dtype."""
-    node = call.plan.node
-    if node.op != "call_method" or not is_float_cast(node, call.leaves):
+    node, x = call.plan.node, call.leaves[0]
+    # (an integer tensor cast to floating, a router's expert indices: the cast runs)
+    if node.op != "call_method" or not is_float_cast(node, call.leaves) or \
+            not (isinstance(x, Stacked) and x.samples.is_floating_point()):
         return None
-    return Outcome(call.leaves[0], ROUNDED, "floating cast: kept in the working dtype")
+    return Outcome(x, ROUNDED, "floating cast: kept in the working dtype")
 
 
 @op_rule("getitem")
@@ -76,3 +78,38 @@ def tuple_item(call: OpCall) -> Any:
     if not isinstance(args[0], (tuple, list)):
         return None
     return Outcome(args[0][args[1]], ROUNDED, "item of a tuple")
+
+
+# -- vmap regions dynamo captured (torch.vmap, associative_scan's generic mode, Mamba's scan) --
+# The graph calls functorch's own batching: _add_batch_dim(x, in_dim, level) and
+# _remove_batch_dim(y, level, batch_size, out_dim) around the batched body. On the samples the
+# sample dim leads, so the region's dims shift by one; inside, the samples are batched tensors
+# (no storage: the fused kernels cannot read them), so operators there run unrounded.
+
+def in_vmap_region(t: Any) -> bool:
+    """Whether ``t`` is a functorch batched tensor (inside a captured vmap region)."""
+    return isinstance(t, torch.Tensor) and torch._C._functorch.is_batchedtensor(t)
+
+
+@op_rule("add_batch_dim")
+def add_batch_dim(call: OpCall) -> Optional[Outcome]:
+    """The region's batch dim added past the sample dim."""
+    a, k = unflatten_call(call.leaves, call.spec)
+    x = a[0] if a else None
+    if not isinstance(x, Stacked) or k or len(a) != 3 or not isinstance(a[1], int):
+        return None
+    dim = a[1] + 1 if a[1] >= 0 else a[1]
+    return Outcome(Stacked(call.fn(x.samples, dim, a[2])), ROUNDED,
+                   "vmap region: its batch dim after the sample dim")
+
+
+@op_rule("remove_batch_dim")
+def remove_batch_dim(call: OpCall) -> Optional[Outcome]:
+    """The region's batch dim moved back to its place, past the sample dim."""
+    a, k = unflatten_call(call.leaves, call.spec)
+    x = a[0] if a else None
+    if not isinstance(x, Stacked) or k or len(a) != 4 or not isinstance(a[3], int):
+        return None
+    dim = a[3] + 1 if a[3] >= 0 else a[3]
+    return Outcome(Stacked(call.fn(x.samples, a[1], a[2], dim)), ROUNDED,
+                   "vmap region: its batch dim after the sample dim")

@@ -37,10 +37,10 @@ from ...records.report import (
     ROUNDED, UNLIFTED, OpReport, block_builder, report_builder, stats_row,
 )
 from ..lifting import NodePlan, OpGraph, Stacked, has_floating
-from . import draws, elementwise, gemm, per_sample, structural  # noqa: F401 - their rules
-from .lifted import lifted
+from . import decisions, draws, elementwise, gemm, per_sample, structural  # noqa: F401 - rules
+from .lifted import isolated, lifted
 from .registry import ONCE, OpCall, rules_for
-from .structural import on_samples
+from .structural import in_vmap_region, on_samples
 
 __all__ = ["SampleTracer", "Pending"]
 
@@ -266,14 +266,26 @@ class SampleTracer(torch.fx.Interpreter):
             leaves = self._perturb(plan, leaves)
             stacked = [i for i, v in enumerate(leaves) if isinstance(v, Stacked)]
 
-        out, status, how = self._apply_rules(OpCall(self, plan, fn, args, leaves, spec, stacked))
+        call = OpCall(self, plan, fn, args, leaves, spec, stacked)
+        try:
+            out, status, how = self._apply_rules(call)
+        except Exception as exc:  # noqa: BLE001 - one operator never sinks the graph
+            out, status, how = isolated(call, exc)
 
-        if plan.name is not None:
+        if plan.name is not None and any(in_vmap_region(v.samples) for v in
+                                         pytree.tree_leaves(out, is_leaf=_is_stacked)
+                                         if isinstance(v, Stacked)):
+            # inside a vmap region dynamo captured: batched samples, which no kernel rounds
+            self._note(plan, UNROUNDED, "inside a captured vmap region (its batched values "
+                       "are not rounded)", True)
+        elif plan.name is not None:
             out, measured = self._round_and_record(plan, out, status, leaves)
-            if measured:
-                self._note(plan, ANALYSED, how, True)
-            else:
+            if not measured:
                 self._note(plan, SKIPPED, "no floating output", False)
+            elif status == UNLIFTED:  # isolated: its samples are one value broadcast
+                self._note(plan, UNROUNDED, how, True)
+            else:
+                self._note(plan, ANALYSED, how, True)
         else:
             floating = has_floating(out)
             if not floating:
@@ -668,6 +680,10 @@ class SampleTracer(torch.fx.Interpreter):
         fixed = OpReport.fixed_of({"format": self.fmt.name, "n_samples": self.n, **plan.report,
                                    "status": status, "shape": shape})
         return fixed, digits_cap(fmt, self.wdtype)
+
+
+def _is_stacked(v: Any) -> bool:
+    return isinstance(v, Stacked)
 
 
 def _storage(t: torch.Tensor) -> int:
