@@ -611,3 +611,22 @@ def test_monitor_table_and_page_say_never_checked(browser, tmp_path):
                 assert re.fullmatch(r"[\d.e+-]+", r[3]), r
     finally:
         pg.close()
+
+
+def test_a_diff_page_across_formats_shows_the_change_below_each_cap(tmp_path):
+    """fp16 -> bf16 with the same loss below each cap: every box's change is 0, not the caps'
+    difference (-0.90), and the note that says so is the first under the verdict."""
+    caps = {"fp16": 11 * math.log10(2), "bf16": 8 * math.log10(2)}
+    maps = {}
+    for fmt, cap in caps.items():
+        maps[fmt] = DigitMap.from_reports(
+            [OpReport(name="a/linear#0", kind="linear", module_path="a", avg_digits=cap - 0.4,
+                      min_digits=cap - 0.4, max_digits=cap, numel=64, format=fmt,
+                      n_samples=3)], metadata={"seed": 0, "format": fmt})
+    result = diff(maps["fp16"], maps["bf16"])
+    assert not result.failed and result.notes[0].startswith("formats differ: fp16")
+    text = html.diff_page(maps["fp16"], maps["bf16"], result)
+    data = json.loads(re.search(r'<script id="fxstab-data" type="application/json">(.*?)'
+                                r"</script>", text, re.S).group(1))
+    assert data["ops"][0]["delta"] == pytest.approx(0.0, abs=1e-9)
+    assert text.index("Note: formats differ") < text.index('id="failed-section"')
