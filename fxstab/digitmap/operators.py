@@ -207,9 +207,11 @@ OPERAND_KEYS = ("operand_elements", "operand_underflow", "operand_saturation",
 """A modelled GEMM's operand statistics (optional JSON keys, docs/accumulation.md)."""
 
 # a GEMM whose recipe flushes more than this share of its operands' non-zero elements to zero
-# gets a finding (operand_findings): 1% of the elements is where the flushed products start to
-# move the output's digits on the experiments' Gaussian operands (docs/accumulation.md)
-UNDERFLOW_FINDING_PCT = 1.0
+# gets a finding (operand_findings): well-scaled Gaussian operands flush none in e4m3 or e5m2
+# (per tensor, block128, mx32), 0.3% in mxfp6 and 6.8% / 8.9% in nvfp4 / mxfp4
+# (docs/accumulation.md), so past 10% the data is worse scaled than the coarsest recipe
+# expects
+UNDERFLOW_FINDING_PCT = 10.0
 
 
 def _operands(reports: Sequence[OpReport]) -> dict:
