@@ -42,7 +42,7 @@ from ..records.coverage import ANALYSED, SKIPPED, UNROUNDED, CoverageEntry
 from ..records.report import OBSERVED, PER_SAMPLE, UNLIFTED
 from ..rules.aten import decompositions
 from ..rules.aten.kinds import RANDOM_PRIMITIVES, SYMBOLIC_PRIMITIVES
-from ..rules.aten.tracer import AtenGraph, AtenTracer, LoweredGraph, PrimitivePlan
+from ..rules.aten.tracer import ISOLATED, AtenGraph, AtenTracer, LoweredGraph, PrimitivePlan
 from ..rules.lifting import rng_states, set_rng_states
 from .composites import expand_composites
 from .op_level import GraphAnalysis
@@ -361,6 +361,9 @@ class AtenGraphAnalysis(GraphAnalysis):
             elif not (selected or node.name in self.recorded_ops):
                 how, reason = UNROUNDED, "not selected (its primitives ran on the samples, " \
                     "not recorded)"
+            elif ISOLATED in st:
+                how, reason = UNROUNDED, f"a primitive's rule failed ({st[ISOLATED]}): it " \
+                    "ran once on the first sample, broadcast, not rounded"
             elif UNLIFTED in st:
                 how, reason = UNROUNDED, "aten level: a primitive ran per sample unrounded " \
                     f"(no vmap rule: {st[UNLIFTED].rsplit('/', 1)[-1]})"

@@ -28,7 +28,10 @@ from ...records.report import OpReport, report_builder, stats_row
 from .apply import apply_primitive, observe
 from ..lifting import Stacked
 
-__all__ = ["AtenTracer", "AtenGraph", "PrimitivePlan", "LoweredGraph", "plain_call"]
+__all__ = ["AtenTracer", "AtenGraph", "PrimitivePlan", "LoweredGraph", "plain_call", "ISOLATED"]
+
+# the status an operator's primitives have in ``AtenTracer.statuses`` where one's rule failed
+ISOLATED = "isolated"
 
 _EMPTY: frozenset = frozenset()
 
@@ -76,6 +79,8 @@ class AtenTracer(torch.fx.Interpreter):
         # per operator (dynamo node name): the statuses of its recorded primitives in the
         # latest run (what the analysis's coverage reads)
         self.statuses: dict[str, dict] = {}
+        # primitive -> why its rule failed (it ran once on the first sample, broadcast)
+        self.isolated: dict[str, str] = {}
         self._reads: list[list[int]] = []  # per step: the slots it reads
         self._drop: Optional[list] = None  # per step: the slots it reads last (seal)
         self._kept: Optional[set] = None  # the slots some step reads (seal)
@@ -282,9 +287,18 @@ class AtenTracer(torch.fx.Interpreter):
         if plan.action == "random":
             out = ctx.emit("random", plan.name, _random_step(plan.target), (), args_, kw)
         else:
-            out = apply_primitive(plan.target, args_, kw, ctx, name=plan.name,
-                                  salt=plan.index, need_digits=plan.need_digits,
-                                  need_zeros=plan.need_zeros)
+            try:
+                out = apply_primitive(plan.target, args_, kw, ctx, name=plan.name,
+                                      salt=plan.index, need_digits=plan.need_digits,
+                                      need_zeros=plan.need_zeros)
+            except Exception as exc:  # noqa: BLE001 - one primitive never sinks the graph
+                # once on the first sample's operands, broadcast to every sample: not rounded,
+                # not recorded (its operator's coverage: no primitive recorded)
+                why = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
+                self.isolated.setdefault(plan.name, why)
+                if plan.origin is not None:
+                    self.statuses.setdefault(plan.origin, {}).setdefault(ISOLATED, why)
+                out = ctx.emit("isolated", plan.name, _isolated_step(plan.target), (), args_, kw)
             if plan.inplace and isinstance(out, Stacked) and args_ and \
                     isinstance(node.args[0], torch.fx.Node) and \
                     not isinstance(args_[0], Stacked):
@@ -308,6 +322,15 @@ def _forget(live: dict, value: Any) -> None:
             value if isinstance(value, (tuple, list)) else ():
         if type(x) is Stacked and x.slot >= 0:
             live.pop(x.slot, None)
+
+
+def _isolated_step(op: Any) -> Callable:
+    def run(ctx: Any, raw: list, args: tuple, kwargs: dict) -> Any:
+        out = plain_call(op, args, kwargs, Stacked)
+        return pytree.tree_map(
+            lambda v: ctx.stack(v) if isinstance(v, torch.Tensor) and
+            (v.is_floating_point() or v.is_complex()) else v, out)
+    return run
 
 
 def _random_step(op: Any) -> Callable:
