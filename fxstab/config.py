@@ -102,6 +102,9 @@ class AnalysisConfig:
     # names: format}, first match wins; stored as ((pattern, Format), ...). An operator none
     # matches rounds into `format`; the samples' working dtype is the widest format's.
     formats: Any = None
+    # operators whose outputs are left unrounded (an ablation: fxstab.impact): stable names or
+    # globs over them; stored as a tuple of patterns. Their outputs are measured, not rounded.
+    unrounded: Any = None
 
     def __post_init__(self) -> None:
         def choice(name: str, value: Any, options: tuple) -> None:
@@ -142,6 +145,10 @@ class AnalysisConfig:
                 raise ValueError("gemm_inputs= is modelled at granularity='op' (linear, "
                                  "matmul, mm, bmm, addmm, baddbmm, conv1d, conv2d, "
                                  "scaled_dot_product_attention) for now")
+        object.__setattr__(self, "unrounded", _patterns(self.unrounded, "unrounded"))
+        if self.unrounded and self.granularity != "op":
+            raise ValueError("unrounded= (operators left unrounded, an ablation) is supported "
+                             "at granularity='op'")
         object.__setattr__(self, "formats", format_rules(self.formats))
         if self.formats and (self.granularity != "op" or auto):
             raise ValueError("formats= (per-operator formats) is supported at granularity='op' "
@@ -176,12 +183,21 @@ class AnalysisConfig:
                 or (isinstance(s, (list, tuple, set, frozenset)) and all(isinstance(i, str) for i in s))):
             raise ValueError(f"select must be None, a kind/family name or module-path glob, a list of "
                              f"them, or a predicate (node, qualified_name) -> bool; got {s!r}")
+        if s is not None and not callable(s):
+            for item in [s] if isinstance(s, str) else s:
+                _check_select_name(item)
 
 
     @property
     def widest_format(self) -> Format:
         """The widest format an operator rounds into: it sets the samples' working dtype."""
         return max([self.format, *(f for _, f in self.formats)], key=lambda f: f.precision)
+
+    def rounds(self, name: str) -> bool:
+        """Whether operator ``name`` rounds its output (not one of ``unrounded=``)."""
+        import fnmatch
+
+        return not any(p == name or fnmatch.fnmatchcase(name, p) for p in self.unrounded)
 
     def format_for(self, name: str) -> Format:
         """The format operator ``name`` rounds into (``formats=``, else ``format``)."""
@@ -191,6 +207,96 @@ class AnalysisConfig:
             if pattern == name or fnmatch.fnmatchcase(name, pattern):
                 return fmt
         return self.format
+
+
+# select= names besides families, kinds and globs: "custom" (custom operators), "all" (= "*")
+SELECT_WORDS = ("custom", "all")
+# torch namespaces whose functions get a prefixed kind (torch.fft.rfft: "fft_rfft")
+_PREFIXED_NAMESPACES = ("special", "fft", "linalg")
+
+
+def _known_kind(name: str) -> bool:
+    """Whether ``name`` is an operator kind ``select=`` can mean: a kind fxstab knows (the
+    tables of :mod:`fxstab.capture.opsets`, the operator rules' kinds, the metadata kinds and
+    fxstab's names for Python operators), or one it has no entry for but a torch function or
+    Tensor method has (``"erfinv"``, ``"logcumsumexp"``, ``"grid_sample"``; the functions of
+    ``torch.special``/``fft``/``linalg`` with their prefix, as their kind is named:
+    ``"fft_rfft"``, ``"linalg_solve"``), or a registered custom operator's name. Aten
+    primitives are not listed: most share a torch function's name."""
+    import torch
+    import torch.nn.functional as F
+
+    from .capture import opsets
+    from .capture.graph import METADATA_KINDS
+
+    if name in opsets.DEFAULT_KINDS | opsets.EXACT_KINDS | opsets.RANDOM_KINDS | \
+            opsets.COMPOSITE_KINDS | METADATA_KINDS or name == "apply":  # autograd.Function
+        return True
+    if name in set(opsets._OPERATOR_NAMES.values()) | set(opsets._ALIASES.values()):
+        return True
+    if any(hasattr(ns, attr) for ns in (torch, F, torch.Tensor) for attr in (name, "_" + name)):
+        return True
+    for prefix in _PREFIXED_NAMESPACES:
+        if name.startswith(prefix + "_") and hasattr(getattr(torch, prefix),
+                                                     name[len(prefix) + 1:]):
+            return True
+    from .rules.op.registry import OP_RULES  # its rule modules register on import
+    import fxstab.rules.op  # noqa: F401
+
+    return name in OP_RULES or name in _custom_op_names()
+
+
+def _custom_op_names() -> set:
+    """The kinds of the registered operators outside PyTorch's namespaces (``mylib::fused_gelu``:
+    ``"fused_gelu"``), as :func:`fxstab.capture.opsets.target_kind` names them."""
+    import torch
+
+    from .capture.opsets import _TORCH_NAMESPACES
+
+    try:
+        names = torch._C._dispatch_get_all_op_names()
+    except Exception:  # pragma: no cover - a private API; without it, custom names are unknown
+        return set()
+    return {op.split("::", 1)[1].split(".")[0].lstrip("_") for op in names
+            if "::" in op and op.split("::", 1)[0] not in _TORCH_NAMESPACES}
+
+
+def _check_select_name(item: str) -> None:
+    """Reject a ``select=`` name that is no family, no word of :data:`SELECT_WORDS`, no glob
+    (one of ``*?[/.``) and no operator kind (:func:`_known_kind`): it would select nothing."""
+    from .capture.opsets import DEFAULT_KINDS, FAMILIES
+
+    if item in FAMILIES or item in SELECT_WORDS or any(ch in item for ch in "*?[/.") \
+            or _known_kind(item):
+        return
+    import difflib
+
+    close = difflib.get_close_matches(item, sorted(set(FAMILIES) | DEFAULT_KINDS), n=3)
+    hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+    raise ValueError(
+        f"select: {item!r} is no operator kind, family or pattern{hint}; it would select "
+        f"nothing. select= takes families ({', '.join(sorted(FAMILIES))}), 'custom' (custom "
+        f"operators), 'all' or '*' (every operator), operator kinds (a torch function's name: "
+        f"'softmax', 'erfinv'; torch.fft/linalg/special ones with their prefix: 'fft_rfft'), "
+        f"globs over 'module.path/kind' ('blocks.*', '*/my_function') or a predicate "
+        f"(node, qualified_name) -> bool")
+
+
+def _patterns(spec: Any, option: str) -> tuple:
+    """An option of operator-name patterns (one string or an iterable of them) as a tuple."""
+    if spec is None:
+        return ()
+    items = (spec,) if isinstance(spec, str) else spec
+    try:
+        items = tuple(items)
+    except TypeError:
+        raise ValueError(f"{option} must be a stable operator name, a glob over names, or a "
+                         f"list of them; got {spec!r}") from None
+    bad = [i for i in items if not isinstance(i, str) or not i]
+    if bad:
+        raise ValueError(f"{option} takes non-empty strings (operator names or globs), got "
+                         f"{bad[0]!r}")
+    return items
 
 
 def _pattern_rules(spec: Any, option: str, keys: str, parse: Callable[[Any], Any],

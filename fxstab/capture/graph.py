@@ -40,7 +40,14 @@ _VIEW_KINDS = frozenset({"view", "reshape", "transpose", "permute", "getitem", "
 
 
 def selector(select: Any) -> Callable[[torch.fx.Node, str, str], bool]:
-    """Build ``pred(node, kind, qualified_name)`` from the ``select`` option."""
+    """Build ``pred(node, kind, qualified_name)`` from the ``select`` option.
+
+    ``None``: the default families and custom operators. A string or a list of strings: each a
+    family (:data:`FAMILIES`), ``"custom"`` (custom operators), ``"all"`` (the same as ``"*"``:
+    every operator), a glob over ``module.path/kind`` (any string with one of ``*?[/.``; a
+    default-family operator also matches by its module path alone: ``"blocks.*"``) or else an
+    operator kind (:class:`fxstab.config.AnalysisConfig` has rejected names that are none of
+    these). A callable: ``(node, qualified_name) -> bool``."""
     if select is None:  # the default families, and custom operators (docs/design.md §3)
         return lambda node, kind, qn: kind in DEFAULT_KINDS or is_custom(node)
     if callable(select) and not isinstance(select, str):
@@ -52,11 +59,10 @@ def selector(select: Any) -> Callable[[torch.fx.Node, str, str], bool]:
     for item in items:
         if item in FAMILIES:
             kinds |= FAMILIES[item]
-        elif item in ("all", "custom"):
-            kinds |= DEFAULT_KINDS if item == "all" else set()
+        elif item == "custom":
             custom = True
-        elif any(ch in item for ch in "*?[/.") :
-            globs.append(item)
+        elif item == "all" or any(ch in item for ch in "*?[/."):  # "all" is "*"
+            globs.append("*" if item == "all" else item)
         else:
             kinds.add(item)
 
