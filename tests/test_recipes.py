@@ -397,3 +397,23 @@ def test_where_a_gemms_digits_go_operands_against_accumulator():
                                   "digits")
     assert findings[1].startswith("the accumulator, not the operands, costs a 5.2 digits")
     assert "promote the partial sums into fp32 every 128" in findings[1]
+
+
+@pytest.mark.parametrize("name", SMALL)
+def test_the_fused_c_rounder_rounds_fp4_fp6_as_the_reference(name):
+    """The analysis's CPU kernel reads the same constants (largest value, no inf): a format
+    of the program or of a recipe rounds there as fxstab.quantize does."""
+    from fxstab.cpu import bindings
+
+    if not bindings.available():
+        pytest.skip("the C kernels did not build here")
+    f = get_format(name)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 200, generator=g, dtype=torch.float64) * f.max_normal / 2
+    x[0, :4] = torch.tensor([f.max_normal * 1.5, -f.min_subnormal / 3, -0.0, 1e-300])
+    for mode in ("nearest", "zero", "up", "down"):
+        got = bindings.rounder(f, mode, torch.float64, 3)(x.clone(), 0, want_stats=False,
+                                                          in_place=True)[0]
+        want = fxstab.quantize(x, f, mode)
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(), want.nan_to_num()), mode
