@@ -15,6 +15,7 @@ from .records.report import OpReport
 from .numerics.rounding import Rounding, quantize, round_samples
 from .eager.stochastic import AnalysisResult, StochasticTensor, analyze, stochastic
 from .plan import PrecisionPlan, apply_plan, check_plan, plan_precision
+from .impact import Impact, operator_impact
 
 from ._version import __version__
 
@@ -26,6 +27,6 @@ __all__ = [
     "DiffResult", "diff", "instability_counters", "stochastic", "StochasticTensor", "analyze",
     "AnalysisResult", "StabilityMonitor", "MonitorConfig", "Mode", "inject", "operator",
     "Accumulation", "emulate_matmul", "plan_precision", "PrecisionPlan", "apply_plan",
-    "check_plan",
+    "check_plan", "operator_impact", "Impact",
     "__version__",
 ]

@@ -211,63 +211,14 @@ class AnalysisConfig:
 
 # select= names besides families, kinds and globs: "custom" (custom operators), "all" (= "*")
 SELECT_WORDS = ("custom", "all")
-# torch namespaces whose functions get a prefixed kind (torch.fft.rfft: "fft_rfft")
-_PREFIXED_NAMESPACES = ("special", "fft", "linalg")
-
-
-def _known_kind(name: str) -> bool:
-    """Whether ``name`` is an operator kind ``select=`` can mean: a kind fxstab knows (the
-    tables of :mod:`fxstab.capture.opsets`, the operator rules' kinds, the metadata kinds and
-    fxstab's names for Python operators), or one it has no entry for but a torch function or
-    Tensor method has (``"erfinv"``, ``"logcumsumexp"``, ``"grid_sample"``; the functions of
-    ``torch.special``/``fft``/``linalg`` with their prefix, as their kind is named:
-    ``"fft_rfft"``, ``"linalg_solve"``), or a registered custom operator's name. Aten
-    primitives are not listed: most share a torch function's name."""
-    import torch
-    import torch.nn.functional as F
-
-    from .capture import opsets
-    from .capture.graph import METADATA_KINDS
-
-    if name in opsets.DEFAULT_KINDS | opsets.EXACT_KINDS | opsets.RANDOM_KINDS | \
-            opsets.COMPOSITE_KINDS | METADATA_KINDS or name == "apply":  # autograd.Function
-        return True
-    if name in set(opsets._OPERATOR_NAMES.values()) | set(opsets._ALIASES.values()):
-        return True
-    if any(hasattr(ns, attr) for ns in (torch, F, torch.Tensor) for attr in (name, "_" + name)):
-        return True
-    for prefix in _PREFIXED_NAMESPACES:
-        if name.startswith(prefix + "_") and hasattr(getattr(torch, prefix),
-                                                     name[len(prefix) + 1:]):
-            return True
-    from .rules.op.registry import OP_RULES  # its rule modules register on import
-    import fxstab.rules.op  # noqa: F401
-
-    return name in OP_RULES or name in _custom_op_names()
-
-
-def _custom_op_names() -> set:
-    """The kinds of the registered operators outside PyTorch's namespaces (``mylib::fused_gelu``:
-    ``"fused_gelu"``), as :func:`fxstab.capture.opsets.target_kind` names them."""
-    import torch
-
-    from .capture.opsets import _TORCH_NAMESPACES
-
-    try:
-        names = torch._C._dispatch_get_all_op_names()
-    except Exception:  # pragma: no cover - a private API; without it, custom names are unknown
-        return set()
-    return {op.split("::", 1)[1].split(".")[0].lstrip("_") for op in names
-            if "::" in op and op.split("::", 1)[0] not in _TORCH_NAMESPACES}
-
-
 def _check_select_name(item: str) -> None:
     """Reject a ``select=`` name that is no family, no word of :data:`SELECT_WORDS`, no glob
-    (one of ``*?[/.``) and no operator kind (:func:`_known_kind`): it would select nothing."""
-    from .capture.opsets import DEFAULT_KINDS, FAMILIES
+    (one of ``*?[/.``) and no operator kind (:func:`fxstab.capture.opsets.known_kind`): it
+    would select nothing."""
+    from .capture.opsets import DEFAULT_KINDS, FAMILIES, known_kind
 
     if item in FAMILIES or item in SELECT_WORDS or any(ch in item for ch in "*?[/.") \
-            or _known_kind(item):
+            or known_kind(item):
         return
     import difflib
 

@@ -160,6 +160,7 @@ class GraphAnalysis:
                         plan.gemm_inputs = rule_for(self.cfg.gemm_inputs, kind, qn, plan.name)
                     plan.inputs = tuple(sorted(ins))
                     plan.format = self._format_of(node, plan.name)
+                    plan.rounds = self.cfg.rounds(plan.name)
                     plan.report = {"name": plan.name, "kind": kind, "module_path": path,
                                    "source": src, "inputs": plan.inputs,
                                    "direction": self.direction, "format": plan.format.name}

@@ -15,15 +15,11 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx
 
-from .opsets import DEFAULT_KINDS, DROPOUT_KINDS, FAMILIES, is_custom, node_kind
+from .opsets import DEFAULT_KINDS, DROPOUT_KINDS, FAMILIES, METADATA_KINDS, is_custom, node_kind
 
-__all__ = ["METADATA_KINDS", "is_metadata", "selector", "is_inplace", "mutated_placeholders", "identity_dropout",
+__all__ = ["is_metadata", "selector", "is_inplace", "mutated_placeholders", "identity_dropout",
            "reads_item", "fetch_attr", "node_callable", "floating_dtype"]
 
-# Operators that only read metadata: run once, on the first sample.
-METADATA_KINDS = frozenset({"size", "dim", "numel", "stride", "is_floating_point", "is_contiguous",
-                             "getattr", "sym_size", "sym_numel", "sym_stride", "nelement",
-                             "element_size", "get_device", "is_complex"})
 # Attributes that are tensors computed from the tensor (x.T, x.mT, x.real...): operators, not
 # metadata, when dynamo records them as getattr nodes.
 _TENSOR_ATTRS = frozenset({"T", "mT", "H", "mH", "real", "imag"})

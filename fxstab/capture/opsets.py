@@ -191,6 +191,49 @@ def target_kind(op: str, target: Any) -> str:
     return _ALIASES.get(name, name)
 
 
+# torch namespaces whose functions get a prefixed kind (torch.fft.rfft: "fft_rfft")
+_PREFIXED_NAMESPACES = ("special", "fft", "linalg")
+# Operators that only read metadata: run once, on the first sample (capture/graph.py's
+# is_metadata: getattr of a tensor attribute such as x.T is an operator)
+METADATA_KINDS = frozenset({"size", "dim", "numel", "stride", "is_floating_point",
+                            "is_contiguous", "getattr", "sym_size", "sym_numel", "sym_stride",
+                            "nelement", "element_size", "get_device", "is_complex"})
+# kinds no table lists that fxstab's naming gives: an input's .item(), an autograd.Function
+_OTHER_KINDS = frozenset({"apply", "item"})
+
+
+def known_kind(name: str) -> bool:
+    """Whether ``name`` is an operator kind a selection (``select=``) can mean: a kind fxstab
+    knows (the tables of this module, fxstab's names for Python operators and aliases), or one
+    it has no entry for but a torch function or Tensor method has (``"erfinv"``,
+    ``"logcumsumexp"``, ``"grid_sample"``; the functions of ``torch.special``/``fft``/
+    ``linalg`` with their prefix, as their kind is named: ``"fft_rfft"``, ``"linalg_solve"``),
+    or a registered custom operator's name. Aten primitives are not listed: most share a torch
+    function's name."""
+    if name in DEFAULT_KINDS | EXACT_KINDS | RANDOM_KINDS | COMPOSITE_KINDS | METADATA_KINDS | \
+            _OTHER_KINDS or \
+            name in set(_OPERATOR_NAMES.values()) | set(_ALIASES.values()):
+        return True
+    if any(hasattr(ns, attr) for ns in (torch, F, torch.Tensor) for attr in (name, "_" + name)):
+        return True
+    for prefix in _PREFIXED_NAMESPACES:
+        if name.startswith(prefix + "_") and hasattr(getattr(torch, prefix),
+                                                     name[len(prefix) + 1:]):
+            return True
+    return name in _custom_op_kinds()
+
+
+def _custom_op_kinds() -> set:
+    """The kinds of the registered operators outside PyTorch's namespaces (``mylib::fused_gelu``:
+    ``"fused_gelu"``), as :func:`target_kind` names them."""
+    try:
+        names = torch._C._dispatch_get_all_op_names()
+    except Exception:  # pragma: no cover - a private API; without it, custom names are unknown
+        return set()
+    return {op.split("::", 1)[1].split(".")[0].lstrip("_") for op in names
+            if "::" in op and op.split("::", 1)[0] not in _TORCH_NAMESPACES}
+
+
 def node_kind(node: torch.fx.Node) -> str:
     return target_kind(node.op, node.target)
 
@@ -203,7 +246,7 @@ def family_of(kind: str) -> str | None:
     return KIND_TO_FAMILY.get(kind)
 
 
-__all__ = ["FAMILIES", "DEFAULT_FAMILIES", "GEMM_KINDS", "DEFAULT_KINDS", "RANDOM_KINDS",
+__all__ = ["FAMILIES", "METADATA_KINDS", "DEFAULT_FAMILIES", "GEMM_KINDS", "DEFAULT_KINDS", "RANDOM_KINDS",
            "DROPOUT_KINDS", "RNN_KINDS", "EXACT_KINDS", "COMPOSITE_KINDS", "target_kind",
-           "node_kind", "is_gemm", "family_of", "custom_namespace", "is_custom", "nothing_to_lose", "qualified_op_name",
+           "node_kind", "is_gemm", "family_of", "custom_namespace", "is_custom", "nothing_to_lose", "qualified_op_name", "known_kind",
            "F"]

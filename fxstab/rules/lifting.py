@@ -168,6 +168,7 @@ class NodePlan:
     # Accumulation, or None: the trusted sum) and its operands' format (or None)
     accumulate: Any = None
     gemm_inputs: Any = None
+    rounds: bool = True  # False: its output is measured, not rounded (unrounded=, an ablation)
 
 
 @dataclass

@@ -12,7 +12,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
 from ...capture.flat import unflatten_call
-from ...capture.graph import METADATA_KINDS, is_metadata, reads_item
+from ...capture.graph import is_metadata, reads_item
+from ...capture.opsets import METADATA_KINDS
 from ...records.report import ROUNDED
 from ..lifting import Stacked, is_float_cast, reshape
 from .registry import ONCE, OpCall, Outcome, op_rule

@@ -426,7 +426,8 @@ class SampleTracer(torch.fx.Interpreter):
         flat, spec = ([out], None) if single else pytree.tree_flatten(out)
         taken = {_storage(v.samples if isinstance(v, Stacked) else v) for v in inputs
                  if isinstance(v, (Stacked, torch.Tensor))}
-        fuse = plan.fuse if status == ROUNDED and len(flat) == 1 else None
+        rounds = status != UNLIFTED and plan.rounds  # (unrounded=: an ablation)
+        fuse = plan.fuse if status == ROUNDED and rounds and len(flat) == 1 else None
         to_round: list = []  # (leaf index, stacked, in place, complex, fused, prepared kernel)
         shape: tuple = ()
         cfg = self.cfg
@@ -447,7 +448,7 @@ class SampleTracer(torch.fx.Interpreter):
                 # the kernel's settings bound once: a call sets the seed(s) and runs it; with
                 # its consumer GEMM's surrogate in the same pass where fused
                 prepared = native.Prepared(native.rounder(
-                    plan.format or self.fmt, cfg.rounding if status != UNLIFTED else None,
+                    plan.format or self.fmt, cfg.rounding if rounds else None,
                     samples.dtype,
                     self.n, saturate=cfg.saturate, confidence=cfg.confidence,
                     zero_threshold=cfg.zero_threshold), own,
@@ -534,7 +535,8 @@ class SampleTracer(torch.fx.Interpreter):
                 # real and imaginary parts round (and are measured) as two real values each
                 parts, vec = self._round_stats(torch.view_as_real(samples.resolve_conj()
                                                                   .contiguous()),
-                                               status != UNLIFTED, self.seed(plan, j), False,
+                                               status != UNLIFTED and plan.rounds,
+                                               self.seed(plan, j), False,
                                                plan.format)
                 outs.append(torch.view_as_complex(parts))
             elif fused:
@@ -548,7 +550,7 @@ class SampleTracer(torch.fx.Interpreter):
                     self.fired[user.index] = True
                 outs.append(samples)
             else:
-                samples, vec = self._round_stats(samples, status != UNLIFTED,
+                samples, vec = self._round_stats(samples, status != UNLIFTED and plan.rounds,
                                                  self.seed(plan, j), own, plan.format)
                 outs.append(samples)
             stats.append(vec)

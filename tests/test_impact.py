@@ -1,0 +1,69 @@
+"""Issue 42: each operator's impact on the outputs, by ablation (fxstab.operator_impact)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxstab
+
+
+class Centred(nn.Module):
+    """A harmless computational zero (the mean of an already centred row: no digit locally,
+    nothing lost at the output) beside a hazard (a cancellation that costs the output its
+    digits)."""
+
+    def __init__(self, hazard: bool):
+        super().__init__()
+        self.fc, self.head = nn.Linear(32, 32), nn.Linear(32, 8)
+        self.hazard = hazard
+
+    def forward(self, x):
+        h = self.fc(x)
+        c = h - h.mean(-1, keepdim=True)
+        y = c - c.mean(-1, keepdim=True)  # its mean is a computational zero
+        if self.hazard:
+            y = (y + 300.0) - 300.0  # bf16 keeps ~0 digits of y here
+        return self.head(torch.tanh(y))
+
+
+def test_impact_names_the_hazard_and_clears_the_computational_zero():
+    torch.manual_seed(0)
+    model, x = Centred(hazard=True), torch.randn(16, 32)
+    imp = fxstab.operator_impact(model, (x,), format="bf16", seed=0)
+    top, gain = imp.ranked()[0]
+    assert top in ("add#0", "sub#2"), imp.table()  # the cancelling pair
+    assert gain > 0.5 and imp.matters(top)
+    assert not imp.matters("mean#1"), imp.table()  # the computational zero: harmless
+    assert imp.calls <= 1 + 2 * 2 * 4  # bisection: well under one call per operator + 1
+    assert "impact on the outputs" in imp.table()
+
+
+def test_a_healthy_model_has_no_operator_that_matters():
+    torch.manual_seed(0)
+    model, x = Centred(hazard=False), torch.randn(16, 32)
+    imp = fxstab.operator_impact(model, (x,), format="bf16", seed=0)
+    assert not imp.matters("mean#1"), imp.table()
+    # the local ranking blames the computational zero first: what impact corrects
+    torch._dynamo.reset()
+    be = fxstab.backend(format="bf16", seed=0)
+    torch.compile(model, backend=be)(x)
+    assert be.digit_map().localize()[0].name == "mean#1"
+
+
+def test_unrounded_operators_are_measured_not_rounded():
+    torch.manual_seed(0)
+    model, x = Centred(hazard=False), torch.randn(16, 32)
+    be = fxstab.backend(format="bf16", seed=0, unrounded=["tanh#0"])
+    torch.compile(model, backend=be)(x)
+    dm = be.digit_map()
+    # tanh of exactly-rounded... its samples are its inputs' tanh, not rounded into bf16: its
+    # digits are those its input carries, above what a bf16 rounding leaves
+    assert dm.operators["tanh#0"].avg_digits > dm.operators["head/linear#0"].avg_digits
+    with pytest.raises(ValueError, match="unrounded"):
+        fxstab.backend(unrounded=[3])
+    with pytest.raises(ValueError, match="granularity='op'"):
+        fxstab.backend(granularity="aten", unrounded="x")
+    with pytest.raises(ValueError, match="threshold"):
+        fxstab.operator_impact(model, (x,), threshold=0)
