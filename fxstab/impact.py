@@ -47,6 +47,20 @@ class Impact:
     resolved: set = field(default_factory=set)
     calls: int = 0
     threshold: float = 0.1
+    # the digit map of the analysis with every operator rounded, its operators' impacts set
+    # (annotate): its findings lead with what costs the outputs
+    digit_map: Any = None
+
+    def annotate(self, dm: Any) -> Any:
+        """Set each of ``dm``'s operators' ``impact`` (and the map's threshold): its findings
+        then rank by impact and say which local losses are harmless. Returns ``dm``."""
+        for name, op in dm.operators.items():
+            if name in self.by_operator:
+                op.impact = float(self.by_operator[name])
+        dm.metadata["impact_threshold"] = self.threshold
+        dm.metadata["impact_calls"] = self.calls
+        dm.metadata["impact_output_digits"] = self.output_digits
+        return dm
 
     def ranked(self) -> list:
         """(operator, impact), largest impact first (graph order among equals)."""
@@ -136,5 +150,6 @@ def operator_impact(model: torch.nn.Module, inputs: Sequence, *, threshold: floa
             todo += [group[:half], group[half:]]
     result.by_operator = {n: gains.get(n, 0.0) for n in names}
     result.calls = calls
+    result.digit_map = result.annotate(be.digit_map())
     torch._dynamo.reset()
     return result

@@ -28,7 +28,7 @@ class Centred(nn.Module):
         return self.head(torch.tanh(y))
 
 
-def test_impact_names_the_hazard_and_clears_the_computational_zero():
+def test_impact_names_the_hazard_and_clears_the_computational_zero(tmp_path):
     torch.manual_seed(0)
     model, x = Centred(hazard=True), torch.randn(16, 32)
     imp = fxstab.operator_impact(model, (x,), format="bf16", seed=0)
@@ -38,6 +38,17 @@ def test_impact_names_the_hazard_and_clears_the_computational_zero():
     assert not imp.matters("mean#1"), imp.table()  # the computational zero: harmless
     assert imp.calls <= 1 + 2 * 2 * 4  # bisection: well under one call per operator + 1
     assert "impact on the outputs" in imp.table()
+    # the map's findings lead with what costs the outputs; a harmless local loss is a note
+    findings = imp.digit_map.findings()
+    assert findings[0].startswith(f"digits are lost at {top}") and "the outputs lose" in \
+        findings[0], findings
+    assert not any(f.startswith("digits are lost at mean#1") for f in findings), findings
+    # the impacts are optional keys of the map's JSON
+    path = tmp_path / "map.json"
+    imp.digit_map.save(path)
+    again = fxstab.DigitMap.load(path)
+    assert again.operators[top].impact == pytest.approx(gain)
+    assert again.findings() == findings
 
 
 def test_a_healthy_model_has_no_operator_that_matters():
@@ -50,6 +61,9 @@ def test_a_healthy_model_has_no_operator_that_matters():
     be = fxstab.backend(format="bf16", seed=0)
     torch.compile(model, backend=be)(x)
     assert be.digit_map().localize()[0].name == "mean#1"
+    notes = imp.digit_map.findings()
+    assert any(f.startswith("note: mean#1 loses") and "harmless here" in f for f in notes), notes
+    assert not any(f.startswith("digits are lost") for f in notes), notes
 
 
 def test_unrounded_operators_are_measured_not_rounded():

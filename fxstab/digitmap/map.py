@@ -321,16 +321,37 @@ class DigitMap:
                   if not r.nonfinite_origin and r.local_loss >= MIN_FINDING * self.cap
                   and (r.worst_input is not None or r.digits < 0.5 * self.cap)
                   and r.name not in named]
+        impact = self.impact_threshold()
+        if impact is not None:  # measured (fxstab.impact): what costs the outputs leads
+            harmless = [r for r in losses if self.operators[r.name].impact < impact]
+            losses = [r for r in losses if r not in harmless]
+            losses.sort(key=lambda r: -self.operators[r.name].impact)
+            costly = {r.name for r in losses}
+            for op in sorted(self.operators.values(), key=lambda o: -_impact_or_0(o)):
+                if op.name not in costly and _impact_or_0(op) >= impact and \
+                        len(losses) < top:  # costs the outputs without a local loss in rank
+                    losses.append(next(r for r in ranked if r.name == op.name))
         for r in losses[:top]:
             op = self.operators[r.name]
             src = f"{r.worst_input}" if r.worst_input else "the format's cap"
+            cost = f"; the outputs lose {op.impact:.2f} digits to its rounding" \
+                if impact is not None else ""
             out.append(f"digits are lost at {r.name}: {r.digits:.2f} {metric} digits against "
-                       f"{r.reference:.2f} of {src} (local loss {r.local_loss:.2f}): {hint(op)}")
+                       f"{r.reference:.2f} of {src} (local loss {r.local_loss:.2f}{cost}): "
+                       f"{hint(op)}")
         for op in self.operators.values():
             if op.numel and op.underflow >= MIN_UNDERFLOW * op.numel:
                 out.append(f"underflow at {op.name}: {op.underflow} of {op.numel} elements fell "
                            f"below the format's smallest normal: {UNDERFLOW_HINT}")
                 break
+        if impact is not None:
+            for r in harmless[:top]:
+                op = self.operators[r.name]
+                out.append(f"note: {r.name} loses {r.local_loss:.2f} {metric} digits against "
+                           f"its input, but its rounding costs the outputs "
+                           f"{max(op.impact, 0.0):.2f} digits (below {impact:g}): harmless "
+                           f"here" + (" (a computational zero)" if op.zero_fraction >= 0.5
+                                      else ""))
         for origin, (_, absorbers) in self.absorbed_nonfinite().items():
             op = self.operators[origin]
             by = f"absorbed by {', '.join(absorbers)} before any output (as an additive " \
@@ -560,6 +581,13 @@ class DigitMap:
                                tuple(sorted(absorbers, key=order.__getitem__)))
         return out
 
+    def impact_threshold(self) -> Optional[float]:
+        """The impact below which an operator is harmless, where the map holds impacts
+        (:func:`fxstab.operator_impact`, ``metadata["impact_threshold"]``); None otherwise."""
+        if not any(not math.isnan(op.impact) for op in self.operators.values()):
+            return None
+        return float(self.metadata.get("impact_threshold", 0.1))
+
     def localize_table(self, top: Optional[int] = None, metric: Optional[str] = None) -> str:
         """The localization ranking as text (see :meth:`localize`)."""
         metric = check_metric(metric)
@@ -695,3 +723,7 @@ def _acc_cell(op: OperatorDigits, metric: str) -> str:
     """The table's acc cell: the accumulator's figure that ``metric`` is held against."""
     v = accumulator_digits(op, metric)
     return "-" if math.isnan(v) else f"{v:.2f}"
+
+
+def _impact_or_0(op: OperatorDigits) -> float:
+    return 0.0 if math.isnan(op.impact) else op.impact

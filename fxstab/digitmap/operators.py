@@ -83,6 +83,9 @@ class OperatorDigits(_Metrics):
     # numel-weighted average, minimum), NaN where none was measured
     operand_digits: float = math.nan
     operand_min_digits: float = math.nan
+    # the digits the model's outputs lose to this operator's own rounding (fxstab.impact, an
+    # ablation); NaN where not measured (optional key of version 2)
+    impact: float = math.nan
 
     def as_dict(self) -> dict:
         return {
@@ -97,6 +100,7 @@ class OperatorDigits(_Metrics):
             "underflow": self.underflow,
             "surrogate": self.surrogate, "counters": dict(self.counters),
             "inputs": list(self.inputs), **accumulator_keys(self), **operand_keys(self),
+            **({} if math.isnan(self.impact) else {"impact": self.impact}),
         }
 
 

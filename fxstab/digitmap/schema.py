@@ -203,6 +203,8 @@ def _validate(doc: Any, source: str) -> tuple[list[OperatorDigits], dict, list[S
             source=c.get(o, "source", "a string", where, False, ""),
             direction=_direction(c, o, where),
             format=c.get(o, "format", "a string", where, False, ""),
+            # its impact on the outputs (fxstab.impact; optional in version 2: NaN)
+            impact=c.get(o, "impact", "a number", where, False, math.nan),
             shape=tuple(shape), counters=counters, inputs=tuple(inputs)))
     for i, op in enumerate(ops):
         for x in op.inputs:
