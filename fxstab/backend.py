@@ -26,6 +26,7 @@ each operator ran is :meth:`FxstabBackend.coverage` (``fxstab/records/coverage.p
 """
 
 import contextlib
+import inspect
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -403,6 +404,7 @@ def backend(
     every: int = 1,
     confidence: float = 0.95,
     kernels: str = "auto",
+    config: Any = None,
     **options: Any,
 ) -> FxstabBackend:
     """An fxstab ``torch.compile`` backend.
@@ -430,7 +432,23 @@ def backend(
             ``accumulate`` (the GEMMs' accumulator: a preset name or an
             :class:`fxstab.Accumulation` for every linear/matmul/mm/bmm, or ``{kind or glob:
             spec}``; docs/accumulation.md) (see AnalysisConfig).
+        config: A settings file (``fxstab.toml``, a ``pyproject.toml`` with ``[tool.fxstab]``,
+            or a folder to search from; ``True``: search from the current folder), whose
+            analysis options apply under the arguments given here (an argument left at its
+            default takes the file's value; docs/config.md).
     """
+    if config is not None and config is not False:
+        from . import configfile
+
+        given = dict(granularity=granularity, format=format, n_samples=n_samples, seed=seed,
+                     rounding=rounding, output=output, select=select, every=every,
+                     confidence=confidence, kernels=kernels)
+        defaults = {k: p.default for k, p in inspect.signature(backend).parameters.items()
+                    if k in given}
+        explicit = {k: v for k, v in given.items() if v is not defaults[k] and v != defaults[k]}
+        loaded = configfile.load(None if config is True else config)
+        merged = {**loaded.backend_options(), **explicit, **options}
+        return backend(**{**defaults, **merged})
     unknown = set(options) - set(AnalysisConfig.__dataclass_fields__)
     if unknown:
         raise ValueError(f"unknown fxstab option(s) {sorted(unknown)}; known: "

@@ -169,7 +169,9 @@ def test_record_reads_the_file_and_flags_override_it(tmp_path, monkeypatch, caps
 def test_record_without_a_target_records_every_configured_one(tmp_path, monkeypatch, capsys,
                                                               stand_in_backend):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "models.py").write_text(textwrap.dedent("""
+    # (not models.py: a target file's module stays imported, and tests/models.py is "models"
+    # to the tests that run after this one, DDP's spawned workers included)
+    (tmp_path / "toy_target.py").write_text(textwrap.dedent("""
         import torch
 
         def build(width=4, offset=0.0):
@@ -179,11 +181,11 @@ def test_record_without_a_target_records_every_configured_one(tmp_path, monkeypa
         seed = 1
 
         [targets.small]
-        target = "models.py:build"
+        target = "toy_target.py:build"
         output = "maps/small.json"
 
         [targets.wide]
-        target = "models.py:build"
+        target = "toy_target.py:build"
         output = "maps/wide.json"
         kwargs = { width = 16 }
         format = "fp16"
@@ -218,3 +220,15 @@ def test_diff_takes_its_gate_from_the_file(tmp_path, monkeypatch, capsys):
     assert main(["diff", str(base), str(head)]) == 1  # the file's threshold
     assert main(["diff", str(base), str(head), "--max-drop", "0.5"]) == 0  # the flag wins
     assert "lost more than 0.2" in capsys.readouterr().out
+
+
+def test_the_backend_reads_a_settings_file_under_its_arguments(tmp_path):
+    import fxstab
+
+    path = tmp_path / "fxstab.toml"
+    path.write_text('format = "fp16"\nn_samples = 5\nseed = 3\n')
+    be = fxstab.backend(config=path, seed=7)  # an argument given wins; the rest is the file's
+    assert (be.config.format.name, be.config.n_samples, be.config.seed) == ("fp16", 5, 7)
+    (tmp_path / "bad.toml").write_text('format = "fp99"\n')
+    with pytest.raises(Exception, match="fp99"):
+        fxstab.backend(config=tmp_path / "bad.toml")
