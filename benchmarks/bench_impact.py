@@ -5,7 +5,10 @@ operator level), the model is analysed once (its digit map: the local-loss ranki
 origins first) and its operators' impact on the outputs is measured by ablation
 (:func:`fxstab.operator_impact`). Printed per case: the top-1 of each ranking and whether it
 is a culprit, the culprit's impact, the analysed calls the impact cost and the number of
-operators; and for the healthy control, the largest impact (what "harmless" measures). Writes
+operators; and for the healthy control, the largest impact (what "harmless" measures). The
+impact names whose own rounding costs the outputs (the addition before a cancellation, the
+linear before an exp); the findings with impact name where that rounding is amplified (the
+cancellation, the exp) and only where it costs the outputs. Writes
 ``results/bench_impact.json``.
 
     .venv/bin/python benchmarks/bench_impact.py                 # every hazard, the mixer
@@ -43,6 +46,11 @@ def run(arch: str, hazard: str | None, fmt: str) -> dict:
     imp = fxstab.operator_impact(model, (x,), format=fmt, seed=0)
     seconds = time.perf_counter() - t0
     by_impact = [n for n, _ in imp.ranked()]
+    # the findings with impact: NaN/inf origins, then the local losses whose amplified rounding
+    # costs the outputs (DigitMap.findings)
+    lines = [f for f in imp.digit_map.findings()
+             if f.startswith(("NaN/inf first appear at ", "digits are lost at "))]
+    first = lines[0].split(" at ", 1)[1].split(" ")[0].rstrip(":") if lines else None
     culprit = (lambda n: any(c.matches(n, "op") for c in HAZARDS_BY_NAME[hazard].culprits)) \
         if hazard else (lambda n: False)
     return {"hazard": hazard or "healthy", "arch": arch, "format": fmt,
@@ -53,6 +61,8 @@ def run(arch: str, hazard: str | None, fmt: str) -> dict:
             "impact_top1": by_impact[0] if by_impact else None,
             "impact_top1_value": round(imp.ranked()[0][1], 3) if by_impact else None,
             "impact_hit": bool(by_impact) and culprit(by_impact[0]),
+            "finding_top1": first, "finding_hit": bool(first) and culprit(first),
+            "findings": len(lines),
             "culprit_impact": max([round(v, 3) for n, v in imp.by_operator.items()
                                    if culprit(n)] or [None]) if hazard else None,
             "max_impact": round(max(imp.by_operator.values() or [0.0]), 3)}
@@ -68,21 +78,23 @@ def main(argv=None) -> int:
     names = [h for h in args.hazards.split(",") if h] or [h.name for h in HAZARDS]
     rows = [run(args.arch, None, args.format)]
     rows += [run(args.arch, h, args.format) for h in names]
-    head = (f"{'case':<24} {'ops':>4} {'calls':>5} {'local top-1':<34} {'hit':>3} "
-            f"{'impact top-1':<34} {'hit':>3} {'culprit':>7} {'max':>5}")
+    head = (f"{'case':<22} {'ops':>3} {'calls':>5} {'local top-1':<32} {'hit':>3} "
+            f"{'impact top-1 (own rounding)':<32} {'finding top-1 (with impact)':<32} "
+            f"{'hit':>3} {'n':>2} {'max':>5}")
     print(head)
     for r in rows:
-        print(f"{r['hazard']:<24} {r['operators']:>4} {r['calls']:>5} "
-              f"{str(r['local_top1'])[-34:]:<34} {'y' if r['local_hit'] else '-':>3} "
-              f"{str(r['impact_top1'])[-34:]:<34} {'y' if r['impact_hit'] else '-':>3} "
-              f"{'' if r['culprit_impact'] is None else format(r['culprit_impact'], '.2f'):>7} "
-              f"{r['max_impact']:>5.2f}")
+        print(f"{r['hazard']:<22} {r['operators']:>3} {r['calls']:>5} "
+              f"{str(r['local_top1'])[-32:]:<32} {'y' if r['local_hit'] else '-':>3} "
+              f"{str(r['impact_top1'])[-32:]:<32} {str(r['finding_top1'])[-32:]:<32} "
+              f"{'y' if r['finding_hit'] else '-':>3} {r['findings']:>2} {r['max_impact']:>5.2f}")
     cases = [r for r in rows if r["hazard"] != "healthy"]
     if cases:
         print(f"top-1 hit rate: local {sum(r['local_hit'] for r in cases)}/{len(cases)}, "
-              f"impact {sum(r['impact_hit'] for r in cases)}/{len(cases)}; calls per case "
-              f"{min(r['calls'] for r in cases)}-{max(r['calls'] for r in cases)} for "
-              f"{cases[0]['operators']} operators")
+              f"findings with impact {sum(r['finding_hit'] for r in cases)}/{len(cases)}; "
+              f"calls per case {min(r['calls'] for r in cases)}-"
+              f"{max(r['calls'] for r in cases)} for {cases[0]['operators']}-"
+              f"{max(r['operators'] for r in cases)} operators; the healthy model: "
+              f"{rows[0]['findings']} finding(s), largest impact {rows[0]['max_impact']:.2f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_impact.json").write_text(json.dumps({"rows": rows}, indent=1))

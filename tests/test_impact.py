@@ -33,15 +33,17 @@ def test_impact_names_the_hazard_and_clears_the_computational_zero(tmp_path):
     model, x = Centred(hazard=True), torch.randn(16, 32)
     imp = fxstab.operator_impact(model, (x,), format="bf16", seed=0)
     top, gain = imp.ranked()[0]
-    assert top in ("add#0", "sub#2"), imp.table()  # the cancelling pair
+    # the rounding that costs the outputs is the addition's (h + 300 keeps few of h's bits);
+    # the subtraction after it is exact (Sterbenz) and amplifies it
+    assert top == "add#0", imp.table()
     assert gain > 0.5 and imp.matters(top)
     assert not imp.matters("mean#1"), imp.table()  # the computational zero: harmless
     assert imp.calls <= 1 + 2 * 2 * 4  # bisection: well under one call per operator + 1
     assert "impact on the outputs" in imp.table()
     # the map's findings lead with what costs the outputs; a harmless local loss is a note
     findings = imp.digit_map.findings()
-    assert findings[0].startswith(f"digits are lost at {top}") and "the outputs lose" in \
-        findings[0], findings
+    assert findings[0].startswith("digits are lost at sub#2") and "of add#0" in findings[0] \
+        and "the outputs lose" in findings[0], findings
     assert not any(f.startswith("digits are lost at mean#1") for f in findings), findings
     # the impacts are optional keys of the map's JSON
     path = tmp_path / "map.json"

@@ -323,21 +323,22 @@ class DigitMap:
                   and r.name not in named]
         impact = self.impact_threshold()
         if impact is not None:  # measured (fxstab.impact): what costs the outputs leads
-            harmless = [r for r in losses if self.operators[r.name].impact < impact]
-            losses = [r for r in losses if r not in harmless]
-            losses.sort(key=lambda r: -self.operators[r.name].impact)
-            costly = {r.name for r in losses}
-            for op in sorted(self.operators.values(), key=lambda o: -_impact_or_0(o)):
-                if op.name not in costly and _impact_or_0(op) >= impact and \
-                        len(losses) < top:  # costs the outputs without a local loss in rank
-                    losses.append(next(r for r in ranked if r.name == op.name))
+            # a local loss costs the outputs what the rounding it amplifies costs them: its
+            # own, or its least accurate input's (a cancellation amplifies the rounding of
+            # the addition before it; a computational zero's input costs nothing)
+            cost = {r.name: max(_impact_or_0(self.operators[r.name]),
+                                _impact_or_0(self.operators[r.worst_input])
+                                if r.worst_input in self.operators else 0.0) for r in losses}
+            harmless = [r for r in losses if cost[r.name] < impact]
+            losses = sorted((r for r in losses if cost[r.name] >= impact),
+                            key=lambda r: -cost[r.name])
         for r in losses[:top]:
             op = self.operators[r.name]
             src = f"{r.worst_input}" if r.worst_input else "the format's cap"
-            cost = f"; the outputs lose {op.impact:.2f} digits to its rounding" \
-                if impact is not None else ""
+            cost_text = "" if impact is None else \
+                f"; the outputs lose {cost[r.name]:.2f} digits to the rounding it amplifies"
             out.append(f"digits are lost at {r.name}: {r.digits:.2f} {metric} digits against "
-                       f"{r.reference:.2f} of {src} (local loss {r.local_loss:.2f}{cost}): "
+                       f"{r.reference:.2f} of {src} (local loss {r.local_loss:.2f}{cost_text}): "
                        f"{hint(op)}")
         for op in self.operators.values():
             if op.numel and op.underflow >= MIN_UNDERFLOW * op.numel:
@@ -348,10 +349,9 @@ class DigitMap:
             for r in harmless[:top]:
                 op = self.operators[r.name]
                 out.append(f"note: {r.name} loses {r.local_loss:.2f} {metric} digits against "
-                           f"its input, but its rounding costs the outputs "
-                           f"{max(op.impact, 0.0):.2f} digits (below {impact:g}): harmless "
-                           f"here" + (" (a computational zero)" if op.zero_fraction >= 0.5
-                                      else ""))
+                           f"its input, but the rounding it amplifies costs the outputs "
+                           f"{cost[r.name]:.2f} digits (below {impact:g}): harmless here"
+                           + (" (a computational zero)" if op.zero_fraction >= 0.5 else ""))
         for origin, (_, absorbers) in self.absorbed_nonfinite().items():
             op = self.operators[origin]
             by = f"absorbed by {', '.join(absorbers)} before any output (as an additive " \
