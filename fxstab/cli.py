@@ -246,6 +246,17 @@ def _record_one(args: argparse.Namespace, spec: str, t: Any, output: str, plain:
         raise CLIError(f"no operator of {spec} was analysed (nothing compiled to a graph, "
                        f"or none of its operators is floating or selected): no digit map "
                        f"written to {output}")
+    if getattr(args, "impact", False):  # each operator's cost to the outputs (fxstab.impact)
+        if plain["granularity"] != "op":
+            raise CLIError("--impact ablates torch-level operators: --granularity op")
+        from .impact import operator_impact
+
+        torch.manual_seed(plain["seed"])
+        target = load_target(spec, t.kwargs if t is not None else None, root)
+        options = {k: v for k, v in {**plain, **extra}.items() if k != "granularity"}
+        imp = operator_impact(target.model, target.args, kwargs=target.kwargs, **options)
+        imp.annotate(dm)
+        print(imp.table(top=args.top))
     dm.save(output)
     _warn_coverage(dm.metadata.get("coverage"))
     for line in dm.findings():
@@ -587,6 +598,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="digit map to write (JSON); required with a TARGET function")
     p.add_argument("--output-dir", metavar="DIR", default=None,
                    help="write each configured target's map as DIR/NAME.json")
+    p.add_argument("--impact", action="store_true",
+                   help="also measure each operator's impact on the outputs (ablation: a few "
+                        "analysed calls more) and rank the findings by it (operator level)")
     p.add_argument("--granularity", default=None, choices=("op", "aten"),
                    help="operator level or aten arithmetic level (default op)")
     p.add_argument("--format", default=None,

@@ -83,3 +83,24 @@ def test_unrounded_operators_are_measured_not_rounded():
         fxstab.backend(granularity="aten", unrounded="x")
     with pytest.raises(ValueError, match="threshold"):
         fxstab.operator_impact(model, (x,), threshold=0)
+
+
+def test_record_with_impact_writes_the_impacts_and_ranks_by_them(tmp_path, capsys):
+    from fxstab.cli import main
+
+    (tmp_path / "centred_target.py").write_text(
+        "import torch, sys\n"
+        f"sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})\n"
+        "from test_impact import Centred\n"
+        "def build():\n"
+        "    torch.manual_seed(0)\n"
+        "    return Centred(hazard=False), (torch.randn(16, 32),)\n")
+    out = tmp_path / "map.json"
+    assert main(["record", f"{tmp_path / 'centred_target.py'}:build", "-o", str(out),
+                 "--impact"]) == 0
+    text = capsys.readouterr().out
+    assert "impact on the outputs" in text
+    dm = fxstab.DigitMap.load(out)
+    assert dm.metadata["impact_calls"] >= 2 and dm.impact_threshold() == 0.1
+    assert not any(f.startswith("digits are lost at mean#1") for f in dm.findings())
+    assert any(f.startswith("note: mean#1 loses") for f in dm.findings())
