@@ -1,7 +1,8 @@
 """The ``fxstab`` command line: demo, formats, record, plan, diff, show.
 
 Exit codes: 0 success; 1 ``diff``'s gate failed (an operator or module lost more than
-``--max-drop`` digits, a new NaN/inf origin, an operator no longer analysed); 2 unusable input
+``--max-drop`` digits, a new NaN/inf origin, an operator no longer analysed) or ``plan``'s plan
+does not meet ``--keep``; 2 unusable input
 (missing or corrupt digit map, schema mismatch, a map with no analysed operator, bad target,
 bad arguments, a target whose model fails).
 """
@@ -284,14 +285,29 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         raise CLIError("plan needs one --format and one --higher (not auto)")
     plain, extra, _ = _check_options({k: v for k, v in opts.items()
                                       if k in ("format", "n_samples", "seed", *_GEMM_KEYS)})
+    import warnings
+
+    from .numerics.formats import get_format
+
+    cap = get_format(plain["format"]).digit_cap
+    if args.keep > cap:  # before the model is built
+        raise CLIError(f"--keep {args.keep} is more than {get_format(plain['format']).name} "
+                       f"holds ({cap:.2f} digits: the outputs are cast back to it); ask for "
+                       f"at most that")
     torch.manual_seed(plain["seed"])  # the target's parameters and inputs are part of the result
     model, inputs = load_target(args.target)
-    try:
-        plan = plan_precision(model, inputs, format=plain["format"], keep=args.keep,
-                              higher=higher, outputs=args.outputs, budget=args.budget,
-                              n_samples=plain["n_samples"], seed=plain["seed"], **extra)
-    except ValueError as e:
-        raise CLIError(str(e)) from None
+    with warnings.catch_warnings(record=True) as said:  # each one clean line, below
+        warnings.simplefilter("always")
+        try:
+            plan = plan_precision(model, inputs, format=plain["format"], keep=args.keep,
+                                  higher=higher, outputs=args.outputs, budget=args.budget,
+                                  criterion=args.criterion, n_samples=plain["n_samples"],
+                                  seed=plain["seed"], **extra)
+        except ValueError as e:
+            raise CLIError(str(e)) from None
+    for w in dict.fromkeys(str(w.message).removeprefix("fxstab: ") for w in said
+                           if issubclass(w.category, UserWarning)):
+        print(f"fxstab plan: warning: {w}", file=sys.stderr)
     plan.settings["target"] = args.target
     print(plan.report())
     if args.output:
@@ -299,10 +315,30 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(f"saved the plan ({len(plan.promoted)} operators) to {args.output}")
     if args.apply_check:
         try:
-            print(check_plan(model, inputs, plan).report(plan))
+            check = check_plan(model, inputs, plan)
         except ValueError as e:
             raise CLIError(str(e)) from None
+        print(check.report(plan))
+        gain = _check_gain(check)
+        if plan.promoted and gain is not None and gain < 0.1:
+            print(f"fxstab plan: warning: the real {plan.format} run gains {gain:.2f} digits "
+                  f"with the plan (less than 0.1): the analysis's gain does not show in the "
+                  f"program as it runs", file=sys.stderr)
+    if not plan.met:
+        feasible = plan.all_higher
+        hint = f" (every operator in {plan.higher} keeps {feasible:.2f}: ask for at most " \
+               f"that)" if feasible == feasible and feasible < plan.keep else ""
+        print(f"fxstab plan: the plan does not meet --keep {plan.keep}{hint}", file=sys.stderr)
+        return EXIT_DROP
     return EXIT_OK
+
+
+def _check_gain(check: Any) -> Optional[float]:
+    """The true digits the real run gains with the plan (check_plan's result), if known."""
+    before, after = (getattr(check, k, None) for k in ("plain", "planned"))
+    if isinstance(before, (int, float)) and isinstance(after, (int, float)):
+        return float(after) - float(before)
+    return None
 
 
 def _warn_coverage(cov: Any) -> None:
@@ -576,6 +612,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="check these operators' digits instead of the model's outputs")
     p.add_argument("--budget", type=int, default=None,
                    help="at most this many analysed calls (default: no cap)")
+    p.add_argument("--criterion", default="mean", choices=("mean", "p5", "min"),
+                   help="what of the outputs' per-element digits must reach --keep: their "
+                        "average, 5%% quantile or minimum (a NaN/inf in any output always "
+                        "fails) (default mean)")
     p.add_argument("--n-samples", type=int, default=None,
                    help="stochastic samples N (default 3)")
     p.add_argument("--seed", type=int, default=None,

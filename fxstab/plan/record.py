@@ -93,11 +93,14 @@ class PrecisionPlan:
         what = "the model's outputs" if not self.outputs else ", ".join(self.outputs)
         share = f"{len(self.promoted)} of {self.operators} operators" if self.operators else \
             f"{len(self.promoted)} operators"
+        criterion = {"mean": "avg", "p5": "5% quantile", "min": "min"}.get(
+            self.settings.get("criterion", "mean"), "avg")
         lines = [f"precision plan: {share} in {self.higher}, the rest in {self.format}; "
                  f"{self.runs} analysed calls",
-                 f"digits at {what} (avg, the analysis): {self.before:.2f} in {self.format} "
-                 f"-> {self.after:.2f} with the plan (required {self.keep:.2f}; all in "
-                 f"{self.higher}: {self.all_higher:.2f})"]
+                 f"digits at {what} ({criterion}, the analysis; NaN/inf fails): "
+                 f"{_digits(self.before)} in {self.format} -> {_digits(self.after)} with the "
+                 f"plan (required {self.keep:.2f}; all in {self.higher}: "
+                 f"{_digits(self.all_higher)})"]
         recipe = [f"{k} {v}" for k, v in self.settings.items()
                   if k in ("gemm_inputs", "accumulate")]
         if recipe:
@@ -124,6 +127,12 @@ class PrecisionPlan:
 
     def __str__(self) -> str:
         return self.report()
+
+    @property
+    def feasible(self) -> float:
+        """The most digits the outputs keep with every operator in ``higher`` (NaN where the
+        search did not need to know)."""
+        return self.all_higher
 
     # -- JSON -----------------------------------------------------------------------------
     def as_dict(self) -> dict:
@@ -232,3 +241,8 @@ class PrecisionPlan:
             except ValueError as exc:
                 raise PlanError(str(exc), source, key=key) from None
         return plan
+
+
+def _digits(x: float) -> str:
+    """Digits as the reports print them: ``NaN/inf`` where an output holds one."""
+    return "NaN/inf" if x == -math.inf else f"{x:.2f}"

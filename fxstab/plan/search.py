@@ -28,11 +28,10 @@ from ..backend import backend as make_backend
 from ..config import AnalysisConfig
 from ..rules.lifting import ACCUMULATED_KINDS
 from ..digitmap.map import DigitMap
-from ..numerics.digits import digit_stats
 from ..numerics.formats import get_format
 from .record import PrecisionPlan
 
-__all__ = ["plan_precision", "Evaluation", "PlanSearch", "stored_high", "as_inputs"]
+__all__ = ["plan_precision", "Evaluation", "PlanSearch", "stored_high", "as_inputs", "CRITERIA"]
 
 # below this local loss (digits) an operator is not worth promoting
 MIN_LOCAL_LOSS = 0.5
@@ -62,6 +61,7 @@ class PlanSearch:
         self.budget = budget
         self.options = options
         self.runs = 0
+        self.criterion = options.pop("criterion", "mean")
         self.consumers: dict = {}  # the base map's edges, reversed (set after the first call)
         self.kinds: dict = {}  # operator name -> kind, from the base map
         # a GEMM recipe (fp8 operands, an emulated accumulator) as the config's rules
@@ -111,7 +111,7 @@ class PlanSearch:
         if self.outputs is not None:
             digits = _operators_digits(dmap, self.outputs)
         else:
-            digits = _outputs_digits(cap.graphs, self.format)
+            digits = _outputs_digits(cap.graphs, self.format, self.criterion)
         result = Evaluation(digits, dmap)
         self._cache[key] = result
         return result
@@ -125,34 +125,49 @@ def as_inputs(example_inputs: Any) -> tuple:
 
 
 def _operators_digits(dmap: DigitMap, names: Sequence[str]) -> float:
-    """The avg digits of the named operators, weighted by their elements."""
+    """The avg digits of the named operators, weighted by their elements (``-inf`` where one
+    holds a NaN/inf)."""
     missing = [n for n in names if n not in dmap]
     if missing:
         raise ValueError(f"outputs: no operator named {missing[0]!r} in the digit map (names "
                          f"look like {next(iter(dmap.operators), '?')!r})")
+    if any(dmap[n].non_finite for n in names):
+        return -math.inf
     total = sum(dmap[n].avg_digits * dmap[n].numel for n in names)
     numel = sum(dmap[n].numel for n in names)
     return total / numel if numel else math.nan
 
 
-def _outputs_digits(graphs: Sequence, fmt: Any) -> float:
-    """The avg digits of the floating outputs (their samples, weighted by elements) of the
-    graph the model's output comes from, or with graph breaks the least over the graphs: the
-    samples restart from the deterministic values at each graph's inputs, so a loss inside an
-    earlier graph shows only at that graph's own outputs."""
+# The criteria a plan's outputs are held to (plan_precision's criterion=): the digits of every
+# output element (CESTAC's, over the samples), averaged ("mean"), their 5% quantile ("p5":
+# 95% of the elements keep at least keep digits) or their minimum ("min": every element). A
+# NaN/inf in any output sample fails every criterion.
+CRITERIA = ("mean", "p5", "min")
+
+
+def _outputs_digits(graphs: Sequence, fmt: Any, criterion: str = "mean") -> float:
+    """The digits of the floating outputs under ``criterion`` (:data:`CRITERIA`) of the graph
+    the model's output comes from, or with graph breaks the least over the graphs: the samples
+    restart from the deterministic values at each graph's inputs, so a loss inside an earlier
+    graph shows only at that graph's own outputs. ``-inf`` where any output sample is NaN/inf:
+    no average hides it."""
     from torch.utils import _pytree as pytree
+
+    from ..numerics.digits import cestac_digits
 
     per_graph = []
     for outputs in graphs:
-        total = numel = 0.0
+        digits = []
         for leaf in pytree.tree_leaves(outputs):
             if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and \
                     leaf.dim() >= 1 and leaf.numel() > 0:
-                stats = digit_stats(leaf.to(torch.float64), fmt)
-                total += stats.avg * stats.numel
-                numel += stats.numel
-        if numel:
-            per_graph.append(total / numel)
+                if not bool(torch.isfinite(leaf).all()):
+                    return -math.inf
+                digits.append(cestac_digits(leaf.to(torch.float64), fmt).reshape(-1))
+        if digits:
+            d = torch.cat(digits)
+            per_graph.append(float(d.mean()) if criterion == "mean" else float(d.min())
+                             if criterion == "min" else float(torch.quantile(d, 0.05)))
     if not per_graph:
         raise RuntimeError("the model's outputs hold no floating tensor: name the operators to "
                            "check with outputs=[...]")
@@ -242,7 +257,8 @@ def _candidates(ev: Evaluation, promoted: list, forward: set, consumers: dict
 def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
                    keep: float = 2.0, granularity: str = "op",
                    outputs: Optional[Sequence[str]] = None, higher: Any = "fp32",
-                   budget: Optional[int] = None, **options: Any) -> PrecisionPlan:
+                   budget: Optional[int] = None, criterion: str = "mean",
+                   **options: Any) -> PrecisionPlan:
     """The fewest operators to run in ``higher`` so that the outputs keep ``keep`` digits.
 
     Args:
@@ -260,6 +276,10 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
             stay in the program's dtype and its sum is the trusted fp32 product.
         budget: at most this many analysed calls (None: no cap); a search that reaches it
             returns its best plan so far, ``met`` False if that keeps less than ``keep``.
+        criterion: what of the outputs' per-element digits must reach ``keep`` (without
+            ``outputs=``): ``"mean"`` (their average), ``"p5"`` (their 5% quantile: 95% of
+            the elements keep ``keep``) or ``"min"`` (every element). Whatever the criterion,
+            a NaN/inf in any output sample fails it: a plan never passes a NaN.
         **options: more :func:`fxstab.backend` options (``n_samples``, ``seed``, ``select``,
             ``accumulate``, ...).
 
@@ -274,11 +294,19 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
                                or budget < 1):
         raise ValueError(f"budget must be a positive number of analysed calls, got {budget!r}")
+    if criterion not in CRITERIA:
+        raise ValueError(f"criterion must be one of {', '.join(map(repr, CRITERIA))}, got "
+                         f"{criterion!r}")
+    cap = get_format(format).digit_cap
+    if keep > cap:
+        raise ValueError(f"keep={keep} digits is more than {get_format(format).name} holds "
+                         f"({cap:.2f}: the outputs are cast back to it); ask for at most that")
     for bad in ("formats", "granularity", "format"):
         if bad in options:
             raise ValueError(f"{bad}= is set by the plan's search, not an option")
     make_backend(format=format, **options)  # validates the options, warns what it warns
-    search = PlanSearch(model, example_inputs, format, higher, outputs, budget, options)
+    search = PlanSearch(model, example_inputs, format, higher, outputs, budget,
+                        {**options, "criterion": criterion})
     base = search.evaluate(())
     forward = [op.name for op in base.map.operators.values() if op.direction == "forward"]
     fwd = set(forward)
@@ -287,7 +315,7 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
     search.kinds = {name: op.kind for name, op in base.map.operators.items()}
     order = {name: i for i, name in enumerate(forward)}
     settings = {"n_samples": options.get("n_samples", 3), "seed": options.get("seed", 0),
-                "granularity": granularity}
+                "granularity": granularity, "criterion": criterion}
     if search.recipe[0]:
         settings["gemm_inputs"] = {p: f.name if f is not None else "as given"
                                    for p, f in search.recipe[0]}
@@ -311,7 +339,10 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
         modules: dict = {}
         for name in forward:
             modules.setdefault(base.map[name].module_path, []).append(name)
-        plan.regions = plan.autocast_regions(modules)
+        # never the whole model (a module holding every operator's module): that is the
+        # program in higher, not a region of it
+        plan.regions = [r for r in plan.autocast_regions(modules)
+                        if not all(m == r or m.startswith(r + ".") for m in modules)]
         return plan
 
     if base.digits >= keep:
