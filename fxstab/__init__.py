@@ -7,7 +7,7 @@ from .digitmap import DiffResult, DigitMap, DigitMapError, diff
 from .numerics.digits import (
     DigitStats, cestac_digits, computational_zero, digit_stats, format_stochastic, student_t,
 )
-from .numerics.accumulation import Accumulation, emulate_matmul
+from .numerics.accumulation import Accumulation, Alignment, emulate_matmul
 from .numerics.formats import FORMATS, Format, get_format
 from .monitor import Mode, MonitorConfig, StabilityMonitor
 from .capture.user_ops import operator
@@ -26,7 +26,7 @@ __all__ = [
     "DigitMapError",
     "DiffResult", "diff", "instability_counters", "stochastic", "StochasticTensor", "analyze",
     "AnalysisResult", "StabilityMonitor", "MonitorConfig", "Mode", "inject", "operator",
-    "Accumulation", "emulate_matmul", "plan_precision", "PrecisionPlan", "apply_plan",
+    "Accumulation", "Alignment", "emulate_matmul", "plan_precision", "PrecisionPlan", "apply_plan",
     "check_plan", "operator_impact", "Impact",
     "__version__",
 ]

@@ -456,16 +456,6 @@ def backend(
     cfg = AnalysisConfig(granularity=granularity, format=format, n_samples=n_samples, seed=seed,
                          rounding=rounding, output=output, select=select, every=every,
                          confidence=confidence, kernels=kernels, **options)
-    directed = sorted({acc.label for _, acc in cfg.accumulate
-                       if acc is not None and acc.rounding.value not in ("random", "stochastic")})
-    if directed:
-        warnings.warn(f"fxstab: the accumulator(s) {', '.join(directed)} round every sample "
-                      f"alike: their error is a bias the samples' spread cannot show (and a "
-                      f"coarse accumulator can even merge the samples' spread), so the digits "
-                      f"read high; the accumulator's own digits against its exact sum (the "
-                      f"digit map's acc column and findings) show that bias, and "
-                      f"Accumulation(..., rounding='random') puts the accumulator's loss in the "
-                      f"spread (docs/accumulation.md)", UserWarning, stacklevel=2)
     if cfg.kernels == "triton":
         _check_triton_usable()
     if cfg.kernels == "cpu" and not native.available():

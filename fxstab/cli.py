@@ -565,7 +565,7 @@ def _add_gemm_options(p: argparse.ArgumentParser) -> None:
                    help="round the GEMMs' operands into FORMAT (fp8_e4m3, fp8_e5m2...) as an "
                         "fp8 recipe does, the rest of the program in --format")
     p.add_argument("--gemm-scaling", default=None,
-                   choices=("tensor", "row", "block128", "mx32"),
+                   choices=("tensor", "row", "block128", "mx32", "nvfp4"),  # numerics SCALINGS
                    help="how --gemm-inputs scales the operands (default tensor)")
 
 

@@ -31,8 +31,11 @@ from .operators import (
     aggregate,
     as_digits,
     check_metric,
+    digit_budget_findings,
     effective_digits,
     nanmax,
+    operand_findings,
+    operand_keys,
 )
 from .schema import SCHEMA_NAME, SCHEMA_VERSION, DigitMapError, decode, encode
 
@@ -316,6 +319,9 @@ class DigitMap:
         if len(biased) > top:
             out.append(f"the accumulators of {len(biased) - top} more GEMM(s) keep fewer "
                        f"digits than their spread shows (the table's acc column)")
+        # a GEMM recipe: where its digits go (operands or accumulator), operands that underflow
+        out += digit_budget_findings(self.operators.values(), self.cap)[:top]
+        out += operand_findings(self.operators.values())[:top]
         named = {op.name for op, _, _ in biased}  # each said once, as its accumulator's
         losses = [r for r in ranked
                   if not r.nonfinite_origin and r.local_loss >= MIN_FINDING * self.cap
@@ -624,7 +630,7 @@ class DigitMap:
                 "normwise_digits": s.normwise_digits, "p10_digits": s.p10_digits,
                 "p50_digits": s.p50_digits,
                 "zero_fraction": s.zero_fraction, "non_finite": s.non_finite,
-                "underflow": s.underflow, **accumulator_keys(s),
+                "underflow": s.underflow, **accumulator_keys(s), **operand_keys(s),
             }
         return {
             "schema": SCHEMA_NAME,
