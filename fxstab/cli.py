@@ -386,7 +386,8 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     base, head = _load(args.base), _load(args.head)
     try:
         result = diff(base, head, max_drop=max_drop, metric=metric,
-                      base_label=_label(base, args.base), head_label=_label(head, args.head))
+                      base_label=_label(base, args.base), head_label=_label(head, args.head),
+                      strict=args.strict)
     except DigitMapError as e:
         raise CLIError(str(e)) from None
     render = {"text": result.to_text, "markdown": result.to_markdown, "json": result.to_json}
@@ -678,6 +679,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-drop", type=float, default=None,
                    help="digits an operator may lose before the diff fails (default: the "
                         "settings file's [gate] max_drop, else 0.5)")
+    p.add_argument("--strict", action="store_true",
+                   help="with impacts in the head map (record --impact), fail on an operator "
+                        "that lost digits even where that costs the outputs nothing (default: "
+                        "a warning)")
     p.add_argument("--metric", choices=_metrics(), default=None,
                    help=f"per-operator digits compared (default {_default_metric()})")
     p.add_argument("--format", choices=("text", "markdown", "json"), default="text",

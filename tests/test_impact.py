@@ -104,3 +104,22 @@ def test_record_with_impact_writes_the_impacts_and_ranks_by_them(tmp_path, capsy
     assert dm.metadata["impact_calls"] >= 2 and dm.impact_threshold() == 0.1
     assert not any(f.startswith("digits are lost at mean#1") for f in dm.findings())
     assert any(f.startswith("note: mean#1 loses") for f in dm.findings())
+
+
+def test_the_gate_warns_on_a_drop_that_costs_the_outputs_nothing():
+    """A drop at an operator whose rounding costs the outputs less than the threshold is a
+    warning with impacts (strict: a failure); the outputs' own digits dropping fails."""
+    import copy
+
+    torch.manual_seed(0)
+    model, x = Centred(hazard=False), torch.randn(16, 32)
+    head = fxstab.operator_impact(model, (x,), format="bf16", seed=0).digit_map
+    base = copy.deepcopy(head)
+    base.operators["mean#1"].avg_digits += 1.0  # mean#1 "lost" a digit in head
+    result = fxstab.diff(base, head, max_drop=0.5)
+    assert not result.failed and [c.name for c in result.harmless] == ["mean#1"]
+    assert "cost the outputs nothing" in result.to_text()
+    assert fxstab.diff(base, head, max_drop=0.5, strict=True).failed
+    base.metadata["impact_output_digits"] = head.metadata["impact_output_digits"] + 1.0
+    outputs = fxstab.diff(base, head, max_drop=0.5)
+    assert outputs.failed and outputs.drops[0].name == "(outputs)"

@@ -114,6 +114,9 @@ class DiffResult:
     # head's cap - base's cap: non-zero when the maps' formats differ, and every change is then
     # relative to each map's cap (diff())
     cap_shift: float = 0.0
+    # drops of operators whose rounding (or the rounding they amplify) costs the outputs less
+    # than head's impact threshold (a map with impacts, fxstab.impact): warnings, not failures
+    harmless: list[OpChange] = field(default_factory=list)
 
     @property
     def rewrite_drops(self) -> list[Rewrite]:
@@ -171,6 +174,8 @@ class DiffResult:
                 lines.extend(f"  {r.name:<{w}}  {r.kind:<12} {r.digits:5.2f}" for r in rows)
 
         changes("drops", self.drops)
+        changes("warning: drops that cost the outputs nothing (impact below the threshold; "
+                "--strict fails on them)", self.harmless)
         lines.extend(r.describe() for r in self.rewrite_drops)
         if self.origins:
             o = self.origins[0]
@@ -280,7 +285,8 @@ _COMPARED_SETTINGS = ("format", "n_samples", "granularity", "confidence", "round
 
 
 def diff(base: DigitMap, head: DigitMap, max_drop: float = 0.5, metric: Optional[str] = None,
-         base_label: Optional[str] = None, head_label: Optional[str] = None) -> DiffResult:
+         base_label: Optional[str] = None, head_label: Optional[str] = None,
+         strict: bool = False) -> DiffResult:
     """The CI gate: match operators by name (and modules by path) and compare their digits.
 
     Args:
@@ -291,6 +297,11 @@ def diff(base: DigitMap, head: DigitMap, max_drop: float = 0.5, metric: Optional
         metric: per-operator digits compared (default :data:`DEFAULT_METRIC`). NaN digits
             count as 0.
         base_label, head_label: names in the rendering (default: the maps' git commits).
+        strict: with impacts in head (``fxstab record --impact``), an operator that lost
+            digits whose rounding (or the rounding it amplifies: its inputs') costs the outputs
+            less than the impact threshold is a warning (``harmless``), not a failure;
+            ``strict=True`` fails on it as on any drop. Both maps with impacts: the outputs'
+            own digits dropping by more than ``max_drop`` fails (a drop named ``(outputs)``).
 
     An operator's digits are its CESTAC digits under ``metric``, or its accumulator's own
     digits where those are fewer (:func:`~fxstab.digitmap.operators.effective_digits`): a
@@ -337,8 +348,22 @@ def diff(base: DigitMap, head: DigitMap, max_drop: float = 0.5, metric: Optional
             gains.append(c)
         else:
             unchanged += 1
+    harmless: list = []
+    threshold = head.impact_threshold()
+    if threshold is not None and not strict:  # what costs the outputs nothing only warns
+        def cost(name: str) -> float:
+            op = head.operators[name]
+            own = [op.impact, *(head.operators[i].impact for i in op.inputs
+                                if i in head.operators)]
+            return max([v for v in own if not math.isnan(v)] or [math.inf])
+        harmless = [c for c in drops if cost(c.name) < threshold]
+        drops = [c for c in drops if c not in harmless]
+    bo, ho = (dm.metadata.get("impact_output_digits") for dm in (base, head))
+    if isinstance(bo, (int, float)) and isinstance(ho, (int, float)) and bo - ho + shift > max_drop:
+        drops.append(OpChange("(outputs)", "outputs", float(bo), float(ho), shift=shift))
     drops.sort(key=lambda c: (c.delta, c.name))
     gains.sort(key=lambda c: (-c.delta, c.name))
+    harmless.sort(key=lambda c: (c.delta, c.name))
     added = [OpPresence(n, o.kind, effective_digits(o, metric))
              for n, o in head.operators.items() if n not in base.operators]
     removed = [OpPresence(n, o.kind, effective_digits(o, metric))
@@ -393,7 +418,7 @@ def diff(base: DigitMap, head: DigitMap, max_drop: float = 0.5, metric: Optional
     return DiffResult(metric, float(max_drop), drops, gains, added, removed, unchanged, notes,
                       base_label or label(base, "base"), head_label or label(head, "head"),
                       origins, new_origins, module_drops, vanished,
-                      rewrites(base, head, metric, shift), shift)
+                      rewrites(base, head, metric, shift), shift, harmless)
 
 
 def _cap_shift(base: DigitMap, head: DigitMap) -> tuple[float, str]:
