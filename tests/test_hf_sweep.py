@@ -1,0 +1,82 @@
+"""Every architecture people train today, as a user runs it (issue 41, item 5).
+
+Over 40 Hugging Face ``transformers`` architectures (decoders, mixtures of experts, state-space
+models, encoders, encoder-decoders, vision and audio), each built from a tiny config with random
+weights (no download), in eval mode under ``torch.no_grad()``; the zoo and the checks live in
+``benchmarks/hf_sweep.py`` (which also writes ``docs/coverage.md``'s table). At the operator level
+for every model, at the arithmetic level for a subset, three calls of
+``torch.compile(model, backend=fxstab.backend(format="bf16"))``:
+
+* raise nothing;
+* return, call after call, the bits the same model returns compiled with dynamo's ``"eager"``
+  backend (the deterministic path is the program);
+* analyse at least 90% of the floating operators with the default selection;
+* when every output sample is finite, lead with no "NaN/inf first appear" (an infinity the
+  program absorbs, T5's and MPNet's log of a relative position 0, a mask's finfo.min, is a note).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from benchmarks import hf_sweep  # noqa: E402
+
+# Mamba's associative scan runs in a captured vmap region (torch.func's map over the scan):
+# inside it the operators run unrounded, so the operator level analyses about 60% of them
+SCAN_XFAIL = pytest.mark.xfail(
+    reason="inside a captured vmap region (Mamba's associative scan) operators run unrounded: "
+           "op-level coverage ~60%", strict=True, raises=AssertionError)
+
+# fxstab's bug, not the model's (docs/coverage.md): DeepSeek-V3 fills its keys in place,
+# key_states = new_empty(...); key_states[..., :8].copy_(k_nope); key_states[..., 8:].copy_(k_rot).
+# At the arithmetic level the stochastic path copies the samples into a clone of the slice and
+# never into the empty base, so the keys' samples read uninitialised memory: digits from garbage,
+# a NaN/inf origin (aten.mul#1 of the attention) when the garbage holds one. Not strict: what
+# uninitialised memory holds varies from run to run.
+DEEPSEEK_ATEN_XFAIL = pytest.mark.xfail(
+    reason="fxstab bug: at the aten level a copy_ into a slice of a sample-less new_empty "
+           "tensor never reaches its base (DeepSeek-V3's key_states): samples read "
+           "uninitialised memory", strict=False)
+
+OP_XFAIL = {"mamba-scan": SCAN_XFAIL}
+ATEN_XFAIL = {"deepseek-v3": DEEPSEEK_ATEN_XFAIL}
+
+
+def _cases(names, xfails):
+    return [pytest.param(n, marks=xfails[n]) if n in xfails else n for n in names]
+
+
+def _assert_passes(name: str, granularity: str) -> None:
+    row = hf_sweep.check(name, granularity)
+    failed = hf_sweep.failures(row)
+    assert not failed, f"{name} ({granularity}): {failed}"
+    assert row["operators"] > 0 and row["graphs"] > 0
+
+
+def test_the_sweep_is_wide():
+    families = {}
+    for name, (family, _) in hf_sweep.MODELS.items():
+        families.setdefault(family, []).append(name)
+    assert len(hf_sweep.MODELS) >= 30
+    assert set(families) == {"decoder", "moe", "ssm", "encoder", "seq2seq", "vision", "audio"}
+    for must in ("gpt2", "llama", "mistral", "qwen2", "phi", "gemma", "gpt-neox", "opt",
+                 "falcon", "mixtral", "qwen2-moe", "deepseek-v3", "mamba-scan", "mamba-loop",
+                 "mamba2", "bert", "roberta", "distilbert", "electra", "albert", "deberta-v2",
+                 "mpnet", "t5", "bart", "vit", "convnext", "swin", "clip-vision", "wav2vec2",
+                 "whisper-encoder"):
+        assert must in hf_sweep.MODELS, must
+    assert set(hf_sweep.ARITHMETIC) <= set(hf_sweep.MODELS) and len(hf_sweep.ARITHMETIC) >= 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _cases(list(hf_sweep.MODELS), OP_XFAIL))
+def test_operator_level(name):
+    _assert_passes(name, "op")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _cases(hf_sweep.ARITHMETIC, ATEN_XFAIL))
+def test_arithmetic_level(name):
+    _assert_passes(name, "aten")
