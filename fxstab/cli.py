@@ -270,7 +270,7 @@ def _record_one(args: argparse.Namespace, spec: str, t: Any, output: str, plain:
 def _cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
-    from .plan import check_plan, plan_precision
+    from .plan.command import run as run_plan
 
     cfg = _settings(args)
     if args.keep <= 0:
@@ -285,8 +285,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         raise CLIError("plan needs one --format and one --higher (not auto)")
     plain, extra, _ = _check_options({k: v for k, v in opts.items()
                                       if k in ("format", "n_samples", "seed", *_GEMM_KEYS)})
-    import warnings
-
     from .numerics.formats import get_format
 
     cap = get_format(plain["format"]).digit_cap
@@ -296,49 +294,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                        f"at most that")
     torch.manual_seed(plain["seed"])  # the target's parameters and inputs are part of the result
     model, inputs = load_target(args.target)
-    with warnings.catch_warnings(record=True) as said:  # each one clean line, below
-        warnings.simplefilter("always")
-        try:
-            plan = plan_precision(model, inputs, format=plain["format"], keep=args.keep,
-                                  higher=higher, outputs=args.outputs, budget=args.budget,
-                                  criterion=args.criterion, n_samples=plain["n_samples"],
-                                  seed=plain["seed"], **extra)
-        except ValueError as e:
-            raise CLIError(str(e)) from None
-    for w in dict.fromkeys(str(w.message).removeprefix("fxstab: ") for w in said
-                           if issubclass(w.category, UserWarning)):
-        print(f"fxstab plan: warning: {w}", file=sys.stderr)
-    plan.settings["target"] = args.target
-    print(plan.report())
-    if args.output:
-        plan.save(args.output)
-        print(f"saved the plan ({len(plan.promoted)} operators) to {args.output}")
-    if args.apply_check:
-        try:
-            check = check_plan(model, inputs, plan)
-        except ValueError as e:
-            raise CLIError(str(e)) from None
-        print(check.report(plan))
-        gain = _check_gain(check)
-        if plan.promoted and gain is not None and gain < 0.1:
-            print(f"fxstab plan: warning: the real {plan.format} run gains {gain:.2f} digits "
-                  f"with the plan (less than 0.1): the analysis's gain does not show in the "
-                  f"program as it runs", file=sys.stderr)
-    if not plan.met:
-        feasible = plan.all_higher
-        hint = f" (every operator in {plan.higher} keeps {feasible:.2f}: ask for at most " \
-               f"that)" if feasible == feasible and feasible < plan.keep else ""
-        print(f"fxstab plan: the plan does not meet --keep {plan.keep}{hint}", file=sys.stderr)
-        return EXIT_DROP
-    return EXIT_OK
-
-
-def _check_gain(check: Any) -> Optional[float]:
-    """The true digits the real run gains with the plan (check_plan's result), if known."""
-    before, after = (getattr(check, k, None) for k in ("plain", "planned"))
-    if isinstance(before, (int, float)) and isinstance(after, (int, float)):
-        return float(after) - float(before)
-    return None
+    try:
+        return run_plan(model, inputs, target=args.target, output=args.output,
+                        apply_check=args.apply_check, format=plain["format"], keep=args.keep,
+                        higher=higher, outputs=args.outputs, budget=args.budget,
+                        criterion=args.criterion, n_samples=plain["n_samples"],
+                        seed=plain["seed"], **extra)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
 
 
 def _warn_coverage(cov: Any) -> None:

@@ -211,6 +211,10 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
             and not any(type(a) is Stacked for a in args[1:]) and not has_stacked((), kwargs):
         decided = decided_on_mean(info.plain or op, kind, args[0], tuple(args[1:]), kwargs)
         if decided is not None:
+            if counting_mode(ctx)[0]:  # where the samples alone would decide otherwise
+                idx = decided[1] if isinstance(decided, tuple) else decided
+                ctx.emit("decide", name, _decision_counter(info.plain or op, name), [idx],
+                         args, kwargs)
             return decided
     # Comparisons: one plain boolean decision per element (CESTAC), branching on noise.
     if info.compare and len(args) >= 2 and differs(args[0], args[1]):
@@ -254,6 +258,22 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
         # count, record or carry, so no step
         return Stacked(raw)
     return rule.finish_raw(ctx, raw, args, kwargs)
+
+
+def _decision_counter(op: Any, name: Optional[str]) -> Any:
+    """A decision's branching count: the elements of its indices that some sample, deciding
+    alone, would have chosen otherwise (CADNA's unstable branching)."""
+    def run(ctx: AtenContext, raw: list, args: tuple, kwargs: dict) -> None:
+        decided, x = raw[0], args[0]
+        per = []
+        for k in range(x.samples.shape[0]):
+            res = op(x.samples[k], *args[1:], **kwargs)
+            per.append(res[1] if isinstance(res, tuple) else res)
+        differ = (torch.stack(per) != decided.unsqueeze(0)).any(0)
+        counting, detailed = counting_mode(ctx)
+        count_found(primitive_kind(op), [("branching", differ)], differ.numel(), None, ctx,
+                    name or ctx.name_for(op), op, detailed, None)
+    return run
 
 
 # Below this size of output samples, the operator's result stays in the CPU's caches until

@@ -292,6 +292,8 @@ class AtenTracer(torch.fx.Interpreter):
                                       salt=plan.index, need_digits=plan.need_digits,
                                       need_zeros=plan.need_zeros)
             except Exception as exc:  # noqa: BLE001 - one primitive never sinks the graph
+                if steps.active():  # under a trace: refuse it; untraced, it is isolated
+                    raise
                 # once on the first sample's operands, broadcast to every sample: not rounded,
                 # not recorded (its operator's coverage: no primitive recorded)
                 why = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"

@@ -270,6 +270,8 @@ class SampleTracer(torch.fx.Interpreter):
         try:
             out, status, how = self._apply_rules(call)
         except Exception as exc:  # noqa: BLE001 - one operator never sinks the graph
+            if steps.active():  # under a trace: refuse it (a value it cannot keep, a
+                raise  # .item()); the rules then run untraced, isolating this operator
             out, status, how = isolated(call, exc)
 
         if plan.name is not None and any(in_vmap_region(v.samples) for v in
