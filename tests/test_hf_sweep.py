@@ -29,19 +29,10 @@ SCAN_XFAIL = pytest.mark.xfail(
     reason="inside a captured vmap region (Mamba's associative scan) operators run unrounded: "
            "op-level coverage ~60%", strict=True, raises=AssertionError)
 
-# fxstab's bug, not the model's (docs/coverage.md): DeepSeek-V3 fills its keys in place,
-# key_states = new_empty(...); key_states[..., :8].copy_(k_nope); key_states[..., 8:].copy_(k_rot).
-# At the arithmetic level the stochastic path copies the samples into a clone of the slice and
-# never into the empty base, so the keys' samples read uninitialised memory: digits from garbage,
-# a NaN/inf origin (aten.mul#1 of the attention) when the garbage holds one. Not strict: what
-# uninitialised memory holds varies from run to run.
-DEEPSEEK_ATEN_XFAIL = pytest.mark.xfail(
-    reason="fxstab bug: at the aten level a copy_ into a slice of a sample-less new_empty "
-           "tensor never reaches its base (DeepSeek-V3's key_states): samples read "
-           "uninitialised memory", strict=False)
-
 OP_XFAIL = {"mamba-scan": SCAN_XFAIL}
-ATEN_XFAIL = {"deepseek-v3": DEEPSEEK_ATEN_XFAIL}
+# (DeepSeek-V3 at the arithmetic level was one until its in-place writes into slices of an
+# empty tensor reached the tensor: rules/aten/tracer.py, _stack_base)
+ATEN_XFAIL: dict = {}
 
 
 def _cases(names, xfails):

@@ -157,3 +157,34 @@ def test_a_captured_vmap_region_runs_with_the_sample_dim_leading():
     dm = be.digit_map()
     assert "fc/linear#0" in dm.operators and dm.operators["fc/linear#0"].avg_digits > 6
     assert not any("failed" in e.reason for e in be.coverage().entries)
+
+
+class FilledInPlace(nn.Module):
+    """DeepSeek-V3's keys: an empty tensor filled through two slices, then read."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, a, b):
+        a = self.lin(a)
+        k = a.new_empty(*a.shape[:-1], 16)
+        k[..., :8].copy_(a)
+        k[..., 8:].copy_(b)
+        return k * 0.5
+
+
+@pytest.mark.parametrize("granularity", ["op", "aten"])
+def test_writes_into_slices_of_an_empty_tensor_reach_it(granularity):
+    torch.manual_seed(0)
+    model, a, b = FilledInPlace(), torch.randn(2, 4, 8), torch.randn(2, 4, 8)
+    torch._dynamo.reset()
+    be = fxstab.backend(format="bf16", granularity=granularity, seed=0)
+    f = torch.compile(model, backend=be)
+    for _ in range(3):  # untraced, traced, replayed
+        with torch.no_grad(), be.capture_samples() as cap:
+            y = f(a, b)
+        assert torch.equal(y, model(a, b))
+        # every sample holds the keys, not uninitialised memory
+        assert (cap.output - y).abs().max() < 0.02, (cap.output - y).abs().max()
+    assert not [f for f in be.digit_map().findings() if f.startswith("NaN/inf")]

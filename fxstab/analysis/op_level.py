@@ -185,10 +185,10 @@ class GraphAnalysis:
                             self.info.in_model_dtype)
 
     def _reaching_no_output(self) -> set:
-        """The instrumented operators whose values reach no floating output of the graph but
-        through instrumented operators (the map's edges): past them, only through integer
-        results (a cast to int, a comparison, a mask) or nowhere. A NaN/inf they hold is
-        absorbed there (a T5 relative-position bucket's ``log(0)`` feeds an integer cast)."""
+        """The instrumented operators that no instrumented operator reads and whose values
+        reach no floating output of the graph: only integer results (a cast to int, a
+        comparison, a mask) or nothing. A NaN/inf they hold is absorbed there (a T5
+        relative-position bucket's ``log(0)`` feeds an integer cast)."""
         plans = self.plan_of
         reaches: dict = {}
 
@@ -209,10 +209,15 @@ class GraphAnalysis:
             reaches[node] = found
             return found
 
+        # read by an instrumented operator with a floating output (one the map will hold)
+        read = {i for p in self.plans if p.name is not None and
+                has_floating(p.node.meta.get("example_value", True)) for i in p.inputs}
         out = set()
         for node in reversed(list(self.sgraph.nodes)):  # users first: shallow recursion
             plan = plans.get(node)
-            if plan is not None and plan.name is not None and not reaches_output(node):
+            # (one that instrumented operators read is the map's edges' business)
+            if plan is not None and plan.name is not None and plan.name not in read and \
+                    not reaches_output(node):
                 out.add(plan.name)
         return out
 

@@ -262,6 +262,23 @@ class AtenTracer(torch.fx.Interpreter):
             _forget(self.live, self.env.pop(dead, None))
         return out
 
+    def _stack_base(self, node: torch.fx.Node) -> bool:
+        """An in-place write of samples into ``node``, a view of a plain tensor (DeepSeek-V3's
+        ``k = x.new_empty(...); k[..., :8].copy_(a)``): the base becomes N copies of itself
+        and the views along the way are taken again of those copies, so the write reaches
+        the base and every later reader of it sees the samples. Returns whether it did."""
+        chain = _view_chain(node, self.env)
+        if chain is None:
+            return False
+        ctx, env = self._rules_ctx, self.env
+        env[chain[0]] = ctx.stack(env[chain[0]], materialize=True)
+        for view in chain[1:]:
+            a = torch.fx.node.map_arg(view.args, env.__getitem__)
+            k = torch.fx.node.map_arg(view.kwargs, env.__getitem__) if view.kwargs else {}
+            env[view] = apply_primitive(view.target, a, k, ctx, need_digits=False,
+                                        need_zeros=False)
+        return type(env[node]) is Stacked
+
     def _input(self, v: Any, copy_: bool) -> Any:
         """Inputs and buffers enter as N identical samples (an expanded view: no copy unless
         the graph updates them in place); parameters stay plain (the rules broadcast plain
@@ -284,6 +301,10 @@ class AtenTracer(torch.fx.Interpreter):
         if plan.record:
             self._meta[plan.name] = (plan.path, tuple(sorted(ins)))
         before = len(noted)
+        if plan.inplace and args_ and type(args_[0]) is not Stacked and \
+                isinstance(node.args[0], torch.fx.Node) and \
+                any(type(a) is Stacked for a in args_[1:]) and self._stack_base(node.args[0]):
+            args_ = torch.fx.node.map_arg(node.args, fetch)  # the target: a view of samples
         if plan.action == "random":
             out = ctx.emit("random", plan.name, _random_step(plan.target), (), args_, kw)
         else:
@@ -316,6 +337,31 @@ class AtenTracer(torch.fx.Interpreter):
                 if plan.origin is not None:
                     self.statuses.setdefault(plan.origin, {}).setdefault(rec.status, rec.name)
         return out
+
+
+def _view_chain(node: torch.fx.Node, env: dict) -> Optional[list]:
+    """The view primitives from a base tensor to ``node`` ([base, view, ..., node]), when
+    ``node`` is a view (through view primitives) of a plain tensor of the environment that is
+    not a view itself; None otherwise."""
+    from .kinds import op_info
+
+    chain = [node]
+    while True:
+        cur = chain[-1]
+        target = getattr(cur, "target", None)
+        if cur.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            break
+        info = op_info(target)
+        if not (info.layout and info.exact) or not cur.args or \
+                not isinstance(cur.args[0], torch.fx.Node):
+            break
+        chain.append(cur.args[0])
+    base = chain[-1]
+    value = env.get(base)
+    if len(chain) < 2 or not isinstance(value, torch.Tensor) or type(value) is Stacked or \
+            value._base is not None:
+        return None
+    return list(reversed(chain))
 
 
 def _forget(live: dict, value: Any) -> None:
