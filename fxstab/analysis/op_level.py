@@ -201,8 +201,7 @@ class GraphAnalysis:
                 if user.op == "output":
                     found = True
                 elif (plans.get(user) is None or plans[user].name is None) and \
-                        has_floating(user.meta.get("example_value", True)) and \
-                        reaches_output(user):
+                        _maybe_floating(user) and reaches_output(user):
                     found = True
                 if found:
                     break
@@ -210,8 +209,8 @@ class GraphAnalysis:
             return found
 
         # read by an instrumented operator with a floating output (one the map will hold)
-        read = {i for p in self.plans if p.name is not None and
-                has_floating(p.node.meta.get("example_value", True)) for i in p.inputs}
+        read = {i for p in self.plans if p.name is not None and _maybe_floating(p.node)
+                for i in p.inputs}
         out = set()
         for node in reversed(list(self.sgraph.nodes)):  # users first: shallow recursion
             plan = plans.get(node)
@@ -413,6 +412,13 @@ class SampleCapture:
             else:
                 out.append(d)
         return pytree.tree_unflatten(out, spec)
+
+
+def _maybe_floating(node: torch.fx.Node) -> bool:
+    """Whether a node's output may hold a floating tensor: its value as dynamo's or
+    AOTAutograd's graph records it (``example_value``, ``val``), floating where none is."""
+    value = node.meta.get("example_value", node.meta.get("val"))
+    return value is None or has_floating(value)
 
 
 def _straight_through_mean(det: Any, samples: Any) -> Any:
