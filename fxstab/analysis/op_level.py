@@ -76,6 +76,9 @@ class GraphAnalysis:
         # backward graph fxstab.analysis.backward analyses)
         self.deterministic: Callable = gm
         self.last_tracer: Optional["SampleTracer"] = None  # of the latest analysed call
+        # weights kept in the working dtype: position -> (weight, its version, the copy)
+        self._weight_slots: Optional[list] = None
+        self._kept_weights: dict = {}
         self._plan()
 
     # -- compile time -------------------------------------------------------------------
@@ -313,6 +316,7 @@ class GraphAnalysis:
         a :class:`SampledGraph` (that trace is the call's stochastic path); later calls run the
         generated graph. Where the trace fails, the rules run untraced on every call with that
         signature (``info.untraced`` says why)."""
+        args = self._working_weights(args)
         key = self._sampled_key(args)
         sg = self.sampled.get(key)
         if sg is not None:
@@ -345,6 +349,36 @@ class GraphAnalysis:
         self.last_tracer = tracer
         out, sg.first = sg.first, None
         return out
+
+    def _working_weights(self, args: tuple) -> tuple:
+        """The graph's weights (parameters and buffers) in the samples' working dtype,
+        converted once and kept while a weight is unchanged (the same tensor at the same
+        version): a bf16 model's weights were cast to fp32 at every analysed call, half of a
+        Llama-shaped model's analysed call (benchmarks/bench_scale.py). The samples' values
+        are the same; the kept copies cost the weights once more in the working dtype."""
+        if self._weight_slots is None:
+            from ..numerics.formats import working_dtype_for
+
+            self._wdtype = working_dtype_for(self.cfg.widest_format)
+            self._weight_slots = [i for i, n in enumerate(self._placeholders())
+                                  if "_parameters_" in n.name or "_buffers_" in n.name]
+        if not self._weight_slots:
+            return args
+        new = list(args)
+        for i in self._weight_slots:
+            a = args[i] if i < len(args) else None
+            if not isinstance(a, torch.Tensor) or not a.is_floating_point() or \
+                    a.dtype == self._wdtype:
+                continue
+            try:
+                version = a._version
+            except Exception:  # noqa: BLE001 - an inference tensor: no version to trust
+                continue
+            kept = self._kept_weights.get(i)
+            if kept is None or kept[0] is not a or kept[1] != version:
+                kept = self._kept_weights[i] = (a, version, a.detach().to(self._wdtype))
+            new[i] = kept[2]
+        return tuple(new)
 
     def _sampled_key(self, args: tuple) -> tuple:
         """What a sampled graph of this graph depends on: the arguments' signature, and the
