@@ -51,6 +51,8 @@ def test_impact_names_the_hazard_and_clears_the_computational_zero(tmp_path):
     again = fxstab.DigitMap.load(path)
     assert again.operators[top].impact == pytest.approx(gain)
     assert again.findings() == findings
+    table = again.table()
+    assert "impact" in table.splitlines()[1] and "impact: the digits the outputs lose" in table
 
 
 def test_a_healthy_model_has_no_operator_that_matters():

@@ -267,10 +267,12 @@ class DigitMap:
         cols = [c for c in METRICS]
         # a modelled GEMM's accumulator: a column only in a map that measured one
         acc = any(not math.isnan(op.accumulator_digits) for op in self.operators.values())
+        # each operator's impact on the outputs: a column only in a map that measured it
+        impact = self.impact_threshold() is not None
         lines = [head,
                  f"{'operator':<{width}}  {'kind':<{kw}}  {'calls':>5}  {'numel':>9}  "
                  + "  ".join(f"{c + ('*' if c == metric else ''):>8}" for c in cols)
-                 + (f"  {'acc':>6}" if acc else "")
+                 + (f"  {'acc':>6}" if acc else "") + (f"  {'impact':>6}" if impact else "")
                  + f"  {'zero%':>6}  {'nonfin':>6}  {'under':>6}  flags"]
         for op in ops:
             flags = []
@@ -283,11 +285,14 @@ class DigitMap:
                 f"{op.name:<{width}}  {op.kind:<{kw}}  {op.calls:>5}  {op.numel:>9}  "
                 + "  ".join(f"{op.digits(c):>8.2f}" for c in cols)
                 + (f"  {_acc_cell(op, metric):>6}" if acc else "")
+                + (f"  {_impact_cell(op):>6}" if impact else "")
                 + f"  {100 * op.zero_fraction:>5.1f}%  {op.non_finite:>6}  {op.underflow:>6}  "
                 f"{' '.join(flags)}".rstrip())
         if top is not None and top < len(self):
             lines.append(f"... {len(self) - top} more operator(s)")
-        lines.append(LEGEND.format(cap=self.cap) + (ACCUMULATOR_LEGEND if acc else ""))
+        lines.append(LEGEND.format(cap=self.cap) + (ACCUMULATOR_LEGEND if acc else "")
+                     + ("; impact: the digits the outputs lose to the operator's own rounding "
+                        "(an ablation, fxstab.operator_impact)" if impact else ""))
         return "\n".join(lines)
 
     def findings(self, top: int = 3, metric: Optional[str] = None) -> list[str]:
@@ -733,3 +738,7 @@ def _acc_cell(op: OperatorDigits, metric: str) -> str:
 
 def _impact_or_0(op: OperatorDigits) -> float:
     return 0.0 if math.isnan(op.impact) else op.impact
+
+
+def _impact_cell(op: OperatorDigits) -> str:
+    return "" if math.isnan(op.impact) else f"{op.impact:.2f}"
