@@ -18,7 +18,8 @@ from ...records.report import ROUNDED
 from ..lifting import Stacked, is_float_cast, reshape
 from .registry import ONCE, OpCall, Outcome, op_rule
 
-__all__ = ["CAST_METHODS", "RESHAPE_VIEWS", "on_samples", "in_vmap_region"]
+__all__ = ["CAST_METHODS", "RESHAPE_VIEWS", "on_samples", "in_vmap_region", "unbatched",
+           "rebatched"]
 
 # Floating dtype conversions keep the working dtype on the stochastic path: the simulated format
 # is what rounds, not the dtype the model happens to cast to.
@@ -85,11 +86,39 @@ def tuple_item(call: OpCall) -> Any:
 # The graph calls functorch's own batching: _add_batch_dim(x, in_dim, level) and
 # _remove_batch_dim(y, level, batch_size, out_dim) around the batched body. On the samples the
 # sample dim leads, so the region's dims shift by one; inside, the samples are batched tensors
-# (no storage: the fused kernels cannot read them), so operators there run unrounded.
+# whose logical shape is [N, ...] (the rules see the samples as anywhere else). Batched tensors
+# have no storage of their own (a kernel cannot read them): the tracer rounds, measures and
+# perturbs a batched value's physical tensor, [N, B, ...] (unbatched), and wraps the result
+# back at the same levels (rebatched). Rounding is elementwise, so where B sits is immaterial,
+# save that the samples must lead (the antithetic pairs are drawn per element of one sample).
+
+_functorch = torch._C._functorch
+
 
 def in_vmap_region(t: Any) -> bool:
     """Whether ``t`` is a functorch batched tensor (inside a captured vmap region)."""
-    return isinstance(t, torch.Tensor) and torch._C._functorch.is_batchedtensor(t)
+    return isinstance(t, torch.Tensor) and _functorch.is_batchedtensor(t)
+
+
+def unbatched(t: torch.Tensor, at: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The physical tensor under a batched ``t`` (every vmap level unwrapped, the innermost
+    first) with each level's batch dim moved to ``at``: 1 for samples ([N, B_outer, ...,
+    B_inner, ...]), 0 for a plain tensor; and the levels unwrapped, for :func:`rebatched`.
+    A tensor that is not batched comes back as it is, with no level."""
+    levels = []
+    while in_vmap_region(t):
+        level, bdim = _functorch.maybe_get_level(t), _functorch.maybe_get_bdim(t)
+        t = _functorch.get_unwrapped(t).movedim(bdim, at)
+        levels.append(level)
+    return t, tuple(levels)
+
+
+def rebatched(samples: torch.Tensor, levels: tuple[int, ...]) -> torch.Tensor:
+    """Samples ``[N, B_outer, ..., B_inner, ...]`` (:func:`unbatched`'s layout) wrapped back as
+    a batched tensor at ``levels`` (its logical shape ``[N, ...]``)."""
+    for level in reversed(levels):
+        samples = _functorch._add_batch_dim(samples, 1, level)
+    return samples
 
 
 @op_rule("add_batch_dim")

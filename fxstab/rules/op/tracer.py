@@ -40,7 +40,7 @@ from ..lifting import NodePlan, OpGraph, Stacked, has_floating
 from . import decisions, draws, elementwise, gemm, per_sample, structural  # noqa: F401 - rules
 from .lifted import isolated, lifted
 from .registry import ONCE, OpCall, rules_for
-from .structural import in_vmap_region, on_samples
+from .structural import in_vmap_region, on_samples, rebatched, unbatched
 
 __all__ = ["SampleTracer", "Pending"]
 
@@ -274,13 +274,7 @@ class SampleTracer(torch.fx.Interpreter):
                 raise  # .item()); the rules then run untraced, isolating this operator
             out, status, how = isolated(call, exc)
 
-        if plan.name is not None and any(in_vmap_region(v.samples) for v in
-                                         pytree.tree_leaves(out, is_leaf=_is_stacked)
-                                         if isinstance(v, Stacked)):
-            # inside a vmap region dynamo captured: batched samples, which no kernel rounds
-            self._note(plan, UNROUNDED, "inside a captured vmap region (its batched values "
-                       "are not rounded)", True)
-        elif plan.name is not None:
+        if plan.name is not None:
             out, measured = self._round_and_record(plan, out, status, leaves)
             if not measured:
                 self._note(plan, SKIPPED, "no floating output", False)
@@ -387,10 +381,13 @@ class SampleTracer(torch.fx.Interpreter):
             v = leaves[i]
             if pre is not None and v is pre:  # perturbed in its producer's rounding step
                 continue
-            x = v.samples if isinstance(v, Stacked) else self.to_working(v)
+            stacked = isinstance(v, Stacked)
+            # (in a captured vmap region: the physical tensor, wrapped back after the step)
+            x, levels = unbatched(v.samples if stacked else self.to_working(v),
+                                  1 if stacked else 0)
             step = steps.Step("perturb", f"{plan.name}_{i}", functools.partial(
-                self._perturb_step, plan, 1000 + i, isinstance(v, Stacked)))
-            new[i] = Stacked(steps.emit(step, [x])[0])
+                self._perturb_step, plan, 1000 + i, stacked))
+            new[i] = Stacked(rebatched(steps.emit(step, [x])[0], levels))
         return new
 
     def _eta(self, plan: NodePlan) -> float:
@@ -431,6 +428,11 @@ class SampleTracer(torch.fx.Interpreter):
         rounds = status != UNLIFTED and plan.rounds  # (unrounded=: an ablation)
         fuse = plan.fuse if status == ROUNDED and rounds and len(flat) == 1 else None
         to_round: list = []  # (leaf index, stacked, in place, complex, fused, prepared kernel)
+        # leaf index -> the tensor the step reads: inside a captured vmap region, a batched
+        # value's physical tensor (its batch dims after the samples' dim; the shape reported
+        # has them), wrapped back at its levels after the step (structural.unbatched)
+        physical: dict[int, torch.Tensor] = {}
+        levels: dict[int, tuple] = {}
         shape: tuple = ()
         cfg = self.cfg
         for j, v in enumerate(flat):
@@ -438,9 +440,11 @@ class SampleTracer(torch.fx.Interpreter):
             if not (isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())):
                 continue
             stacked = isinstance(v, Stacked)
+            t, levels[j] = unbatched(t, 1 if stacked else 0)
+            physical[j] = t
             if not shape:
                 shape = tuple(t.shape[1:] if stacked else t.shape)
-            samples = self.stack(v)
+            samples = t if stacked else self.stack(t)
             native_ok = not t.is_complex() and \
                 self.state.kernel_for(executors.ROUND, samples) == executors.CPU
             fused = fuse is not None and native_ok
@@ -465,10 +469,10 @@ class SampleTracer(torch.fx.Interpreter):
             step = steps.Step("round", plan.name, lambda xs: [one(xs)], one=one)
         else:
             step = steps.Step("round", plan.name, general)
-        rounded = steps.emit(step, [flat[j].samples if s else flat[j] for j, s, *_ in to_round])
+        rounded = steps.emit(step, [physical[j] for j, *_ in to_round])
         new = list(flat)
         for (j, *_rest, fused, _prepared), r in zip(to_round, rounded):
-            new[j] = Stacked(r)
+            new[j] = Stacked(rebatched(r, levels[j]))
             if fused:
                 self.preperturbed[fuse[0].index] = new[j]
         return (new[0] if single else pytree.tree_unflatten(new, spec)), True
@@ -686,11 +690,9 @@ class SampleTracer(torch.fx.Interpreter):
         return fixed, digits_cap(fmt, self.wdtype)
 
 
-def _is_stacked(v: Any) -> bool:
-    return isinstance(v, Stacked)
-
-
 def _storage(t: torch.Tensor) -> int:
+    while in_vmap_region(t):  # a batched tensor's memory is its physical tensor's
+        t = torch._C._functorch.get_unwrapped(t)
     return t.untyped_storage().data_ptr()
 
 
