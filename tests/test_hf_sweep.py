@@ -23,13 +23,9 @@ pytest.importorskip("transformers")
 
 from benchmarks import hf_sweep  # noqa: E402
 
-# Mamba's associative scan runs in a captured vmap region (torch.func's map over the scan):
-# inside it the operators run unrounded, so the operator level analyses about 60% of them
-SCAN_XFAIL = pytest.mark.xfail(
-    reason="inside a captured vmap region (Mamba's associative scan) operators run unrounded: "
-           "op-level coverage ~60%", strict=True, raises=AssertionError)
-
-OP_XFAIL = {"mamba-scan": SCAN_XFAIL}
+# (Mamba's associative scan, which runs in a captured vmap region, was one until the operators
+# inside the region were rounded: rules/op/structural.py, unbatched; tests/test_vmap_regions.py)
+OP_XFAIL: dict = {}
 # (DeepSeek-V3 at the arithmetic level was one until its in-place writes into slices of an
 # empty tensor reached the tensor: rules/aten/tracer.py, _stack_base)
 ATEN_XFAIL: dict = {}
