@@ -90,7 +90,11 @@ def test_clean_models_lead_with_no_nonfinite_origin(name, granularity, fmt):
     # in the model: at both levels that add rounds finfo.min to -inf)
     absorbed = dm.absorbed_nonfinite()
     notes = [f for f in found if f.startswith("note:")]
-    assert len(notes) == len(absorbed) and found[len(found) - len(notes):] == notes
+    assert found[len(found) - len(notes):] == notes  # the notes come last
+    assert len([f for f in notes if "NaN/inf appear" in f]) == len(absorbed)
+    # what else is a note: computational zeros their readers recover from (the mean of a
+    # centred residual in a LayerNorm), never a finding of a clean model (issue 42)
+    assert all("NaN/inf appear" in f or "computational zero" in f for f in notes), notes
     if name == "gpt2-eager":
         assert absorbed
 

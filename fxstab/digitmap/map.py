@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
 from ..records.report import COUNTER_KEYS, OBSERVED, ROUNDED, OpReport
-from .hints import LEGEND, MIN_FINDING, MIN_UNDERFLOW, UNDERFLOW_HINT, hint
+from .hints import LEGEND, MIN_FINDING, MIN_UNDERFLOW, UNDERFLOW_HINT, ZERO_FINDING, hint
 from .operators import (
     METRICS,
     STATUS_SEVERITY,
@@ -343,6 +343,10 @@ class DigitMap:
             harmless = [r for r in losses if cost[r.name] < impact]
             losses = sorted((r for r in losses if cost[r.name] >= impact),
                             key=lambda r: -cost[r.name])
+        else:  # not measured: a computational zero whose readers keep their digits is no loss
+            readers = {r.name: self.zero_readers(r.name, r.reference, metric) for r in losses}
+            harmless = [r for r in losses if readers[r.name]]
+            losses = [r for r in losses if not readers[r.name]]
         for r in losses[:top]:
             op = self.operators[r.name]
             src = f"{r.worst_input}" if r.worst_input else "the format's cap"
@@ -356,13 +360,21 @@ class DigitMap:
                 out.append(f"underflow at {op.name}: {op.underflow} of {op.numel} elements fell "
                            f"below the format's smallest normal: {UNDERFLOW_HINT}")
                 break
-        if impact is not None:
-            for r in harmless[:top]:
-                op = self.operators[r.name]
+        for r in harmless[:top]:
+            op = self.operators[r.name]
+            zero = op.zero_fraction >= ZERO_FINDING
+            if impact is not None:
                 out.append(f"note: {r.name} loses {r.local_loss:.2f} {metric} digits against "
                            f"its input, but the rounding it amplifies costs the outputs "
                            f"{cost[r.name]:.2f} digits (below {impact:g}): harmless here"
-                           + (" (a computational zero)" if op.zero_fraction >= 0.5 else ""))
+                           + (" (a computational zero)" if zero else ""))
+            else:
+                names = readers[r.name]
+                out.append(f"note: {r.name} is a computational zero ({op.zero_fraction:.0%} of "
+                           f"its elements; local loss {r.local_loss:.2f}), and its readers keep "
+                           f"the digits it lost ({', '.join(names[:2])}"
+                           + (f" and {len(names) - 2} more" if len(names) > 2 else "")
+                           + "): harmless here")
         for origin, (_, absorbers) in self.absorbed_nonfinite().items():
             op = self.operators[origin]
             by = f"absorbed by {', '.join(absorbers)} before any output (as an additive " \
@@ -553,6 +565,38 @@ class DigitMap:
                 if i in out:
                     out[i].append(op.name)
         return out
+
+    def zero_readers(self, name: str, reference: float,
+                     metric: Optional[str] = None) -> list[str]:
+        """The readers that keep the digits a computational zero lost: where operator
+        ``name`` is one (at least :data:`~fxstab.digitmap.hints.ZERO_FINDING` of its elements)
+        and every operator reading it, through readers that are computational zeros too (the
+        mean's division of its row sum), keeps at least ``reference`` digits less the findings'
+        margin, those readers (the LayerNorm's ``x - mean`` after the mean of a centred input);
+        else ``[]``: an output, or a reader that passes the loss on (a division by it)."""
+        if self.operators[name].zero_fraction < ZERO_FINDING:
+            return []
+        consumers = self.consumers()
+        keep = reference - MIN_FINDING * self.cap
+        found: list[str] = []
+        todo, seen = list(consumers[name]), {name}
+        if not todo:
+            return []
+        while todo:
+            reader = todo.pop(0)
+            if reader in seen:
+                continue
+            seen.add(reader)
+            op = self.operators[reader]
+            if op.zero_fraction >= ZERO_FINDING:
+                if not consumers[reader] or len(seen) > 16:
+                    return []  # a zero that reaches an output (or too far to follow)
+                todo += consumers[reader]
+            elif effective_digits(op, metric) >= keep:
+                found.append(reader)
+            else:
+                return []
+        return found
 
     def absorbed_nonfinite(self) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
         """NaN/inf origins whose non-finite values the program absorbs before any output:
