@@ -412,7 +412,11 @@ def _cmd_show(args: argparse.Namespace) -> int:
                                                   "git_commit") if meta.get(k) is not None)
     print(dm.summary(metric=args.metric))
     print()
-    print(dm.table(top=args.top, metric=args.metric))
+    try:
+        table = dm.table(top=args.top, metric=args.metric, sort=args.sort)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    print(table)
     if extras:
         print(f"({extras})")
     print()
@@ -670,6 +674,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metric", choices=_metrics(), default=None,
                    help=f"digits the tables, ranking and pictures use (default "
                         f"{_default_metric()})")
+    p.add_argument("--sort", choices=("digits", "impact"), default=None,
+                   help="the table's order: fewest digits first, or largest impact on the "
+                        "outputs first (a map recorded with --impact; its default)")
     p.add_argument("--plot", metavar="OUT", help="bar chart of digits per operator (.png/.svg)")
     p.add_argument("--graph", metavar="OUT", help="operator graph coloured by digits (.svg/.png)")
     p.add_argument("--series", metavar="OUT", help="digits over steps, worst operators (.png)")

@@ -168,6 +168,21 @@ def test_json_round_trip_including_nan_and_inf(tmp_path):
     assert math.isnan(DigitMap.from_json(text.replace('"NaN"', "NaN"))["a/exp#0"].avg_digits)
 
 
+def test_version_2_maps_load_as_maps_without_impacts():
+    # version 3 added the impacts; a version 2 map (with or without them: session 17 wrote
+    # the optional key there) loads, and is written back as version 3
+    doc = _doc()
+    assert doc["schema_version"] == SCHEMA_VERSION == 3
+    doc["schema_version"] = 2
+    old = DigitMap.from_json(json.dumps(doc))
+    assert old.impact_threshold() is None and old == DigitMap.from_json(json.dumps(_doc()))
+    doc["operators"][0]["impact"] = 0.5
+    doc["metadata"]["impact_threshold"] = 0.2
+    with_impact = DigitMap.from_json(json.dumps(doc))
+    assert with_impact.impact_threshold() == 0.2
+    assert json.loads(with_impact.to_json())["schema_version"] == 3
+
+
 def _doc() -> dict:
     return json.loads(chain_map().to_json())
 
@@ -210,6 +225,10 @@ def _mutations():
         ("no operators", m(del_(["operators"])), "missing", "operators"),
         ("no torch version", m(del_(["metadata", "torch_version"])), "metadata", "torch_version"),
         ("seed type", m(set_(["metadata", "seed"], "zero")), "must be an integer", "seed"),
+        ("impact threshold type", m(set_(["metadata", "impact_threshold"], "low")),
+         "must be a number", "impact_threshold"),
+        ("impact type", m(set_(["operators", 1, "impact"], "much")), "must be a number",
+         "impact"),
         ("op min missing", m(del_(["operators", 2, "min_digits"])),
          "operators[2] 'act/gelu#0'", "min_digits"),
         ("op min str", m(set_(["operators", 1, "min_digits"], "low")),

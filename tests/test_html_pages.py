@@ -630,3 +630,36 @@ def test_a_diff_page_across_formats_shows_the_change_below_each_cap(tmp_path):
                                 r"</script>", text, re.S).group(1))
     assert data["ops"][0]["delta"] == pytest.approx(0.0, abs=1e-9)
     assert text.index("Note: formats differ") < text.index('id="failed-section"')
+
+
+def test_a_map_with_impacts_orders_its_table_by_impact_in_chromium(browser, tmp_path):
+    # issue 42: a map annotated with impacts (fxstab record --impact) shows the column and
+    # opens with the operator that costs the outputs most on top
+    class Hazard(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.head = torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+
+        def forward(self, x):
+            y = self.fc(x)
+            y = (y + 300.0) - 300.0  # bf16 keeps ~0 digits of y: the add's rounding costs
+            return self.head(torch.tanh(y))
+
+    torch.manual_seed(0)
+    imp = fxstab.operator_impact(Hazard(), (torch.randn(8, 16),), format="bf16", seed=0)
+    torch._dynamo.reset()
+    dm = imp.digit_map
+    top = imp.ranked()[0][0]
+    assert top == "add#0", imp.table()
+    out = html.write_page(html.map_page(dm), tmp_path / "impact.html")
+    pg = Opened(browser, out)
+    try:
+        assert not pg.errors, pg.errors
+        heads = pg.page.eval_on_selector_all("#table th", "ths => ths.map(t => t.textContent)")
+        assert "impact" in heads
+        rows = pg.visible_rows()
+        assert rows[0] == top
+        order = [dm[n].impact for n in rows]
+        assert order == sorted(order, reverse=True)
+    finally:
+        pg.close()

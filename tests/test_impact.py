@@ -106,6 +106,22 @@ def test_record_with_impact_writes_the_impacts_and_ranks_by_them(tmp_path, capsy
     assert dm.metadata["impact_calls"] >= 2 and dm.impact_threshold() == 0.1
     assert not any(f.startswith("digits are lost at mean#1") for f in dm.findings())
     assert any(f.startswith("note: mean#1 loses") for f in dm.findings())
+    # show: the table in the order of the impacts (its default), or of the digits
+    assert main(["show", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert "sorted by impact on the outputs" in shown
+    first = shown.split("sorted by impact on the outputs")[1].splitlines()[2].split()[0]
+    assert first == dm.sorted_by_impact()[0].name
+    assert main(["show", str(out), "--sort", "digits"]) == 0
+    assert "sorted by avg digits" in capsys.readouterr().out
+    plain = tmp_path / "plain.json"
+    import dataclasses
+    nothing = fxstab.DigitMap([dataclasses.replace(op, impact=float("nan"))
+                               for op in dm.operators.values()], {"fxstab_version": "x",
+                                                                    "torch_version": "y"})
+    nothing.save(plain)
+    assert main(["show", str(plain), "--sort", "impact"]) == 2
+    assert "holds no impacts" in capsys.readouterr().err
 
 
 def test_the_gate_warns_on_a_drop_that_costs_the_outputs_nothing():

@@ -251,15 +251,38 @@ class DigitMap:
             raise ValueError(f"k must be >= 0, got {k}")
         return self.sorted_worst_first(metric)[:k]
 
-    def table(self, top: Optional[int] = None, metric: Optional[str] = None) -> str:
-        """A readable text table of the operators, worst first under ``metric`` (the column
-        marked ``*``), with a legend."""
+    def sorted_by_impact(self, metric: Optional[str] = None) -> list[OperatorDigits]:
+        """Operators by their impact on the outputs, largest first (unmeasured last), then as
+        :meth:`sorted_worst_first`."""
+        order = {op.name: i for i, op in enumerate(self.sorted_worst_first(metric))}
+        return sorted(self.operators.values(),
+                      key=lambda op: (math.isnan(op.impact), -_impact_or_0(op), order[op.name]))
+
+    def table(self, top: Optional[int] = None, metric: Optional[str] = None,
+              sort: Optional[str] = None) -> str:
+        """A readable text table of the operators with a legend: worst first under ``metric``
+        (the column marked ``*``), or with ``sort="impact"`` largest impact on the outputs
+        first, the default of a map that holds impacts (``fxstab record --impact``).
+
+        Raises:
+            ValueError: an unknown ``sort``, or ``"impact"`` for a map without impacts.
+        """
         metric = check_metric(metric)
-        ops = self.sorted_worst_first(metric) if top is None else self.worst(top, metric)
+        has_impact = self.impact_threshold() is not None
+        sort = sort or ("impact" if has_impact else "digits")
+        if sort not in SORTS:
+            raise ValueError(f"sort must be one of {', '.join(SORTS)}; got {sort!r}")
+        if sort == "impact" and not has_impact:
+            raise ValueError("this digit map holds no impacts: record it with --impact "
+                             "(fxstab.operator_impact), or sort by digits")
+        ops = self.sorted_by_impact(metric) if sort == "impact" else \
+            self.sorted_worst_first(metric)
+        ops = ops if top is None else ops[:max(0, top)]
         m = self.metadata
+        order = f"{metric} digits" if sort == "digits" else "impact on the outputs"
         head = (f"digit map: {len(self)} operators, format {m.get('format', '?')}, "
                 f"N={m.get('n_samples', '?')}, cap {self.cap:.2f} digits, "
-                f"{m.get('analysed_calls', '?')} analysed call(s); sorted by {metric} digits")
+                f"{m.get('analysed_calls', '?')} analysed call(s); sorted by {order}")
         if not ops:
             return head + "\n(no operators)"
         width = max(8, *(len(op.name) for op in ops))
@@ -754,6 +777,8 @@ class DigitMap:
         return cls.from_json(data, source=src)
 
 
+# the orders of DigitMap.table (fxstab show --sort)
+SORTS = ("digits", "impact")
 # what an empty :meth:`DigitMap.findings` means (MIN_FINDING of the cap: a quarter)
 NO_FINDINGS = "none (no NaN/inf origin, no operator losing a quarter of the cap or more)"
 

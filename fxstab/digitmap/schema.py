@@ -16,11 +16,15 @@ from ..records.report import COUNTER_KEYS, ROUNDED
 from .operators import OperatorDigits, StepDigits
 
 SCHEMA_NAME = "fxstab-digit-map"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # Version 1 had no normwise digits, quantiles or underflow: it still loads (those are NaN/0).
 # The accumulator's digits are optional keys of version 2 (no bump: a map without them is a
 # valid map with no accumulator measured, and a reader that predates them ignores them).
-_READABLE_VERSIONS = (1, 2)
+# Version 3 defines the operators' impact on the outputs (optional ``impact`` and the metadata
+# ``impact_threshold``, ``impact_calls``, ``impact_output_digits``): a bump, since a reader
+# that ignored them would gate as failures the drops the map says are harmless. Versions 1 and 2
+# still load (no impact measured: NaN).
+_READABLE_VERSIONS = (1, 2, 3)
 
 # JSON has no NaN/Infinity literals (Python's json writes invalid tokens for them); a digit map
 # writes non-finite numbers as these strings and reads them back as floats.
@@ -123,6 +127,8 @@ _META_TYPES = {
     "n_samples": "an integer", "seed": "an integer", "granularity": "a string",
     "confidence": "a number", "rounding": "a string", "target": "a string",
     "analysed_calls": "a non-negative integer", "git_commit": "a string", "modules": "a list",
+    "impact_threshold": "a number", "impact_calls": "a non-negative integer",
+    "impact_output_digits": "a number",
 }
 _META_REQUIRED = ("fxstab_version", "torch_version")
 
@@ -203,7 +209,7 @@ def _validate(doc: Any, source: str) -> tuple[list[OperatorDigits], dict, list[S
             source=c.get(o, "source", "a string", where, False, ""),
             direction=_direction(c, o, where),
             format=c.get(o, "format", "a string", where, False, ""),
-            # its impact on the outputs (fxstab.impact; optional in version 2: NaN)
+            # its impact on the outputs (fxstab.impact; version 3, optional: NaN)
             impact=c.get(o, "impact", "a number", where, False, math.nan),
             shape=tuple(shape), counters=counters, inputs=tuple(inputs)))
     for i, op in enumerate(ops):

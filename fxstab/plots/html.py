@@ -104,6 +104,8 @@ def _stats(op: Any) -> dict:
     d.update(max=_num(op.max_digits), zero=_num(op.zero_fraction),
              nonfin=int(op.non_finite), under=int(op.underflow), numel=int(op.numel),
              calls=int(op.calls))
+    if not math.isnan(op.impact):
+        d["imp"] = _num(op.impact)
     return d
 
 
@@ -330,7 +332,7 @@ def map_page(dm: DigitMap, metric: Optional[str] = None, title: Optional[str] = 
     steps = _steps_data(dm, index)
     data = {"page": "map", "metric": metric, "metrics": list(METRICS), "cap": cap, "ops": ops,
             "loss": loss, "origins": [index[n] for n in dm.nonfinite_sources()],
-            "steps": steps, "format": meta.get("format")}
+            "steps": steps, "format": meta.get("format"), "impact": dm.impact_threshold()}
     origin_line = ""
     if sources:
         origin_line = (f'<p class="muted">NaN/inf first appear at '

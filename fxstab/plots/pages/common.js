@@ -210,8 +210,9 @@ const FX = (() => {
     fill();
     host.appendChild(table);
     let sortKey = -1, desc = false;
-    function sort(k, keepDir) {
-      if (!keepDir) desc = k === sortKey ? !desc : false;
+    function sort(k, keepDir, descending) {
+      if (descending !== undefined) desc = descending;
+      else if (!keepDir) desc = k === sortKey ? !desc : false;
       sortKey = k;
       const c = columns[k];
       const key = r => {

@@ -74,6 +74,13 @@
     {label: "local loss", num: true, title: "the least accurate input's digits - own digits",
      get: r => (DATA.loss[metric][r.i] || [null])[0],
      html: r => origins.has(r.i) ? '<b style="color:#6a00f4">NaN/inf origin</b>' : fmt((DATA.loss[metric][r.i] || [null])[0])},
+  );
+  // a map with impacts (fxstab record --impact): a column, and the table's first order
+  const impactCol = DATA.impact === null ? -1 : cols.length;
+  if (impactCol >= 0) cols.push({label: "impact", num: true,
+    title: `the digits the outputs lose to the operator's own rounding (below ${DATA.impact}: harmless)`,
+    get: r => r.o.s.imp});
+  cols.push(
     {label: "zero%", num: true, get: r => 100 * num(r.o.s.zero), html: r => (100 * num(r.o.s.zero)).toFixed(1)},
     {label: "NaN/inf", num: true, get: r => r.o.s.nonfin, html: r => String(r.o.s.nonfin)},
     {label: "underflow", num: true, get: r => r.o.s.under, html: r => String(r.o.s.under)},
@@ -84,6 +91,7 @@
   const table = FX.makeTable($("#table"), cols, rows, i => {
     graph.select(i === graph.selected ? -1 : i, true);
   });
+  if (impactCol >= 0) table.sort(impactCol, false, true);
 
   // ------------------------------------------------------------------ filters
   const kinds = Array.from(new Set(ops.map(o => o.kind))).sort();
