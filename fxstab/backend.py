@@ -313,6 +313,12 @@ class FxstabBackend:
             meta["no_output"] = no_output
         if c.formats:  # per-operator formats (a precision plan): pattern -> format
             meta["formats"] = {p: f.name for p, f in c.formats}
+        # the GEMMs whose low-precision recipe the program names (format="auto": torchao's
+        # float8 ones): operator -> "torchao float8 rowwise: fp8_e4m3 operands, row scaling"
+        recipes = {name: label for g in self.graphs
+                   for name, label in getattr(g.info, "recipes", {}).items()}
+        if recipes:
+            meta["gemm_recipes"] = recipes
         if c.gemm_inputs:  # the GEMMs' operand format: "fp8_e4m3/block128", or per pattern
             label = {p: f"{f.name}/{c.gemm_scaling}" if f is not None else "as given"
                      for p, f in c.gemm_inputs}

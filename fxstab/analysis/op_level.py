@@ -22,7 +22,9 @@ from ..capture.graph import (
 )
 from ..capture.naming import module_path, qualified_name, source_location
 from ..capture.opsets import DROPOUT_KINDS, RANDOM_KINDS, is_custom, is_gemm, node_kind
+from ..capture.torchao import float8_matmul
 from ..cpu import alloc
+from ..numerics.formats import get_format
 from ..records.coverage import SKIPPED, CoverageEntry
 from ..records.run import RunState
 from ..config import rule_for
@@ -52,6 +54,9 @@ class GraphInfo:
     coverage: dict = field(default_factory=dict)
     # fused node name -> the kinds of the composite its samples ran as
     composites: dict = field(default_factory=dict)
+    # operator -> the low-precision recipe recognised in the program (format="auto": a
+    # torchao float8 GEMM, fxstab.capture.torchao)
+    recipes: dict = field(default_factory=dict)
     # signature -> why its stochastic path could not be traced (its rules then run untraced)
     untraced: dict = field(default_factory=dict)
     # instrumented operators whose values reach no floating output but through instrumented
@@ -144,6 +149,11 @@ class GraphAnalysis:
             self.free_after = self._last_uses(self.sgraph)
         for i, node in enumerate(self.sgraph.nodes):
             kind = node_kind(node)
+            # format="auto": a torchao float8 GEMM is the matmul it is, its operands in the
+            # recipe its config gives (fxstab.capture.torchao)
+            fp8 = float8_matmul(node) if self.cfg.auto_format else None
+            if fp8 is not None:
+                kind = "matmul"
             plan = NodePlan(node=node, kind=kind, index=i, custom=is_custom(node))
             ins: set = set()
             for m in node.all_input_nodes:
@@ -161,6 +171,10 @@ class GraphAnalysis:
                         qn = qualified_name(path, kind)
                         plan.accumulate = rule_for(self.cfg.accumulate, kind, qn, plan.name)
                         plan.gemm_inputs = rule_for(self.cfg.gemm_inputs, kind, qn, plan.name)
+                        if fp8 is not None and plan.gemm_inputs is None:
+                            plan.gemm_inputs = get_format(fp8.operands)
+                            plan.gemm_scaling = fp8.scaling
+                            self.info.recipes[plan.name] = fp8.label
                     plan.inputs = tuple(sorted(ins))
                     plan.format = self._format_of(node, plan.name)
                     plan.rounds = self.cfg.rounds(plan.name)

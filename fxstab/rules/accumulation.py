@@ -248,8 +248,8 @@ def modelled_gemm(a: tuple, kw: dict, plan: Any, cfg: Any, seed: int,
                   cap: Optional[float] = None) -> tuple[Stacked, Optional[tuple]]:
     """The operator level's modelled GEMM: :func:`accumulated_product` of a call's arguments
     with the accumulator and operand format of its plan (``plan.accumulate``,
-    ``plan.gemm_inputs``) and the analysis's settings (``cfg``: the operands' scaling, the
-    rounding mode, the kernels).
+    ``plan.gemm_inputs``; ``plan.gemm_scaling`` where the program gives its own) and the
+    analysis's settings (``cfg``: the operands' scaling, the rounding mode, the kernels).
 
     What the samples carry, whatever the accumulator's rounding mode (issue 43):
 
@@ -277,11 +277,13 @@ def modelled_gemm(a: tuple, kw: dict, plan: Any, cfg: Any, seed: int,
     product (both exact sums; :class:`GemmFigures`). None without an accumulator and a recipe, or without
     ``cap`` and a recipe."""
     acc, inputs = plan.accumulate, plan.gemm_inputs
+    # the operands' scaling: the program's own recipe (a torchao float8 GEMM), else the config's
+    scaling = getattr(plan, "gemm_scaling", None) or cfg.gemm_scaling
     biased = acc is not None and biased_accumulator(acc)
     sampled = sample_accumulator(acc, cfg.rounding) if biased else acc
     stats: Optional[list] = [] if inputs is not None else None
     out = accumulated_product(a, kw, plan.kind, sampled, seed, to_working, inputs,
-                              cfg.gemm_scaling, cfg.rounding, cfg.kernels, stats)
+                              scaling, cfg.rounding, cfg.kernels, stats)
     figures = GemmFigures((math.nan, math.nan), merge_operand_stats(stats)) if stats else None
     figure = acc is not None and cap is not None
     if not (biased or inputs is not None or figure):
@@ -292,7 +294,7 @@ def modelled_gemm(a: tuple, kw: dict, plan: Any, cfg: Any, seed: int,
 
     def product(accumulator: Any, operands: Any) -> torch.Tensor:
         return accumulated_product(a, kw, plan.kind, accumulator, seed, to_working, operands,
-                                   cfg.gemm_scaling, cfg.rounding, cfg.kernels).samples
+                                   scaling, cfg.rounding, cfg.kernels).samples
 
     exact = product(None, inputs)
     value = product(acc, inputs) if biased else out.samples[:1]

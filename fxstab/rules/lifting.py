@@ -168,6 +168,9 @@ class NodePlan:
     # Accumulation, or None: the trusted sum) and its operands' format (or None)
     accumulate: Any = None
     gemm_inputs: Any = None
+    # its operands' scaling where the program names its own (a torchao float8 recipe); None:
+    # the config's gemm_scaling
+    gemm_scaling: Optional[str] = None
     rounds: bool = True  # False: its output is measured, not rounded (unrounded=, an ablation)
 
 

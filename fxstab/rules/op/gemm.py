@@ -42,7 +42,8 @@ def modelled(call: OpCall) -> Optional[Outcome]:
         return out
 
     return Outcome(t.step("accumulate", plan, product, call.leaves), ROUNDED,
-                   gemm_model_label(plan.accumulate, plan.gemm_inputs, t.cfg.gemm_scaling))
+                   gemm_model_label(plan.accumulate, plan.gemm_inputs,
+                                    plan.gemm_scaling or t.cfg.gemm_scaling))
 
 
 @op_rule(*sorted(BATCHED_KINDS))
