@@ -248,13 +248,11 @@ def _record_one(args: argparse.Namespace, spec: str, t: Any, output: str, plain:
                        f"or none of its operators is floating or selected): no digit map "
                        f"written to {output}")
     if getattr(args, "impact", False):  # each operator's cost to the outputs (fxstab.impact)
-        if plain["granularity"] != "op":
-            raise CLIError("--impact ablates torch-level operators: --granularity op")
         from .impact import operator_impact
 
         torch.manual_seed(plain["seed"])
         target = load_target(spec, t.kwargs if t is not None else None, root)
-        options = {k: v for k, v in {**plain, **extra}.items() if k != "granularity"}
+        options = {**plain, **extra}
         imp = operator_impact(target.model, target.args, kwargs=target.kwargs, **options)
         imp.annotate(dm)
         print(imp.table(top=args.top))

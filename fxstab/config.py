@@ -103,7 +103,8 @@ class AnalysisConfig:
     # matches rounds into `format`; the samples' working dtype is the widest format's.
     formats: Any = None
     # operators whose outputs are left unrounded (an ablation: fxstab.impact): stable names or
-    # globs over them; stored as a tuple of patterns. Their outputs are measured, not rounded.
+    # globs over them (at granularity="aten" the primitives' names, module/op#k/aten.prim#j);
+    # stored as a tuple of patterns. Their outputs are measured, not rounded.
     unrounded: Any = None
 
     def __post_init__(self) -> None:
@@ -146,9 +147,6 @@ class AnalysisConfig:
                                  "matmul, mm, bmm, addmm, baddbmm, conv1d, conv2d, "
                                  "scaled_dot_product_attention) for now")
         object.__setattr__(self, "unrounded", _patterns(self.unrounded, "unrounded"))
-        if self.unrounded and self.granularity != "op":
-            raise ValueError("unrounded= (operators left unrounded, an ablation) is supported "
-                             "at granularity='op'")
         object.__setattr__(self, "formats", format_rules(self.formats))
         if self.formats and (self.granularity != "op" or auto):
             raise ValueError("formats= (per-operator formats) is supported at granularity='op' "

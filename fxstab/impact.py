@@ -107,12 +107,10 @@ def operator_impact(model: torch.nn.Module, inputs: Sequence, *, threshold: floa
         threshold: Digits below which a group of operators is harmless (not bisected).
         kwargs: Its keyword inputs.
         **options: :func:`fxstab.backend`'s options (format, n_samples, seed, select...);
-            ``granularity="op"`` (the ablation rounds torch-level operators).
+            at ``granularity="aten"`` the ablated operators are the arithmetic primitives.
     """
     if not isinstance(threshold, (int, float)) or not threshold > 0:
         raise ValueError(f"threshold must be a positive number of digits, got {threshold!r}")
-    if options.get("granularity", "op") != "op":
-        raise ValueError("operator_impact ablates torch-level operators: granularity='op'")
     if "unrounded" in options:
         raise ValueError("operator_impact sets unrounded= itself")
     kwargs = kwargs or {}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -81,8 +83,6 @@ def test_unrounded_operators_are_measured_not_rounded():
     assert dm.operators["tanh#0"].avg_digits > dm.operators["head/linear#0"].avg_digits
     with pytest.raises(ValueError, match="unrounded"):
         fxstab.backend(unrounded=[3])
-    with pytest.raises(ValueError, match="granularity='op'"):
-        fxstab.backend(granularity="aten", unrounded="x")
     with pytest.raises(ValueError, match="threshold"):
         fxstab.operator_impact(model, (x,), threshold=0)
 
@@ -141,3 +141,31 @@ def test_the_gate_warns_on_a_drop_that_costs_the_outputs_nothing():
     base.metadata["impact_output_digits"] = head.metadata["impact_output_digits"] + 1.0
     outputs = fxstab.diff(base, head, max_drop=0.5)
     assert outputs.failed and outputs.drops[0].name == "(outputs)"
+
+
+def test_impact_at_the_arithmetic_level_names_the_same_hazard():
+    # the primitives are ablated: the hazard's add (h + 300) is the top impact there too, the
+    # computational zero's row sum is harmless, and the ablation leaves the output's bits
+    torch.manual_seed(0)
+    model, x = Centred(hazard=True), torch.randn(16, 32)
+    want = model(x)
+    imp = fxstab.operator_impact(model, (x,), format="bf16", seed=0, granularity="aten")
+    top, gain = imp.ranked()[0]
+    assert top == "add#0/aten.add#0" and gain > 0.5, imp.table()
+    zero = [n for n in imp.by_operator if n.startswith("mean#1/")]
+    assert zero and not any(imp.matters(n) for n in zero), imp.table()
+    n = len(imp.by_operator)
+    assert imp.calls <= 2 + 4 * math.ceil(math.log2(n)), (imp.calls, n)
+    findings = imp.digit_map.findings()
+    assert findings[0].startswith("digits are lost at sub#2/aten.sub#0") and \
+        "the outputs lose" in findings[0], findings
+    # an unrounded primitive is measured, not rounded: its samples are its inputs' exact
+    # function, its status stays "rounded"
+    torch._dynamo.reset()
+    be = fxstab.backend(format="bf16", seed=0, granularity="aten",
+                        unrounded=["tanh#0/aten.tanh#0"])
+    with torch.no_grad():
+        assert torch.equal(torch.compile(model, backend=be)(x), want)
+    torch._dynamo.reset()
+    dm = be.digit_map()
+    assert dm.operators["tanh#0/aten.tanh#0"].status == "rounded"

@@ -147,7 +147,7 @@ def _digits_through(info: OpInfo, op, args: tuple, kwargs: dict, out: torch.Tens
 def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenContext, *,
                     name: Optional[str] = None, salt: Optional[int] = None,
                     need_digits: Optional[bool] = None,
-                    need_zeros: Optional[bool] = None) -> Any:
+                    need_zeros: Optional[bool] = None, rounds: bool = True) -> Any:
     """Run one aten primitive on stacked samples and apply the arithmetic-level rules.
 
     Args:
@@ -163,6 +163,8 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
             them later.
         need_zeros: The same for the output's computational-zero mask (``None``: as
             ``need_digits``).
+        rounds: False: the output is measured, not rounded, and a GEMM's operands are not
+            perturbed (``unrounded=``: an ablation, :func:`fxstab.operator_impact`).
 
     Returns:
         The primitive's outputs with the same structure as ``op``'s, each tensor computed from
@@ -205,6 +207,7 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
     if kwargs:
         kwargs = _fix_dtype_kwargs(kind, kwargs, ctx)
     rule = _Rule(op, info, name, salt, need_digits, need_zeros, ctx.stepper is not None)
+    rule.rounds = rounds
 
     # Decisions (top-k routing, sort, argmax): once for every sample, on the samples' mean
     if kind in DECISIONS and type(args[0]) is Stacked and args[0].samples.is_floating_point() \
@@ -223,7 +226,8 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
         return ctx.emit("compare", name, rule.compare, (), args, kwargs)
     if info.gemm and not from_plain:
         # the surrogate on the stacked operands (a step), then the product on the samples
-        args = ctx.emit("perturb", name, rule.perturb, (), args, kwargs)
+        if rounds:
+            args = ctx.emit("perturb", name, rule.perturb, (), args, kwargs)
         raw, lifted = run_batched(op, info, args, kwargs, n, ctx)
         rule.lifted = lifted
     elif from_plain:
@@ -239,13 +243,14 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
         raw = one.unsqueeze(0).expand(n, *one.shape) if isinstance(one, torch.Tensor) else \
             pytree.tree_map(lambda v: v.unsqueeze(0).expand(n, *v.shape)
                             if isinstance(v, torch.Tensor) else v, one)
-    elif ctx.use_lookup and info.kind in native.LOOKUP_OPS and len(args) == 1 and not kwargs \
+    elif rounds and ctx.use_lookup and info.kind in native.LOOKUP_OPS and len(args) == 1 \
+            and not kwargs \
             and type(args[0]) is Stacked and args[0].samples.dtype == torch.float32 \
             and args[0].samples.is_cpu and args[0].samples.is_contiguous():
         # exp, log, ... of values in the format: a table of the op's own results (unless a
         # value is not one of the format's), then rounded
         return ctx.emit("lookup", name, rule.lookup, (), args, kwargs, op)
-    elif info.binary and not kwargs and _fusable(args, ctx):
+    elif rounds and info.binary and not kwargs and _fusable(args, ctx):
         # add, sub, mul, div: computed by the kernel inside its rounding (one step, no pass of
         # the operator's own)
         return ctx.emit("binary", name, rule.binary, (), args, kwargs, _batched_call(info, args))
@@ -333,7 +338,7 @@ class _Rule:
     run-time values (:meth:`AtenContext.emit`): they hold no tensor."""
 
     __slots__ = ("op", "info", "name", "salt", "need_digits", "need_zeros", "lifted", "spec",
-                 "reused", "fast", "kernel", "numbers", "realign")
+                 "reused", "fast", "kernel", "numbers", "realign", "rounds")
 
     def __init__(self, op, info, name, salt, need_digits, need_zeros, reused=False) -> None:
         self.op, self.info, self.name, self.salt = op, info, name, salt
@@ -348,6 +353,7 @@ class _Rule:
         self.kernel: Any = None  # binary: its native.Binary (made on the first call)
         self.numbers: dict = {}  # binary: Python numbers as 0-d tensors of the working dtype
         self.realign = True  # binary: whether its stacked operands' ranks need aligning
+        self.rounds = True  # False: measured, not rounded (unrounded=, an ablation)
 
     def finish_raw(self, ctx: AtenContext, raw: Any, args: tuple, kwargs: dict) -> Any:
         """Round, measure, count and record the outputs ``raw`` of the batched primitive."""
@@ -469,7 +475,7 @@ class _Rule:
             exact = False  # |z|, z / |z|: arithmetic on the parts
         elif exact and kind == "round" and kwargs.get("decimals"):
             exact = False  # round(x * 10**d) / 10**d: not a value of the format in general
-        do_round = (lifted or ctx.round_per_sample) and not exact
+        do_round = (lifted or ctx.round_per_sample) and not exact and self.rounds
         want_record = ctx.recorder is not None and (
             not exact or ctx.record_exact or _writes_nonfinite(kind, args, kwargs))
         # per-element digits (or the zero mask) now, in the rounding pass, when a counter will
@@ -579,7 +585,10 @@ class _Rule:
         if want_record:
             lifted = self.lifted
             stats = _record_stats(first, first_stats, ctx)
-            status = (PER_SAMPLE if not lifted else ROUNDED) if do_round else \
+            # (an ablation's unrounded primitive keeps the status it would have: its analysis
+            # is the same but for its rounding)
+            status = (PER_SAMPLE if not lifted else ROUNDED) \
+                if do_round or not (self.rounds or exact) else \
                 (UNLIFTED if not lifted else OBSERVED)
             ctx.recorder(PrimitiveRecord(rec_name, info.text, kind, stats, counts, surrogate,
                                          status, tuple(first.shape), list(ctx.last_events),

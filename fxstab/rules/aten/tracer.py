@@ -311,7 +311,7 @@ class AtenTracer(torch.fx.Interpreter):
             try:
                 out = apply_primitive(plan.target, args_, kw, ctx, name=plan.name,
                                       salt=plan.index, need_digits=plan.need_digits,
-                                      need_zeros=plan.need_zeros)
+                                      need_zeros=plan.need_zeros, rounds=plan.rounds)
             except Exception as exc:  # noqa: BLE001 - one primitive never sinks the graph
                 if steps.active():  # under a trace: refuse it; untraced, it is isolated
                     raise
@@ -397,7 +397,7 @@ class PrimitivePlan:
     """One lowered node's decisions, made once per lowering (see ``_node_plans``)."""
 
     __slots__ = ("index", "action", "target", "name", "path", "record", "need_digits",
-                 "need_zeros", "origin", "inplace", "observe")
+                 "need_zeros", "origin", "inplace", "observe", "rounds")
 
     def __init__(self, index, action, target, name, path, record, need_digits, need_zeros,
                  origin=None, inplace=False):
@@ -406,6 +406,7 @@ class PrimitivePlan:
         self.need_digits, self.need_zeros = need_digits, need_zeros
         self.origin, self.inplace = origin, inplace  # the dynamo node it came from
         self.observe = False  # record it as observed when the rules did not record it
+        self.rounds = True  # False: measured, not rounded (unrounded=, an ablation)
 
 
 class LoweredGraph:
