@@ -273,8 +273,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     cfg = _settings(args)
     if args.keep <= 0:
         raise CLIError(f"--keep must be > 0 digits, got {args.keep}")
-    if args.budget is not None and args.budget < 1:
-        raise CLIError(f"--budget must be >= 1 analysed call, got {args.budget}")
+    from .plan.search import parse_budget
+
+    budget = args.budget
+    if budget is not None:
+        budget = int(budget) if budget.strip().isdigit() else budget
+        try:
+            parse_budget(budget)
+        except ValueError:
+            raise CLIError(f"--budget must be a number of analysed calls (>= 1) or of seconds "
+                           f"('90s'), got {args.budget!r}") from None
     opts = _analysis_options(args, cfg, keys=("format", "n_samples", "seed"))
     if opts["format"] == "auto":
         raise CLIError("plan needs one --format and one --higher (not auto)")
@@ -294,8 +302,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     model, inputs = load_target(args.target)
     try:
         return run_plan(model, inputs, target=args.target, output=args.output,
-                        apply_check=args.apply_check, format=plain["format"], keep=args.keep,
-                        higher=higher, outputs=args.outputs, budget=args.budget,
+                        apply_check=args.apply_check, frontier=args.frontier,
+                        format=plain["format"], keep=args.keep,
+                        higher=higher, outputs=args.outputs, budget=budget,
                         criterion=args.criterion, n_samples=plain["n_samples"],
                         seed=plain["seed"], **extra)
     except ValueError as e:
@@ -514,8 +523,11 @@ backend, runs it --calls times under torch.no_grad() (step 0, 1, ... of --phase)
 the digit map as JSON. The same target, options and seed give the same digit map.
 """
 _PLAN_EPILOG = _TARGET_CONTRACT + """plan analyses the model under torch.no_grad() once per
-candidate plan (plan.runs counts them) and prints the plan; --apply-check then runs it for
-real. The same target, options and seed give the same plan.
+candidate plan (plan.runs counts them, the final plan's re-checks with two further seeds
+included; its progress is a line on stderr) and prints the plan, its digits the worst of the
+checks and its cost against everything in --higher; --frontier adds digits against cost for
+the plans found on the way; --apply-check then runs it for real. The same target, options and
+seed give the same plan.
 """
 
 
@@ -576,8 +588,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="avg digits the outputs must keep in the analysis (default 2.0)")
     p.add_argument("--outputs", nargs="+", metavar="OPERATOR", default=None,
                    help="check these operators' digits instead of the model's outputs")
-    p.add_argument("--budget", type=int, default=None,
-                   help="at most this many analysed calls (default: no cap)")
+    p.add_argument("--budget", default=None,
+                   help="at most this many analysed calls, or seconds with an s ('90s') "
+                        "(default: no cap)")
     p.add_argument("--criterion", default="mean", choices=("mean", "p5", "min"),
                    help="what of the outputs' per-element digits must reach --keep: their "
                         "average, 5%% quantile or minimum (a NaN/inf in any output always "
@@ -591,6 +604,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--apply-check", action="store_true",
                    help="run the target for real in --format with and without the plan and "
                         "print the true digits of both against an fp64 run")
+    p.add_argument("--frontier", action="store_true",
+                   help="print digits at the outputs against cost for the plans the search "
+                        "evaluated that no cheaper plan beats")
     p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser(

@@ -23,17 +23,21 @@ def real_gain(check: Any) -> Optional[float]:
 
 
 def run(model: Any, inputs: Sequence, *, target: str, output: Optional[str],
-        apply_check: bool, **search: Any) -> int:
-    """Search a plan (``search``: :func:`plan_precision`'s arguments), print its report,
-    save it to ``output``, with ``apply_check`` measure the real run; returns the exit code."""
+        apply_check: bool, frontier: bool = False, **search: Any) -> int:
+    """Search a plan (``search``: :func:`plan_precision`'s arguments), print its report
+    (with ``frontier`` its digits-against-cost frontier), save it to ``output``, with
+    ``apply_check`` measure the real run; returns the exit code. The search's progress is a
+    line on stderr."""
     with warnings.catch_warnings(record=True) as said:  # each one clean line, below
         warnings.simplefilter("always")
-        plan = plan_precision(model, inputs, **search)
+        plan = plan_precision(model, inputs, progress=True, **search)
     for w in dict.fromkeys(str(w.message).removeprefix("fxstab: ") for w in said
                            if issubclass(w.category, UserWarning)):
         print(f"fxstab plan: warning: {w}", file=sys.stderr)
     plan.settings["target"] = target
     print(plan.report())
+    if frontier:
+        print(plan.frontier_table())
     if output:
         plan.save(output)
         print(f"saved the plan ({len(plan.promoted)} operators) to {output}")

@@ -48,6 +48,12 @@ class PrecisionPlan:
         settings: n_samples, seed, granularity, target and what else the search ran with.
         regions: the module paths whose every analysed operator is promoted (the search
             fills it from the digit map: :meth:`autocast_regions`).
+        checks: what the final plan keeps in each check (``"seed 0"``, ``"seed 1"``,
+            ``"inputs[1]"``...); ``after`` is the worst of them.
+        cost / cost_all_higher: the plan's cost and everything in ``higher``'s, relative to
+            the program all in ``format`` (:class:`~fxstab.plan.cost.CostModel`).
+        frontier: [cost, digits, operators] of the plans the search evaluated that no cheaper
+            one beats (the analysis's digits with the search's seed), by cost.
     """
 
     format: str
@@ -66,6 +72,10 @@ class PrecisionPlan:
     outputs: Optional[list] = None
     settings: dict = field(default_factory=dict)
     regions: list = field(default_factory=list)
+    checks: dict = field(default_factory=dict)
+    cost: float = math.nan
+    cost_all_higher: float = math.nan
+    frontier: list = field(default_factory=list)
 
     # -- exports --------------------------------------------------------------------------
     def formats(self) -> dict:
@@ -95,21 +105,35 @@ class PrecisionPlan:
             f"{len(self.promoted)} operators"
         criterion = {"mean": "avg", "p5": "5% quantile", "min": "min"}.get(
             self.settings.get("criterion", "mean"), "avg")
+        worst = ""
+        if len(self.checks) > 1:
+            worst = (f", the worst of {', '.join(self.checks)}: "
+                     + ", ".join(_digits(d) for d in self.checks.values()))
         lines = [f"precision plan: {share} in {self.higher}, the rest in {self.format}; "
                  f"{self.runs} analysed calls",
                  f"digits at {what} ({criterion}, the analysis; NaN/inf fails): "
                  f"{_digits(self.before)} in {self.format} -> {_digits(self.after)} with the "
-                 f"plan (required {self.keep:.2f}; all in {self.higher}: "
+                 f"plan{worst} (required {self.keep:.2f}; all in {self.higher}: "
                  f"{_digits(self.all_higher)})"]
+        if self.cost == self.cost:
+            lines.append(f"cost (roofline estimate, all in {self.format} = 1): the plan "
+                         f"{self.cost:.3f}, all in {self.higher} {self.cost_all_higher:.3f}")
         recipe = [f"{k} {v}" for k, v in self.settings.items()
                   if k in ("gemm_inputs", "accumulate")]
         if recipe:
             lines.append(f"GEMM recipe: {'; '.join(recipe)}; a promoted GEMM leaves it (operands "
                          f"as the program gives them, the fp32 sum)")
         if not self.met:
-            lines.append("NOT MET: " + ("even every operator in " + self.higher + " keeps less"
-                                        if self.all_higher < self.keep else
-                                        "the search stopped at its budget"))
+            first = next(iter(self.checks.values()), math.nan)
+            if self.all_higher < self.keep:
+                why = f"even every operator in {self.higher} keeps less"
+            elif first >= self.keep:
+                worst = min(self.checks, key=self.checks.__getitem__)
+                why = (f"the plan keeps {_digits(self.checks[worst])} with {worst} (the "
+                       f"search's seed: {_digits(first)})")
+            else:
+                why = "the search stopped at its budget"
+            lines.append("NOT MET: " + why)
         if self.promoted:
             width = max(len(n) for n in self.promoted)
             lines.append(f"{'promoted operator':<{width}}  {'kind':<12} {'before':>7} {'after':>7}")
@@ -123,6 +147,18 @@ class PrecisionPlan:
         else:
             lines.append(f"nothing to promote: the outputs keep {self.before:.2f} digits in "
                          f"{self.format}")
+        return "\n".join(lines)
+
+    def frontier_table(self) -> str:
+        """Digits at the outputs against cost for the plans the search evaluated that no
+        cheaper plan beats (``fxstab plan --frontier``)."""
+        lines = [f"frontier: digits at the outputs against cost (all in {self.format} = 1; "
+                 f"the analysis, seed {self.settings.get('seed', 0)})",
+                 f"{'cost':>8} {'digits':>7} {'operators':>9}"]
+        first = next((i for i, (_, d, _n) in enumerate(self.frontier) if d >= self.keep), None)
+        for i, (cost, digits, n) in enumerate(self.frontier):
+            mark = "  <- the cheapest that keeps keep" if i == first else ""
+            lines.append(f"{cost:>8.3f} {_digits(digits):>7} {n:>9}{mark}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -146,7 +182,8 @@ class PrecisionPlan:
                 "before": self.before, "after": self.after, "all_higher": self.all_higher,
                 "operators": self.operators, "runs": self.runs, "met": self.met,
                 "outputs": self.outputs, "settings": self.settings,
-                "regions": self.regions}
+                "regions": self.regions, "checks": self.checks, "cost": self.cost,
+                "cost_all_higher": self.cost_all_higher, "frontier": self.frontier}
 
     def to_json(self, indent: Optional[int] = 1) -> str:
         return json.dumps(encode(self.as_dict()), indent=indent, allow_nan=False)
@@ -233,6 +270,17 @@ class PrecisionPlan:
         plan.regions = get(doc, "regions", (list,), default=[])
         if not all(isinstance(r, str) for r in plan.regions):
             raise PlanError("expected a list of module paths", source, key="regions")
+        checks = get(doc, "checks", (dict,), default={})
+        plan.checks = {str(k): get(checks, k, (float, int), "checks") for k in checks}
+        plan.cost = get(doc, "cost", (float, int), default=math.nan)
+        plan.cost_all_higher = get(doc, "cost_all_higher", (float, int), default=math.nan)
+        plan.frontier = []
+        for i, point in enumerate(get(doc, "frontier", (list,), default=[])):
+            if not (isinstance(point, list) and len(point) == 3):
+                raise PlanError("expected [cost, digits, operators]", source, f"frontier[{i}]")
+            c, d, n = (get({"v": v}, "v", kinds, f"frontier[{i}]")
+                       for v, kinds in zip(point, ((float, int), (float, int), (int,))))
+            plan.frontier.append([c, d, n])
         for key in ("format", "higher"):
             from ..numerics.formats import get_format
 

@@ -2,8 +2,24 @@
 
 Each candidate plan is evaluated by one analysed call in which the promoted operators round
 into ``higher`` (``fxstab.backend(formats=...)``) and the rest into ``format``; the digits that
-count are the CESTAC avg digits of the checked outputs. The search proposes from what the
-latest digit map knows, then removes what is not needed:
+count are the checked outputs' (``criterion``). Every candidate runs with the same seed: an
+operator's rounding draws are a function of the seed and its own place (counter-based random
+bits), so two candidates differ only by the plan (common random numbers). Two routes:
+
+* where the map holds a hazard (a NaN/inf origin, or an operator losing
+  :data:`HAZARD_LOSS` digits against its inputs), the local route follows its ranking (1-2
+  below);
+* where it holds none (a healthy model asked for more: the loss is spread), the bisection
+  route (:class:`Bisection`) measures the impact of groups of operators on the outputs by
+  ablation and bisects them, within 4 + 2·log2(#operators) analysed calls.
+
+The final plan is re-checked with further seeds (and inputs); it reports the worst, and where
+that falls short the search runs once more (the target raised by the spread the checks saw,
+or, where another seed meets a NaN/inf, what that seed's map ranks first promoted). A cost
+model (:mod:`fxstab.plan.cost`) ranks the bisection's groups by impact per cost and orders the
+shrink's drops (the dearest first).
+
+The local route:
 
 1. grow: promote the NaN/inf origins and the operators ranked first by the local loss
    (:meth:`fxstab.DigitMap.localize`), each with its producers (``(x + c) - c`` needs the
@@ -13,12 +29,15 @@ latest digit map knows, then removes what is not needed:
    round (``E[x^2] - E[x]^2`` amplifies the rounding of x^2 and of x too), or inside its own
    module the module's whole upstream part at once;
 2. shrink: drop chunks of halving size (delta debugging's complement step), then try each
-   operator once, latest added first; each test is one analysed call.
+   operator once, the dearest first (latest added among equals); each test is one analysed
+   call.
 """
 
 from __future__ import annotations
 
 import math
+import sys
+import time
 import warnings
 from typing import Any, Optional, Sequence
 
@@ -29,9 +48,11 @@ from ..config import AnalysisConfig
 from ..rules.lifting import ACCUMULATED_KINDS
 from ..digitmap.map import DigitMap
 from ..numerics.formats import get_format
+from .cost import CostModel
 from .record import PrecisionPlan
 
-__all__ = ["plan_precision", "Evaluation", "PlanSearch", "stored_high", "as_inputs", "CRITERIA"]
+__all__ = ["plan_precision", "Evaluation", "PlanSearch", "Bisection", "stored_high", "as_inputs",
+           "parse_budget", "call_target", "CRITERIA"]
 
 # below this local loss (digits) an operator is not worth promoting
 MIN_LOCAL_LOSS = 0.5
@@ -49,7 +70,7 @@ class PlanSearch:
     """Runs the analysed calls of one search and counts them (``runs``)."""
 
     def __init__(self, model: Any, example_inputs: Sequence, format: Any, higher: Any,
-                 outputs: Optional[Sequence[str]], budget: Optional[int], options: dict) -> None:
+                 outputs: Optional[Sequence[str]], budget: Any, options: dict) -> None:
         self.model = model
         self.inputs = as_inputs(example_inputs)
         self.format = get_format(format)
@@ -59,16 +80,24 @@ class PlanSearch:
                              f"than format ({self.format.name})")
         self.outputs = list(outputs) if outputs is not None else None
         self.budget = budget
+        # budget= in analysed calls (an int) or seconds (a float, or a string "90s")
+        self.budget_calls, seconds = parse_budget(budget)
+        self.deadline = time.monotonic() + seconds if seconds is not None else None
         self.options = options
         self.runs = 0
+        # (promoted, digits) of every candidate the search evaluated (the main seed and
+        # inputs): the frontier's points
+        self.history: list = []
         self.criterion = options.pop("criterion", "mean")
         self.consumers: dict = {}  # the base map's edges, reversed (set after the first call)
         self.kinds: dict = {}  # operator name -> kind, from the base map
+        self.paths: dict = {}  # operator name -> module path, from the base map
         # a GEMM recipe (fp8 operands, an emulated accumulator) as the config's rules
         cfg = AnalysisConfig(gemm_inputs=options.get("gemm_inputs"),
                              accumulate=options.get("accumulate"))
         self.recipe = (cfg.gemm_inputs, cfg.accumulate)
         self._cache: dict = {}
+        self.progress: Any = None  # called after each analysed call (the CLI's progress line)
 
     def recipe_off(self, promoted: Sequence[str]) -> list:
         """The promoted GEMMs that leave the recipe (bf16 operands, the trusted fp32 sum):
@@ -79,18 +108,27 @@ class PlanSearch:
 
     @property
     def exhausted(self) -> bool:
-        return self.budget is not None and self.runs >= self.budget
+        if self.budget_calls is not None and self.runs >= self.budget_calls:
+            return True
+        return self.deadline is not None and time.monotonic() >= self.deadline
 
-    def evaluate(self, promoted: Sequence[str]) -> Evaluation:
+    def evaluate(self, promoted: Sequence[str], seed: Optional[int] = None,
+                 inputs: Optional[tuple] = None, input_index: int = 0) -> Evaluation:
         """The analysis with ``promoted`` in ``higher`` (cached: two plans whose outputs stay
-        high on the same operators are one analysis)."""
+        high on the same operators are one analysis). Every candidate runs with the same seed
+        (common random numbers: an operator's rounding draws are a function of the seed and
+        its own place, not of the other operators' formats), so two candidates differ only by
+        the plan; ``seed``/``inputs`` (``input_index`` names them in the cache) re-check a
+        plan with other draws or other inputs."""
         high = stored_high(promoted, self.consumers)
         exact = self.recipe_off(promoted)
-        key = (frozenset(high), frozenset(exact))
+        key = (frozenset(high), frozenset(exact), seed, input_index)
         if key in self._cache:
             return self._cache[key]
         formats = {name: self.higher for name in high}
         options = dict(self.options)
+        if seed is not None:
+            options["seed"] = seed
         if exact:  # promoted GEMMs leave the low-precision recipe: first rules win
             if self.recipe[0]:
                 options["gemm_inputs"] = (*((n, None) for n in exact), *self.recipe[0])
@@ -102,8 +140,10 @@ class PlanSearch:
             be = make_backend(format=self.format, formats=formats or None, **options)
         compiled = torch.compile(self.model, backend=be)
         with be.capture_samples() as cap, torch.no_grad():
-            compiled(*self.inputs)
+            compiled(*(self.inputs if inputs is None else inputs))
         self.runs += 1
+        if self.progress is not None:
+            self.progress(self)
         if not be.reports:
             raise RuntimeError("the analysis recorded no operator: nothing to plan (is the model "
                                "a torch.nn.Module torch.compile can capture?)")
@@ -114,6 +154,8 @@ class PlanSearch:
             digits = _outputs_digits(cap.graphs, self.format, self.criterion)
         result = Evaluation(digits, dmap)
         self._cache[key] = result
+        if seed is None and input_index == 0:
+            self.history.append((tuple(promoted), digits))
         return result
 
 
@@ -254,18 +296,239 @@ def _candidates(ev: Evaluation, promoted: list, forward: set, consumers: dict
     return pulled, units
 
 
+# a top-ranked local loss at least this large (digits) is a hazard the local ranking can follow;
+# below it (a healthy model asked for more) the loss is spread and the search bisects instead
+HAZARD_LOSS = 1.0
+
+
+def parse_budget(budget: Any) -> tuple:
+    """``budget=`` as (analysed calls or None, seconds or None): an int is calls, a float or a
+    string ending in ``s`` (``"90s"``) seconds, a string of digits calls."""
+    if budget is None:
+        return None, None
+    if isinstance(budget, str):
+        text = budget.strip()
+        try:
+            if text.endswith("s"):
+                value = float(text[:-1])
+                if value > 0:
+                    return None, value
+            elif int(text) >= 1:
+                return int(text), None
+        except ValueError:
+            pass
+    elif not isinstance(budget, bool) and isinstance(budget, int) and budget >= 1:
+        return budget, None
+    elif not isinstance(budget, bool) and isinstance(budget, float) and budget > 0:
+        return None, float(budget)
+    raise ValueError(f"budget must be a positive number of analysed calls (an int, '20') or of "
+                     f"seconds (a float, '90s'), got {budget!r}")
+
+
+def call_target(n_operators: int) -> float:
+    """The analysed calls a plan should take on ``n_operators``: 4 + 2·log2(n) (issue 44: the
+    before/all-higher calls and the two re-check seeds, and a bisection's two halvings)."""
+    return 4 + 2 * math.log2(max(n_operators, 2))
+
+
+def _residual(digits: float) -> float:
+    """The squared relative error ``digits`` stands for (independent roundings' errors add in
+    it): 10^(-2 d); a NaN/inf is an infinite error."""
+    return math.inf if not math.isfinite(digits) else 10.0 ** (-2.0 * digits)
+
+
+class _Group:
+    """Operators in graph order promoted together, and the share of the outputs' residual
+    error promoting them removes (``gain``); ``fixed``: splitting it breaks an edge that
+    matters (each half alone removes less than half of what both do)."""
+
+    def __init__(self, ops: list, gain: float) -> None:
+        self.ops, self.gain, self.fixed = ops, max(gain, 0.0), False
+
+
+class Bisection:
+    """The spread-loss route (issue 44 item 4): the impact of groups of operators on the
+    outputs, measured by ablation (the candidate plan that promotes the group; common random
+    numbers, so the difference is the group's) and bisected along graph order, the more
+    expensive group of the cheapest selection first, so that a loss spread over the model costs
+    O(log n) analysed calls.
+
+    A group's impact is the residual error (:func:`_residual`) its promotion removes; a split
+    measures one half and infers the other (the errors add) unless the measured half took
+    less than 20% or more than 80% of the group's, then measures it too. The selection ranks
+    groups by impact per extra cost (the cost model) and takes them until the predicted
+    residual meets the target; the union is then checked (one call), groups added until it
+    holds, and the most expensive dropped while it still does."""
+
+    def __init__(self, search: "PlanSearch", base: Evaluation, full: Evaluation,
+                 forward: list, extra_cost: dict) -> None:
+        self.search, self.forward, self.extra = search, forward, extra_cost
+        self.r0 = _residual(base.digits)
+        self.groups = [_Group(list(forward), self.r0 - _residual(full.digits))]
+
+    def cost(self, group: _Group) -> float:
+        return sum(self.extra.get(n, 0.0) for n in group.ops)
+
+    def ranked(self) -> list:
+        tiny = 1e-30 + 1e-9 * max((self.cost(g) for g in self.groups), default=0.0)
+        return sorted(self.groups, key=lambda g: -g.gain / max(self.cost(g), tiny))
+
+    def selection(self, target: float) -> list:
+        need, chosen = self.r0 - _residual(target), []
+        for g in self.ranked():
+            if need <= 0:
+                break
+            chosen.append(g)
+            need -= g.gain
+        return chosen
+
+    def removes(self, ops: list) -> float:
+        return self.r0 - _residual(self.search.evaluate(ops).digits)
+
+    def split(self, group: _Group) -> None:
+        ops = group.ops
+        mid = len(ops) // 2
+        paths = [self.search.paths.get(n, "") for n in ops]
+        # the module boundary nearest the middle (a quarter either way), else the middle
+        lo, hi = max(1, mid - len(ops) // 4), min(len(ops), mid + len(ops) // 4 + 1)
+        cuts = [i for i in range(lo, hi) if paths[i] != paths[i - 1]]
+        if cuts:
+            mid = min(cuts, key=lambda i: abs(i - len(ops) / 2))
+        a, b = ops[:mid], ops[mid:]
+        ga = self.removes(a)
+        if 0.2 * group.gain <= ga <= 0.8 * group.gain:
+            gb = group.gain - ga
+        else:
+            gb = self.removes(b)
+            if ga + gb < 0.5 * group.gain:
+                group.fixed = True
+                return
+        i = self.groups.index(group)
+        self.groups[i:i + 1] = [_Group(a, ga), _Group(b, gb)]
+
+    def run(self, target: float, split_until: int, trim_until: int) -> tuple:
+        """(promoted, evaluation) meeting ``target`` if the calls allow: splits while the
+        search has made fewer than ``split_until`` calls, trims while fewer than
+        ``trim_until``."""
+        search = self.search
+        while search.runs < split_until and not search.exhausted:
+            todo = [g for g in self.selection(target) if len(g.ops) > 1 and not g.fixed]
+            if not todo:
+                break
+            self.split(max(todo, key=self.cost))
+        chosen = self.selection(target)
+        order = {n: i for i, n in enumerate(self.forward)}
+
+        def union(groups: list) -> list:
+            return sorted({n for g in groups for n in g.ops}, key=order.__getitem__)
+
+        promoted = union(chosen)
+        ev = search.evaluate(promoted)
+        rest = [g for g in self.ranked() if g not in chosen]
+        while ev.digits < target and rest and not search.exhausted:
+            # the groups' gains do not add up exactly (a rounding's error grows through the
+            # operators after it): scale what is still needed by what the union removed
+            # against what its groups predicted, and add groups until that is covered
+            predicted = sum(g.gain for g in chosen)
+            removed = self.r0 - _residual(ev.digits)
+            scale = removed / predicted if predicted > 0 and removed > 0 else 0.5
+            need = (_residual(ev.digits) - _residual(target)) / max(scale, 1e-3)
+            while rest and (need > 0 or not chosen):
+                g = rest.pop(0)
+                chosen.append(g)
+                need -= g.gain
+            promoted = union(chosen)
+            ev = search.evaluate(promoted)
+        for g in sorted(chosen, key=self.cost, reverse=True):  # the dearest first
+            if ev.digits < target or search.runs >= trim_until or search.exhausted:
+                break
+            if len(chosen) < 2:
+                break
+            trial_groups = [c for c in chosen if c is not g]
+            trial = search.evaluate(union(trial_groups))
+            if trial.digits >= target:
+                chosen, promoted, ev = trial_groups, union(trial_groups), trial
+        return promoted, ev
+
+
+def _is_spread(ev: Evaluation) -> bool:
+    """Whether the map holds no hazard the local ranking can follow: no NaN/inf origin and no
+    operator losing :data:`HAZARD_LOSS` digits or more against its inputs."""
+    ranking = ev.map.localize()
+    return not any(x.nonfinite_origin or x.local_loss >= HAZARD_LOSS for x in ranking)
+
+
+def _grow(search: "PlanSearch", base: Evaluation, fwd: set, forward: list, consumers: dict,
+          target: float, promoted: list, ev: Evaluation) -> tuple:
+    """The local route's grow step (the module docstring's 1.) until ``target``."""
+    batch = 1
+    while ev.digits < target:
+        if search.exhausted:
+            break
+        pulled, units = _candidates(ev, promoted, fwd, consumers)
+        step = list(pulled)  # the plan's regions grow a generation a round, beside new units
+        for unit in units[:batch]:
+            step += [n for n in unit if n not in step]
+        if not step:  # nothing ranks as a loss: the remaining operators in graph order
+            step = [n for n in forward if n not in promoted][:batch]
+        if not step:
+            break
+        promoted = promoted + step
+        ev = search.evaluate(promoted)
+        batch = batch if pulled else 2 * batch
+    return promoted, ev
+
+
+def _shrink(search: "PlanSearch", target: float, promoted: list, ev: Evaluation,
+            extra: dict) -> tuple:
+    """The local route's shrink step: chunks of halving size (delta debugging's complement
+    step), then each operator once, the dearest first (latest added among equals)."""
+    n = 2
+    while 2 <= n < len(promoted) and not search.exhausted:
+        size = math.ceil(len(promoted) / n)
+        dropped = False
+        for chunk in [promoted[i:i + size] for i in range(0, len(promoted), size)]:
+            rest = [p for p in promoted if p not in chunk]
+            if rest and not search.exhausted:
+                trial = search.evaluate(rest)
+                if trial.digits >= target:
+                    promoted, ev, dropped = rest, trial, True
+        n = n if dropped else 2 * n
+    added = {n: i for i, n in enumerate(promoted)}
+    for name in sorted(promoted, key=lambda n: (-extra.get(n, 0.0), -added[n])):
+        if len(promoted) < 2 or search.exhausted:
+            break
+        rest = [p for p in promoted if p != name]
+        trial = search.evaluate(rest)
+        if trial.digits >= target:
+            promoted, ev = rest, trial
+    return promoted, ev
+
+
+def _pareto(points: list) -> list:
+    """The plans no cheaper plan beats: [cost, digits, promoted] sorted by cost."""
+    front: list = []
+    for cost, digits, n in sorted(points, key=lambda p: (p[0], -p[1])):
+        if not front or digits > front[-1][1]:
+            front.append([cost, digits, n])
+    return front
+
+
 def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
                    keep: float = 2.0, granularity: str = "op",
                    outputs: Optional[Sequence[str]] = None, higher: Any = "fp32",
-                   budget: Optional[int] = None, criterion: str = "mean",
+                   budget: Any = None, criterion: str = "mean",
+                   inputs: Optional[Sequence] = None, recheck_seeds: int = 2,
+                   cost: Optional[CostModel] = None, progress: bool = False,
                    **options: Any) -> PrecisionPlan:
-    """The fewest operators to run in ``higher`` so that the outputs keep ``keep`` digits.
+    """The cheapest set of operators to run in ``higher`` so that the outputs keep ``keep``
+    digits.
 
     Args:
         model: a module (or callable) ``torch.compile`` captures; it is not modified.
         example_inputs: its positional arguments.
         format: the low-precision format of the program (the analysis's ``format``).
-        keep: the avg digits the checked outputs must keep in the analysis.
+        keep: the digits the checked outputs must keep in the analysis (``criterion``).
         granularity: ``"op"``: the plan names torch-level operators, which
             :func:`fxstab.apply_plan` can run in ``higher`` for real.
         outputs: operator names (as in digit maps) whose digits are checked; None: the
@@ -274,29 +537,45 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
             With a GEMM recipe in the options (``gemm_inputs=`` fp8 operands, ``accumulate=``
             an emulated accumulator), a promoted GEMM also leaves the recipe: its operands
             stay in the program's dtype and its sum is the trusted fp32 product.
-        budget: at most this many analysed calls (None: no cap); a search that reaches it
-            returns its best plan so far, ``met`` False if that keeps less than ``keep``.
+        budget: at most this many analysed calls (an int) or seconds (a float, or ``"90s"``);
+            None: no cap. A search that reaches it returns its best plan so far, ``met``
+            False if that keeps less than ``keep``.
         criterion: what of the outputs' per-element digits must reach ``keep`` (without
             ``outputs=``): ``"mean"`` (their average), ``"p5"`` (their 5% quantile: 95% of
             the elements keep ``keep``) or ``"min"`` (every element). Whatever the criterion,
             a NaN/inf in any output sample fails it: a plan never passes a NaN.
+        inputs: further example inputs (each a tuple of positional arguments, or a tensor)
+            the final plan is re-checked on.
+        recheck_seeds: the final plan is re-checked with this many further seeds; the plan
+            reports the worst of every check (``plan.checks``), and ``met`` is that worst
+            against ``keep``. Where the worst falls short, the search runs once more with
+            its target raised by the spread it saw.
+        cost: the :class:`~fxstab.plan.cost.CostModel` (None: the default's H100-like
+            roofline); the search prefers the cheaper of plans that keep ``keep``.
+        progress: a progress line on stderr after each analysed call.
         **options: more :func:`fxstab.backend` options (``n_samples``, ``seed``, ``select``,
             ``accumulate``, ...).
 
     Returns:
-        A :class:`PrecisionPlan`; ``plan.runs`` is the number of analysed calls made.
+        A :class:`PrecisionPlan`; ``plan.runs`` is the number of analysed calls made,
+        the re-checks included.
     """
     if granularity != "op":
         raise ValueError("plan_precision plans torch-level operators (granularity='op'): the "
                          "arithmetic level's primitives cannot be run in another dtype for real")
     if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not keep > 0:
         raise ValueError(f"keep must be a positive number of digits, got {keep!r}")
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
-                               or budget < 1):
-        raise ValueError(f"budget must be a positive number of analysed calls, got {budget!r}")
+    parse_budget(budget)
     if criterion not in CRITERIA:
         raise ValueError(f"criterion must be one of {', '.join(map(repr, CRITERIA))}, got "
                          f"{criterion!r}")
+    if isinstance(recheck_seeds, bool) or not isinstance(recheck_seeds, int) or \
+            recheck_seeds < 0:
+        raise ValueError(f"recheck_seeds must be a number of seeds >= 0, got {recheck_seeds!r}")
+    if cost is not None and not isinstance(cost, CostModel):
+        raise ValueError(f"cost must be a fxstab.plan.CostModel, got {type(cost).__name__}")
+    cost = cost or CostModel()
+    more_inputs = [as_inputs(x) for x in (inputs or ())]
     cap = get_format(format).digit_cap
     if keep > cap:
         raise ValueError(f"keep={keep} digits is more than {get_format(format).name} holds "
@@ -307,14 +586,21 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
     make_backend(format=format, **options)  # validates the options, warns what it warns
     search = PlanSearch(model, example_inputs, format, higher, outputs, budget,
                         {**options, "criterion": criterion})
+    if progress:
+        search.progress = _progress_line(keep)
     base = search.evaluate(())
     forward = [op.name for op in base.map.operators.values() if op.direction == "forward"]
     fwd = set(forward)
     consumers = base.map.consumers()
     search.consumers = consumers
     search.kinds = {name: op.kind for name, op in base.map.operators.items()}
+    search.paths = {name: op.module_path for name, op in base.map.operators.items()}
+    costs = cost.table(base.map, forward, search.format, search.higher)
+    extra = {n: hi - lo for n, (lo, hi) in costs.items()}
+    low_total = sum(lo for lo, _ in costs.values()) or 1.0
     order = {name: i for i, name in enumerate(forward)}
-    settings = {"n_samples": options.get("n_samples", 3), "seed": options.get("seed", 0),
+    seed = options.get("seed", 0)
+    settings = {"n_samples": options.get("n_samples", 3), "seed": seed,
                 "granularity": granularity, "criterion": criterion}
     if search.recipe[0]:
         settings["gemm_inputs"] = {p: f.name if f is not None else "as given"
@@ -326,8 +612,25 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
     plan = PrecisionPlan(format=search.format.name, higher=search.higher.name,
                          keep=float(keep), outputs=list(outputs) if outputs else None,
                          operators=len(forward), before=base.digits, settings=settings)
+    plan.cost_all_higher = sum(hi for _, hi in costs.values()) / low_total
 
-    def finish(promoted: list, ev: Evaluation, met: bool) -> PrecisionPlan:
+    def plan_cost(promoted: Sequence[str]) -> float:
+        return 1.0 + sum(extra[n] for n in promoted) / low_total
+
+    def recheck(promoted: list, ev: Evaluation) -> dict:
+        """label -> the plan's evaluation with each further seed and input."""
+        checks = {f"seed {seed}": ev}
+        for k in range(1, recheck_seeds + 1):
+            if search.exhausted:
+                break
+            checks[f"seed {seed + k}"] = search.evaluate(promoted, seed=seed + k)
+        for i, x in enumerate(more_inputs, start=1):
+            if search.exhausted:
+                break
+            checks[f"inputs[{i}]"] = search.evaluate(promoted, inputs=x, input_index=i)
+        return checks
+
+    def finish(promoted: list, ev: Evaluation, checks: dict) -> PrecisionPlan:
         promoted = sorted(promoted, key=order.__getitem__)
         plan.promoted = promoted
         plan.kinds = {n: base.map[n].kind for n in promoted}
@@ -335,7 +638,13 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
         plan.per_operator = {n: (base.map[n].avg_digits,
                                  ev.map[n].avg_digits if n in ev.map else math.nan)
                              for n in promoted}
-        plan.after, plan.met, plan.runs = ev.digits, met, search.runs
+        plan.checks = {k: (v.digits if isinstance(v, Evaluation) else v)
+                       for k, v in checks.items()}
+        plan.after = min(plan.checks.values())
+        plan.met, plan.runs = plan.after >= keep, search.runs
+        plan.settings["route"] = route
+        plan.cost = plan_cost(promoted)
+        plan.frontier = _pareto([[plan_cost(p), d, len(p)] for p, d in search.history])
         modules: dict = {}
         for name in forward:
             modules.setdefault(base.map[name].module_path, []).append(name)
@@ -343,57 +652,69 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
         # program in higher, not a region of it
         plan.regions = [r for r in plan.autocast_regions(modules)
                         if not all(m == r or m.startswith(r + ".") for m in modules)]
+        if progress:
+            print(file=sys.stderr)
         return plan
 
-    if base.digits >= keep:
-        plan.all_higher = math.nan
-        return finish([], base, True)
-    full = search.evaluate(forward)
-    plan.all_higher = full.digits
-    if full.digits < keep:
-        warnings.warn(f"fxstab: even every operator in {search.higher.name} keeps "
-                      f"{full.digits:.2f} digits at the outputs, less than keep={keep}: the "
-                      f"plan promotes everything", UserWarning, stacklevel=2)
-        return finish(forward, full, False)
+    route = "local"
+    full: Optional[Evaluation] = None
+    bisection: Optional[Bisection] = None
+    target, promoted, ev = float(keep), [], base
+    for attempt in range(2):  # the second: the target raised by the spread the re-check saw
+        if ev.digits < target:
+            if full is None:
+                full = search.evaluate(forward)
+                plan.all_higher = full.digits
+                if full.digits < keep:
+                    warnings.warn(f"fxstab: even every operator in {search.higher.name} keeps "
+                                  f"{full.digits:.2f} digits at the outputs, less than "
+                                  f"keep={keep}: the plan promotes everything", UserWarning,
+                                  stacklevel=2)
+                    return finish(forward, full, {f"seed {seed}": full})
+            if full.digits < target:  # the raised target is out of reach: the last plan
+                break
+            if attempt == 0 and _is_spread(base):
+                route = "bisection"
+            if route == "bisection":
+                if bisection is None:
+                    bisection = Bisection(search, base, full, forward, extra)
+                budget_calls = int(call_target(len(forward))) + len(more_inputs) + \
+                    recheck_seeds - 2
+                reserve = recheck_seeds + len(more_inputs)
+                # splits leave a call for the selection and two for its corrections
+                promoted, ev = bisection.run(target, budget_calls - reserve - 3,
+                                             budget_calls - reserve)
+            else:
+                promoted, ev = _grow(search, base, fwd, forward, consumers, target,
+                                     list(promoted), ev)
+                if ev.digits >= target and attempt == 0:  # the second attempt keeps what
+                    # the first found (another seed or input needed it)
+                    promoted, ev = _shrink(search, target, promoted, ev, extra)
+        if ev.digits < target:
+            return finish(promoted, ev, {f"seed {seed}": ev})
+        checks = recheck(promoted, ev)
+        failing = min(checks.values(), key=lambda e: e.digits)
+        if failing.digits >= keep or search.exhausted or attempt == 1:
+            return finish(promoted, ev, checks)
+        if math.isfinite(failing.digits):
+            # the estimator's spread: the search's seed read this much above the worst check
+            target = keep + (ev.digits - failing.digits) + 0.01
+        else:  # a NaN/inf another seed or input meets: promote what its map ranks first
+            pulled, units = _candidates(failing, promoted, fwd, consumers)
+            step = pulled + [n for u in units[:1] for n in u if n not in pulled]
+            if not step:
+                return finish(promoted, ev, checks)
+            promoted = promoted + step
+            ev = search.evaluate(promoted)
+            route = "local"
+    return finish(promoted, ev, checks)
 
-    # 1. grow from the map's ranking
-    promoted: list = []
-    ev, batch = base, 1
-    while ev.digits < keep:
-        if search.exhausted:
-            return finish(promoted, ev, False)
-        pulled, units = _candidates(ev, promoted, fwd, consumers)
-        step = list(pulled)  # the plan's regions grow a generation a round, beside new units
-        for unit in units[:batch]:
-            step += [n for n in unit if n not in step]
-        if not step:  # nothing ranks as a loss: the remaining operators in graph order
-            step = [n for n in forward if n not in promoted][:batch]
-        if not step:
-            break
-        promoted += step
-        ev = search.evaluate(promoted)
-        batch = batch if pulled else 2 * batch
-    if ev.digits < keep:
-        return finish(promoted, ev, False)
 
-    # 2. shrink: drop chunks of halving size (delta debugging's complement step), then each
-    # operator once, latest added first, while the outputs keep their digits
-    n = 2
-    while 2 <= n < len(promoted) and not search.exhausted:
-        size = math.ceil(len(promoted) / n)
-        dropped = False
-        for chunk in [promoted[i:i + size] for i in range(0, len(promoted), size)]:
-            rest = [p for p in promoted if p not in chunk]
-            if rest and not search.exhausted:
-                trial = search.evaluate(rest)
-                if trial.digits >= keep:
-                    promoted, ev, dropped = rest, trial, True
-        n = n if dropped else 2 * n
-    for name in reversed(list(promoted)):
-        if len(promoted) < 2 or search.exhausted:
-            break
-        rest = [p for p in promoted if p != name]
-        trial = search.evaluate(rest)
-        if trial.digits >= keep:
-            promoted, ev = rest, trial
-    return finish(promoted, ev, True)
+def _progress_line(keep: float) -> Any:
+    """A callback printing the search's progress on stderr (one line, rewritten)."""
+    def show(search: "PlanSearch") -> None:
+        best = max((d for _, d in search.history), default=math.nan)
+        end = "\r" if sys.stderr.isatty() else "\n"
+        print(f"fxstab plan: {search.runs} analysed calls, best {best:.2f} digits "
+              f"(keep {keep:.2f})", end=end, file=sys.stderr, flush=True)
+    return show
