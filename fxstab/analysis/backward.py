@@ -37,6 +37,7 @@ from ..rules.lifting import ACCUMULATED_KINDS, NodePlan, Stacked
 from ..rules.op.tracer import Pending, SampleTracer
 from .op_level import GraphAnalysis
 from ..capture.naming import qualified_name, source_location
+from ..capture.torchao import float8_cast
 from ..records.report import OBSERVED
 
 __all__ = ["through_autograd", "BackwardAnalysis", "parameter_name"]
@@ -114,6 +115,8 @@ class BackwardAnalysis(GraphAnalysis):
 
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             return False
+        if self.cfg.auto_format and float8_cast(node):  # a rounding into float8 (torchao's)
+            return True
         info = op_info(node.target)
         return not (info.exact or info.factory or info.compare) and _floating(
             node.meta.get("val"))

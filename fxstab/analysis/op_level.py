@@ -22,7 +22,7 @@ from ..capture.graph import (
 )
 from ..capture.naming import module_path, qualified_name, source_location
 from ..capture.opsets import DROPOUT_KINDS, RANDOM_KINDS, is_custom, is_gemm, node_kind
-from ..capture.torchao import float8_matmul
+from ..capture.torchao import float8_format, float8_matmul
 from ..cpu import alloc
 from ..numerics.formats import get_format
 from ..records.coverage import SKIPPED, CoverageEntry
@@ -123,8 +123,9 @@ class GraphAnalysis:
         from ..numerics.formats import get_format
 
         dtype = floating_dtype(node)
-        try:
-            return get_format(dtype) if dtype is not None else self.cfg.format
+        try:  # (a cast into float8 rounds into that format: fxstab.capture.torchao)
+            return get_format(float8_format(dtype) or dtype) if dtype is not None else \
+                self.cfg.format
         except ValueError:
             return self.cfg.format
 

@@ -12,6 +12,11 @@ is torchao's, and builds the config in the graph from constructor calls of const
 forward operands (:class:`Float8Recipe`), or None for any other node. Nothing here imports
 torchao: the node is recognised by its function class's module and name, the config by
 calling the constructors the graph records (torchao's frozen dataclasses and enums).
+
+A graph AOTAutograd lowers (the backward graph, ``backward=True``) shows the same recipe as
+aten operators: each operand's amax and scale, a saturating clamp, then a cast into the float8
+dtype (``aten._to_copy(x, dtype=torch.float8_e5m2)``), upcast again for the emulated matmul.
+:func:`float8_cast` finds those casts: each is a rounding into its float8 format.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any, Optional
 import torch
 import torch.fx
 
-__all__ = ["Float8Recipe", "float8_matmul", "float8_format"]
+__all__ = ["Float8Recipe", "float8_matmul", "float8_format", "float8_cast"]
 
 # torchao's autograd function of a Float8Linear's matmul (torchao/float8/float8_linear.py)
 _FUNCTION = ("torchao.float8.float8_linear", "matmul_with_hp_or_float8_args")
@@ -131,3 +136,19 @@ def float8_matmul(node: torch.fx.Node) -> Optional[Float8Recipe]:
     grad = _cast(getattr(config, "cast_config_grad_output", None))
     return Float8Recipe(fmt, scaling, bool(getattr(config, "round_scales_to_power_of_2", False)),
                         grad[0] if grad else None, bool(getattr(config, "emulate", False)))
+
+
+def float8_cast(node: torch.fx.Node) -> Optional[str]:
+    """fxstab's format of the float8 dtype a lowered graph's node casts a floating tensor (not
+    itself float8) into (``aten._to_copy(x, dtype=torch.float8_e4m3fn)``), else None. The cast
+    rounds to nearest: a rounding into that format."""
+    if node.op != "call_function" or node.target is not torch.ops.aten._to_copy.default:
+        return None
+    dtype = node.kwargs.get("dtype")
+    source = node.args[0] if node.args else None
+    value = source.meta.get("val", source.meta.get("example_value")) \
+        if isinstance(source, torch.fx.Node) else None
+    if not (isinstance(value, torch.Tensor) and value.is_floating_point()) or \
+            float8_format(value.dtype) is not None:
+        return None
+    return float8_format(dtype)

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from ...capture.flat import unflatten_call
+from ...capture.torchao import float8_cast
 from ...numerics.digits import digits_cap
 from ...records.report import ROUNDED
 from ..accumulation import accumulable, gemm_model_label, modelled_gemm
@@ -44,6 +45,18 @@ def modelled(call: OpCall) -> Optional[Outcome]:
     return Outcome(t.step("accumulate", plan, product, call.leaves), ROUNDED,
                    gemm_model_label(plan.accumulate, plan.gemm_inputs,
                                     plan.gemm_scaling or t.cfg.gemm_scaling))
+
+
+@op_rule("to_copy")
+def float8_operand(call: OpCall) -> Optional[Outcome]:
+    """A GEMM operand's cast into float8 (format="auto": torchao's recipe in a lowered graph,
+    :func:`fxstab.capture.torchao.float8_cast`): the samples stay in the working dtype, and
+    the rounding into the float8 format is the analysis's (each sample its own draws)."""
+    x = call.leaves[0] if call.leaves else None
+    fmt = float8_cast(call.plan.node)
+    if fmt is None or call.plan.name is None or not isinstance(x, Stacked):
+        return None
+    return Outcome(x, ROUNDED, f"float8 cast: rounded into {fmt}")
 
 
 @op_rule(*sorted(BATCHED_KINDS))
