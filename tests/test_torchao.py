@@ -30,16 +30,18 @@ def _mlp() -> torch.nn.Module:
                                torch.nn.Linear(128, 32))
 
 
-def _converted(recipe: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> tuple:
+def _converted(recipe: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+               emulate: bool = True) -> tuple:
     """(the fp32 reference MLP, the same weights in ``dtype`` converted with torchao's
-    ``recipe`` in its emulation, an input in ``dtype``)."""
+    ``recipe``, in its fp32 emulation or, ``emulate=False``, with ``torch._scaled_mm`` (which
+    torch 2.13 runs on the CPU too), an input in ``dtype``)."""
     torch.manual_seed(seed)
     ref = _mlp()
     model = _mlp()
     model.load_state_dict(ref.state_dict())
     model = model.to(dtype)
     config = dataclasses.replace(torchao_float8.Float8LinearConfig.from_recipe_name(recipe),
-                                 emulate=True)
+                                 emulate=emulate)
     torchao_float8.convert_to_float8_training(model, config=config)
     return ref, model, torch.randn(32, 64).to(dtype)
 
@@ -56,14 +58,19 @@ def _analysed(model: torch.nn.Module, x: torch.Tensor, **options) -> tuple:
     return be, y, cap.output
 
 
+@pytest.mark.parametrize("emulate", [True, False], ids=["emulated", "scaled_mm"])
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_forward_map_names_the_float8_gemms_with_their_recipe(recipe, fresh_dynamo):
+def test_forward_map_names_the_float8_gemms_with_their_recipe(recipe, emulate, fresh_dynamo):
     """The output is the program's, bit for bit; the map names both GEMMs with torchao's recipe
     (e4m3 operands, per-tensor or per-row scales), they ran with their operands in it, and keep
-    fewer digits than the same model's bf16 linears (e4m3 has 4 significant bits, bf16 8)."""
-    _, model, x = _converted(recipe)
+    fewer digits than the same model's bf16 linears (e4m3 has 4 significant bits, bf16 8). The
+    emulated matmul and torch._scaled_mm are one node to the analysis (torchao's function)."""
+    _, model, x = _converted(recipe, emulate=emulate)
     with torch.no_grad():
-        want = model(x)
+        try:
+            want = model(x)
+        except RuntimeError as exc:  # an older torch without _scaled_mm on the CPU
+            pytest.skip(f"torch._scaled_mm does not run here: {exc}")
     be, y, _ = _analysed(model, x)
     assert torch.equal(y, want)
     dm = be.digit_map()
@@ -162,8 +169,9 @@ def _backward(model: torch.nn.Module, x: torch.Tensor) -> tuple:
     return be, grads
 
 
+@pytest.mark.parametrize("emulate", [True, False], ids=["emulated", "scaled_mm"])
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_backward_casts_are_roundings_into_their_float8_formats(recipe, fresh_dynamo):
+def test_backward_casts_are_roundings_into_their_float8_formats(recipe, emulate, fresh_dynamo):
     """backward=True: the backward graph AOTAutograd lowers shows torchao's casts as
     aten._to_copy into float8, each analysed as a rounding into its format (the incoming
     gradient in e5m2 in the tensorwise recipe, e4m3 in the rowwise one; the weight in e4m3).
@@ -172,9 +180,14 @@ def test_backward_casts_are_roundings_into_their_float8_formats(recipe, fresh_dy
     gradient as torchao computes it against the fp64 product of the same (exact) incoming
     gradient and activation, the backward analysis's own inputs. Measured: estimate 0.64
     (tensorwise) / 0.83 (rowwise) digits, truth 1.41 / 1.64; the same conservative margin as
-    the forward's (test_reported_digits_against_the_real_run), checked the same way."""
-    _, model, x = _converted(recipe)
-    y = model(x)
+    the forward's (test_reported_digits_against_the_real_run), checked the same way.
+    Without the emulation the backward graph calls ``aten._scaled_mm`` on the float8 operands:
+    on the samples it is their scaled product (the same digits within 0.05)."""
+    _, model, x = _converted(recipe, emulate=emulate)
+    try:
+        y = model(x)
+    except RuntimeError as exc:  # an older torch without _scaled_mm on the CPU
+        pytest.skip(f"torch._scaled_mm does not run here: {exc}")
     y.square().sum().backward()
     want = [p.grad.clone() for p in model.parameters()]
     h, g = model[1](model[0](x)).detach(), (2 * y).detach()
@@ -182,6 +195,10 @@ def test_backward_casts_are_roundings_into_their_float8_formats(recipe, fresh_dy
     be, grads = _backward(model, x)
     assert all(torch.equal(a, b) for a, b in zip(grads, want))
     dm = be.digit_map()
+    gemm = "mm" if emulate else "scaled_mm"
+    assert {op.kind for op in dm.operators.values() if "/grad/" in op.name and
+            "mm" in op.kind} == {gemm}
+    assert not [e for e in be.coverage().entries if "failed" in e.reason]
     casts = {n: op.format for n, op in dm.operators.items() if op.kind == "to_copy"}
     grad_format = {"tensorwise": "fp8_e5m2", "rowwise": "fp8_e4m3"}[recipe]
     # per linear: the incoming gradient twice (dgrad, wgrad: the second only where there is an

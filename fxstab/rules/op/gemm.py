@@ -6,7 +6,10 @@ inside the product, each call anew). Otherwise ``linear`` (a plain weight: one a
 N x batch rows; vmap would split it into mm + add) and ``scaled_dot_product_attention`` (any
 leading dims; folded over the samples: :func:`fxstab.rules.lifting.attention_folded`) take
 the stacked samples directly; the others are lifted by the default rule. The GEMM surrogate
-(docs/design.md §4) runs before any of these, in the tracer."""
+(docs/design.md §4) runs before any of these, in the tracer. In a lowered graph of a torchao
+float8 model (``format="auto"``), a cast into float8 keeps its samples in the working dtype for
+the tracer to round into the float8 format, and ``_scaled_mm`` of such samples is their scaled
+product (:mod:`fxstab.capture.torchao`)."""
 
 from __future__ import annotations
 
@@ -57,6 +60,39 @@ def float8_operand(call: OpCall) -> Optional[Outcome]:
     if fmt is None or call.plan.name is None or not isinstance(x, Stacked):
         return None
     return Outcome(x, ROUNDED, f"float8 cast: rounded into {fmt}")
+
+
+@op_rule("scaled_mm")
+def scaled_product(call: OpCall) -> Optional[Outcome]:
+    """``torch._scaled_mm`` of operands whose float8 casts were analysed (:func:`float8_operand`:
+    their samples in the working dtype, on the float8 grid): ``(mat1 * scale_a) @ (mat2 *
+    scale_b) * scale_result + bias`` on the samples, in the working dtype (the output dtype is
+    the rounding's; the product's sum exact)."""
+    t = call.tracer
+    a, kw = unflatten_call(call.leaves, call.spec)
+    names = ("mat1", "mat2", "scale_a", "scale_b", "bias", "scale_result")
+    v = dict(zip(names, a))
+    v.update({k: kw[k] for k in names if k in kw})
+    x, w = v.get("mat1"), v.get("mat2")
+    if not any(isinstance(u, Stacked) and u.samples.dtype == t.wdtype for u in (x, w)):
+        return None  # operands cast as the program casts them: the default runs the call
+
+    def working(u: object) -> object:
+        """A stacked value's samples with its logical dims padded to the matrices' two (a
+        per-sample scale: ``[N] -> [N, 1, 1]``), a plain tensor as it is (it broadcasts)."""
+        if isinstance(u, Stacked):
+            out = t.to_working(u.samples)
+            while out.dim() < 3:
+                out = out.unsqueeze(1)
+            return out
+        return t.to_working(u) if isinstance(u, torch.Tensor) else u
+
+    out = (working(x) * working(v["scale_a"])) @ (working(w) * working(v["scale_b"]))
+    if v.get("scale_result") is not None:
+        out = out * working(v["scale_result"])
+    if v.get("bias") is not None:
+        out = out + working(v["bias"])
+    return Outcome(Stacked(out), ROUNDED, "scaled matmul of the float8 samples")
 
 
 @op_rule(*sorted(BATCHED_KINDS))
