@@ -98,7 +98,8 @@ def _output_digits(outputs: Any, fmt: Any, confidence: float) -> float:
 
 
 def operator_impact(model: torch.nn.Module, inputs: Sequence, *, threshold: float = 0.1,
-                    kwargs: Optional[dict] = None, **options: Any) -> Impact:
+                    kwargs: Optional[dict] = None, bisect: bool = True,
+                    **options: Any) -> Impact:
     """Each analysed operator's impact on ``model``'s outputs (see the module docstring).
 
     Args:
@@ -106,6 +107,8 @@ def operator_impact(model: torch.nn.Module, inputs: Sequence, *, threshold: floa
         inputs: Its positional inputs.
         threshold: Digits below which a group of operators is harmless (not bisected).
         kwargs: Its keyword inputs.
+        bisect: False: every operator ablated alone (n + 1 analysed calls; the reference the
+            bisection is validated against, ``benchmarks/bench_impact.py --validate``).
         **options: :func:`fxstab.backend`'s options (format, n_samples, seed, select...);
             at ``granularity="aten"`` the ablated operators are the arithmetic primitives.
     """
@@ -131,7 +134,7 @@ def operator_impact(model: torch.nn.Module, inputs: Sequence, *, threshold: floa
     base, be = run(())
     names = [n for n, op in be.digit_map().operators.items() if op.direction == "forward"]
     result = Impact(output_digits=base, threshold=threshold)
-    todo = [names] if names else []
+    todo = ([names] if names else []) if bisect else [[n] for n in names]
     gains: dict = {}
     while todo:
         group = todo.pop(0)

@@ -159,13 +159,20 @@ def test_impact_at_the_arithmetic_level_names_the_same_hazard():
     findings = imp.digit_map.findings()
     assert findings[0].startswith("digits are lost at sub#2/aten.sub#0") and \
         "the outputs lose" in findings[0], findings
-    # an unrounded primitive is measured, not rounded: its samples are its inputs' exact
-    # function, its status stays "rounded"
-    torch._dynamo.reset()
-    be = fxstab.backend(format="bf16", seed=0, granularity="aten",
-                        unrounded=["tanh#0/aten.tanh#0"])
-    with torch.no_grad():
-        assert torch.equal(torch.compile(model, backend=be)(x), want)
-    torch._dynamo.reset()
-    dm = be.digit_map()
-    assert dm.operators["tanh#0/aten.tanh#0"].status == "rounded"
+    # an unrounded primitive (a glob over a submodule's: full names) is measured, not rounded:
+    # its samples are its inputs' exact function, more digits than rounded; its status stays
+    digits = {}
+    model = Centred(hazard=False)
+    want = model(x)
+    for unrounded in (None, ["fc/linear#0/*"]):
+        torch._dynamo.reset()
+        be = fxstab.backend(format="bf16", seed=0, granularity="aten", unrounded=unrounded)
+        with torch.no_grad():
+            assert torch.equal(torch.compile(model, backend=be)(x), want)
+        torch._dynamo.reset()
+        dm = be.digit_map()
+        fc = [n for n in dm.operators if n.startswith("fc/linear#0/aten.addmm")]
+        assert len(fc) == 1 and dm.operators[fc[0]].status == "rounded", list(dm.operators)
+        digits[bool(unrounded)] = dm.operators[fc[0]].avg_digits
+    # (its operands are exact: unrounded, its samples agree on every digit)
+    assert digits[True] == pytest.approx(dm.cap) and digits[False] < dm.cap - 0.2, digits

@@ -238,8 +238,8 @@ class AtenGraphAnalysis(GraphAnalysis):
                           "random" if info.kind in RANDOM_PRIMITIVES else "rule")
                 plan = PrimitivePlan(i, action, node.target, name, path, record, False, False,
                                  origin, info.inplace)
-                if self.cfg.unrounded:  # an ablation: its full name, as its record's
-                    plan.rounds = self.cfg.rounds(f"{path}/{name}" if path else name)
+                if self.cfg.unrounded:  # an ablation (name: the record's, in full)
+                    plan.rounds = self.cfg.rounds(name)
                 by_node[node] = plan
                 if origin is not None and action != "plain":
                     o = origins.setdefault(origin, _Origin())
