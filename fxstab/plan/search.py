@@ -480,23 +480,25 @@ def _grow(search: "PlanSearch", base: Evaluation, fwd: set, forward: list, consu
 
 
 def _shrink(search: "PlanSearch", target: float, promoted: list, ev: Evaluation,
-            extra: dict) -> tuple:
+            extra: dict, until: int) -> tuple:
     """The local route's shrink step: chunks of halving size (delta debugging's complement
-    step), then each operator once, the dearest first (latest added among equals)."""
+    step), then each operator once, the dearest first (latest added among equals); it stops
+    once the search has made ``until`` calls (the plan may then keep an operator a longer
+    search would drop: every test so far kept what it needs)."""
     n = 2
-    while 2 <= n < len(promoted) and not search.exhausted:
+    while 2 <= n < len(promoted) and not search.exhausted and search.runs < until:
         size = math.ceil(len(promoted) / n)
         dropped = False
         for chunk in [promoted[i:i + size] for i in range(0, len(promoted), size)]:
             rest = [p for p in promoted if p not in chunk]
-            if rest and not search.exhausted:
+            if rest and not search.exhausted and search.runs < until:
                 trial = search.evaluate(rest)
                 if trial.digits >= target:
                     promoted, ev, dropped = rest, trial, True
         n = n if dropped else 2 * n
     added = {n: i for i, n in enumerate(promoted)}
     for name in sorted(promoted, key=lambda n: (-extra.get(n, 0.0), -added[n])):
-        if len(promoted) < 2 or search.exhausted:
+        if len(promoted) < 2 or search.exhausted or search.runs >= until:
             break
         rest = [p for p in promoted if p != name]
         trial = search.evaluate(rest)
@@ -675,12 +677,13 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
                 break
             if attempt == 0 and _is_spread(base):
                 route = "bisection"
+            # the call target (4 + 2·log2 n with two re-check seeds) less the re-checks
+            budget_calls = int(call_target(len(forward))) + len(more_inputs) + \
+                recheck_seeds - 2
+            reserve = recheck_seeds + len(more_inputs)
             if route == "bisection":
                 if bisection is None:
                     bisection = Bisection(search, base, full, forward, extra)
-                budget_calls = int(call_target(len(forward))) + len(more_inputs) + \
-                    recheck_seeds - 2
-                reserve = recheck_seeds + len(more_inputs)
                 # splits leave a call for the selection and two for its corrections
                 promoted, ev = bisection.run(target, budget_calls - reserve - 3,
                                              budget_calls - reserve)
@@ -689,7 +692,8 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
                                      list(promoted), ev)
                 if ev.digits >= target and attempt == 0:  # the second attempt keeps what
                     # the first found (another seed or input needed it)
-                    promoted, ev = _shrink(search, target, promoted, ev, extra)
+                    promoted, ev = _shrink(search, target, promoted, ev, extra,
+                                           budget_calls - reserve)
         if ev.digits < target:
             return finish(promoted, ev, {f"seed {seed}": ev})
         checks = recheck(promoted, ev)
