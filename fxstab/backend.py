@@ -313,7 +313,7 @@ class FxstabBackend:
             meta["no_output"] = no_output
         if c.formats:  # per-operator formats (a precision plan): pattern -> format
             meta["formats"] = {p: f.name for p, f in c.formats}
-        # the GEMMs whose low-precision recipe the program names (format="auto": torchao's
+        # the GEMMs whose low-precision recipe the program names (torchao's
         # float8 ones): operator -> "torchao float8 rowwise: fp8_e4m3 operands, row scaling"
         recipes = {name: label for g in self.graphs
                    for name, label in getattr(g.info, "recipes", {}).items()}

@@ -115,7 +115,7 @@ class BackwardAnalysis(GraphAnalysis):
 
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             return False
-        if self.cfg.auto_format and float8_cast(node):  # a rounding into float8 (torchao's)
+        if float8_cast(node):  # a rounding into float8 (torchao's recipes), at every format
             return True
         info = op_info(node.target)
         return not (info.exact or info.factory or info.compare) and _floating(

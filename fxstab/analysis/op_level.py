@@ -22,7 +22,7 @@ from ..capture.graph import (
 )
 from ..capture.naming import module_path, qualified_name, source_location
 from ..capture.opsets import DROPOUT_KINDS, RANDOM_KINDS, is_custom, is_gemm, node_kind
-from ..capture.torchao import float8_format, float8_matmul
+from ..capture.torchao import float8_cast, float8_matmul
 from ..cpu import alloc
 from ..numerics.formats import get_format
 from ..records.coverage import SKIPPED, CoverageEntry
@@ -54,8 +54,8 @@ class GraphInfo:
     coverage: dict = field(default_factory=dict)
     # fused node name -> the kinds of the composite its samples ran as
     composites: dict = field(default_factory=dict)
-    # operator -> the low-precision recipe recognised in the program (format="auto": a
-    # torchao float8 GEMM, fxstab.capture.torchao)
+    # operator -> the low-precision recipe recognised in the program (a torchao float8 GEMM,
+    # fxstab.capture.torchao)
     recipes: dict = field(default_factory=dict)
     # signature -> why its stochastic path could not be traced (its rules then run untraced)
     untraced: dict = field(default_factory=dict)
@@ -117,15 +117,16 @@ class GraphAnalysis:
     def _format_of(self, node: torch.fx.Node, name: Optional[str] = None) -> Any:
         """The format an instrumented node's output rounds into: the configured one (its own
         with ``formats=``, by its stable ``name``), or with ``format="auto"`` its floating
-        dtype in the program (dynamo's example value, the lowered graph's value)."""
+        dtype in the program (dynamo's example value, the lowered graph's value; a cast into
+        float8, :func:`~fxstab.capture.torchao.float8_cast`: that format)."""
         if not self.cfg.auto_format:
             return self.cfg.format_for(name) if name is not None else self.cfg.format
-        from ..numerics.formats import get_format
-
+        fp8 = float8_cast(node)
+        if fp8 is not None:
+            return get_format(fp8)
         dtype = floating_dtype(node)
-        try:  # (a cast into float8 rounds into that format: fxstab.capture.torchao)
-            return get_format(float8_format(dtype) or dtype) if dtype is not None else \
-                self.cfg.format
+        try:
+            return get_format(dtype) if dtype is not None else self.cfg.format
         except ValueError:
             return self.cfg.format
 
@@ -150,9 +151,9 @@ class GraphAnalysis:
             self.free_after = self._last_uses(self.sgraph)
         for i, node in enumerate(self.sgraph.nodes):
             kind = node_kind(node)
-            # format="auto": a torchao float8 GEMM is the matmul it is, its operands in the
-            # recipe its config gives (fxstab.capture.torchao)
-            fp8 = float8_matmul(node) if self.cfg.auto_format else None
+            # a torchao float8 GEMM is the matmul it is, its operands in the recipe its config
+            # gives (fxstab.capture.torchao), at every format: the program's own quantisation
+            fp8 = float8_matmul(node)
             if fp8 is not None:
                 kind = "matmul"
             plan = NodePlan(node=node, kind=kind, index=i, custom=is_custom(node))

@@ -17,8 +17,10 @@ from typing import Any, Optional
 import torch
 from torch.utils import _pytree as pytree
 
+from ...capture.torchao import float8_format
 from ...cpu import bindings as native
 from ...numerics import randbits
+from ...numerics.rounding import round_samples
 from ...records.report import OBSERVED, PER_SAMPLE, ROUNDED, UNLIFTED, OpReport, empty_counters
 from .batching import (
     PASS_THROUGH, aligned, has_stacked, logical_ndim, owned, run_batched, scan_args,
@@ -204,10 +206,15 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
             return out
     if other:
         args = _working_args(args, ctx)
+    # a cast into float8 (torchao's float8 recipes): a rounding into that format, whatever the
+    # analysis's (the samples stay in the working dtype)
+    float8 = float8_format(kwargs.get("dtype")) if kind == "_to_copy" and stacked and \
+        type(args[0]) is Stacked and args[0].samples.is_floating_point() else None
     if kwargs:
         kwargs = _fix_dtype_kwargs(kind, kwargs, ctx)
     rule = _Rule(op, info, name, salt, need_digits, need_zeros, ctx.stepper is not None)
     rule.rounds = rounds
+    rule.float8 = float8
 
     # Decisions (top-k routing, sort, argmax): once for every sample, on the samples' mean
     if kind in DECISIONS and type(args[0]) is Stacked and args[0].samples.is_floating_point() \
@@ -338,7 +345,7 @@ class _Rule:
     run-time values (:meth:`AtenContext.emit`): they hold no tensor."""
 
     __slots__ = ("op", "info", "name", "salt", "need_digits", "need_zeros", "lifted", "spec",
-                 "reused", "fast", "kernel", "numbers", "realign", "rounds")
+                 "reused", "fast", "kernel", "numbers", "realign", "rounds", "float8")
 
     def __init__(self, op, info, name, salt, need_digits, need_zeros, reused=False) -> None:
         self.op, self.info, self.name, self.salt = op, info, name, salt
@@ -354,6 +361,7 @@ class _Rule:
         self.numbers: dict = {}  # binary: Python numbers as 0-d tensors of the working dtype
         self.realign = True  # binary: whether its stacked operands' ranks need aligning
         self.rounds = True  # False: measured, not rounded (unrounded=, an ablation)
+        self.float8 = None  # a cast into float8: that format's name (rounded into it first)
 
     def finish_raw(self, ctx: AtenContext, raw: Any, args: tuple, kwargs: dict) -> Any:
         """Round, measure, count and record the outputs ``raw`` of the batched primitive."""
@@ -460,6 +468,11 @@ class _Rule:
         else:
             seed, surrogate = ctx.next_seed(self.salt), False
         counting, detailed = counting_mode(ctx)
+        if self.float8 is not None and self.rounds:
+            # the cast's own rounding, each sample its draws; then the format's (a no-op on the
+            # float8 grid for the 16- and 32-bit formats), measured and recorded below
+            flat = [round_samples(flat[0], self.float8, ctx.rounding,
+                                  seed=randbits.derive_seed(seed, 8))] + list(flat[1:])
         fast = self.fast
         if fast and not (counting and fast[1]):
             done = self._round_prepared(ctx, fast, flat[0], args, seed, counting)
@@ -469,7 +482,7 @@ class _Rule:
                                       do_round=True, want_record=ctx.recorder is not None,
                                       surrogate=surrogate, counting=counting,
                                       detailed=detailed)
-        exact = info.exact
+        exact = info.exact and self.float8 is None
         if exact and kind in COMPLEX_ARITHMETIC and type(args[0]) is Stacked and \
                 args[0].samples.is_complex():
             exact = False  # |z|, z / |z|: arithmetic on the parts

@@ -115,6 +115,27 @@ def _products(op, args: tuple, kwargs: dict):
     return torch.matmul(a, b)
 
 
+@batcher("_scaled_mm", kwargs=True)
+def _scaled_mm(op, args: tuple, kwargs: dict):
+    """``torch._scaled_mm`` of samples (their float8 casts rounded into the format, kept in the
+    working dtype: apply.py): ``(mat1 * scale_a) @ (mat2 * scale_b) * scale_result + bias``
+    (the product's sum exact, the output dtype the rounding's); NotImplemented for float8
+    operands (the primitive itself runs)."""
+    names = ("mat1", "mat2", "scale_a", "scale_b", "bias", "scale_result")
+    v = dict(zip(names, args))
+    v.update({k: kwargs[k] for k in names if k in kwargs})
+    if not any(isinstance(v.get(k), Stacked) and v[k].samples.is_floating_point() and
+               v[k].samples.element_size() > 1 for k in ("mat1", "mat2")):
+        return NotImplemented
+    a, b, sa, sb = aligned(tuple(v[k] for k in ("mat1", "mat2", "scale_a", "scale_b")), 2)
+    wd = next(v[k].samples.dtype for k in ("mat1", "mat2") if isinstance(v.get(k), Stacked))
+    out = (a.to(wd) * sa.to(wd)) @ (b.to(wd) * sb.to(wd))
+    for key, combine in (("scale_result", torch.mul), ("bias", torch.add)):
+        if v.get(key) is not None:
+            out = combine(out, aligned((v[key],), 2)[0].to(wd))
+    return out
+
+
 @batcher("addmm", kwargs=True)
 def _addmm(op, args: tuple, kwargs: dict):
     bias, m1, m2 = args[:3]

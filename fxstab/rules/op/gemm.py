@@ -7,9 +7,9 @@ N x batch rows; vmap would split it into mm + add) and ``scaled_dot_product_atte
 leading dims; folded over the samples: :func:`fxstab.rules.lifting.attention_folded`) take
 the stacked samples directly; the others are lifted by the default rule. The GEMM surrogate
 (docs/design.md §4) runs before any of these, in the tracer. In a lowered graph of a torchao
-float8 model (``format="auto"``), a cast into float8 keeps its samples in the working dtype for
-the tracer to round into the float8 format, and ``_scaled_mm`` of such samples is their scaled
-product (:mod:`fxstab.capture.torchao`)."""
+float8 model (at every format), a cast into float8 rounds the samples into the float8 format
+and keeps them in the working dtype, and ``_scaled_mm`` of such samples is their scaled product
+(:mod:`fxstab.capture.torchao`)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import torch
 from ...capture.flat import unflatten_call
 from ...capture.torchao import float8_cast
 from ...numerics.digits import digits_cap
+from ...numerics.rounding import round_samples
 from ...records.report import ROUNDED
 from ..accumulation import accumulable, gemm_model_label, modelled_gemm
 from ..lifting import ACCUMULATED_KINDS, Stacked, attention_folded
@@ -52,14 +53,24 @@ def modelled(call: OpCall) -> Optional[Outcome]:
 
 @op_rule("to_copy")
 def float8_operand(call: OpCall) -> Optional[Outcome]:
-    """A GEMM operand's cast into float8 (format="auto": torchao's recipe in a lowered graph,
-    :func:`fxstab.capture.torchao.float8_cast`): the samples stay in the working dtype, and
-    the rounding into the float8 format is the analysis's (each sample its own draws)."""
+    """A GEMM operand's cast into float8 (torchao's recipe in a lowered graph, at every format;
+    :func:`fxstab.capture.torchao.float8_cast`): the samples rounded into the float8 format,
+    each its own draws, and kept in the working dtype (the format's rounding after it, by the
+    tracer, leaves them on the float8 grid)."""
     x = call.leaves[0] if call.leaves else None
     fmt = float8_cast(call.plan.node)
-    if fmt is None or call.plan.name is None or not isinstance(x, Stacked):
+    plan, t = call.plan, call.tracer
+    if fmt is None or plan.name is None or not isinstance(x, Stacked):
         return None
-    return Outcome(x, ROUNDED, f"float8 cast: rounded into {fmt}")
+    if not plan.rounds:  # (unrounded=: an ablation leaves the cast's rounding out too)
+        return Outcome(x, ROUNDED, f"float8 cast into {fmt}: unrounded")
+
+    def rounded(leaves: list) -> Stacked:
+        return Stacked(round_samples(leaves[0].samples, fmt, t.cfg.rounding,
+                                     seed=t.seed(plan, 2100)))
+
+    return Outcome(t.step("float8", plan, rounded, call.leaves), ROUNDED,
+                   f"float8 cast: rounded into {fmt}")
 
 
 @op_rule("scaled_mm")
