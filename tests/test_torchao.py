@@ -1,9 +1,12 @@
 """torchao float8 training models analysed as the program runs them (issue 45, item 2).
 
-A model converted with ``torchao.float8.convert_to_float8_training`` (its fp32 emulation of the
-scaled matmul, the CPU path: ``emulate=True``) compiled with ``fxstab.backend(format="auto")``:
-each Float8Linear's GEMM is recognised as the matmul it is, its operands in the recipe its config
-gives (fxstab.capture.torchao), the rest of the program in its own dtypes.
+A model converted with ``torchao.float8.convert_to_float8_training`` (on the CPU: torchao's fp32
+emulation of the scaled matmul, ``emulate=True``, or ``torch._scaled_mm``, which torch 2.13 runs
+there) compiled with ``fxstab.backend(format="auto")``: each Float8Linear's GEMM is recognised
+as the matmul it is, its operands in the recipe its config gives (fxstab.capture.torchao), the
+rest of the program in its own dtypes; in lowered graphs (the backward graph, the arithmetic
+level) each cast into float8 is a rounding into its format. Outputs and gradients are compared
+bit for bit with the program, the digits with the real run against fp64.
 """
 
 from __future__ import annotations
