@@ -1,4 +1,4 @@
-"""torchao's float8 training GEMMs as a captured graph shows them (``format="auto"``).
+"""torchao's float8 training GEMMs as a captured graph shows them (modelled at every format).
 
 A model converted with ``torchao.float8.convert_to_float8_training`` runs each ``Float8Linear``
 as one call of torchao's autograd function ``matmul_with_hp_or_float8_args(input, weight.t(),
