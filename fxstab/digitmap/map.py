@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
 from ..records.report import COUNTER_KEYS, OBSERVED, ROUNDED, OpReport
-from .hints import LEGEND, MIN_FINDING, MIN_UNDERFLOW, UNDERFLOW_HINT, ZERO_FINDING, hint
+from .findings import NO_FINDINGS, findings, impact_or_0, zero_readers
+from .hints import LEGEND, MIN_FINDING
 from .operators import (
     METRICS,
     STATUS_SEVERITY,
@@ -31,10 +32,8 @@ from .operators import (
     aggregate,
     as_digits,
     check_metric,
-    digit_budget_findings,
     effective_digits,
     nanmax,
-    operand_findings,
     operand_keys,
 )
 from .schema import SCHEMA_NAME, SCHEMA_VERSION, DigitMapError, decode, encode
@@ -256,7 +255,7 @@ class DigitMap:
         :meth:`sorted_worst_first`."""
         order = {op.name: i for i, op in enumerate(self.sorted_worst_first(metric))}
         return sorted(self.operators.values(),
-                      key=lambda op: (math.isnan(op.impact), -_impact_or_0(op), order[op.name]))
+                      key=lambda op: (math.isnan(op.impact), -impact_or_0(op), order[op.name]))
 
     def table(self, top: Optional[int] = None, metric: Optional[str] = None,
               sort: Optional[str] = None) -> str:
@@ -319,95 +318,11 @@ class DigitMap:
         return "\n".join(lines)
 
     def findings(self, top: int = 3, metric: Optional[str] = None) -> list[str]:
-        """What to look at first, one line each with a hint: where NaN/inf first appear, then
-        the largest local losses (:meth:`localize`) and underflow; last, as notes, NaN/inf that
-        the program absorbs before any output (:meth:`absorbed_nonfinite`).
-
-        The empty list is the healthy answer: no NaN/inf origin, no operator losing a quarter
-        of the cap or more (:data:`NO_FINDINGS` says so in words); :meth:`summary` gives the
-        text ``fxstab show`` prints in either case."""
-        metric = check_metric(metric)
-        out = []
-        ranked = self.localize(metric)
-        for r in ranked:
-            if r.nonfinite_origin:
-                op = self.operators[r.name]
-                out.append(f"NaN/inf first appear at {r.name} ({op.non_finite} of {op.numel} "
-                           f"elements): {hint(op, nonfinite=True)}")
-        # an operator of exact inputs is compared with the cap, which its own rounding already
-        # costs ~0.6 bf16 digits: a finding only when it keeps less than half the cap
-        # a modelled GEMM whose accumulator keeps fewer digits than its samples' spread shows
-        # (a bias, a nearest or directed accumulator's): its own finding, with its fix
-        biased = self.biased_accumulators(metric)
-        for op, own, acc in biased[:top]:
-            out.append(f"the accumulator of {op.name} keeps only {acc:.2f} {metric} digits of "
-                       f"its exact sum, against {own:.2f} estimated from the samples' spread "
-                       f"(it rounds every sample alike: a bias the spread cannot show): "
-                       f"{ACCUMULATOR_HINT}")
-        if len(biased) > top:
-            out.append(f"the accumulators of {len(biased) - top} more GEMM(s) keep fewer "
-                       f"digits than their spread shows (the table's acc column)")
-        # a GEMM recipe: where its digits go (operands or accumulator), operands that underflow
-        out += digit_budget_findings(self.operators.values(), self.cap)[:top]
-        out += operand_findings(self.operators.values())[:top]
-        named = {op.name for op, _, _ in biased}  # each said once, as its accumulator's
-        losses = [r for r in ranked
-                  if not r.nonfinite_origin and r.local_loss >= MIN_FINDING * self.cap
-                  and (r.worst_input is not None or r.digits < 0.5 * self.cap)
-                  and r.name not in named]
-        impact = self.impact_threshold()
-        if impact is not None:  # measured (fxstab.impact): what costs the outputs leads
-            # a local loss costs the outputs what the rounding it amplifies costs them: its
-            # own, or its least accurate input's (a cancellation amplifies the rounding of
-            # the addition before it; a computational zero's input costs nothing)
-            cost = {r.name: max(_impact_or_0(self.operators[r.name]),
-                                _impact_or_0(self.operators[r.worst_input])
-                                if r.worst_input in self.operators else 0.0) for r in losses}
-            harmless = [r for r in losses if cost[r.name] < impact]
-            losses = sorted((r for r in losses if cost[r.name] >= impact),
-                            key=lambda r: -cost[r.name])
-        else:  # not measured: a computational zero whose readers keep their digits is no loss
-            readers = {r.name: self.zero_readers(r.name, r.reference, metric) for r in losses}
-            harmless = [r for r in losses if readers[r.name]]
-            losses = [r for r in losses if not readers[r.name]]
-        for r in losses[:top]:
-            op = self.operators[r.name]
-            src = f"{r.worst_input}" if r.worst_input else "the format's cap"
-            cost_text = "" if impact is None else \
-                f"; the outputs lose {cost[r.name]:.2f} digits to the rounding it amplifies"
-            out.append(f"digits are lost at {r.name}: {r.digits:.2f} {metric} digits against "
-                       f"{r.reference:.2f} of {src} (local loss {r.local_loss:.2f}{cost_text}): "
-                       f"{hint(op)}")
-        for op in self.operators.values():
-            if op.numel and op.underflow >= MIN_UNDERFLOW * op.numel:
-                out.append(f"underflow at {op.name}: {op.underflow} of {op.numel} elements fell "
-                           f"below the format's smallest normal: {UNDERFLOW_HINT}")
-                break
-        for r in harmless[:top]:
-            op = self.operators[r.name]
-            zero = op.zero_fraction >= ZERO_FINDING
-            if impact is not None:
-                out.append(f"note: {r.name} loses {r.local_loss:.2f} {metric} digits against "
-                           f"its input, but the rounding it amplifies costs the outputs "
-                           f"{cost[r.name]:.2f} digits (below {impact:g}): harmless here"
-                           + (" (a computational zero)" if zero else ""))
-            else:
-                names = readers[r.name]
-                out.append(f"note: {r.name} is a computational zero ({op.zero_fraction:.0%} of "
-                           f"its elements; local loss {r.local_loss:.2f}), and its readers keep "
-                           f"the digits it lost ({', '.join(names[:2])}"
-                           + (f" and {len(names) - 2} more" if len(names) > 2 else "")
-                           + "): harmless here")
-        for origin, (_, absorbers) in self.absorbed_nonfinite().items():
-            op = self.operators[origin]
-            by = f"absorbed by {', '.join(absorbers)} before any output (as an additive " \
-                 f"mask of fp32's finfo.min is, rounded to -inf in bf16 or fp16)" if absorbers \
-                else "absorbed: they reach only integer results, comparisons or masks (the " \
-                     "log of a relative position 0 cast to an integer bucket)"
-            out.append(f"note: NaN/inf appear at {origin} ({op.non_finite} of {op.numel} "
-                       f"elements) and are {by}: what a real run in "
-                       f"{op.format or self.metadata.get('format')} computes, not a finding")
-        return out
+        """What to look at first, one line each with a hint (:func:`fxstab.digitmap.findings.
+        findings`): where NaN/inf first appear, the largest local losses (ranked by what they
+        cost the outputs where impacts were measured) and underflow; notes last. The empty list
+        is the healthy answer (:data:`NO_FINDINGS` says so in words)."""
+        return findings(self, top, metric)
 
     def summary(self, top: int = 3, metric: Optional[str] = None) -> str:
         """The findings as ``fxstab show`` prints them: ``findings:`` and one ``- line`` each,
@@ -591,35 +506,9 @@ class DigitMap:
 
     def zero_readers(self, name: str, reference: float,
                      metric: Optional[str] = None) -> list[str]:
-        """The readers that keep the digits a computational zero lost: where operator
-        ``name`` is one (at least :data:`~fxstab.digitmap.hints.ZERO_FINDING` of its elements)
-        and every operator reading it, through readers that are computational zeros too (the
-        mean's division of its row sum), keeps at least ``reference`` digits less the findings'
-        margin, those readers (the LayerNorm's ``x - mean`` after the mean of a centred input);
-        else ``[]``: an output, or a reader that passes the loss on (a division by it)."""
-        if self.operators[name].zero_fraction < ZERO_FINDING:
-            return []
-        consumers = self.consumers()
-        keep = reference - MIN_FINDING * self.cap
-        found: list[str] = []
-        todo, seen = list(consumers[name]), {name}
-        if not todo:
-            return []
-        while todo:
-            reader = todo.pop(0)
-            if reader in seen:
-                continue
-            seen.add(reader)
-            op = self.operators[reader]
-            if op.zero_fraction >= ZERO_FINDING:
-                if not consumers[reader] or len(seen) > 16:
-                    return []  # a zero that reaches an output (or too far to follow)
-                todo += consumers[reader]
-            elif effective_digits(op, metric) >= keep:
-                found.append(reader)
-            else:
-                return []
-        return found
+        """The readers that keep the digits computational zero ``name`` lost, or ``[]``
+        (:func:`fxstab.digitmap.findings.zero_readers`)."""
+        return zero_readers(self, name, reference, metric)
 
     def absorbed_nonfinite(self) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
         """NaN/inf origins whose non-finite values the program absorbs before any output:
@@ -779,8 +668,6 @@ class DigitMap:
 
 # the orders of DigitMap.table (fxstab show --sort)
 SORTS = ("digits", "impact")
-# what an empty :meth:`DigitMap.findings` means (MIN_FINDING of the cap: a quarter)
-NO_FINDINGS = "none (no NaN/inf origin, no operator losing a quarter of the cap or more)"
 
 
 def _umask() -> int:
@@ -792,8 +679,8 @@ def _umask() -> int:
 
 # The fix of an accumulator that keeps fewer digits than its spread shows (docs/accumulation.md:
 # DeepSeek-V3 promotes the fp8 GEMMs' partial sums every 128 elements of K)
-ACCUMULATOR_HINT = ("accumulate in fp32, or promote the partial sums into fp32 every 128 "
-                    "elements of K (accumulate='fp8-promoted')")
+
+
 ACCUMULATOR_LEGEND = ("; acc: a modelled GEMM's accumulator, the digits its output shares with "
                       "the exact sum of the same operands (a bias of a nearest or directed "
                       "accumulator, which the samples' spread cannot show)")
@@ -803,10 +690,6 @@ def _acc_cell(op: OperatorDigits, metric: str) -> str:
     """The table's acc cell: the accumulator's figure that ``metric`` is held against."""
     v = accumulator_digits(op, metric)
     return "-" if math.isnan(v) else f"{v:.2f}"
-
-
-def _impact_or_0(op: OperatorDigits) -> float:
-    return 0.0 if math.isnan(op.impact) else op.impact
 
 
 def _impact_cell(op: OperatorDigits) -> str:

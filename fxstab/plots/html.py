@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from ..digitmap import METRICS, DiffResult, DigitMap, PathLike, operators
-from ..digitmap.map import NO_FINDINGS
+from ..digitmap.findings import NO_FINDINGS
 from .layout import layout_graph
 from .svg import BoxStyle, graph_svg
 
