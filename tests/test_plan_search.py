@@ -4,6 +4,8 @@ target, the cost model, the budget in seconds, and the frontier."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -134,3 +136,76 @@ def test_the_cli_prints_the_frontier_and_a_progress_line(tmp_path, capsys):
     assert "fxstab plan: 1 analysed calls" in err and "Traceback" not in err
     assert main(["plan", f"{tmp_path / 't.py'}:build", "--budget", "soon"]) == 2
     assert "--budget" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- the bisection
+class _FakeSearch:
+    """A search whose candidates' digits come from a model of independent roundings: the
+    outputs' squared error is a floor plus each operator's share unless it is promoted; a
+    pair (an edge) removes its share only when both ends are promoted."""
+
+    def __init__(self, shares: dict, pairs: tuple = ()) -> None:
+        self.shares, self.pairs, self.runs, self.history = shares, pairs, 0, []
+        self.paths: dict = {}
+        self.exhausted = False
+
+    def digits(self, promoted) -> float:
+        chosen = set(promoted)
+        paired = {n for pair in self.pairs for n in pair}
+        err = 1e-6 + sum(e for n, e in self.shares.items() if n not in chosen and n not in paired)
+        err += sum(sum(self.shares[n] for n in pair) for pair in self.pairs
+                   if not set(pair) <= chosen)
+        return -0.5 * math.log10(err)
+
+    def evaluate(self, promoted):
+        from fxstab.plan.search import Evaluation
+
+        self.runs += 1
+        ev = Evaluation(self.digits(promoted), None)
+        self.history.append((tuple(promoted), ev))
+        return ev
+
+
+def test_the_bisection_finds_the_cheap_operators_that_matter_in_log_calls():
+    from fxstab.plan.search import Bisection, Evaluation
+
+    names = [f"op{i}" for i in range(32)]
+    shares = {n: 1e-7 for n in names}
+    shares["op5"] = shares["op20"] = 4e-5  # two operators hold most of the error
+    search = _FakeSearch(shares)
+    base, full = Evaluation(search.digits(()), None), Evaluation(search.digits(names), None)
+    bis = Bisection(search, base, full, names, {n: 1.0 for n in names})
+    target = search.digits(["op5", "op20"]) - 0.01
+    promoted, ev = bis.run(target, split_until=2 * 5, trim_until=2 * 5 + 3)
+    # a lopsided split measures both halves (it cannot tell a half that holds nothing from
+    # an edge it broke): 2·log2(32) calls isolate the two to groups of at most 4
+    assert ev.digits >= target and set(promoted) >= {"op5", "op20"}
+    assert len(promoted) <= 6 and search.runs <= 2 * 5 + 3
+    assert all(g.gain > 0 for g in bis.selection(target))
+
+
+def test_the_selection_prefers_the_cheaper_of_equal_impacts():
+    from fxstab.plan.search import Bisection, Evaluation
+
+    names = ["gemm", "add"]
+    search = _FakeSearch({"gemm": 1e-5, "add": 1e-5})
+    base, full = Evaluation(search.digits(()), None), Evaluation(search.digits(names), None)
+    bis = Bisection(search, base, full, names, {"gemm": 15.0, "add": 1.0})
+    target = search.digits(["add"]) - 0.01  # either one alone keeps it
+    promoted, ev = bis.run(target, split_until=1, trim_until=3)
+    assert promoted == ["add"] and ev.digits >= target
+
+
+def test_a_split_that_breaks_an_edge_keeps_the_group_whole():
+    from fxstab.plan.search import Bisection, Evaluation
+
+    names = [f"op{i}" for i in range(8)]
+    shares = {n: 1e-8 for n in names}
+    shares["op3"] = shares["op4"] = 2e-5  # (x + c) - c: the add and the sub, across the middle
+    search = _FakeSearch(shares, pairs=(("op3", "op4"),))
+    base, full = Evaluation(search.digits(()), None), Evaluation(search.digits(names), None)
+    bis = Bisection(search, base, full, names, {n: 1.0 for n in names})
+    target = full.digits - 0.1
+    promoted, ev = bis.run(target, split_until=6, trim_until=8)
+    assert ev.digits >= target and {"op3", "op4"} <= set(promoted)
+    assert any(g.fixed for g in bis.groups) or len(promoted) <= 4
