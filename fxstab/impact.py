@@ -97,9 +97,70 @@ def _output_digits(outputs: Any, fmt: Any, confidence: float) -> float:
     return total / count if count else math.nan
 
 
+class _Selected(torch.nn.Module):
+    """The model followed by what counts of its output (``outputs=``): its operators are
+    named ``model...`` here, the selection's own (a loss) at the root."""
+
+    def __init__(self, model: torch.nn.Module, select: Any) -> None:
+        super().__init__()
+        self.model, self.select = model, select
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.select(self.model(*args, **kwargs))
+
+
+def _selector(outputs: Any) -> Any:
+    """``outputs=`` as a function of the model's output: a callable as it is; names (keys of a
+    dict output, such as a ``transformers`` ModelOutput's ``"logits"``, or attributes)."""
+    if callable(outputs):
+        return outputs
+    if isinstance(outputs, str):
+        outputs = [outputs]
+    if not isinstance(outputs, (list, tuple)) or not outputs or \
+            not all(isinstance(k, str) for k in outputs):
+        raise ValueError(f"outputs must be a callable of the model's output (a loss) or a list "
+                         f"of its keys; got {outputs!r}")
+    keys = list(outputs)
+
+    def select(out: Any) -> Any:
+        picked = []
+        for k in keys:
+            if isinstance(out, dict) and k in out:
+                picked.append(out[k])
+            elif hasattr(out, k):
+                picked.append(getattr(out, k))
+            else:
+                raise ValueError(f"outputs: the model's output has no {k!r}")
+        return picked
+    return select
+
+
+def _model_name(name: str) -> str:
+    """An operator's name in the model's own map: ``model.fc/linear#0`` -> ``fc/linear#0``,
+    ``model/mean#0`` -> ``mean#0``; the selection's (a loss's) -> ``(outputs)/...``."""
+    for prefix in ("model.", "model/"):
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return f"(outputs)/{name}"
+
+
+def _renamed(dm: Any) -> Any:
+    """``dm`` of a :class:`_Selected` run with the model's own operator names."""
+    import dataclasses
+
+    from .digitmap.map import DigitMap
+
+    ops = [dataclasses.replace(
+        op, name=_model_name(op.name), inputs=tuple(_model_name(i) for i in op.inputs),
+        module_path="" if op.module_path == "model" else op.module_path.removeprefix("model."))
+        for op in dm.operators.values()]
+    steps = [dataclasses.replace(st, name=_model_name(st.name)) for st in dm.steps]
+    return DigitMap(ops, dict(dm.metadata), steps)
+
+
 def operator_impact(model: torch.nn.Module, inputs: Sequence, *, threshold: float = 0.1,
                     kwargs: Optional[dict] = None, bisect: bool = True,
-                    **options: Any) -> Impact:
+                    outputs: Any = None, **options: Any) -> Impact:
     """Each analysed operator's impact on ``model``'s outputs (see the module docstring).
 
     Args:
@@ -107,6 +168,10 @@ def operator_impact(model: torch.nn.Module, inputs: Sequence, *, threshold: floa
         inputs: Its positional inputs.
         threshold: Digits below which a group of operators is harmless (not bisected).
         kwargs: Its keyword inputs.
+        outputs: What counts (default: every floating output): a callable of the model's
+            output (``lambda out: F.cross_entropy(out, y)``: the impact on the loss, as in
+            training), or a list of its keys (``["logits"]``). The selection's own operators
+            (the loss's) are ablated too, named ``(outputs)/...``.
         bisect: False: every operator ablated alone (n + 1 analysed calls; the reference the
             bisection is validated against, ``benchmarks/bench_impact.py --validate``).
         **options: :func:`fxstab.backend`'s options (format, n_samples, seed, select...);
@@ -118,12 +183,15 @@ def operator_impact(model: torch.nn.Module, inputs: Sequence, *, threshold: floa
         raise ValueError("operator_impact sets unrounded= itself")
     kwargs = kwargs or {}
     calls = 0
+    target = model if outputs is None else _Selected(model, _selector(outputs))
+    # the names the backend sees (model.fc/linear#0 under a selection) and the model's own
+    own = (lambda n: n) if outputs is None else _model_name
 
     def run(unrounded: Sequence[str]) -> tuple:
         nonlocal calls
         torch._dynamo.reset()
         be = backend(unrounded=list(unrounded) or None, **options)
-        compiled = torch.compile(model, backend=be)
+        compiled = torch.compile(target, backend=be)
         with torch.no_grad(), be.capture_samples() as cap:
             compiled(*inputs, **kwargs)
         calls += 1
@@ -149,8 +217,10 @@ def operator_impact(model: torch.nn.Module, inputs: Sequence, *, threshold: floa
         else:
             half = len(group) // 2
             todo += [group[:half], group[half:]]
-    result.by_operator = {n: gains.get(n, 0.0) for n in names}
+    result.by_operator = {own(n): gains.get(n, 0.0) for n in names}
+    result.resolved = {own(n) for n in result.resolved}
     result.calls = calls
-    result.digit_map = result.annotate(be.digit_map())
+    dm = be.digit_map()
+    result.digit_map = result.annotate(dm if outputs is None else _renamed(dm))
     torch._dynamo.reset()
     return result

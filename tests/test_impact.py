@@ -176,3 +176,36 @@ def test_impact_at_the_arithmetic_level_names_the_same_hazard():
         digits[bool(unrounded)] = dm.operators[fc[0]].avg_digits
     # (its operands are exact: unrounded, its samples agree on every digit)
     assert digits[True] == pytest.approx(dm.cap) and digits[False] < dm.cap - 0.2, digits
+
+
+def test_impact_on_a_loss_or_on_chosen_outputs():
+    # outputs=: a loss (as in training) or a dict output's keys; the names stay the model's
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model, x = Centred(hazard=True), torch.randn(16, 32)
+    y = torch.randint(0, 8, (16,))
+    imp = fxstab.operator_impact(model, (x,), format="bf16", seed=0,
+                                 outputs=lambda out: F.cross_entropy(out, y))
+    assert imp.ranked()[0][0] == "add#0" and imp.ranked()[0][1] > 0.3, imp.table()
+    assert "head/linear#0" in imp.by_operator and "mean#1" in imp.by_operator
+    assert any(n.startswith("(outputs)/") for n in imp.by_operator), list(imp.by_operator)
+    assert set(imp.digit_map.operators) == set(imp.by_operator)
+    assert imp.digit_map.operators["sub#2"].inputs == ("add#0",)
+
+    class Dict(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Centred(hazard=True)
+
+        def forward(self, x):
+            return {"logits": self.inner(x), "aux": torch.tanh(x * 3.0)}
+
+    torch.manual_seed(0)
+    both = fxstab.operator_impact(Dict(), (x,), format="bf16", seed=0)
+    logits = fxstab.operator_impact(Dict(), (x,), format="bf16", seed=0, outputs=["logits"])
+    # the aux output keeps its digits: with it, the hazard costs the average half as much
+    assert logits.output_digits < both.output_digits
+    assert logits.by_operator["inner/add#0"] > both.by_operator["inner/add#0"]
+    with pytest.raises(ValueError, match="outputs"):
+        fxstab.operator_impact(Dict(), (x,), outputs=[3])
