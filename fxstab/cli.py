@@ -303,6 +303,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     try:
         return run_plan(model, inputs, target=args.target, output=args.output,
                         apply_check=args.apply_check, frontier=args.frontier,
+                        calibrate=args.calibrate,
                         format=plain["format"], keep=args.keep,
                         higher=higher, outputs=args.outputs, budget=budget,
                         criterion=args.criterion, n_samples=plain["n_samples"],
@@ -604,6 +605,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--apply-check", action="store_true",
                    help="run the target for real in --format with and without the plan and "
                         "print the true digits of both against an fp64 run")
+    p.add_argument("--calibrate", action="store_true",
+                   help="--keep is in avg true digits of the real run (against fp64): the "
+                        "search calibrates the analysis on real runs of the target")
     p.add_argument("--frontier", action="store_true",
                    help="print digits at the outputs against cost for the plans the search "
                         "evaluated that no cheaper plan beats")

@@ -128,11 +128,12 @@ def test_the_cli_prints_the_frontier_and_a_progress_line(tmp_path, capsys):
         "def build():\n"
         "    return M().eval(), torch.randn(8, 16)\n")
     code = main(["plan", f"{tmp_path / 't.py'}:build", "--format", "bf16", "--keep", "1.2",
-                 "--frontier", "--budget", "600s"])
+                 "--frontier", "--budget", "600s", "--calibrate"])
     out, err = capsys.readouterr()
     assert code == 0, out + err
     assert "frontier: digits at the outputs against cost" in out
     assert "cost (roofline estimate, all in bf16 = 1)" in out
+    assert "keep 1.20 is in true digits of the real run" in out
     assert "fxstab plan: 1 analysed calls" in err and "Traceback" not in err
     assert main(["plan", f"{tmp_path / 't.py'}:build", "--budget", "soon"]) == 2
     assert "--budget" in capsys.readouterr().err
@@ -148,6 +149,10 @@ class _FakeSearch:
         self.shares, self.pairs, self.runs, self.history = shares, pairs, 0, []
         self.paths: dict = {}
         self.exhausted = False
+        self.margin = 0.0
+
+    def meets(self, ev, target: float) -> bool:
+        return ev.digits - self.margin * ev.spread >= target
 
     def digits(self, promoted) -> float:
         chosen = set(promoted)
@@ -209,3 +214,32 @@ def test_a_split_that_breaks_an_edge_keeps_the_group_whole():
     promoted, ev = bis.run(target, split_until=6, trim_until=8)
     assert ev.digits >= target and {"op3", "op4"} <= set(promoted)
     assert any(g.fixed for g in bis.groups) or len(promoted) <= 4
+
+
+# --------------------------------------------------------------------------- calibrate=True
+def test_calibrate_states_keep_in_true_digits_of_the_real_run():
+    """offset_cancel asked for 2.0 true digits: the analysis's goal comes from the real runs
+    (the empty plan's plain and all-in-fp32 runs, then the plan's), and the plan's real run
+    keeps 2.0 true digits."""
+    from fxstab.plan import check_plan
+
+    model, inputs = localization("offset_cancel")(True)
+    plan = plan_precision(model, inputs, format="bf16", keep=2.0, calibrate=True)
+    cal = plan.settings["calibration"]
+    assert plan.met and cal["real"] >= 2.0 and cal["real_runs"] == 2, plan.report()
+    assert cal["goal"] != 2.0 and plan.after >= cal["goal"]  # the analysis reads fewer digits
+    assert check_plan(model, inputs, plan).planned == pytest.approx(cal["real"])
+    assert "is in true digits of the real run" in plan.report()
+    with pytest.raises(ValueError, match="calibrate=True"):
+        plan_precision(model, inputs, format="bf16", keep=1.0, calibrate=True,
+                       criterion="p5")
+
+
+def test_the_analysis_goal_interpolates_the_real_runs():
+    from fxstab.plan.search import _analysis_goal
+
+    points = [(0.0, 0.7), (1.8, 2.4)]  # (analysis, true)
+    assert _analysis_goal(points, 1.55) == pytest.approx(0.9)
+    assert _analysis_goal(points + [(1.4, 2.0)], 2.0) == pytest.approx(1.4)
+    assert _analysis_goal([(-math.inf, 0.0), (1.8, 2.4)], 2.0) == pytest.approx(1.4)
+    assert _analysis_goal([], 1.3) == 1.3

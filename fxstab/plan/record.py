@@ -113,8 +113,14 @@ class PrecisionPlan:
                  f"{self.runs} analysed calls",
                  f"digits at {what} ({criterion}, the analysis; NaN/inf fails): "
                  f"{_digits(self.before)} in {self.format} -> {_digits(self.after)} with the "
-                 f"plan{worst} (required {self.keep:.2f}; all in {self.higher}: "
+                 f"plan{worst} (required {self._required():.2f}; all in {self.higher}: "
                  f"{_digits(self.all_higher)})"]
+        calibration = self.settings.get("calibration")
+        if isinstance(calibration, dict):
+            lines.append(f"keep {self.keep:.2f} is in true digits of the real run: the analysis "
+                         f"must keep {calibration.get('goal', math.nan):.2f} (calibrated on "
+                         f"{calibration.get('real_runs', 0)} real runs); the real run with "
+                         f"the plan: {_digits(calibration.get('real', math.nan))}")
         if self.cost == self.cost:
             lines.append(f"cost (roofline estimate, all in {self.format} = 1): the plan "
                          f"{self.cost:.3f}, all in {self.higher} {self.cost_all_higher:.3f}")
@@ -125,9 +131,9 @@ class PrecisionPlan:
                          f"as the program gives them, the fp32 sum)")
         if not self.met:
             first = next(iter(self.checks.values()), math.nan)
-            if self.all_higher < self.keep:
+            if self.all_higher < self._required():
                 why = f"even every operator in {self.higher} keeps less"
-            elif first >= self.keep:
+            elif first >= self._required():
                 worst = min(self.checks, key=self.checks.__getitem__)
                 why = (f"the plan keeps {_digits(self.checks[worst])} with {worst} (the "
                        f"search's seed: {_digits(first)})")
@@ -149,13 +155,21 @@ class PrecisionPlan:
                          f"{self.format}")
         return "\n".join(lines)
 
+    def _required(self) -> float:
+        """The analysis digits the plan must keep: ``keep``, or calibrated its goal."""
+        calibration = self.settings.get("calibration")
+        if isinstance(calibration, dict) and isinstance(calibration.get("goal"), (int, float)):
+            return float(calibration["goal"])
+        return self.keep
+
     def frontier_table(self) -> str:
         """Digits at the outputs against cost for the plans the search evaluated that no
         cheaper plan beats (``fxstab plan --frontier``)."""
         lines = [f"frontier: digits at the outputs against cost (all in {self.format} = 1; "
                  f"the analysis, seed {self.settings.get('seed', 0)})",
                  f"{'cost':>8} {'digits':>7} {'operators':>9}"]
-        first = next((i for i, (_, d, _n) in enumerate(self.frontier) if d >= self.keep), None)
+        first = next((i for i, (_, d, _n) in enumerate(self.frontier)
+                      if d >= self._required()), None)
         for i, (cost, digits, n) in enumerate(self.frontier):
             mark = "  <- the cheapest that keeps keep" if i == first else ""
             lines.append(f"{cost:>8.3f} {_digits(digits):>7} {n:>9}{mark}")

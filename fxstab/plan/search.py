@@ -47,7 +47,7 @@ from ..backend import backend as make_backend
 from ..config import AnalysisConfig
 from ..rules.lifting import ACCUMULATED_KINDS
 from ..digitmap.map import DigitMap
-from ..numerics.formats import get_format
+from ..numerics.formats import get_format, torch_dtype_of
 from .cost import CostModel
 from .record import PrecisionPlan
 
@@ -56,15 +56,13 @@ __all__ = ["plan_precision", "Evaluation", "PlanSearch", "Bisection", "stored_hi
 
 # below this local loss (digits) an operator is not worth promoting
 MIN_LOCAL_LOSS = 0.5
-# a candidate keeps the target when its digits less this many of the estimator's standard
-# errors do: measured on the spread cases (0.011 and 0.022 digits for 1024 and 512 output
-# elements), the seeds' readings of one plan lie within about one of each other
+# on the bisection route a candidate keeps the target when its digits less this many of the
+# estimator's standard errors do: measured on the spread cases (0.011 and 0.022 digits for
+# 1024 and 512 output elements), the seeds' readings of one plan lie within about one of each
+# other. The local route's candidates differ by whole digits: there the margin only bloats
+# plans (the fp8 case: 12 operators instead of 2 for the same digits with seeds 0-3), and the
+# re-checks catch what the seed hid
 SPREAD_MARGIN = 1.0
-
-
-def meets(ev: "Evaluation", target: float) -> bool:
-    """Whether an evaluation keeps ``target`` digits with the estimator's margin."""
-    return ev.digits - SPREAD_MARGIN * ev.spread >= target
 
 
 class Evaluation:
@@ -110,6 +108,7 @@ class PlanSearch:
         self.recipe = (cfg.gemm_inputs, cfg.accumulate)
         self._cache: dict = {}
         self.progress: Any = None  # called after each analysed call (the CLI's progress line)
+        self.margin = 0.0  # standard errors of the estimate a candidate must keep above
 
     def recipe_off(self, promoted: Sequence[str]) -> list:
         """The promoted GEMMs that leave the recipe (bf16 operands, the trusted fp32 sum):
@@ -117,6 +116,11 @@ class PlanSearch:
         if not (self.recipe[0] or self.recipe[1]):
             return []
         return [p for p in promoted if self.kinds.get(p) in ACCUMULATED_KINDS]
+
+    def meets(self, ev: "Evaluation", target: float) -> bool:
+        """Whether an evaluation keeps ``target`` digits, less ``margin`` standard errors of
+        the estimate (set by the route: :data:`SPREAD_MARGIN` on the bisection, else 0)."""
+        return ev.digits - self.margin * ev.spread >= target
 
     @property
     def exhausted(self) -> bool:
@@ -380,6 +384,7 @@ class Bisection:
                  forward: list, extra_cost: dict) -> None:
         self.search, self.forward, self.extra = search, forward, extra_cost
         self.r0 = _residual(base.digits)
+        search.margin = SPREAD_MARGIN  # candidates compared with the estimator's margin
         self.margin = SPREAD_MARGIN * base.spread  # the selection aims this much higher
         self.groups = [_Group(list(forward), self.r0 - _residual(full.digits))]
 
@@ -442,7 +447,7 @@ class Bisection:
         promoted = union(chosen)
         ev = search.evaluate(promoted)
         rest = [g for g in self.ranked() if g not in chosen]
-        while not meets(ev, target) and rest and not search.exhausted:
+        while not search.meets(ev, target) and rest and not search.exhausted:
             # the groups' gains do not add up exactly (a rounding's error grows through the
             # operators after it): scale what is still needed by what the union removed
             # against what its groups predicted, and add groups until that is covered
@@ -457,13 +462,13 @@ class Bisection:
             promoted = union(chosen)
             ev = search.evaluate(promoted)
         for g in sorted(chosen, key=self.cost, reverse=True):  # the dearest first
-            if not meets(ev, target) or search.runs >= trim_until or search.exhausted:
+            if not search.meets(ev, target) or search.runs >= trim_until or search.exhausted:
                 break
             if len(chosen) < 2:
                 break
             trial_groups = [c for c in chosen if c is not g]
             trial = search.evaluate(union(trial_groups))
-            if meets(trial, target):
+            if search.meets(trial, target):
                 chosen, promoted, ev = trial_groups, union(trial_groups), trial
         return promoted, ev
 
@@ -479,7 +484,7 @@ def _grow(search: "PlanSearch", base: Evaluation, fwd: set, forward: list, consu
           target: float, promoted: list, ev: Evaluation) -> tuple:
     """The local route's grow step (the module docstring's 1.) until ``target``."""
     batch = 1
-    while not meets(ev, target):
+    while not search.meets(ev, target):
         if search.exhausted:
             break
         pulled, units = _candidates(ev, promoted, fwd, consumers)
@@ -510,7 +515,7 @@ def _shrink(search: "PlanSearch", target: float, promoted: list, ev: Evaluation,
             rest = [p for p in promoted if p not in chunk]
             if rest and not search.exhausted and search.runs < until:
                 trial = search.evaluate(rest)
-                if meets(trial, target):
+                if search.meets(trial, target):
                     promoted, ev, dropped = rest, trial, True
         n = n if dropped else 2 * n
     added = {n: i for i, n in enumerate(promoted)}
@@ -519,7 +524,7 @@ def _shrink(search: "PlanSearch", target: float, promoted: list, ev: Evaluation,
             break
         rest = [p for p in promoted if p != name]
         trial = search.evaluate(rest)
-        if meets(trial, target):
+        if search.meets(trial, target):
             promoted, ev = rest, trial
     return promoted, ev
 
@@ -539,6 +544,7 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
                    budget: Any = None, criterion: str = "mean",
                    inputs: Optional[Sequence] = None, recheck_seeds: int = 2,
                    cost: Optional[CostModel] = None, progress: bool = False,
+                   calibrate: bool = False,
                    **options: Any) -> PrecisionPlan:
     """The cheapest set of operators to run in ``higher`` so that the outputs keep ``keep``
     digits.
@@ -572,6 +578,12 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
         cost: the :class:`~fxstab.plan.cost.CostModel` (None: the default's H100-like
             roofline); the search prefers the cheaper of plans that keep ``keep``.
         progress: a progress line on stderr after each analysed call.
+        calibrate: ``keep`` is in avg true digits of the real run (``check_plan``'s, against
+            fp64): the search maps it to the analysis's digits through real runs (the empty
+            plan's, which gives plain and all-in-``higher``, then the found plan's), one
+            real run per candidate size, not per candidate; ``met`` also needs the plan's
+            real run to keep ``keep``. Needs a format torch computes in, no GEMM recipe,
+            the model's outputs and ``criterion="mean"``.
         **options: more :func:`fxstab.backend` options (``n_samples``, ``seed``, ``select``,
             ``accumulate``, ...).
 
@@ -594,6 +606,12 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
     if cost is not None and not isinstance(cost, CostModel):
         raise ValueError(f"cost must be a fxstab.plan.CostModel, got {type(cost).__name__}")
     cost = cost or CostModel()
+    if calibrate and (outputs is not None or criterion != "mean" or
+                      torch_dtype_of(format) is None or options.get("gemm_inputs") or
+                      options.get("accumulate")):
+        raise ValueError("calibrate=True maps keep in avg true digits of the real run at the "
+                         "model's outputs: it needs a format torch computes in (bf16, fp16), "
+                         "no GEMM recipe, no outputs= and criterion='mean'")
     more_inputs = [as_inputs(x) for x in (inputs or ())]
     cap = get_format(format).digit_cap
     if keep > cap:
@@ -649,6 +667,17 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
             checks[f"inputs[{i}]"] = search.evaluate(promoted, inputs=x, input_index=i)
         return checks
 
+    def real_run(promoted: Sequence[str]) -> Any:
+        """check_plan's real run of a candidate (calibrate=True)."""
+        from .apply import check_plan
+
+        trial = PrecisionPlan(format=search.format.name, higher=search.higher.name,
+                              keep=float(keep), promoted=list(promoted),
+                              kinds={n: base.map[n].kind for n in promoted},
+                              modules={n: base.map[n].module_path for n in promoted})
+        torch._dynamo.reset()
+        return check_plan(model, search.inputs, trial)
+
     def finish(promoted: list, ev: Evaluation, checks: dict) -> PrecisionPlan:
         promoted = sorted(promoted, key=order.__getitem__)
         plan.promoted = promoted
@@ -660,7 +689,12 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
         plan.checks = {k: (v.digits if isinstance(v, Evaluation) else v)
                        for k, v in checks.items()}
         plan.after = min(plan.checks.values())
-        plan.met, plan.runs = plan.after >= keep, search.runs
+        plan.met, plan.runs = plan.after >= goal, search.runs
+        if calibrate:
+            real = points[-1][1] if len(points) > 2 else math.nan
+            plan.settings["calibration"] = {"points": [list(p) for p in points], "goal": goal,
+                                            "real": real, "real_runs": real_runs}
+            plan.met = plan.met and real >= keep
         plan.settings["route"] = route
         plan.cost = plan_cost(promoted)
         plan.frontier = _pareto([[plan_cost(p), e.digits, len(p)] for p, e in search.history])
@@ -678,16 +712,28 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
     route = "local"
     full: Optional[Evaluation] = None
     bisection: Optional[Bisection] = None
-    target, promoted, ev = float(keep), [], base
+    # the analysis digits the plan must keep: keep, or with calibrate=True keep's true digits
+    # mapped through the real runs' points (analysis digits, true digits)
+    goal, points, real_runs = float(keep), [], 0
+    if calibrate:
+        full = search.evaluate(forward)
+        plan.all_higher = full.digits
+        check = real_run([])
+        real_runs += 1
+        points = [(base.digits, check.plain), (full.digits, min(check.high, cap))]
+        goal = _analysis_goal(points, keep)
+    target, promoted, ev = goal, [], base
     for attempt in range(2):  # the second: the target raised by the spread the re-check saw
-        if not meets(ev, target):
+        if not search.meets(ev, target):
             if full is None:
                 full = search.evaluate(forward)
                 plan.all_higher = full.digits
-                if full.digits < keep:
+                if full.digits < goal:
+                    need = f"keep={keep}" if not calibrate else \
+                        f"the {goal:.2f} that keep={keep} true digits needs"
                     warnings.warn(f"fxstab: even every operator in {search.higher.name} keeps "
                                   f"{full.digits:.2f} digits at the outputs, less than "
-                                  f"keep={keep}: the plan promotes everything", UserWarning,
+                                  f"{need}: the plan promotes everything", UserWarning,
                                   stacklevel=2)
                     return finish(forward, full, {f"seed {seed}": full})
             if full.digits < target:  # the raised target is out of reach: the last plan
@@ -707,26 +753,35 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
             else:
                 promoted, ev = _grow(search, base, fwd, forward, consumers, target,
                                      list(promoted), ev)
-                if meets(ev, target) and attempt == 0:  # the second attempt keeps what
+                if search.meets(ev, target) and attempt == 0:  # the second attempt keeps what
                     # the first found (another seed or input needed it)
                     promoted, ev = _shrink(search, target, promoted, ev, extra,
                                            budget_calls - reserve)
             # of the candidates that keep the target, the cheapest (a correction may overshoot
             # past one found on the way)
-            kept = [(plan_cost(p), list(p), e) for p, e in search.history if meets(e, target)]
-            if kept and meets(ev, target):
+            kept = [(plan_cost(p), list(p), e) for p, e in search.history
+                    if search.meets(e, target)]
+            if kept and search.meets(ev, target):
                 cheapest = min(kept, key=lambda k: (k[0], len(k[1])))
                 if cheapest[0] < plan_cost(promoted):
                     promoted, ev = cheapest[1], cheapest[2]
-        if ev.digits < keep:  # the budget ran out first
+        if ev.digits < goal:  # the budget ran out first
             return finish(promoted, ev, {f"seed {seed}": ev})
         checks = recheck(promoted, ev)
         failing = min(checks.values(), key=lambda e: e.digits)
-        if failing.digits >= keep or search.exhausted or attempt == 1:
+        if calibrate and failing.digits >= goal:  # the found plan's real run
+            points.append((ev.digits, real_run(promoted).planned))
+            real_runs += 1
+            if points[-1][1] < keep and not search.exhausted and attempt == 0:
+                goal = _analysis_goal(points, keep)
+                target = max(goal, target + 0.01)
+                continue
+            return finish(promoted, ev, checks)
+        if failing.digits >= goal or search.exhausted or attempt == 1:
             return finish(promoted, ev, checks)
         if math.isfinite(failing.digits):
             # the estimator's spread: the search's seed read this much above the worst check
-            target = keep + (ev.digits - failing.digits) + 0.01
+            target = goal + (ev.digits - failing.digits) + 0.01
         else:  # a NaN/inf another seed or input meets: promote what its map ranks first
             pulled, units = _candidates(failing, promoted, fwd, consumers)
             step = pulled + [n for u in units[:1] for n in u if n not in pulled]
@@ -736,6 +791,28 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
             ev = search.evaluate(promoted)
             route = "local"
     return finish(promoted, ev, checks)
+
+
+def _analysis_goal(points: Sequence, keep: float) -> float:
+    """The analysis digits whose real run keeps ``keep`` true digits: the piecewise-linear
+    interpolation of the points (analysis digits, true digits) at ``keep``, finite points
+    only, each true digit count the best analysis digits that reached it (the map must rise);
+    beyond the points, the nearest segment's offset."""
+    pts = sorted((t, a) for a, t in points if math.isfinite(a) and math.isfinite(t))
+    mono: list = []
+    for t, a in pts:
+        if mono and t <= mono[-1][0]:
+            mono[-1] = (mono[-1][0], max(mono[-1][1], a))
+        elif not mono or a > mono[-1][1]:
+            mono.append((t, a))
+    if not mono:
+        return float(keep)
+    if len(mono) == 1 or keep <= mono[0][0]:
+        return keep + mono[0][1] - mono[0][0]
+    for (t0, a0), (t1, a1) in zip(mono, mono[1:]):
+        if keep <= t1:
+            return a0 + (keep - t0) * (a1 - a0) / (t1 - t0)
+    return keep + mono[-1][1] - mono[-1][0]
 
 
 def _progress_line(keep: float) -> Any:
