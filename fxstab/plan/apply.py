@@ -28,7 +28,7 @@ from ..numerics.digits import true_digits
 from ..numerics.formats import get_format, torch_dtype_of
 from ..records.run import RunState
 from .record import PrecisionPlan
-from .search import as_inputs
+from .inputs import as_inputs
 
 __all__ = ["apply_plan", "PlanBackend", "check_plan", "PlanCheck", "output_true_digits"]
 

@@ -49,6 +49,7 @@ from ..rules.lifting import ACCUMULATED_KINDS
 from ..digitmap.map import DigitMap
 from ..numerics.formats import get_format, torch_dtype_of
 from .cost import CostModel
+from .inputs import as_inputs
 from .record import PrecisionPlan
 
 __all__ = ["plan_precision", "Evaluation", "PlanSearch", "Bisection", "stored_high", "as_inputs",
@@ -173,13 +174,6 @@ class PlanSearch:
         if seed is None and input_index == 0:
             self.history.append((tuple(promoted), result))
         return result
-
-
-def as_inputs(example_inputs: Any) -> tuple:
-    """Positional inputs as a tuple (one tensor is one input)."""
-    if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,)
-    return tuple(example_inputs)
 
 
 def _operators_digits(dmap: DigitMap, names: Sequence[str]) -> float:
