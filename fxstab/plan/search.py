@@ -776,6 +776,7 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
         if math.isfinite(failing.digits):
             # the estimator's spread: the search's seed read this much above the worst check
             target = goal + (ev.digits - failing.digits) + 0.01
+            plan.settings["raised_target"] = target
         else:  # a NaN/inf another seed or input meets: promote what its map ranks first
             pulled, units = _candidates(failing, promoted, fwd, consumers)
             step = pulled + [n for u in units[:1] for n in u if n not in pulled]
