@@ -699,7 +699,7 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
         # program in higher, not a region of it
         plan.regions = [r for r in plan.autocast_regions(modules)
                         if not all(m == r or m.startswith(r + ".") for m in modules)]
-        if progress:
+        if progress and sys.stderr.isatty():  # end the rewritten line
             print(file=sys.stderr)
         return plan
 
