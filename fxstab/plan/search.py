@@ -449,10 +449,12 @@ class Bisection:
             removed = self.r0 - _residual(ev.digits)
             scale = removed / predicted if predicted > 0 and removed > 0 else 0.5
             need = (_residual(ev.digits) - _residual(target + self.margin)) / max(scale, 1e-3)
-            while rest and (need > 0 or not chosen):
+            added = 0
+            while rest and (need > 0 or not added):  # one group at least: each round a call
                 g = rest.pop(0)
                 chosen.append(g)
                 need -= g.gain
+                added += 1
             promoted = union(chosen)
             ev = search.evaluate(promoted)
         for g in sorted(chosen, key=self.cost, reverse=True):  # the dearest first
