@@ -61,6 +61,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     ap.add_argument("--format", default="bf16")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--lowp-gemm", action=argparse.BooleanOptionalAction, default=True,
+                    help="the samples' linear layers in bf16 GEMMs (fxstab.numerics.lowp_gemm; "
+                         "--no-lowp-gemm: in fp32, the reference)")
     ap.add_argument("--out", default=str(ROOT / "results"))
     args = ap.parse_args(argv)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
@@ -78,7 +81,7 @@ def main(argv=None) -> int:
     e0 = min(eager() for _ in range(2))
     rss_eager = _rss_gb()
     torch._dynamo.reset()
-    be = fxstab.backend(format=args.format, n_samples=3, seed=0)
+    be = fxstab.backend(format=args.format, n_samples=3, seed=0, lowp_gemm=args.lowp_gemm)
     f = torch.compile(model, backend=be)
 
     def analysed() -> float:
@@ -104,6 +107,7 @@ def main(argv=None) -> int:
     cov = be.coverage()
     row = {"layers": args.layers, "hidden": args.hidden, "params": params,
            "batch": args.batch, "seq": args.seq, "dtype": args.dtype, "format": args.format,
+           "lowp_gemm": args.lowp_gemm,
            "eager_s": round(eager_t, 3), "steady_s": round(steady, 3),
            "steady_x": round(steady / eager_t, 2), "first_two_s": round(first, 2),
            "first_two_x": round(first / e0, 1), "rss_eager_gb": round(rss_eager, 2),
@@ -112,7 +116,8 @@ def main(argv=None) -> int:
            "coverage": round(cov.fraction, 3), "bit_identical": identical}
     print(f"Llama-shaped, {args.layers} layers, hidden {args.hidden} ({params / 1e6:.0f}M "
           f"parameters), {args.dtype}, format {args.format}, N=3, {args.batch}x{args.seq}, "
-          f"{torch.get_num_threads()} threads")
+          f"{torch.get_num_threads()} threads, samples' linears in "
+          f"{'bf16 GEMMs' if args.lowp_gemm else 'fp32 GEMMs'}")
     print(f"{'':<28}{'eager':>9}{'analysed':>10}{'ratio':>8}")
     print(f"{'steady call (s)':<28}{eager_t:>9.2f}{steady:>10.2f}{steady / eager_t:>7.1f}x")
     print(f"{'first two calls (s)':<28}{e0:>9.2f}{first:>10.2f}{first / e0:>7.1f}x")

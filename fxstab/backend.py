@@ -437,7 +437,10 @@ def backend(
             ``data_perturbation_threshold``, ``saturate``, ``trace_rnn``, ``backward``,
             ``accumulate`` (the GEMMs' accumulator: a preset name or an
             :class:`fxstab.Accumulation` for every linear/matmul/mm/bmm, or ``{kind or glob:
-            spec}``; docs/accumulation.md) (see AnalysisConfig).
+            spec}``; docs/accumulation.md), ``unrounded`` (operators measured, not rounded:
+            an ablation, :func:`fxstab.operator_impact`), ``lowp_gemm`` (default True: a bf16
+            model's linear layers of the samples in bf16 GEMMs, :mod:`fxstab.numerics.lowp_gemm`;
+            False: in fp32) (see AnalysisConfig).
         config: A settings file (``fxstab.toml``, a ``pyproject.toml`` with ``[tool.fxstab]``,
             or a folder to search from; ``True``: search from the current folder), whose
             analysis options apply under the arguments given here (an argument left at its

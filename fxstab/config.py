@@ -106,6 +106,10 @@ class AnalysisConfig:
     # globs over them (at granularity="aten" the primitives' names, module/op#k/aten.prim#j);
     # stored as a tuple of patterns. Their outputs are measured, not rounded.
     unrounded: Any = None
+    # the samples' linear layers in the format's own GEMM kernels where their operands are
+    # exact there (fxstab.numerics.lowp_gemm: a bf16 model analysed in bf16); False: in the
+    # working dtype (fp32), the reference path
+    lowp_gemm: bool = True
 
     def __post_init__(self) -> None:
         def choice(name: str, value: Any, options: tuple) -> None:
@@ -157,6 +161,8 @@ class AnalysisConfig:
                              f"samples; 3 is CADNA's choice), got {n!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if not isinstance(self.lowp_gemm, bool):
+            raise ValueError(f"lowp_gemm must be True or False, got {self.lowp_gemm!r}")
         e = self.every
         if isinstance(e, bool) or not isinstance(e, int) or e < 1:
             raise ValueError(f"every must be a positive integer (analyse one call in `every`), got {e!r}")

@@ -372,6 +372,8 @@ class GraphAnalysis:
         version): a bf16 model's weights were cast to fp32 at every analysed call, half of a
         Llama-shaped model's analysed call (benchmarks/bench_scale.py). The samples' values
         are the same; the kept copies cost the weights once more in the working dtype."""
+        from ..numerics.lowp_gemm import set_twin
+
         if self._weight_slots is None:
             from ..numerics.formats import working_dtype_for
 
@@ -393,6 +395,7 @@ class GraphAnalysis:
             kept = self._kept_weights.get(i)
             if kept is None or kept[0] is not a or kept[1] != version:
                 kept = self._kept_weights[i] = (a, version, a.detach().to(self._wdtype))
+                set_twin(kept[2], a)  # the samples' GEMMs read it as it is (lowp_gemm)
             new[i] = kept[2]
         return tuple(new)
 

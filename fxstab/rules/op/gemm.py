@@ -19,12 +19,14 @@ import torch
 
 from ...capture.flat import unflatten_call
 from ...capture.torchao import float8_cast
+from ...numerics import lowp_gemm
 from ...numerics.digits import digits_cap
 from ...numerics.rounding import round_samples
 from ...records.report import ROUNDED
 from ..accumulation import accumulable, gemm_model_label, modelled_gemm
 from ..lifting import ACCUMULATED_KINDS, Stacked, attention_folded
 from .registry import OpCall, Outcome, op_rule
+from .structural import in_vmap_region
 
 __all__ = ["BATCHED_KINDS"]
 
@@ -114,9 +116,37 @@ def batched(call: OpCall) -> Optional[Outcome]:
     if not all(i < k for i in call.stacked):
         return None
     t = call.tracer
+    fmt = (call.plan.format or t.fmt).name
     a, kw = unflatten_call(call.leaves, call.spec)
+    if kind == "linear" and t.cfg.lowp_gemm and fmt in lowp_gemm.LOWP_DTYPES and \
+            lowp_gemm.twin(a[1] if len(a) > 1 else kw.get("weight"),
+                           lowp_gemm.LOWP_DTYPES[fmt]) is not None:
+        return _lowp_linear(call, fmt)  # (a weight of the format's dtype: a bf16 model's)
     a = [t.stack(v) if i < k and isinstance(v, (Stacked, torch.Tensor)) else v
          for i, v in enumerate(a)]
     out = attention_folded(call.fn, a, kw) if kind == "scaled_dot_product_attention" else \
         call.fn(*a, **kw)
     return Outcome(Stacked(t.to_working(out)), ROUNDED, "batched over the samples")
+
+
+def _lowp_linear(call: OpCall, fmt: str) -> Outcome:
+    """A linear of the samples in the format's own GEMM kernels (one step: whether its
+    operands are exact in the format's dtype is known only at run time), else in the
+    working dtype (:mod:`fxstab.numerics.lowp_gemm`)."""
+    t = call.tracer
+
+    def product(leaves: list) -> Stacked:
+        a, kw = unflatten_call(leaves, call.spec)
+        x = t.stack(a[0])
+        w = a[1] if len(a) > 1 else kw.get("weight")
+        b = a[2] if len(a) > 2 else kw.get("bias")
+        out = None if in_vmap_region(x) or not isinstance(w, torch.Tensor) else \
+            lowp_gemm.linear(x, w, b, fmt)
+        if out is None:
+            out = call.fn(x, *a[1:], **kw)
+        return Stacked(t.to_working(out))
+
+    x = call.leaves[0]
+    device = (x.samples if isinstance(x, Stacked) else x).device
+    return Outcome(t.step("gemm", call.plan, product, call.leaves), ROUNDED,
+                   f"batched over the samples ({lowp_gemm.path_name(device)})")

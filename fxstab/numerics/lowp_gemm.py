@@ -1,0 +1,161 @@
+"""The samples' GEMMs in the program's own low-precision kernels (issue 46, item 2).
+
+Samples of a bf16 format are held in a wider working dtype (fp32), so a plain ``linear`` of
+them runs the fp32 GEMM: several times slower than the bf16 GEMM the program runs (4.4x on this
+CPU's AMX for a 384 x 2048 x 5632 product; ~15x on an H200). Their values are bf16 values, and
+the product CESTAC rounds is the fp32 sum of exact bf16 products: a bf16 GEMM with an fp32
+accumulator computes it, if it can return it wider than bf16.
+
+* CUDA: ``torch.mm(a, b, out_dtype=torch.float32)`` (``aten::mm.dtype``) returns the fp32
+  accumulator: one GEMM, the fp32 path's product (the sums' order aside).
+* CPU (no ``mm.dtype`` there): two bf16 GEMMs. ``hi = x @ w^T`` is the accumulator rounded
+  to nearest in bf16; ``r = addmm(hi, x, w^T, beta=-1)`` adds ``-hi`` to the fp32 accumulator
+  before its rounding, so ``r`` is ``S - hi`` to 8 bits and ``hi + r`` (exact in fp32) carries
+  16 significant bits of the fp32 product S: enough for the rounding into bf16 to choose the
+  same neighbours as from S itself, except where S lies within the sums' order noise of a
+  rounding boundary (0.02% of the elements of a K = 2048 linear). A bias is a column of ones
+  appended to ``x`` and a column of ``w`` (inside the fp32 accumulator, as the fp32 path's
+  ``addmm`` adds it): a bias that cancels the product keeps its bits.
+* Samples off the bf16 grid (the GEMM surrogate perturbs close samples by x (1 + eta r),
+  eta = 2^-8; data of another precision) split into ``bf16(x) + d``, ``|d| <= 2^-9 |x|``:
+  ``d``'s product is one more bf16 GEMM, whose error (2^-17 of the product) stays below what
+  the rounding into bf16 resolves (0.4% of the elements take the other neighbour).
+
+Measured (``benchmarks/bench_scale.py --layers 2``, one thread, interleaved with the fp32
+path): the steady analysed call 0.78x of the fp32 path's; the digit map moves by at most
+0.004 digits (``benchmarks/maps_ab.py``). :func:`linear` returns None where the path does not
+apply (another format, a weight without a low-precision twin: the operator level remembers one
+for a bf16 model's weights), and the caller runs the working-dtype GEMM;
+``fxstab.backend(lowp_gemm=False)`` always runs that one.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Optional
+
+import torch
+
+__all__ = ["linear", "twin", "set_twin", "LOWP_DTYPES", "path_name"]
+
+# the formats whose samples' GEMMs can run in the format's own dtype
+LOWP_DTYPES = {"bf16": torch.bfloat16}
+
+
+# data pointer of a working-dtype weight -> (a weak reference to it, its low-precision twin,
+# its version then).
+# Keyed by memory, not by tensor object: the tracer reads weights through detach(), a new
+# tensor object on the same memory (and the same version counter)
+_TWINS: dict = {}
+
+
+def set_twin(working: torch.Tensor, original: torch.Tensor) -> None:
+    """Remember ``original`` (a bf16 weight) as the low-precision twin of ``working`` (its
+    working-dtype copy, kept alive by its owner): the same values, read by :func:`linear`
+    without a cast."""
+    if original.dtype in LOWP_DTYPES.values() and working.numel():
+        for key in [k for k, (ref, *_) in _TWINS.items() if ref() is None]:
+            del _TWINS[key]  # copies replaced or gone
+        try:
+            version = working._version
+        except RuntimeError:  # an inference tensor: no version to trust
+            return
+        _TWINS[working.data_ptr()] = (weakref.ref(working), original.detach(), version)
+
+
+def twin(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """The low-precision twin in ``dtype`` of weight ``t`` (or of a tensor on its memory: a
+    detached view of it) remembered by :func:`set_twin`, or None."""
+    if t is None or not t.numel():
+        return None
+    entry = _TWINS.get(t.data_ptr())
+    if entry is None:
+        return None
+    working, low, version = entry[0](), entry[1], entry[2]
+    if working is None or low.dtype != dtype or working.shape != t.shape or \
+            working.stride() != t.stride():
+        return None
+    try:  # (a detached view shares the version counter: a write to either changes it)
+        same = t._version == version
+    except RuntimeError:  # an inference tensor: no version to trust
+        return None
+    return low if same else None
+
+
+@functools.lru_cache(maxsize=None)
+def _mm_dtype(device: str) -> bool:
+    """Whether ``torch.mm(..., out_dtype=torch.float32)`` runs on ``device`` for bf16."""
+    try:
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def path_name(device: torch.device) -> str:
+    """How :func:`linear` computes on ``device`` (the coverage's words)."""
+    if _mm_dtype(str(device)):
+        return "bf16 GEMM with an fp32 result"
+    return "bf16 GEMMs with an fp32 residual" if device.type == "cpu" else \
+        "fp32 GEMM (no bf16 GEMM with a wide result here)"
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
+           fmt_name: str) -> Optional[torch.Tensor]:
+    """``x @ w^T + b`` of samples ``x`` (working dtype, ``[..., K]``) and a plain weight, in the
+    format's own GEMM kernels, returned in ``x``'s dtype; None where that path does not apply
+    (the caller runs the working-dtype GEMM)."""
+    dtype = LOWP_DTYPES.get(fmt_name)
+    if dtype is None or x.dtype != torch.float32 or w.dim() != 2 or not x.numel() or \
+            x.device != w.device:
+        return None
+    cuda = _mm_dtype(str(x.device))
+    if not cuda and x.device.type != "cpu":
+        return None
+    w16 = twin(w, dtype)
+    b16 = twin(b, dtype)
+    if w16 is None or (b is not None and b16 is None):
+        return None
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    x16 = x2.to(dtype)
+    # what the samples hold beyond bf16 (the GEMM surrogate's perturbation x (1 + eta r), data
+    # of another precision): x - bf16(x), at most 2^-9 |x|, whose own product in bf16 adds
+    # at most 2^-17 |x| |w| of error, below the 16 bits kept of the rest
+    d = (x2 - x16.to(x.dtype)).nan_to_num_(nan=0.0)  # (inf - inf: an infinite x is x16's)
+    d16 = d.to(dtype) if bool(d.any()) else None
+    wt = w16.t()
+    if cuda:
+        out = torch.mm(x16, wt, out_dtype=torch.float32)
+        if d16 is not None:
+            out += torch.mm(d16, wt, out_dtype=torch.float32)
+        if b is not None:
+            out += b16.float()
+        return out.reshape(*lead, w.shape[0])
+    if b16 is not None:  # the bias inside the accumulator: a column of ones, a column of w
+        x16 = torch.cat([x16, x16.new_ones(x16.shape[0], 1)], 1)
+        wt = _with_bias(w16, b16).t()
+    hi = x16 @ wt
+    r = torch.addmm(hi, x16, wt, beta=-1)
+    out = hi.float()
+    # (a bf16 operand in an fp32 add_ takes a slow mixed-dtype loop; r is NaN only where hi
+    # is not finite, S - hi = inf - inf: hi is the fp32 path's value there)
+    out += r.float().nan_to_num_(nan=0.0)
+    if d16 is not None:  # (its own 8 bits: joined to the residual in bf16, 0.9% not 0.4% of
+        out += (d16 @ w16.t()).float()  # the elements took the other neighbour)
+    return out.reshape(*lead, w.shape[0])
+
+
+def _with_bias(w16: torch.Tensor, b16: torch.Tensor) -> torch.Tensor:
+    """``[w | b]``, kept on ``w16`` while ``b16`` is the same tensor (a weight's twin)."""
+    try:
+        version = b16._version
+    except RuntimeError:  # an inference tensor: no version to trust
+        return torch.cat([w16, b16.reshape(-1, 1)], 1)
+    kept = getattr(w16, "_fxstab_with_bias", None)
+    if kept is not None and kept[0] is b16 and kept[1] == version:
+        return kept[2]
+    aug = torch.cat([w16, b16.reshape(-1, 1)], 1)
+    w16._fxstab_with_bias = (b16, version, aug)
+    return aug

@@ -1,0 +1,163 @@
+"""The samples' linear layers in bf16 GEMMs (issue 46, item 2; fxstab.numerics.lowp_gemm).
+
+Against oracles: the fp64 product decides which two bf16 neighbours a random rounding may
+choose; the low-precision path must give the value the fp32 path gives (the same neighbours)
+for all but a few elements, with and without a bias, for samples on the bf16 grid and for
+samples the GEMM surrogate nudged off it; odd shapes, empty inputs, non-finite values; the
+CUDA branch (``mm.dtype``) with its kernel emulated; and in a model, the output bit-identical and
+the digit map within the estimator's resolution of the fp32 path's.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxstab
+from fxstab.numerics import lowp_gemm
+from fxstab.numerics.surrogate import perturb_samples
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def _weight(o, k, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w16 = (torch.randn(o, k, generator=g) * 0.05).bfloat16()
+    b16 = (torch.randn(o, generator=g) * 0.1).bfloat16() if bias else None
+    w, b = w16.float(), (b16.float() if bias else None)
+    lowp_gemm.set_twin(w, w16)
+    if bias:
+        lowp_gemm.set_twin(b, b16)
+    return w, b
+
+
+def _neighbours(v: torch.Tensor) -> tuple:
+    """The bf16 interval a random rounding of fp32 ``v`` chooses from: its truncation and
+    whether it is exact."""
+    t = (v.view(torch.int32) & ~0xFFFF).view(torch.float32)
+    return t, v == t
+
+
+def _same_neighbours(a, b) -> float:
+    ta, ea = _neighbours(a)
+    tb, eb = _neighbours(b)
+    return ((ta == tb) & (ea == eb)).float().mean().item()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("nudged", [False, True])
+def test_the_bf16_path_gives_the_fp32_paths_neighbours(bias, nudged):
+    torch.manual_seed(1)
+    w, b = _weight(96, 300, bias)  # K = 300 (not a multiple of 16), odd leading shape
+    x = torch.randn(3, 5, 7, 300).bfloat16().float()
+    if nudged:  # identical samples (close: the surrogate perturbs every element)
+        x = x[:1].expand(3, 5, 7, 300).contiguous()  # the surrogate's perturbation: off the bf16 grid by up to 2^-8 |x|
+        x, count = perturb_samples(x, 2.0 ** -8, seed=3)
+        assert count > 0 and not torch.equal(x.bfloat16().float(), x)
+    want = F.linear(x, w, b)
+    got = lowp_gemm.linear(x, w, b, "bf16")
+    assert got is not None and got.dtype == torch.float32 and got.shape == want.shape
+    assert _same_neighbours(got, want) >= (0.99 if nudged else 0.999)
+    # against the exact product: within 2^-15 of its magnitude (16 bits kept)
+    exact = x.double() @ w.double().t() + (b.double() if bias else 0)
+    scale = (x.double().abs() @ w.double().abs().t()).clamp_min(1e-30)
+    assert ((got.double() - exact).abs() / scale).max() < 2.0 ** -15
+
+
+def test_a_bias_that_cancels_the_product_keeps_its_bits():
+    # the bias inside the accumulator: S + b nearly zero still gets its neighbours right
+    torch.manual_seed(2)
+    w, _ = _weight(8, 64, bias=False)
+    x = torch.randn(3, 4, 64).bfloat16().float()
+    s = F.linear(x[0], w)  # make b = -S (rounded to bf16) for the first sample's rows
+    b16 = (-s[0]).bfloat16()
+    b = b16.float()
+    lowp_gemm.set_twin(b, b16)
+    want = F.linear(x, w, b)
+    got = lowp_gemm.linear(x, w, b, "bf16")
+    exact = x.double() @ w.double().t() + b.double()
+    # where S + b cancels (sample 0, row 0: |S + b| ~ 2^-9 |S|), 16 bits of the result itself,
+    # as the fp32 path's (its accumulation's error aside)
+    e, g, f = exact[0, 0], got[0, 0].double(), want[0, 0].double()
+    assert e.abs().max() < 0.01 * s[0].abs().max()  # it does cancel
+    assert ((g - e).abs() <= 4 * (f - e).abs() + 2.0 ** -15 * e.abs()).all(), (g - e, f - e)
+
+
+def test_where_the_path_does_not_apply_it_says_none():
+    w, b = _weight(4, 8)
+    x = torch.randn(3, 2, 8).bfloat16().float()
+    assert lowp_gemm.linear(x, w, b, "fp16") is None  # another format
+    plain = torch.randn(4, 8)  # a weight without a twin (an fp32 model's)
+    assert lowp_gemm.linear(x, plain, None, "bf16") is None
+    assert lowp_gemm.linear(x.double(), w, b, "bf16") is None
+    assert lowp_gemm.linear(torch.empty(3, 0, 8), w, b, "bf16") is None
+    # a weight changed in place after its twin was taken: the twin no longer applies
+    w2, _ = _weight(4, 8, bias=False)
+    w2.add_(1.0)
+    assert lowp_gemm.twin(w2, torch.bfloat16) is None
+    # a detached view of the weight (what the tracer reads) finds it
+    w3, _ = _weight(4, 8, bias=False)
+    assert lowp_gemm.twin(w3.detach(), torch.bfloat16) is not None
+
+
+def test_non_finite_samples_propagate_as_in_fp32():
+    w, b = _weight(6, 16)
+    x = torch.randn(3, 2, 16).bfloat16().float()
+    x[0, 0, 3] = float("nan")
+    x[1, 1, 0] = float("inf")
+    want = F.linear(x, w, b)
+    got = lowp_gemm.linear(x, w, b, "bf16")
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+
+
+def test_the_cuda_branch_with_its_kernel_emulated(monkeypatch):
+    # mm.dtype: one bf16 GEMM with an fp32 result (emulated here by the fp64 product)
+    calls = []
+
+    def mm(a, b, out_dtype=None):
+        calls.append((a.dtype, b.dtype, out_dtype))
+        return (a.double() @ b.double()).to(out_dtype)
+
+    monkeypatch.setattr(lowp_gemm, "_mm_dtype", lambda device: True)
+    monkeypatch.setattr(lowp_gemm.torch, "mm", mm)
+    w, b = _weight(16, 32)
+    x, _ = perturb_samples(torch.randn(1, 4, 32).bfloat16().float().expand(3, 4, 32), 2.0 ** -8,
+                           seed=1)
+    got = lowp_gemm.linear(x, w, b, "bf16")
+    assert calls and all(c == (torch.bfloat16, torch.bfloat16, torch.float32) for c in calls)
+    assert len(calls) == 2  # x's bf16 part, then d's
+    assert _same_neighbours(got, F.linear(x, w, b)) >= 0.99
+
+
+def test_a_bf16_model_analysed_on_the_bf16_path_matches_the_fp32_path():
+    from models import GPT
+
+    torch.manual_seed(0)
+    model = GPT(vocab=64, d=64, heads=4, layers=2, ctx=16).to(torch.bfloat16).eval()
+    x = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        want = model(x)
+    maps, how = {}, {}
+    for lowp in (True, False):
+        torch._dynamo.reset()
+        be = fxstab.backend(format="bf16", seed=0, lowp_gemm=lowp)
+        f = torch.compile(model, backend=be)
+        with torch.no_grad():
+            for _ in range(3):  # untraced, traced, replayed
+                assert torch.equal(f(x), want)
+        maps[lowp] = be.digit_map()
+        how[lowp] = {e.reason for e in be.coverage().entries if e.kind == "linear"}
+    torch._dynamo.reset()
+    assert how[True] == {"batched over the samples (bf16 GEMMs with an fp32 residual)"}, how
+    assert how[False] == {"batched over the samples"}
+    a, b = maps[True], maps[False]
+    assert list(a.operators) == list(b.operators)
+    diff = max(abs(a.operators[n].avg_digits - b.operators[n].avg_digits) for n in a.operators)
+    assert diff < 0.05, diff
+    with pytest.raises(ValueError, match="lowp_gemm"):
+        fxstab.backend(lowp_gemm="yes")
