@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from .configfile import Config, load
 
@@ -447,3 +447,23 @@ def keep(branch: str = HISTORY_BRANCH, config: Optional[Path] = None,
     finally:
         _git(repo, "worktree", "remove", "--force", str(wt), check=False)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def command(args: Any) -> int:
+    """``fxstab ci init|run|keep`` (the CLI's parsed arguments): the exit code; raises
+    :class:`CIError` or ValueError with the message the CLI prints (exit 2)."""
+    if args.ci_command == "init":
+        install = tuple(args.install) if args.install else DEFAULT_INSTALL
+        path = init(args.kind, Path(args.output) if args.output else None, force=args.force,
+                    main=args.main, python=args.python, install=install)
+        print(f"wrote {path}: records the configured targets on every "
+              f"{'pull' if args.kind == 'github' else 'merge'} request, diffs them against the "
+              f"base, comments, uploads the pages, fails on the gate; pushes to {args.main} "
+              f"build the history (docs/ci.md)")
+        return 0
+    if args.ci_command == "run":
+        return run(args.base, args.head, Path(args.out), config=args.config,
+                   history_branch=args.history_branch)
+    path = keep(args.branch, config=args.config, page=Path(args.html) if args.html else None)
+    print(f"kept {path} in {args.branch}" + (f"; wrote {args.html}" if args.html else ""))
+    return 0

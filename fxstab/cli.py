@@ -468,23 +468,7 @@ def _cmd_ci(args: argparse.Namespace) -> int:
     from . import ci
 
     try:
-        if args.ci_command == "init":
-            install = tuple(args.install) if args.install else ci.DEFAULT_INSTALL
-            path = ci.init(args.kind, Path(args.output) if args.output else None,
-                           force=args.force, main=args.main, python=args.python,
-                           install=install)
-            print(f"wrote {path}: records the configured targets on every "
-                  f"{'pull' if args.kind == 'github' else 'merge'} request, diffs them "
-                  f"against the base, comments, uploads the pages, fails on the gate; "
-                  f"pushes to {args.main} build the history (docs/ci.md)")
-            return EXIT_OK
-        if args.ci_command == "run":
-            return ci.run(args.base, args.head, Path(args.out), config=args.config,
-                          history_branch=args.history_branch)
-        path = ci.keep(args.branch, config=args.config,
-                       page=Path(args.html) if args.html else None)
-        print(f"kept {path} in {args.branch}" + (f"; wrote {args.html}" if args.html else ""))
-        return EXIT_OK
+        return ci.command(args)
     except (ci.CIError, ValueError) as e:
         raise CLIError(str(e)) from None
 

@@ -172,7 +172,8 @@ class _FakeSearch:
 
 
 def test_the_bisection_finds_the_cheap_operators_that_matter_in_log_calls():
-    from fxstab.plan.search import Bisection, Evaluation
+    from fxstab.plan.bisection import Bisection
+    from fxstab.plan.search import Evaluation
 
     names = [f"op{i}" for i in range(32)]
     shares = {n: 1e-7 for n in names}
@@ -190,7 +191,8 @@ def test_the_bisection_finds_the_cheap_operators_that_matter_in_log_calls():
 
 
 def test_the_selection_prefers_the_cheaper_of_equal_impacts():
-    from fxstab.plan.search import Bisection, Evaluation
+    from fxstab.plan.bisection import Bisection
+    from fxstab.plan.search import Evaluation
 
     names = ["gemm", "add"]
     search = _FakeSearch({"gemm": 1e-5, "add": 1e-5})
@@ -202,7 +204,8 @@ def test_the_selection_prefers_the_cheaper_of_equal_impacts():
 
 
 def test_a_split_that_breaks_an_edge_keeps_the_group_whole():
-    from fxstab.plan.search import Bisection, Evaluation
+    from fxstab.plan.bisection import Bisection
+    from fxstab.plan.search import Evaluation
 
     names = [f"op{i}" for i in range(8)]
     shares = {n: 1e-8 for n in names}
