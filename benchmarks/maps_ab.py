@@ -54,6 +54,12 @@ def configurations() -> dict:
         for level in ("op", "aten"):
             out[f"{name}/{level}/backward"] = (model, inputs, {**opts, "granularity": level,
                                                                "backward": True}, True)
+    # a bf16 model analysed in bf16: the samples' linears in bf16 GEMMs (numerics/lowp_gemm.py)
+    # where the package has them
+    from test_passes import GPT2
+    out["gpt2-bf16/op"] = (lambda: GPT2(layers=1).to(torch.bfloat16).eval(),
+                           lambda: (torch.randint(0, 256, (2, 32)),), {"granularity": "op"},
+                           False)
     return out
 
 
@@ -72,6 +78,15 @@ def digit_map(lib, model: torch.nn.Module, inputs: tuple, opts: dict, training: 
     doc["metadata"] = {k: v for k, v in doc.get("metadata", {}).items()
                        if k not in _UNCOMPARED_METADATA}
     return doc
+
+
+def avg_digits_delta(a: dict, b: dict) -> float:
+    """The largest difference of an operator's avg digits between two maps (same names)."""
+    ours = {op["name"]: op.get("avg_digits") for op in b.get("operators", [])}
+    deltas = [abs(op["avg_digits"] - ours[op["name"]]) for op in a.get("operators", [])
+              if isinstance(ours.get(op["name"]), (int, float))
+              and isinstance(op.get("avg_digits"), (int, float))]
+    return max(deltas, default=0.0)
 
 
 def compare(a, b, where: str = "") -> tuple[int, list, float]:
@@ -130,13 +145,16 @@ def main(argv=None) -> int:
             maps = [digit_map(lib, m, inputs, opts, training)
                     for lib, m in ((ref, model), (fxstab, twin))]
             n, bad, worst = compare(maps[0], maps[1])
+            avg = avg_digits_delta(maps[0], maps[1])
             row = {"configuration": name, "operators": len(maps[1].get("operators", [])),
                    "fields": n, "differ": len(bad), "max_difference": worst,
-                   "first_differences": bad[:5]}
+                   "max_avg_digits_difference": avg, "first_differences": bad[:5]}
             rows.append(row)
             print(f"{name:<34}{row['operators']:>10}{n:>9}{len(bad):>8}{worst:>10.3g}")
             for path in bad[:5]:
                 print(f"    differs: {path}")
+            if bad:
+                print(f"    an operator's avg digits differ by {avg:.4f} at most")
     total = sum(r["differ"] for r in rows)
     print(f"{len(rows)} configurations, {sum(r['fields'] for r in rows)} fields compared: "
           + ("every map equal field for field" if total == 0 else f"{total} fields differ"))
