@@ -12,6 +12,11 @@ rotting before a device arrives. Steps:
   are the same; cuBLAS and the CPU's GEMMs differ in their last bits, which moves the samples'
   random rounding of the products and so the digits by a few hundredths: the largest
   difference is printed, not asserted); the analysed call over the eager call, N = 3 and 5.
+* ``scale``: the Llama-shaped bf16 model of ``benchmarks/bench_scale.py`` at 4 layers (issue
+  46): the steady call, the first two calls and the peak memory against eager, the output bit
+  for bit, with the samples' linears in bf16 GEMMs (``lowp_gemm``: ``mm(..., out_dtype=fp32)``
+  on CUDA) and in fp32, and the GEMM kernels each ran (names with ``bf16``: the tensor-core
+  path); it passes when the bf16 path runs more bf16 GEMM kernels than the fp32 path.
 * ``aten``: the test GPT at the arithmetic level on the device (bit-identical output, ratio).
 * ``backward``: one training step with ``backward=True`` (gradients bit for bit, gradient
   entries in the map).
@@ -53,7 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-STEPS = ("op", "aten", "backward", "monitor", "inductor", "accumulate")
+STEPS = ("op", "scale", "aten", "backward", "monitor", "inductor", "accumulate")
 
 
 def _sync(device: str) -> None:
@@ -150,6 +155,86 @@ def step_op(device: str, dry: bool) -> dict:
                     row["ratio_n5"] = _time(lambda: f5(*x), device, repeats) / t_eager
             rows.append(row)
             ok = ok and same and row["operators"] > 0
+    return {"pass": ok, "rows": rows}
+
+
+def _gemm_kernels(prof, device: str) -> dict:
+    """The GEMM kernels of a profiled call by the dtype they compute in: on CUDA, cuBLAS/CUTLASS
+    kernel names (``bf16`` in the name: the bf16 tensor-core GEMMs; ``sgemm``/``f32``: fp32);
+    on the CPU, the aten GEMM operators by their first input's dtype (record_shapes)."""
+    out = {"bf16": 0, "fp32": 0}
+    if device == "cuda":
+        for e in prof.key_averages():
+            name = e.key.lower()
+            if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and \
+                    any(k in name for k in ("gemm", "xmma", "cutlass", "nvjet")):
+                out["bf16" if "bf16" in name else "fp32"] += e.count
+        return out
+    for e in prof.events():
+        if e.name in ("aten::mm", "aten::addmm"):  # (linear and matmul call these)
+            first = next((t for t in (getattr(e, "input_dtypes", None) or []) if t), "")
+            out["bf16" if "BFloat16" in str(first) else "fp32"] += 1
+    return out
+
+
+def step_scale(device: str, dry: bool) -> dict:
+    """The Llama-shaped bf16 model of benchmarks/bench_scale.py at fewer layers (issue 46): the
+    steady analysed call, the first two calls and the peak memory against eager, the output
+    bit-identical, with the samples' linears in bf16 GEMMs (lowp_gemm, the default) and in fp32,
+    and which GEMM kernels the analysed call ran."""
+    import fxstab
+    from fxstab.numerics import lowp_gemm
+
+    if dry:  # the tiny model's weights take the bf16 path too (the CPU's size rule aside)
+        lowp_gemm.CPU_MIN_DIM = 0
+    try:
+        from benchmarks.bench_scale import build
+        model = build(1 if dry else 4, torch.bfloat16, 64 if dry else 2048).to(device)
+    except ImportError as exc:
+        return {"pass": True, "rows": [{"model": "Llama-shaped",
+                                        "skipped": f"transformers not importable ({exc})"}]}
+    x = torch.randint(0, 32000, (1, 16 if dry else 128), device=device)
+    repeats = 2 if dry else 5
+    cuda = device == "cuda"
+    with torch.no_grad():
+        want = model(x).logits
+        t_eager = _time(lambda: model(x), device, repeats)
+    if cuda:
+        torch.cuda.synchronize()
+        eager_peak = torch.cuda.max_memory_allocated()
+    rows, ok = [], True
+    for lowp in (True, False):
+        torch._dynamo.reset()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        be = fxstab.backend(format="bf16", seed=0, lowp_gemm=lowp)
+        f = torch.compile(model, backend=be)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            f(x)
+            f(x)
+        _sync(device)
+        first = time.perf_counter() - t0
+        with torch.no_grad():
+            steady = _time(lambda: f(x), device, repeats)
+            same = torch.equal(f(x).logits, want)
+            with torch.profiler.profile(record_shapes=not cuda, activities=[
+                    torch.profiler.ProfilerActivity.CPU,
+                    *([torch.profiler.ProfilerActivity.CUDA] if cuda else [])]) as prof:
+                f(x)
+                _sync(device)
+        kernels = _gemm_kernels(prof, device)
+        row = {"lowp_gemm": lowp, "bit_identical": same, "steady_x": steady / t_eager,
+               "first_two_x": first / t_eager, "gemm_bf16": kernels["bf16"],
+               "gemm_fp32": kernels["fp32"], "coverage": be.coverage().fraction}
+        if cuda:
+            row["peak_x"] = torch.cuda.max_memory_allocated() / max(eager_peak, 1)
+        rows.append(row)
+        ok = ok and same
+    # with lowp_gemm the analysed call's GEMMs run in bf16 where the device has the kernel
+    if cuda:
+        ok = ok and rows[0]["gemm_bf16"] > rows[1]["gemm_bf16"]
+    torch._dynamo.reset()
     return {"pass": ok, "rows": rows}
 
 

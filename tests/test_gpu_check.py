@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-E2E = ("op", "aten", "backward", "monitor", "inductor", "accumulate")
+E2E = ("op", "scale", "aten", "backward", "monitor", "inductor", "accumulate")
 BUDGET_S = 540  # a run on the device: under 9 minutes, the rest of the 10 a command may take
 
 

@@ -118,9 +118,8 @@ def batched(call: OpCall) -> Optional[Outcome]:
     t = call.tracer
     fmt = (call.plan.format or t.fmt).name
     a, kw = unflatten_call(call.leaves, call.spec)
-    if kind == "linear" and t.cfg.lowp_gemm and fmt in lowp_gemm.LOWP_DTYPES and \
-            lowp_gemm.twin(a[1] if len(a) > 1 else kw.get("weight"),
-                           lowp_gemm.LOWP_DTYPES[fmt]) is not None:
+    if kind == "linear" and t.cfg.lowp_gemm and \
+            lowp_gemm.applies(a[1] if len(a) > 1 else kw.get("weight"), fmt):
         return _lowp_linear(call, fmt)  # (a weight of the format's dtype: a bf16 model's)
     a = [t.stack(v) if i < k and isinstance(v, (Stacked, torch.Tensor)) else v
          for i, v in enumerate(a)]
