@@ -137,7 +137,7 @@ class MonitorConfig:
     watch_every: int = 1
     settle: float = 0.25
     settle_after: int = 3
-    settle_every: int = 2
+    settle_every: int = 3
     projection_dim: int = 4096
     estimator: str = "projection"
     seed: int = 0
