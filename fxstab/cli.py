@@ -271,6 +271,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from .plan.command import run as run_plan
 
     cfg = _settings(args)
+    _check_page_path(args.html)
     if args.keep <= 0:
         raise CLIError(f"--keep must be > 0 digits, got {args.keep}")
     from .plan.search import parse_budget
@@ -302,7 +303,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     model, inputs = load_target(args.target)
     try:
         return run_plan(model, inputs, target=args.target, output=args.output,
-                        apply_check=args.apply_check, frontier=args.frontier,
+                        apply_check=args.apply_check, frontier=args.frontier, html=args.html,
                         calibrate=args.calibrate,
                         format=plain["format"], keep=args.keep,
                         higher=higher, outputs=args.outputs, budget=budget,
@@ -595,6 +596,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frontier", action="store_true",
                    help="print digits at the outputs against cost for the plans the search "
                         "evaluated that no cheaper plan beats")
+    p.add_argument("--html", metavar="OUT",
+                   help="a self-contained page (OUT.html): the verdict, digits against cost "
+                        "(the frontier), the promoted operators, the real run's check")
     p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser(

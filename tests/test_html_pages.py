@@ -663,3 +663,37 @@ def test_a_map_with_impacts_orders_its_table_by_impact_in_chromium(browser, tmp_
         assert order == sorted(order, reverse=True)
     finally:
         pg.close()
+
+
+def test_plan_page_shows_the_frontier_and_the_promoted_operators_in_chromium(browser, tmp_path):
+    # issue 44, item 5: the page of a plan (fxstab plan --html): the frontier of digits against
+    # cost with the plan marked, the line it must keep, the promoted operators
+    class Hazard(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.head = torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+
+        def forward(self, x):
+            y = self.fc(x)
+            return self.head(torch.tanh((y + 300.0) - 300.0))
+
+    torch.manual_seed(0)
+    plan = fxstab.plan_precision(Hazard(), (torch.randn(8, 16),), format="bf16", keep=1.0)
+    torch._dynamo.reset()
+    assert plan.met and len(plan.frontier) >= 2 and plan.promoted
+    out = html.write_page(html.plan_page(plan), tmp_path / "plan.html")
+    pg = Opened(browser, out)
+    try:
+        page = pg.page
+        assert not pg.errors, pg.errors
+        assert "keeps" in page.locator("#verdict-section").inner_text()
+        assert page.locator("#frontier svg circle").count() == len(plan.frontier)
+        marked = page.eval_on_selector_all("#frontier svg path[fill] title",
+                                           "els => els.map(e => e.textContent)")
+        assert any(t.startswith(f"the plan: {len(plan.promoted)} operators") for t in marked)
+        assert "keep 1.00" in page.eval_on_selector("#frontier svg", "e => e.textContent")
+        assert sorted(pg.visible_rows()) == sorted(plan.promoted)
+    finally:
+        pg.close()
+    with pytest.raises(ValueError, match="not a precision plan"):
+        html.plan_page(object())

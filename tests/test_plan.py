@@ -201,13 +201,18 @@ def test_cli_plan_writes_the_plan_and_checks_it_for_real(tmp_path, capsys):
     target = tmp_path / "target.py"
     target.write_text(TARGET)
     out = tmp_path / "plan.json"
+    page = tmp_path / "plan.html"
     code = main(["plan", f"{target}:build", "--format", "bf16", "--keep", "1.2", "-o", str(out),
-                 "--apply-check"])
+                 "--apply-check", "--html", str(page)])
     text = capsys.readouterr().out
     assert code == 0, text
     plan = PrecisionPlan.load(out)
     assert set(plan.promoted) == {"add#0", "sub#0"} and plan.settings["target"].endswith(":build")
     assert "precision plan: 2 of" in text and "real run in bf16" in text
+    # the page: the verdict, the real run's check, the promoted operators (in its data)
+    html = page.read_text()
+    assert f"wrote {page}" in text and "The real run in bf16" in html and '"add#0"' in html
+    assert main(["plan", f"{target}:build", "--html", str(tmp_path / "plan.txt")]) == 2
     assert main(["plan", f"{target}:build", "--format", "fp16", "--higher", "bf16"]) == 2
     assert "higher" in capsys.readouterr().err
 

@@ -23,11 +23,12 @@ def real_gain(check: Any) -> Optional[float]:
 
 
 def run(model: Any, inputs: Sequence, *, target: str, output: Optional[str],
-        apply_check: bool, frontier: bool = False, **search: Any) -> int:
+        apply_check: bool, frontier: bool = False, html: Optional[str] = None,
+        **search: Any) -> int:
     """Search a plan (``search``: :func:`plan_precision`'s arguments), print its report
     (with ``frontier`` its digits-against-cost frontier), save it to ``output``, with
-    ``apply_check`` measure the real run; returns the exit code. The search's progress is a
-    line on stderr."""
+    ``apply_check`` measure the real run, write its page to ``html``; returns the exit code.
+    The search's progress is a line on stderr."""
     with warnings.catch_warnings(record=True) as said:  # each one clean line, below
         warnings.simplefilter("always")
         plan = plan_precision(model, inputs, progress=True, **search)
@@ -41,6 +42,7 @@ def run(model: Any, inputs: Sequence, *, target: str, output: Optional[str],
     if output:
         plan.save(output)
         print(f"saved the plan ({len(plan.promoted)} operators) to {output}")
+    check = None
     if apply_check:
         check = check_plan(model, inputs, plan)
         print(check.report(plan))
@@ -49,6 +51,11 @@ def run(model: Any, inputs: Sequence, *, target: str, output: Optional[str],
             print(f"fxstab plan: warning: the real {plan.format} run gains {gain:.2f} digits "
                   f"with the plan (less than 0.1): the analysis's gain does not show in the "
                   f"program as it runs", file=sys.stderr)
+    if html:
+        from ..plots import html as pages
+
+        pages.write_page(pages.plan_page(plan, check), html)
+        print(f"wrote {html}")
     if not plan.met:
         feasible = plan.all_higher
         hint = f" (every operator in {plan.higher} keeps {feasible:.2f}: ask for at most " \

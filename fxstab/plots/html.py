@@ -645,6 +645,63 @@ operators no other reads) and its {top} worst operators, their digits at each co
     return _page(title, body, data, "history.js")
 
 
+# --------------------------------------------------------------------------- the plan page
+def plan_page(plan: Any, check: Any = None, title: Optional[str] = None) -> str:
+    """The page of a precision plan (``fxstab plan --html``): whether it keeps ``keep``, its
+    cost against everything in ``higher``, the frontier of digits against cost the search
+    found (the plan marked), the promoted operators, and the real run's check when given (a
+    :class:`fxstab.plan.apply.PlanCheck`).
+
+    Raises:
+        ValueError: ``plan`` is not a precision plan.
+    """
+    if not hasattr(plan, "promoted") or not hasattr(plan, "frontier"):
+        raise ValueError(f"not a precision plan: {type(plan).__name__}")
+    target = plan.settings.get("target")
+    title = title or f"fxstab precision plan: {target or 'model'} in {plan.format}"
+    required = plan._required()
+    ops = [{"name": n, "kind": plan.kinds.get(n, ""), "module": plan.modules.get(n, ""),
+            "before": _num(plan.per_operator.get(n, (math.nan, math.nan))[0], 3),
+            "after": _num(plan.per_operator.get(n, (math.nan, math.nan))[1], 3)}
+           for n in plan.promoted]
+    frontier = [[_num(c, 4), _num(d, 3), int(k)] for c, d, k in plan.frontier]
+    data = {"page": "plan", "format": plan.format, "higher": plan.higher, "keep": required,
+            "cost": _num(plan.cost, 4), "promoted": len(plan.promoted), "ops": ops,
+            "frontier": frontier, "checks": {k: _num(v, 3) for k, v in plan.checks.items()}}
+    verdict = "keeps" if plan.met else "does NOT keep"
+    real = ""
+    if check is not None:
+        real = (f"<p>The real run in {escape(plan.format)} against fp64 of the same weights "
+                f"(avg true digits at the outputs): <b>{check.plain:.2f}</b> without the plan, "
+                f"<b>{check.planned:.2f}</b> with it; all in {escape(plan.higher)}: "
+                f"{check.high:.2f}.</p>")
+    checks = ", ".join(f"{escape(k)} {_fmt(v)}" for k, v in plan.checks.items())
+    cost = (f"; cost {plan.cost:.3f} against {plan.cost_all_higher:.3f} with everything in "
+            f"{escape(plan.higher)} (all in {escape(plan.format)} = 1)"
+            if plan.cost == plan.cost else "")
+    body = f"""
+<header><h1>{escape(title)}</h1>
+<div class="muted">{len(plan.promoted)} of {plan.operators} operators in
+{escape(plan.higher)}, the rest in {escape(plan.format)}; {plan.runs} analysed calls</div></header>
+<main>
+<section id="verdict-section"><h2>Verdict</h2>
+<p class="verdict {'pass' if plan.met else 'fail'}">The plan {verdict} {required:.2f} digits at the
+outputs (the analysis): {_fmt(plan.before)} in {escape(plan.format)}, {_fmt(plan.after)} with
+the plan{f" (the worst of {checks})" if len(plan.checks) > 1 else ""}{cost}.</p>{real}</section>
+<section id="frontier-section"><h2>Digits against cost</h2>
+<p class="muted">The plans the search evaluated that no cheaper one beats (the analysis, the
+search's seed), by cost; the line is what the plan must keep, the marked point the plan.</p>
+<div class="lines" id="frontier"></div></section>
+<section id="table-section"><h2>Promoted operators</h2>
+<div class="tablebox" id="table"></div></section>
+</main>"""
+    return _page(title, body, data, "plan.js")
+
+
+def _fmt(v: Any) -> str:
+    return "NaN/inf" if not isinstance(v, (int, float)) or not math.isfinite(v) else f"{v:.2f}"
+
+
 # --------------------------------------------------------------------------- writing
 def write_page(text: str, path: PathLike) -> Path:
     """Write a page (UTF-8); the folder is created. Returns the path.
