@@ -558,9 +558,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_formats)
 
     p = sub.add_parser(
-        "plan", help="find the fewest operators to keep in a higher format",
-        description="Search the fewest operators of a TARGET to run in --higher so that its "
-                    "outputs keep --keep avg digits in the analysis (docs/precision-plan.md).",
+        "plan", help="find a cheap set of operators to keep in a higher format",
+        description="Search a cheap set of operators of a TARGET to run in --higher so that "
+                    "its outputs keep --keep digits in the analysis (docs/precision-plan.md).",
         epilog=_PLAN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", metavar="TARGET",

@@ -154,5 +154,5 @@ def run_demo(seed: int = 0, format: str = "fp16", output: Optional[str] = None) 
     if torch_dtype_of(name) is None:  # a format torch does not compute in: no real run
         return 0
     print(f"Next: `fxstab plan fxstab.demo:build --format {name} --keep 1.2 --apply-check` finds "
-          f"the fewest operators to keep in fp32 and checks the fix in a real {name} run.")
+          f"a cheap set of operators to keep in fp32 and checks the fix in a real {name} run.")
     return 0
