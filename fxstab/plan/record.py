@@ -113,7 +113,7 @@ class PrecisionPlan:
                  f"{self.runs} analysed calls",
                  f"digits at {what} ({criterion}, the analysis; NaN/inf fails): "
                  f"{_digits(self.before)} in {self.format} -> {_digits(self.after)} with the "
-                 f"plan{worst} (required {self._required():.2f}; all in {self.higher}: "
+                 f"plan{worst} (required {self.required():.2f}; all in {self.higher}: "
                  f"{_digits(self.all_higher)})"]
         calibration = self.settings.get("calibration")
         if isinstance(calibration, dict):
@@ -131,9 +131,9 @@ class PrecisionPlan:
                          f"as the program gives them, the fp32 sum)")
         if not self.met:
             first = next(iter(self.checks.values()), math.nan)
-            if self.all_higher < self._required():
+            if self.all_higher < self.required():
                 why = f"even every operator in {self.higher} keeps less"
-            elif first >= self._required():
+            elif first >= self.required():
                 worst = min(self.checks, key=self.checks.__getitem__)
                 why = (f"the plan keeps {_digits(self.checks[worst])} with {worst} (the "
                        f"search's seed: {_digits(first)})")
@@ -155,7 +155,7 @@ class PrecisionPlan:
                          f"{self.format}")
         return "\n".join(lines)
 
-    def _required(self) -> float:
+    def required(self) -> float:
         """The analysis digits the plan must keep: ``keep``, or calibrated its goal."""
         calibration = self.settings.get("calibration")
         if isinstance(calibration, dict) and isinstance(calibration.get("goal"), (int, float)):
@@ -169,7 +169,7 @@ class PrecisionPlan:
                  f"the analysis, seed {self.settings.get('seed', 0)})",
                  f"{'cost':>8} {'digits':>7} {'operators':>9}"]
         first = next((i for i, (_, d, _n) in enumerate(self.frontier)
-                      if d >= self._required()), None)
+                      if d >= self.required()), None)
         for i, (cost, digits, n) in enumerate(self.frontier):
             mark = "  <- the cheapest that keeps keep" if i == first else ""
             lines.append(f"{cost:>8.3f} {_digits(digits):>7} {n:>9}{mark}")

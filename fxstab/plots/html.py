@@ -659,7 +659,7 @@ def plan_page(plan: Any, check: Any = None, title: Optional[str] = None) -> str:
         raise ValueError(f"not a precision plan: {type(plan).__name__}")
     target = plan.settings.get("target")
     title = title or f"fxstab precision plan: {target or 'model'} in {plan.format}"
-    required = plan._required()
+    required = plan.required()
     ops = [{"name": n, "kind": plan.kinds.get(n, ""), "module": plan.modules.get(n, ""),
             "before": _num(plan.per_operator.get(n, (math.nan, math.nan))[0], 3),
             "after": _num(plan.per_operator.get(n, (math.nan, math.nan))[1], 3)}
