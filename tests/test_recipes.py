@@ -136,7 +136,10 @@ def _operand(seed: int, rows: int = 9, k: int = 70) -> torch.Tensor:
 @pytest.mark.parametrize("right", [False, True])
 def test_recipes_are_their_specifications_element_for_element(name, right):
     elem, scaling = RECIPES[name]
-    x = _operand(hash(name) % 1000)
+    # one fixed operand (hash(name) was a seed per process: PYTHONHASHSEED varies, and one
+    # run's mxfp6_e2m3 operand had no block that saturates); seed 0 saturates and flushes in
+    # every recipe
+    x = _operand(0)
     t = x.T.contiguous() if right else x
     got = quantize_operand(t, name, right=right)
     got = got.T if right else got
