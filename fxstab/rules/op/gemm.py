@@ -132,17 +132,18 @@ def _lowp_linear(call: OpCall, fmt: str) -> Outcome:
     """A linear of the samples in the format's own GEMM kernels (one step: whether its
     operands are exact in the format's dtype is known only at run time), else in the
     working dtype (:mod:`fxstab.numerics.lowp_gemm`)."""
-    t = call.tracer
+    t, spec, fn = call.tracer, call.spec, call.fn  # (not call: a step kept by the sampled
+    # graph must not hold the traced call's operands, a linear's samples each)
 
     def product(leaves: list) -> Stacked:
-        a, kw = unflatten_call(leaves, call.spec)
+        a, kw = unflatten_call(leaves, spec)
         x = t.stack(a[0])
         w = a[1] if len(a) > 1 else kw.get("weight")
         b = a[2] if len(a) > 2 else kw.get("bias")
         out = None if in_vmap_region(x) or not isinstance(w, torch.Tensor) else \
             lowp_gemm.linear(x, w, b, fmt)
         if out is None:
-            out = call.fn(x, *a[1:], **kw)
+            out = fn(x, *a[1:], **kw)
         return Stacked(t.to_working(out))
 
     x = call.leaves[0]
