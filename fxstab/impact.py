@@ -202,10 +202,10 @@ def operator_impact(model: torch.nn.Module, inputs: Sequence, *, threshold: floa
     base, be = run(())
     names = [n for n, op in be.digit_map().operators.items() if op.direction == "forward"]
     result = Impact(output_digits=base, threshold=threshold)
-    todo = ([names] if names else []) if bisect else [[n] for n in names]
+    pending = ([names] if names else []) if bisect else [[n] for n in names]
     gains: dict = {}
-    while todo:
-        group = todo.pop(0)
+    while pending:
+        group = pending.pop(0)
         digits, _ = run(group)
         gain = digits - base
         if len(group) == 1:
@@ -216,7 +216,7 @@ def operator_impact(model: torch.nn.Module, inputs: Sequence, *, threshold: floa
                 gains[name] = max(gain, 0.0)
         else:
             half = len(group) // 2
-            todo += [group[:half], group[half:]]
+            pending += [group[:half], group[half:]]
     result.by_operator = {own(n): gains.get(n, 0.0) for n in names}
     result.resolved = {own(n) for n in result.resolved}
     result.calls = calls

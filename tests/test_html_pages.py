@@ -632,19 +632,22 @@ def test_a_diff_page_across_formats_shows_the_change_below_each_cap(tmp_path):
     assert text.index("Note: formats differ") < text.index('id="failed-section"')
 
 
+class Hazard(torch.nn.Module):
+    """The pages' planted hazard: bf16 keeps ~0 digits of y in (y + 300) - 300, the add's
+    rounding costs the outputs (its impact leads; a plan promotes the add and the sub)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return self.head(torch.tanh((y + 300.0) - 300.0))
+
+
 def test_a_map_with_impacts_orders_its_table_by_impact_in_chromium(browser, tmp_path):
     # issue 42: a map annotated with impacts (fxstab record --impact) shows the column and
     # opens with the operator that costs the outputs most on top
-    class Hazard(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc, self.head = torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
-
-        def forward(self, x):
-            y = self.fc(x)
-            y = (y + 300.0) - 300.0  # bf16 keeps ~0 digits of y: the add's rounding costs
-            return self.head(torch.tanh(y))
-
     torch.manual_seed(0)
     imp = fxstab.operator_impact(Hazard(), (torch.randn(8, 16),), format="bf16", seed=0)
     torch._dynamo.reset()
@@ -668,15 +671,6 @@ def test_a_map_with_impacts_orders_its_table_by_impact_in_chromium(browser, tmp_
 def test_plan_page_shows_the_frontier_and_the_promoted_operators_in_chromium(browser, tmp_path):
     # issue 44, item 5: the page of a plan (fxstab plan --html): the frontier of digits against
     # cost with the plan marked, the line it must keep, the promoted operators
-    class Hazard(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc, self.head = torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
-
-        def forward(self, x):
-            y = self.fc(x)
-            return self.head(torch.tanh((y + 300.0) - 300.0))
-
     torch.manual_seed(0)
     plan = fxstab.plan_precision(Hazard(), (torch.randn(8, 16),), format="bf16", keep=1.0)
     torch._dynamo.reset()

@@ -136,11 +136,11 @@ def zero_readers(dm: Any, name: str, reference: float,
     consumers = dm.consumers()
     keep = reference - MIN_FINDING * dm.cap
     found: list[str] = []
-    todo, seen = list(consumers[name]), {name}
-    if not todo:
+    pending, seen = list(consumers[name]), {name}
+    if not pending:
         return []
-    while todo:
-        reader = todo.pop(0)
+    while pending:
+        reader = pending.pop(0)
         if reader in seen:
             continue
         seen.add(reader)
@@ -148,7 +148,7 @@ def zero_readers(dm: Any, name: str, reference: float,
         if op.zero_fraction >= ZERO_FINDING:
             if not consumers[reader] or len(seen) > 16:
                 return []  # a zero that reaches an output (or too far to follow)
-            todo += consumers[reader]
+            pending += consumers[reader]
         elif effective_digits(op, metric) >= keep:
             found.append(reader)
         else:
