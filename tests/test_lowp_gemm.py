@@ -11,6 +11,7 @@ the digit map within the estimator's resolution of the fp32 path's.
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -149,7 +150,7 @@ def test_a_bf16_model_analysed_on_the_bf16_path_matches_the_fp32_path(monkeypatc
     x = torch.randint(0, 64, (2, 16))
     with torch.no_grad():
         want = model(x)
-    maps, how = {}, {}
+    maps, how, copies = {}, {}, {}
     for lowp in (True, False):
         torch._dynamo.reset()
         be = fxstab.backend(format="bf16", seed=0, lowp_gemm=lowp)
@@ -159,7 +160,13 @@ def test_a_bf16_model_analysed_on_the_bf16_path_matches_the_fp32_path(monkeypatc
                 assert torch.equal(f(x), want)
         maps[lowp] = be.digit_map()
         how[lowp] = {e.reason for e in be.coverage().entries if e.kind == "linear"}
+        copies[lowp] = sum(i.weight_copies for i in be.infos)
     torch._dynamo.reset()
+    # the linear layers' weights are read as they are (no fp32 copy: twice the model's
+    # memory): only the embeddings, norms and biases have working copies
+    total = sum(p.numel() for p in model.parameters())
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert copies == {False: 4 * total, True: 4 * (total - linear)}, (copies, total, linear)
     assert how[True] == {"batched over the samples (bf16 GEMMs with an fp32 residual)"}, how
     assert how[False] == {"batched over the samples"}
     a, b = maps[True], maps[False]
@@ -168,3 +175,49 @@ def test_a_bf16_model_analysed_on_the_bf16_path_matches_the_fp32_path(monkeypatc
     assert diff < 0.05, diff
     with pytest.raises(ValueError, match="lowp_gemm"):
         fxstab.backend(lowp_gemm="yes")
+
+
+def test_weights_kept_in_bf16_reach_every_other_reader_in_fp32(monkeypatch):
+    # a weight read by a linear of plain data (not selected: no samples), a weight tied to an
+    # embedding, a weight read by a matmul: each runs as on the fp32 path
+    monkeypatch.setattr(lowp_gemm, "CPU_MIN_DIM", 0)
+
+    class Mixed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(40, 24)
+            self.first = torch.nn.Linear(24, 24)
+            self.mid = torch.nn.Linear(24, 24, bias=False)
+            self.head = torch.nn.Linear(24, 40, bias=False)
+            self.head.weight = self.emb.weight  # tied
+
+        def forward(self, idx, x):
+            h = torch.tanh(self.first(x)) + self.emb(idx)
+            h = self.mid(h) + h @ self.mid.weight
+            return self.head(h)
+
+    torch.manual_seed(0)
+    model = Mixed().to(torch.bfloat16).eval()
+    idx, x = torch.randint(0, 40, (2, 6)), torch.randn(2, 6, 24).bfloat16()
+    with torch.no_grad():
+        want = model(idx, x)
+    maps = {}
+    for lowp in (True, False):
+        torch._dynamo.reset()
+        be = fxstab.backend(format="bf16", seed=0, lowp_gemm=lowp,
+                            select=lambda node, qn: not qn.startswith("first/"))
+        f = torch.compile(model, backend=be)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error")  # no stochastic path failed
+            for _ in range(3):  # untraced, traced, replayed
+                assert torch.equal(f(idx, x), want)
+        maps[lowp] = be.digit_map()
+        if lowp:  # first's weight kept as it is; mid's (a matmul reads it) and the tied one
+            total = sum(p.numel() for p in model.parameters())  # copied
+            kept = model.first.weight.numel()
+            assert sum(i.weight_copies for i in be.infos) == 4 * (total - kept)
+            assert not any(i.failures for i in be.infos)
+    torch._dynamo.reset()
+    assert list(maps[True].operators) == list(maps[False].operators)
+    for n, op in maps[True].operators.items():
+        assert abs(op.avg_digits - maps[False].operators[n].avg_digits) < 0.05, n

@@ -59,6 +59,9 @@ class GraphInfo:
     recipes: dict = field(default_factory=dict)
     # signature -> why its stochastic path could not be traced (its rules then run untraced)
     untraced: dict = field(default_factory=dict)
+    # the weights' copies in the working dtype the analysis keeps, in bytes (a weight its
+    # readers' GEMMs read in its own dtype has none: GraphAnalysis._low_weights)
+    weight_copies: int = 0
     # instrumented operators whose values reach no floating output but through instrumented
     # operators (a NaN/inf there is absorbed: GraphAnalysis._reaching_no_output)
     no_output: set = field(default_factory=set)
@@ -198,10 +201,46 @@ class GraphAnalysis:
         self._item_inputs = [i for i, n in enumerate(self._placeholders())
                              if any(reads_item(u) for u in n.users)]
         self._plan_fusion()
+        low = self._low_weights()
         # what the tracer reads of this graph (fxstab.rules.lifting.OpGraph)
         self.view = OpGraph(self.gm, self.sgraph, self.index, self.plan_of, self.free_after,
                             self.mutated, self.owner, self.info.unlifted,
-                            self.info.in_model_dtype)
+                            self.info.in_model_dtype, frozenset(low))
+        names = [n.name for n in self._placeholders()]
+        self._low_slots = {names.index(n.name): fmt for n, fmt in low.items() if n.name in names}
+
+    def _low_weights(self) -> dict:
+        """The weights (placeholder -> format name) that may stay in their own low-precision
+        dtype: every reader is a linear that reads it as its weight and whose samples' GEMMs
+        run in the format's kernels (:mod:`fxstab.numerics.lowp_gemm`; those plans are marked
+        ``lowp``). A bf16 model's weights were otherwise copied into the working dtype: twice
+        the model's memory, and the first analysed call's time faulting it in
+        (benchmarks/bench_scale.py)."""
+        from ..numerics.lowp_gemm import LOWP_DTYPES
+
+        if not self.cfg.lowp_gemm:
+            return {}
+        for plan in self.plans:
+            fmt = (plan.format or self.cfg.format).name
+            plan.lowp = plan.kind == "linear" and plan.accumulate is None and \
+                plan.gemm_inputs is None and fmt in LOWP_DTYPES
+        low: dict = {}
+        for node in self.sgraph.nodes:
+            if node.op != "placeholder" or not _names_weight(node) or not node.users:
+                continue
+            fmts = set()
+            for user in node.users:
+                plan = self.plan_of.get(user)
+                leaves = pytree.tree_leaves((user.args, user.kwargs))
+                weight = user.kwargs.get("weight") if len(user.args) < 2 else user.args[1]
+                if plan is None or not plan.lowp or weight is not node or \
+                        sum(v is node for v in leaves) != 1:
+                    break
+                fmts.add((plan.format or self.cfg.format).name)
+            else:
+                if len(fmts) == 1:
+                    low[node] = fmts.pop()
+        return low
 
     def _reaching_no_output(self) -> set:
         """The instrumented operators that no instrumented operator reads and whose values
@@ -371,15 +410,17 @@ class GraphAnalysis:
         converted once and kept while a weight is unchanged (the same tensor at the same
         version): a bf16 model's weights were cast to fp32 at every analysed call, half of a
         Llama-shaped model's analysed call (benchmarks/bench_scale.py). The samples' values
-        are the same; the kept copies cost the weights once more in the working dtype."""
-        from ..numerics.lowp_gemm import set_twin
+        are the same; the kept copies cost the weights once more in the working dtype, except
+        a weight read only by linears of the format's own GEMMs (:meth:`_low_weights`), which
+        stays as it is: its own twin."""
+        from ..numerics import lowp_gemm
 
         if self._weight_slots is None:
             from ..numerics.formats import working_dtype_for
 
             self._wdtype = working_dtype_for(self.cfg.widest_format)
             self._weight_slots = [i for i, n in enumerate(self._placeholders())
-                                  if "_parameters_" in n.name or "_buffers_" in n.name]
+                                  if _names_weight(n)]
         if not self._weight_slots:
             return args
         new = list(args)
@@ -394,8 +435,14 @@ class GraphAnalysis:
                 continue
             kept = self._kept_weights.get(i)
             if kept is None or kept[0] is not a or kept[1] != version:
-                kept = self._kept_weights[i] = (a, version, a.detach().to(self._wdtype))
-                set_twin(kept[2], a)  # the samples' GEMMs read it as it is (lowp_gemm)
+                fmt = self._low_slots.get(i)
+                copy = a if fmt is not None and lowp_gemm.keeps(a, fmt) else \
+                    a.detach().to(self._wdtype)
+                kept = self._kept_weights[i] = (a, version, copy)
+                self.info.weight_copies = sum(
+                    c.numel() * c.element_size() for w, _, c in self._kept_weights.values()
+                    if c is not w)
+                lowp_gemm.set_twin(copy, a)  # the samples' GEMMs read it as it is
             new[i] = kept[2]
         return tuple(new)
 
@@ -465,6 +512,12 @@ class SampleCapture:
             else:
                 out.append(d)
         return pytree.tree_unflatten(out, spec)
+
+
+def _names_weight(node: torch.fx.Node) -> bool:
+    """Whether a placeholder holds a module parameter or buffer (dynamo lifts both to graph
+    inputs named ``L_self_modules_fc_parameters_weight_``, ``..._buffers_running_mean_``)."""
+    return "_parameters_" in node.name or "_buffers_" in node.name
 
 
 def _maybe_floating(node: torch.fx.Node) -> bool:

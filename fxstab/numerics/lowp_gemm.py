@@ -37,7 +37,8 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["linear", "applies", "twin", "set_twin", "LOWP_DTYPES", "CPU_MIN_DIM", "path_name"]
+__all__ = ["linear", "applies", "eligible", "keeps", "twin", "set_twin", "LOWP_DTYPES",
+           "CPU_MIN_DIM", "path_name"]
 
 # the formats whose samples' GEMMs can run in the format's own dtype
 LOWP_DTYPES = {"bf16": torch.bfloat16}
@@ -52,8 +53,9 @@ _TWINS: dict = {}
 
 def set_twin(working: torch.Tensor, original: torch.Tensor) -> None:
     """Remember ``original`` (a bf16 weight) as the low-precision twin of ``working`` (its
-    working-dtype copy, kept alive by its owner): the same values, read by :func:`linear`
-    without a cast."""
+    working-dtype copy, kept alive by its owner; or ``original`` itself, a weight the samples
+    read in its own dtype: :func:`keeps`): the same values, read by :func:`linear` without a
+    cast."""
     if original.dtype in LOWP_DTYPES.values() and working.numel():
         for key in [k for k, (ref, *_) in _TWINS.items() if ref() is None]:
             del _TWINS[key]  # copies replaced or gone
@@ -99,15 +101,30 @@ def _mm_dtype(device: str) -> bool:
 CPU_MIN_DIM = 512
 
 
-def applies(w: Any, fmt_name: str) -> bool:
-    """Whether :func:`linear` runs weight ``w``'s products in the format's GEMMs: a bf16
-    format, a weight with a twin (:func:`set_twin`), on the CPU one of at least
-    :data:`CPU_MIN_DIM` each way."""
-    dtype = LOWP_DTYPES.get(fmt_name)
-    if dtype is None or not isinstance(w, torch.Tensor) or w.dim() != 2 or \
-            twin(w, dtype) is None:
+def eligible(w: Any, fmt_name: str) -> bool:
+    """Whether a weight's products can run in the format's GEMMs here, its dtype aside: a bf16
+    format, a 2-D weight, on the CPU one of at least :data:`CPU_MIN_DIM` each way, elsewhere a
+    device with a wide-result GEMM (``mm.dtype``)."""
+    if LOWP_DTYPES.get(fmt_name) is None or not isinstance(w, torch.Tensor) or w.dim() != 2 \
+            or not w.numel():
         return False
-    return w.device.type != "cpu" or min(w.shape) >= CPU_MIN_DIM
+    if w.device.type == "cpu":
+        return min(w.shape) >= CPU_MIN_DIM
+    return _mm_dtype(str(w.device))
+
+
+def keeps(w: Any, fmt_name: str) -> bool:
+    """Whether weight ``w`` can stay in its own dtype, not copied into the working one: it is
+    the format's dtype and :func:`eligible` (its readers run :func:`linear`; register it with
+    ``set_twin(w, w)``)."""
+    return eligible(w, fmt_name) and w.dtype == LOWP_DTYPES[fmt_name]
+
+
+def applies(w: Any, fmt_name: str) -> bool:
+    """Whether :func:`linear` runs weight ``w``'s products in the format's GEMMs: it is
+    :func:`eligible` and has a twin (:func:`set_twin`; a weight kept in its own dtype is its
+    own)."""
+    return eligible(w, fmt_name) and twin(w, LOWP_DTYPES[fmt_name]) is not None
 
 
 def path_name(device: torch.device) -> str:
@@ -156,12 +173,31 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
     hi = x16 @ wt
     r = torch.addmm(hi, x16, wt, beta=-1)
     out = hi.float()
-    # (a bf16 operand in an fp32 add_ takes a slow mixed-dtype loop; r is NaN only where hi
-    # is not finite, S - hi = inf - inf: hi is the fp32 path's value there)
-    out += r.float().nan_to_num_(nan=0.0)
+    del hi
+    # (r is NaN only where hi is not finite, S - hi = inf - inf: hi is the fp32 path's value
+    # there)
+    _add_widened(out, r, nan_to_zero=True)
+    del r
     if d16 is not None:  # (its own 8 bits: joined to the residual in bf16, 0.9% not 0.4% of
-        out += (d16 @ w16.t()).float()  # the elements took the other neighbour)
+        _add_widened(out, d16 @ w16.t())  # the elements took the other neighbour)
     return out.reshape(*lead, w.shape[0])
+
+
+# rows of an fp32 temporary of at most this many bytes: glibc serves larger blocks with fresh
+# mmaps, page-faulted in at every call (a 32000-word vocabulary's logits of 384 rows: 49 MB)
+_CHUNK_BYTES = 16 << 20
+
+
+def _add_widened(out: torch.Tensor, part: torch.Tensor, nan_to_zero: bool = False) -> None:
+    """``out += part`` (fp32 += bf16) through fp32 copies of row blocks (a bf16 operand in an
+    fp32 ``add_`` takes a slow mixed-dtype loop; a whole copy of a vocabulary-wide product is
+    an mmap faulted in at every call)."""
+    rows = max(1, _CHUNK_BYTES // max(1, 4 * out.shape[1]))
+    for a in range(0, out.shape[0], rows):
+        wide = part[a:a + rows].float()
+        if nan_to_zero:
+            wide.nan_to_num_(nan=0.0)
+        out[a:a + rows] += wide
 
 
 def _with_bias(w16: torch.Tensor, b16: torch.Tensor) -> torch.Tensor:

@@ -172,6 +172,9 @@ class NodePlan:
     # the config's gemm_scaling
     gemm_scaling: Optional[str] = None
     rounds: bool = True  # False: its output is measured, not rounded (unrounded=, an ablation)
+    # a linear whose weight may stay in the format's own dtype: its samples' GEMMs read it as
+    # it is (fxstab.numerics.lowp_gemm; GraphAnalysis decides, the tracer keeps it)
+    lowp: bool = False
 
 
 @dataclass
@@ -192,6 +195,9 @@ class OpGraph:
     # the default rule learned, kept across calls (GraphInfo shows them)
     unlifted: dict = field(default_factory=dict)
     in_model_dtype: dict = field(default_factory=dict)
+    # the weights (placeholders) that may enter in their own low-precision dtype, not the
+    # working one: every reader is a linear whose samples' GEMMs read it so (NodePlan.lowp)
+    low_weights: frozenset = frozenset()
 
 
 def has_floating(out: Any) -> bool:

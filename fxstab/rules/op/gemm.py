@@ -142,8 +142,10 @@ def _lowp_linear(call: OpCall, fmt: str) -> Outcome:
         b = a[2] if len(a) > 2 else kw.get("bias")
         out = None if in_vmap_region(x) or not isinstance(w, torch.Tensor) else \
             lowp_gemm.linear(x, w, b, fmt)
-        if out is None:
-            out = fn(x, *a[1:], **kw)
+        if out is None:  # (a weight kept in the format's dtype: in the working one here)
+            out = fn(x, *[t.to_working(v) if isinstance(v, torch.Tensor) else v
+                          for v in a[1:]], **{k: t.to_working(v) if isinstance(
+                              v, torch.Tensor) else v for k, v in kw.items()})
         return Stacked(t.to_working(out))
 
     x = call.leaves[0]

@@ -24,7 +24,7 @@ from ...capture.naming import qualified_name
 from ...capture.opsets import nothing_to_lose
 from ... import executors
 from ...cpu import bindings as native
-from ...numerics import randbits
+from ...numerics import lowp_gemm, randbits
 from ...numerics.digits import (
     digits_cap, empty_stats, extra_stats, merge_stats, stats_vector, student_t, underflow_count,
 )
@@ -227,7 +227,12 @@ class SampleTracer(torch.fx.Interpreter):
             weight = _is_weight(node, v)
             if node in self.g.mutated:
                 v = v.detach().clone()
-            v = self.to_working(v.detach())
+            v = v.detach()
+            # a weight its readers' GEMMs read in its own dtype stays so (OpGraph.low_weights;
+            # registered as its own twin where it was kept): _widened converts it elsewhere
+            if not (weight and node in self.g.low_weights and
+                    lowp_gemm.twin(v, v.dtype) is not None):
+                v = self.to_working(v)
             if weight:
                 self.weights.add(id(v))
         return v
@@ -265,6 +270,8 @@ class SampleTracer(torch.fx.Interpreter):
         if plan.gemm and plan.name is not None:
             leaves = self._perturb(plan, leaves)
             stacked = [i for i, v in enumerate(leaves) if isinstance(v, Stacked)]
+        if self.g.low_weights and not (plan.lowp and stacked == [0]):
+            leaves = self._widened(leaves)
 
         call = OpCall(self, plan, fn, args, leaves, spec, stacked)
         try:
@@ -272,6 +279,8 @@ class SampleTracer(torch.fx.Interpreter):
         except Exception as exc:  # noqa: BLE001 - one operator never sinks the graph
             if steps.active():  # under a trace: refuse it (a value it cannot keep, a
                 raise  # .item()); the rules then run untraced, isolating this operator
+            if plan.lowp:
+                call = OpCall(self, plan, fn, args, self._widened(leaves), spec, stacked)
             out, status, how = isolated(call, exc)
 
         if plan.name is not None:
@@ -292,6 +301,12 @@ class SampleTracer(torch.fx.Interpreter):
                 why = "not selected" + (f"; {how}" if how.startswith("per sample") else "")
                 self._note(plan, UNROUNDED, why, True)
         return out
+
+    def _widened(self, leaves: list) -> list:
+        """``leaves`` with the weights kept in their own dtype (OpGraph.low_weights) in the
+        working one: read by anything but a linear of samples in the format's GEMMs."""
+        return [self.to_working(v) if isinstance(v, torch.Tensor) and id(v) in self.weights
+                else v for v in leaves]
 
     def _note(self, plan: NodePlan, how: str, reason: str, floating: bool) -> None:
         """Record how the node ran (fxstab.records.coverage)."""
