@@ -9,7 +9,7 @@ measured in this run:
 * the steady analysed call against an eager call (median of ``--repeat`` interleaved pairs),
 * the first two analysed calls (the untraced rules, then the trace) against one eager call,
 * peak resident memory of the process after the eager calls and after the analysed ones
-  (``ru_maxrss``; the model's weights are in both),
+  (``ru_maxrss``; the model, built in its dtype, is in both),
 * where the steady call's time goes per kind of step of the generated graph (the profiler's
   self CPU time of fxstab's steps, the aten operators the samples run, the rest), the top
   entries.
@@ -45,7 +45,12 @@ def build(layers: int, dtype: torch.dtype, hidden: int = 2048) -> torch.nn.Modul
                         // 2048, num_hidden_layers=layers, num_attention_heads=32,
                         num_key_value_heads=4, max_position_embeddings=2048)
     torch.manual_seed(0)
-    return T.LlamaForCausalLM(cfg).to(dtype).eval()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in its dtype: no fp32 copy in the peak memory
+    try:
+        return T.LlamaForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(default)
 
 
 def _rss_gb() -> float:

@@ -162,11 +162,12 @@ def test_a_bf16_model_analysed_on_the_bf16_path_matches_the_fp32_path(monkeypatc
         how[lowp] = {e.reason for e in be.coverage().entries if e.kind == "linear"}
         copies[lowp] = sum(i.weight_copies for i in be.infos)
     torch._dynamo.reset()
-    # the linear layers' weights are read as they are (no fp32 copy: twice the model's
-    # memory): only the embeddings, norms and biases have working copies
+    # the linear layers' and embeddings' weights are read as they are (no fp32 copy: twice the
+    # model's memory): only the norms and biases have working copies
     total = sum(p.numel() for p in model.parameters())
-    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    assert copies == {False: 4 * total, True: 4 * (total - linear)}, (copies, total, linear)
+    kept = sum(m.weight.numel() for m in model.modules()
+               if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)))
+    assert copies == {False: 4 * total, True: 4 * (total - kept)}, (copies, total, kept)
     assert how[True] == {"batched over the samples (bf16 GEMMs with an fp32 residual)"}, how
     assert how[False] == {"batched over the samples"}
     a, b = maps[True], maps[False]
@@ -179,7 +180,7 @@ def test_a_bf16_model_analysed_on_the_bf16_path_matches_the_fp32_path(monkeypatc
 
 def test_weights_kept_in_bf16_reach_every_other_reader_in_fp32(monkeypatch):
     # a weight read by a linear of plain data (not selected: no samples), a weight tied to an
-    # embedding, a weight read by a matmul: each runs as on the fp32 path
+    # embedding, a weight read by a matmul too: each runs as on the fp32 path
     monkeypatch.setattr(lowp_gemm, "CPU_MIN_DIM", 0)
 
     class Mixed(torch.nn.Module):
@@ -212,9 +213,9 @@ def test_weights_kept_in_bf16_reach_every_other_reader_in_fp32(monkeypatch):
             for _ in range(3):  # untraced, traced, replayed
                 assert torch.equal(f(idx, x), want)
         maps[lowp] = be.digit_map()
-        if lowp:  # first's weight kept as it is; mid's (a matmul reads it) and the tied one
-            total = sum(p.numel() for p in model.parameters())  # copied
-            kept = model.first.weight.numel()
+        if lowp:  # first's and the tied weight kept as they are (read by linears and a
+            total = sum(p.numel() for p in model.parameters())  # lookup); mid's copied (a
+            kept = model.first.weight.numel() + model.emb.weight.numel()  # matmul reads it)
             assert sum(i.weight_copies for i in be.infos) == 4 * (total - kept)
             assert not any(i.failures for i in be.infos)
     torch._dynamo.reset()

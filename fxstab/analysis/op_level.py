@@ -212,10 +212,12 @@ class GraphAnalysis:
     def _low_weights(self) -> dict:
         """The weights (placeholder -> format name) that may stay in their own low-precision
         dtype: every reader is a linear that reads it as its weight and whose samples' GEMMs
-        run in the format's kernels (:mod:`fxstab.numerics.lowp_gemm`; those plans are marked
-        ``lowp``). A bf16 model's weights were otherwise copied into the working dtype: twice
-        the model's memory, and the first analysed call's time faulting it in
-        (benchmarks/bench_scale.py)."""
+        run in the format's kernels (:mod:`fxstab.numerics.lowp_gemm`), or an embedding (a
+        lookup, exact in any dtype; its rows then widen); those plans are marked ``lowp``. A
+        bf16 model's weights were otherwise copied into the working dtype: twice the model's
+        memory, and the first analysed call's time faulting it in
+        (benchmarks/bench_scale.py). The format is the linear readers' (None: embeddings
+        only)."""
         from ..numerics.lowp_gemm import LOWP_DTYPES
 
         if not self.cfg.lowp_gemm:
@@ -223,7 +225,8 @@ class GraphAnalysis:
         for plan in self.plans:
             fmt = (plan.format or self.cfg.format).name
             plan.lowp = plan.kind == "linear" and plan.accumulate is None and \
-                plan.gemm_inputs is None and fmt in LOWP_DTYPES
+                plan.gemm_inputs is None and fmt in LOWP_DTYPES or \
+                plan.kind == "embedding" and _arg(plan.node, 3, "max_norm") is None
         low: dict = {}
         for node in self.sgraph.nodes:
             if node.op != "placeholder" or not _names_weight(node) or not node.users:
@@ -232,14 +235,14 @@ class GraphAnalysis:
             for user in node.users:
                 plan = self.plan_of.get(user)
                 leaves = pytree.tree_leaves((user.args, user.kwargs))
-                weight = user.kwargs.get("weight") if len(user.args) < 2 else user.args[1]
-                if plan is None or not plan.lowp or weight is not node or \
+                if plan is None or not plan.lowp or _arg(user, 1, "weight") is not node or \
                         sum(v is node for v in leaves) != 1:
                     break
-                fmts.add((plan.format or self.cfg.format).name)
+                if plan.kind == "linear":
+                    fmts.add((plan.format or self.cfg.format).name)
             else:
-                if len(fmts) == 1:
-                    low[node] = fmts.pop()
+                if len(fmts) <= 1:
+                    low[node] = fmts.pop() if fmts else None
         return low
 
     def _reaching_no_output(self) -> set:
@@ -435,9 +438,8 @@ class GraphAnalysis:
                 continue
             kept = self._kept_weights.get(i)
             if kept is None or kept[0] is not a or kept[1] != version:
-                fmt = self._low_slots.get(i)
-                copy = a if fmt is not None and lowp_gemm.keeps(a, fmt) else \
-                    a.detach().to(self._wdtype)
+                copy = a if i in self._low_slots and lowp_gemm.keeps(
+                    a, self._low_slots[i]) else a.detach().to(self._wdtype)
                 kept = self._kept_weights[i] = (a, version, copy)
                 self.info.weight_copies = sum(
                     c.numel() * c.element_size() for w, _, c in self._kept_weights.values()
@@ -512,6 +514,11 @@ class SampleCapture:
             else:
                 out.append(d)
         return pytree.tree_unflatten(out, spec)
+
+
+def _arg(node: torch.fx.Node, i: int, name: str) -> Any:
+    """A call node's argument ``i`` or keyword ``name`` (None where it has neither)."""
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name)
 
 
 def _names_weight(node: torch.fx.Node) -> bool:

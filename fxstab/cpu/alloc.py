@@ -10,7 +10,14 @@ level ~900 faults (``benchmarks/bench_overhead.py``, docs/kernels.md).
 
 :func:`tune` raises both thresholds once, on the first analysed call: freed temporaries stay in
 the heap and are reused by the next call (the peak is the same; the heap keeps up to
-``TRIM_THRESHOLD`` bytes of free memory instead of returning it). It does nothing when
+``TRIM_THRESHOLD`` bytes of free memory instead of returning it).
+
+:func:`trim` hands the heap's free pages back (``malloc_trim``) where the heap fragments: a
+call interpreted node by node (the untraced rules, the trace of a sampled graph) leaves small
+long-lived blocks (the trace's graph, its fake values) between freed activations, so the next
+activation does not fit there and the heap grows; a 1.1B model's trace held ~70 MB more per
+layer than it used (``benchmarks/bench_scale.py``'s peak memory). The pages come back as they
+are reused (a page fault each, once). It does nothing when
 ``FXSTAB_MALLOC_TUNING=0``, when the user set any of glibc's ``MALLOC_*_`` variables, or when
 the process does not use glibc's malloc settings (other platforms, musl).
 """
@@ -22,7 +29,7 @@ import functools
 import os
 import sys
 
-__all__ = ["tune", "MMAP_THRESHOLD", "TRIM_THRESHOLD"]
+__all__ = ["tune", "trim", "MMAP_THRESHOLD", "TRIM_THRESHOLD"]
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
 MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed value on 64-bit (HEAP_MAX_SIZE / 2)
@@ -49,3 +56,28 @@ def tune() -> bool:
     mallopt.restype = ctypes.c_int
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and \
         bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+@functools.lru_cache(maxsize=None)
+def _malloc_trim():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None)
+        if not hasattr(libc, "gnu_get_libc_version"):  # not glibc (musl, ...)
+            return None
+        fn = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def trim() -> bool:
+    """Return the heap's free pages to the kernel (glibc's ``malloc_trim(0)``); True if any
+    were. Does nothing where glibc is not the allocator or ``FXSTAB_MALLOC_TUNING=0``."""
+    fn = _malloc_trim()
+    if fn is None or os.environ.get("FXSTAB_MALLOC_TUNING", "1") == "0":
+        return False
+    return bool(fn(0))

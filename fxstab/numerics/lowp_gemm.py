@@ -113,10 +113,12 @@ def eligible(w: Any, fmt_name: str) -> bool:
     return _mm_dtype(str(w.device))
 
 
-def keeps(w: Any, fmt_name: str) -> bool:
+def keeps(w: Any, fmt_name: Optional[str]) -> bool:
     """Whether weight ``w`` can stay in its own dtype, not copied into the working one: it is
     the format's dtype and :func:`eligible` (its readers run :func:`linear`; register it with
-    ``set_twin(w, w)``)."""
+    ``set_twin(w, w)``); with no format (read by lookups only), any of :data:`LOWP_DTYPES`."""
+    if fmt_name is None:
+        return isinstance(w, torch.Tensor) and w.dtype in LOWP_DTYPES.values()
     return eligible(w, fmt_name) and w.dtype == LOWP_DTYPES[fmt_name]
 
 

@@ -172,8 +172,9 @@ class NodePlan:
     # the config's gemm_scaling
     gemm_scaling: Optional[str] = None
     rounds: bool = True  # False: its output is measured, not rounded (unrounded=, an ablation)
-    # a linear whose weight may stay in the format's own dtype: its samples' GEMMs read it as
-    # it is (fxstab.numerics.lowp_gemm; GraphAnalysis decides, the tracer keeps it)
+    # a node that may read a weight kept in its own low-precision dtype as it is: a linear
+    # whose samples' GEMMs run in the format's kernels (fxstab.numerics.lowp_gemm), an
+    # embedding (a lookup); GraphAnalysis decides, the tracer keeps such weights
     lowp: bool = False
 
 
@@ -196,7 +197,7 @@ class OpGraph:
     unlifted: dict = field(default_factory=dict)
     in_model_dtype: dict = field(default_factory=dict)
     # the weights (placeholders) that may enter in their own low-precision dtype, not the
-    # working one: every reader is a linear whose samples' GEMMs read it so (NodePlan.lowp)
+    # working one: every reader reads it so (NodePlan.lowp)
     low_weights: frozenset = frozenset()
 
 

@@ -23,7 +23,7 @@ from ...capture.graph import fetch_attr, identity_dropout, is_inplace, node_call
 from ...capture.naming import qualified_name
 from ...capture.opsets import nothing_to_lose
 from ... import executors
-from ...cpu import bindings as native
+from ...cpu import alloc, bindings as native
 from ...numerics import lowp_gemm, randbits
 from ...numerics.digits import (
     digits_cap, empty_stats, extra_stats, merge_stats, stats_vector, student_t, underflow_count,
@@ -95,6 +95,7 @@ class SampleTracer(torch.fx.Interpreter):
         self.preperturbed: dict[int, "Stacked"] = {}
         # ids of the working copies of the module's parameters and buffers (GEMM surrogate)
         self.weights: set[int] = set()
+        self._freed = 0  # bytes of values freed since the heap was last trimmed (run_node)
         # plan index -> derive_seed(seed, graph, plan): a step's seed is that and (call, purpose)
         self._seeds: dict[int, int] = {}
         # (plan index, purpose) -> slot of the seeds computed for the whole call at once
@@ -216,7 +217,13 @@ class SampleTracer(torch.fx.Interpreter):
             gone = self.env.pop(dead, None)
             if isinstance(gone, torch.Tensor):  # a freed id may be reused by a data tensor
                 self.weights.discard(id(gone))
-            del gone  # no name holds the freed value (one output more at the peak)
+            t = gone.samples if isinstance(gone, Stacked) else gone
+            if isinstance(t, torch.Tensor):
+                self._freed += t.numel() * t.element_size()
+            del gone, t  # no name holds the freed value (one output more at the peak)
+        if self._freed > TRIM_EVERY:  # the heap fragments node by node (fxstab.cpu.alloc)
+            self._freed = 0
+            alloc.trim()
         return out
 
     def _input(self, node: torch.fx.Node, v: Any) -> Any:
@@ -270,7 +277,7 @@ class SampleTracer(torch.fx.Interpreter):
         if plan.gemm and plan.name is not None:
             leaves = self._perturb(plan, leaves)
             stacked = [i for i, v in enumerate(leaves) if isinstance(v, Stacked)]
-        if self.g.low_weights and not (plan.lowp and stacked == [0]):
+        if self.g.low_weights and not _reads_low(plan, stacked):
             leaves = self._widened(leaves)
 
         call = OpCall(self, plan, fn, args, leaves, spec, stacked)
@@ -709,6 +716,18 @@ def _storage(t: torch.Tensor) -> int:
     while in_vmap_region(t):  # a batched tensor's memory is its physical tensor's
         t = torch._C._functorch.get_unwrapped(t)
     return t.untyped_storage().data_ptr()
+
+
+# the values freed by an interpreted call between two trims of the heap: its free pages go back
+# to the kernel, or the heap grows past them (fxstab.cpu.alloc.trim)
+TRIM_EVERY = 256 << 20
+
+
+def _reads_low(plan: NodePlan, stacked: list) -> bool:
+    """Whether the node reads a weight kept in its own dtype as it is (OpGraph.low_weights): a
+    linear of the samples in the format's GEMMs (its data operand alone stacked: the batched
+    rule), an embedding of plain indices (its rows widen after the lookup)."""
+    return plan.lowp and stacked == ([0] if plan.kind == "linear" else [])
 
 
 def _is_weight(node: torch.fx.Node, value: torch.Tensor) -> bool:
