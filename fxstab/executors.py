@@ -7,7 +7,9 @@ samples are the same; statistics agree to the last few ulps):
 
 * :data:`ROUND`: rounding N samples into a format and their digit statistics, in one pass;
 * :data:`PERTURB`: the GEMM data-perturbation surrogate;
-* :data:`ACCUMULATE`: a modelled GEMM's accumulator (``accumulate=``).
+* :data:`ACCUMULATE`: a modelled GEMM's accumulator (``accumulate=``);
+* :data:`LOWP_CONVERT`: the conversions around the samples' bf16 GEMMs
+  (:mod:`fxstab.numerics.lowp_gemm`; CPU or TORCH, bit for bit the same).
 
 The implementations: :data:`CPU`, the fused C kernels of :mod:`fxstab.cpu.bindings` (CPU
 fp32/fp64 tensors, at most ``MAX_SAMPLES`` samples, where the C compiler built them);
@@ -38,19 +40,21 @@ import torch
 from .config import Kernels
 from .cpu import bindings
 
-__all__ = ["CPU", "TRITON", "TORCH", "ROUND", "PERTURB", "ACCUMULATE", "ATEN_ROUND",
+__all__ = ["CPU", "TRITON", "TORCH", "ROUND", "PERTURB", "ACCUMULATE", "ATEN_ROUND", "LOWP_CONVERT",
            "implementation", "native_possible", "NATIVE_DTYPES"]
 
 CPU, TRITON, TORCH = "cpu", "triton", "torch"
 ROUND, PERTURB, ACCUMULATE = "round", "perturb", "accumulate"
 ATEN_ROUND = "aten_round"  # the arithmetic level's rounding and surrogate
+LOWP_CONVERT = "lowp_convert"  # the bf16 GEMM path's conversions (split, join)
 
 # the dtypes the fused kernels (C and Triton) read and write
 NATIVE_DTYPES = (torch.float32, torch.float64)
 
 # function -> the implementations it has
 _IMPLEMENTED = {ROUND: (CPU, TRITON, TORCH), PERTURB: (CPU, TRITON, TORCH),
-                ACCUMULATE: (CPU, TRITON, TORCH), ATEN_ROUND: (CPU, TORCH)}
+                ACCUMULATE: (CPU, TRITON, TORCH), ATEN_ROUND: (CPU, TORCH),
+                LOWP_CONVERT: (CPU, TORCH)}
 _ORDER = {Kernels.AUTO.value: (CPU, TRITON, TORCH), Kernels.CPU.value: (CPU, TORCH),
           Kernels.TRITON.value: (TRITON,), Kernels.TORCH.value: (TORCH,)}
 

@@ -222,3 +222,49 @@ def test_weights_kept_in_bf16_reach_every_other_reader_in_fp32(monkeypatch):
     assert list(maps[True].operators) == list(maps[False].operators)
     for n, op in maps[True].operators.items():
         assert abs(op.avg_digits - maps[False].operators[n].avg_digits) < 0.05, n
+
+
+def _special(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.logspace(-44, 38, shape[-1] or 1)[:shape[-1]]
+    flat = x.view(-1)
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 3.3961e38, -3.3961e38,
+                             -0.0, 0.0, 1e-40, -1e-41, 1e-45, 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -9])
+    flat[:min(flat.numel(), len(specials))] = specials[:flat.numel()]
+    return x
+
+
+def _same_bits(a, b):  # NaN payloads aside (torch's vectorised conversions differ there)
+    nan = torch.isnan(a.float())
+    return torch.equal(nan, torch.isnan(b.float())) and \
+        torch.equal(a[~nan].float(), b[~nan].float()) and \
+        torch.equal(torch.signbit(a[~nan].float()), torch.signbit(b[~nan].float()))
+
+
+@pytest.mark.parametrize("shape", [(0, 7), (1, 1), (5, 37), (384, 2048)])
+def test_the_fused_conversions_equal_their_references(shape):
+    import ml_dtypes
+    import numpy as np
+
+    from fxstab.cpu import bindings
+
+    if not bindings.available():
+        pytest.skip("the fused CPU kernels did not build")
+    x = _special(shape, 0)
+    got, want = bindings.split_bf16(x), lowp_gemm.split_reference(x)
+    assert _same_bits(got[0], want[0])
+    assert (got[1] is None) == (want[1] is None)
+    if got[1] is not None:
+        assert _same_bits(got[1], want[1])
+    # the oracle: ml_dtypes' round-to-nearest-even into bfloat16
+    oracle = torch.from_numpy(x.numpy().astype(ml_dtypes.bfloat16).astype(np.float32))
+    assert _same_bits(got[0], oracle)
+    if x.numel():  # x - bf16(x) is exact in fp32 (finite x): hi + lo recovers 16 bits of it
+        fin = torch.isfinite(x) & torch.isfinite(got[0].float())
+        lo = got[1].float() if got[1] is not None else torch.zeros_like(x)
+        err = (got[0].float() + lo - x)[fin].abs()
+        assert (err <= 2.0 ** -16 * x[fin].abs() + 2.0 ** -133).all()
+    hi = (_special(shape, 1) * 1e3).bfloat16()
+    r, dp = _special(shape, 2).bfloat16(), (_special(shape, 3) * 1e-3).bfloat16()
+    for d in (None, dp):
+        assert _same_bits(bindings.join_bf16(hi, r, d), lowp_gemm.join_reference(hi, r, d))

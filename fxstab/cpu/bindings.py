@@ -32,7 +32,7 @@ from .build import library_path
 
 __all__ = ["available", "supports", "round_stats", "round_perturb", "perturb", "library_path",
            "Rounder", "rounder", "lookup_bf16", "LOOKUP_OPS", "derive_seeds", "CallSeeds",
-           "Prepared", "Binary", "BINARY_OPS", "binary_layout"]
+           "Prepared", "Binary", "BINARY_OPS", "binary_layout", "split_bf16", "join_bf16"]
 
 MAX_SAMPLES = 256  # cpu_kernels.c: per-thread stack buffers
 
@@ -82,6 +82,10 @@ def _lib() -> Optional[ctypes.CDLL]:
         fn = getattr(lib, name)
         fn.argtypes = [p, i64, p, i64, i64, dbl, u64, i64, ctypes.POINTER(i64)]
         fn.restype = i64
+    lib.fxstab_split_bf16.argtypes = [p, p, p, i64, i64]
+    lib.fxstab_split_bf16.restype = i64
+    lib.fxstab_join_bf16.argtypes = [p, p, p, p, i64, i64]
+    lib.fxstab_join_bf16.restype = None
     return lib
 
 
@@ -631,3 +635,33 @@ def perturb(samples: torch.Tensor, eta: float, seed: int, *,
     if not moved.value:  # nothing changes: keep the samples, write nothing
         return samples, int(count)
     return out, int(count)
+
+
+def split_bf16(x: torch.Tensor) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    """``(bf16(x), bf16(x - bf16(x)))`` of a contiguous CPU fp32 tensor in one pass, the second
+    None where ``x - bf16(x)`` is zero everywhere: bit for bit
+    :func:`fxstab.numerics.lowp_gemm.split_reference`. None without the kernels."""
+    lib = _lib()
+    if lib is None or x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous():
+        return None
+    hi = torch.empty(x.shape, dtype=torch.bfloat16)
+    lo = torch.empty(x.shape, dtype=torch.bfloat16)
+    nonzero = lib.fxstab_split_bf16(x.data_ptr(), hi.data_ptr(), lo.data_ptr(), x.numel(),
+                                    torch.get_num_threads())
+    return hi, (lo if nonzero else None)
+
+
+def join_bf16(hi: torch.Tensor, r: torch.Tensor,
+              dp: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """``float(hi) + nan_to_num(float(r), nan=0) (+ float(dp))`` of contiguous CPU bf16 tensors
+    of one shape in one pass: bit for bit :func:`fxstab.numerics.lowp_gemm.join_reference`.
+    None without the kernels."""
+    lib = _lib()
+    parts = [hi, r] + ([dp] if dp is not None else [])
+    if lib is None or any(t.dtype != torch.bfloat16 or not t.is_cpu or not t.is_contiguous()
+                          or t.shape != hi.shape for t in parts):
+        return None
+    out = torch.empty(hi.shape, dtype=torch.float32)
+    lib.fxstab_join_bf16(hi.data_ptr(), r.data_ptr(), dp.data_ptr() if dp is not None else None,
+                         out.data_ptr(), hi.numel(), torch.get_num_threads())
+    return out

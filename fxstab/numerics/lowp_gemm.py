@@ -37,8 +37,8 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["linear", "applies", "eligible", "keeps", "twin", "set_twin", "LOWP_DTYPES",
-           "CPU_MIN_DIM", "path_name"]
+__all__ = ["linear", "applies", "eligible", "keeps", "twin", "set_twin", "split_reference",
+           "join_reference", "LOWP_DTYPES", "CPU_MIN_DIM", "path_name"]
 
 # the formats whose samples' GEMMs can run in the format's own dtype
 LOWP_DTYPES = {"bf16": torch.bfloat16}
@@ -137,11 +137,13 @@ def path_name(device: torch.device) -> str:
         "fp32 GEMM (no bf16 GEMM with a wide result here)"
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
-           fmt_name: str) -> Optional[torch.Tensor]:
+def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], fmt_name: str,
+           native: Any = None) -> Optional[torch.Tensor]:
     """``x @ w^T + b`` of samples ``x`` (working dtype, ``[..., K]``) and a plain weight, in the
     format's own GEMM kernels, returned in ``x``'s dtype; None where that path does not apply
-    (the caller runs the working-dtype GEMM)."""
+    (the caller runs the working-dtype GEMM). ``native``: the fused CPU kernels
+    (:mod:`fxstab.cpu.bindings`: ``split_bf16``, ``join_bf16``) for the conversions, else
+    :func:`split_reference` and :func:`join_reference`, which they equal bit for bit."""
     dtype = LOWP_DTYPES.get(fmt_name)
     if dtype is None or x.dtype != torch.float32 or w.dim() != 2 or not x.numel() or \
             x.device != w.device:
@@ -155,12 +157,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
         return None
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    x16 = x2.to(dtype)
     # what the samples hold beyond bf16 (the GEMM surrogate's perturbation x (1 + eta r), data
     # of another precision): x - bf16(x), at most 2^-9 |x|, whose own product in bf16 adds
     # at most 2^-17 |x| |w| of error, below the 16 bits kept of the rest
-    d = (x2 - x16.to(x.dtype)).nan_to_num_(nan=0.0)  # (inf - inf: an infinite x is x16's)
-    d16 = d.to(dtype) if bool(d.any()) else None
+    split = native.split_bf16(x2) if native is not None and not cuda else None
+    x16, d16 = split if split is not None else split_reference(x2)
     wt = w16.t()
     if cuda:
         out = torch.mm(x16, wt, out_dtype=torch.float32)
@@ -174,15 +175,33 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
         wt = _with_bias(w16, b16).t()
     hi = x16 @ wt
     r = torch.addmm(hi, x16, wt, beta=-1)
-    out = hi.float()
-    del hi
-    # (r is NaN only where hi is not finite, S - hi = inf - inf: hi is the fp32 path's value
-    # there)
-    _add_widened(out, r, nan_to_zero=True)
-    del r
-    if d16 is not None:  # (its own 8 bits: joined to the residual in bf16, 0.9% not 0.4% of
-        _add_widened(out, d16 @ w16.t())  # the elements took the other neighbour)
+    # (d's product: its own 8 bits; joined to the residual in bf16, 0.9% not 0.4% of the
+    # elements took the other neighbour)
+    dp = d16 @ w16.t() if d16 is not None else None
+    out = native.join_bf16(hi, r, dp) if native is not None else None
+    if out is None:
+        out = join_reference(hi, r, dp)
     return out.reshape(*lead, w.shape[0])
+
+
+def split_reference(x2: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(bf16(x), bf16(x - bf16(x)))`` of fp32 samples, the second None where it is zero
+    everywhere (``x - bf16(x)``: NaN where x is, inf - inf, taken as 0)."""
+    x16 = x2.to(torch.bfloat16)
+    d = (x2 - x16.to(x2.dtype)).nan_to_num_(nan=0.0)  # (inf - inf: an infinite x is x16's)
+    return x16, (d.to(torch.bfloat16) if bool(d.any()) else None)
+
+
+def join_reference(hi: torch.Tensor, r: torch.Tensor,
+                   dp: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The fp32 product from the bf16 GEMMs' parts: ``hi + r (+ dp)``, in that order (``r`` is
+    NaN only where ``hi`` is not finite, ``S - hi = inf - inf``: ``hi`` is the fp32 path's value
+    there)."""
+    out = hi.float()
+    _add_widened(out, r, nan_to_zero=True)
+    if dp is not None:
+        _add_widened(out, dp)
+    return out
 
 
 # rows of an fp32 temporary of at most this many bytes: glibc serves larger blocks with fresh

@@ -1925,3 +1925,60 @@ void fxstab_derive_seeds(uint64_t seed, const uint64_t *salts, int64_t n, uint64
         then[i] = derive1(seeds[i], then_salt);
     }
 }
+
+/* ---------------------------------------------------------------------------------------
+ * The bf16 GEMM path's conversions (fxstab.numerics.lowp_gemm, CPU): bit for bit the torch
+ * expressions of its reference (split_reference, join_reference), one pass each instead of four
+ * or five (a conversion, a subtraction, nan_to_num, a test, another conversion; widen, add).
+ */
+static inline uint16_t f32_to_bf16(float f) { /* torch's float -> bfloat16: nearest, even */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0u;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float nan_to_zero(float v) { /* torch's nan_to_num(v, nan=0.0) */
+    if (v != v) return 0.0f;
+    if (isinf(v)) return v > 0 ? 3.40282347e38f : -3.40282347e38f;
+    return v;
+}
+
+/* hi = bf16(x), lo = bf16(nan_to_num(x - hi, nan=0)); returns whether any x - hi is nonzero */
+int64_t fxstab_split_bf16(const float *x, uint16_t *hi, uint16_t *lo, int64_t numel,
+                          int64_t nthreads) {
+    int64_t any = 0;
+    int nt = numel < 32768 ? 1 : (int)nthreads;
+    _Pragma("omp parallel for num_threads(nt) schedule(static) reduction(|:any) if(nt > 1)")
+    for (int64_t e = 0; e < numel; e++) {
+        float v = x[e];
+        uint16_t h = f32_to_bf16(v);
+        float d = nan_to_zero(v - bf16_to_f32(h));
+        hi[e] = h;
+        lo[e] = f32_to_bf16(d);
+        any |= d != 0.0f;
+    }
+    return any;
+}
+
+/* out = float(hi) + nan_to_num(float(r), nan=0) (+ float(dp) where dp is given), in that order */
+void fxstab_join_bf16(const uint16_t *hi, const uint16_t *r, const uint16_t *dp, float *out,
+                      int64_t numel, int64_t nthreads) {
+    int nt = numel < 32768 ? 1 : (int)nthreads;
+    if (dp) {
+        _Pragma("omp parallel for num_threads(nt) schedule(static) if(nt > 1)")
+        for (int64_t e = 0; e < numel; e++)
+            out[e] = (bf16_to_f32(hi[e]) + nan_to_zero(bf16_to_f32(r[e]))) + bf16_to_f32(dp[e]);
+    } else {
+        _Pragma("omp parallel for num_threads(nt) schedule(static) if(nt > 1)")
+        for (int64_t e = 0; e < numel; e++)
+            out[e] = bf16_to_f32(hi[e]) + nan_to_zero(bf16_to_f32(r[e]));
+    }
+}

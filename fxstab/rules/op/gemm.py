@@ -17,7 +17,9 @@ from typing import Optional
 
 import torch
 
+from ... import executors
 from ...capture.flat import unflatten_call
+from ...cpu import bindings
 from ...capture.torchao import float8_cast
 from ...numerics import lowp_gemm
 from ...numerics.digits import digits_cap
@@ -140,8 +142,10 @@ def _lowp_linear(call: OpCall, fmt: str) -> Outcome:
         x = t.stack(a[0])
         w = a[1] if len(a) > 1 else kw.get("weight")
         b = a[2] if len(a) > 2 else kw.get("bias")
+        native = bindings if t.state.kernel_for(executors.LOWP_CONVERT, x) == \
+            executors.CPU else None
         out = None if in_vmap_region(x) or not isinstance(w, torch.Tensor) else \
-            lowp_gemm.linear(x, w, b, fmt)
+            lowp_gemm.linear(x, w, b, fmt, native)
         if out is None:  # (a weight kept in the format's dtype: in the working one here)
             out = fn(x, *[t.to_working(v) if isinstance(v, torch.Tensor) else v
                           for v in a[1:]], **{k: t.to_working(v) if isinstance(
