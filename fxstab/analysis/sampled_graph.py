@@ -15,7 +15,8 @@ shows it (``be.sampled_graphs()``).
 from __future__ import annotations
 
 import collections
-from typing import Any, Optional
+import contextlib
+from typing import Any, Iterator, Optional
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -95,7 +96,7 @@ class SampledGraph:
         # a tensor subclass may override __torch_function__, which torch's bindings call and
         # an OpOverload does not (the trace already ran through it): its graph keeps them
         plain = all(type(args[i]) in (torch.Tensor, torch.nn.Parameter) for i in positions)
-        with steps.tracing():
+        with steps.tracing(), _one_fake_mode():
             gm = make_fx(rules, tracing_mode="real")(*[args[i] for i in positions])
             run_sampled_graph_passes(gm, bindings=plain)
         sg = cls(gm, tracer, positions, held["layout"], stacked_type)
@@ -110,6 +111,21 @@ class SampledGraph:
         for (j, s), t in zip(where, outs):
             flat[j] = self.stacked_type(t) if s else t
         return pytree.tree_unflatten(flat, spec)
+
+
+@contextlib.contextmanager
+def _one_fake_mode() -> Iterator[None]:
+    """One fake mode for the values a real-mode ``make_fx`` notes on its nodes (``meta["val"]``):
+    without one in the tracing context it makes a new ``FakeTensorMode`` per value, each taking
+    a stack trace (a third of a 4-layer Llama's trace, ``benchmarks/bench_scale.py``)."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if TracingContext.try_get() is not None:  # (dynamo's own, at compile time: as it is)
+        yield
+        return
+    with tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True))):
+        yield
 
 
 class SampledGraphs:
