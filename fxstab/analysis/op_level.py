@@ -18,7 +18,8 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from ..capture.graph import (
-    floating_dtype, identity_dropout, is_metadata, mutated_placeholders, reads_item, selector,
+    floating_dtype, identity_dropout, is_metadata, mutated_placeholders, names_weight, reads_item,
+    selector,
 )
 from ..capture.naming import module_path, qualified_name, source_location
 from ..capture.opsets import DROPOUT_KINDS, RANDOM_KINDS, is_custom, is_gemm, node_kind
@@ -229,7 +230,7 @@ class GraphAnalysis:
                 plan.kind == "embedding" and _arg(plan.node, 3, "max_norm") is None
         low: dict = {}
         for node in self.sgraph.nodes:
-            if node.op != "placeholder" or not _names_weight(node) or not node.users:
+            if node.op != "placeholder" or not names_weight(node) or not node.users:
                 continue
             fmts = set()
             for user in node.users:
@@ -423,7 +424,7 @@ class GraphAnalysis:
 
             self._wdtype = working_dtype_for(self.cfg.widest_format)
             self._weight_slots = [i for i, n in enumerate(self._placeholders())
-                                  if _names_weight(n)]
+                                  if names_weight(n)]
         if not self._weight_slots:
             return args
         new = list(args)
@@ -519,12 +520,6 @@ class SampleCapture:
 def _arg(node: torch.fx.Node, i: int, name: str) -> Any:
     """A call node's argument ``i`` or keyword ``name`` (None where it has neither)."""
     return node.args[i] if len(node.args) > i else node.kwargs.get(name)
-
-
-def _names_weight(node: torch.fx.Node) -> bool:
-    """Whether a placeholder holds a module parameter or buffer (dynamo lifts both to graph
-    inputs named ``L_self_modules_fc_parameters_weight_``, ``..._buffers_running_mean_``)."""
-    return "_parameters_" in node.name or "_buffers_" in node.name
 
 
 def _maybe_floating(node: torch.fx.Node) -> bool:

@@ -18,7 +18,7 @@ import torch.fx
 from .opsets import DEFAULT_KINDS, DROPOUT_KINDS, FAMILIES, METADATA_KINDS, is_custom, node_kind
 
 __all__ = ["is_metadata", "selector", "is_inplace", "mutated_placeholders", "identity_dropout",
-           "reads_item", "fetch_attr", "node_callable", "floating_dtype"]
+           "reads_item", "fetch_attr", "node_callable", "floating_dtype", "names_weight"]
 
 # Attributes that are tensors computed from the tensor (x.T, x.mT, x.real...): operators, not
 # metadata, when dynamo records them as getattr nodes.
@@ -175,3 +175,9 @@ def node_callable(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Callable:
     if node.op == "call_module":
         return fetch_attr(gm, node.target)
     raise ValueError(f"cannot call node {node.format_node()}")
+
+
+def names_weight(node: torch.fx.Node) -> bool:
+    """Whether a placeholder holds a module parameter or buffer (dynamo lifts both to graph
+    inputs named ``L_self_modules_fc_parameters_weight_``, ``..._buffers_running_mean_``)."""
+    return "_parameters_" in node.name or "_buffers_" in node.name

@@ -19,7 +19,9 @@ from torch.utils import _pytree as pytree
 
 from ...capture import user_ops as user_operator
 from ...capture.flat import flatten_call as _flatten, unflatten_call as _unflatten
-from ...capture.graph import fetch_attr, identity_dropout, is_inplace, node_callable
+from ...capture.graph import (
+    fetch_attr, identity_dropout, is_inplace, names_weight, node_callable,
+)
 from ...capture.naming import qualified_name
 from ...capture.opsets import nothing_to_lose
 from ... import executors
@@ -731,7 +733,6 @@ def _reads_low(plan: NodePlan, stacked: list) -> bool:
 
 
 def _is_weight(node: torch.fx.Node, value: torch.Tensor) -> bool:
-    """Whether a placeholder holds a module parameter or buffer (dynamo lifts both to graph
-    inputs named ``L_self_modules_fc_parameters_weight_``, ``..._buffers_running_mean_``)."""
-    return (isinstance(value, torch.nn.Parameter) or "_parameters_" in node.name
-            or "_buffers_" in node.name)
+    """Whether a placeholder holds a module parameter or buffer (a Parameter, or named so by
+    dynamo: :func:`fxstab.capture.graph.names_weight`)."""
+    return isinstance(value, torch.nn.Parameter) or names_weight(node)
