@@ -268,3 +268,43 @@ def test_the_fused_conversions_equal_their_references(shape):
     r, dp = _special(shape, 2).bfloat16(), (_special(shape, 3) * 1e-3).bfloat16()
     for d in (None, dp):
         assert _same_bits(bindings.join_bf16(hi, r, d), lowp_gemm.join_reference(hi, r, d))
+
+
+def test_a_hf_llama_in_bf16_reads_its_weights_as_they_are():
+    # a transformers Llama (RMSNorm, rotary, GQA, SwiGLU, untied head) wide enough for the
+    # CPU's bf16 path: its linears' and embedding's weights are not copied (only the norms'
+    # and the 256-wide k/v projections', which stay on the fp32 path), the output is the
+    # model's own, the digit map within the estimator's resolution of the fp32 path's
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=512, intermediate_size=1024,
+                                   num_hidden_layers=2, num_attention_heads=8,
+                                   num_key_value_heads=4, max_position_embeddings=64)
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = transformers.LlamaForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(default)
+    x = torch.randint(0, 1000, (1, 24))
+    with torch.no_grad():
+        want = model(x).logits
+    maps, copies = {}, {}
+    for lowp in (True, False):
+        torch._dynamo.reset()
+        be = fxstab.backend(format="bf16", seed=0, lowp_gemm=lowp)
+        f = torch.compile(model, backend=be)
+        with torch.no_grad():
+            for _ in range(3):  # untraced, traced, replayed
+                assert torch.equal(f(x).logits, want)
+        assert not any(i.failures for i in be.infos)
+        maps[lowp], copies[lowp] = be.digit_map(), sum(i.weight_copies for i in be.infos)
+    torch._dynamo.reset()
+    total = sum(p.numel() for p in model.parameters())
+    small = sum(p.numel() for n, p in model.named_parameters()
+                if "norm" in n or "k_proj" in n or "v_proj" in n)
+    assert copies == {False: 4 * total, True: 4 * small}, (copies, total, small)
+    a, b = maps[True].operators, maps[False].operators
+    assert list(a) == list(b)
+    diff = max(abs(a[n].avg_digits - b[n].avg_digits) for n in a)
+    assert diff < 0.05, diff
