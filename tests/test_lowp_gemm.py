@@ -308,3 +308,18 @@ def test_a_hf_llama_in_bf16_reads_its_weights_as_they_are():
     assert list(a) == list(b)
     diff = max(abs(a[n].avg_digits - b[n].avg_digits) for n in a)
     assert diff < 0.05, diff
+
+
+def test_which_weights_stay_in_their_own_dtype():
+    w = torch.zeros(512, 600, dtype=torch.bfloat16)
+    assert lowp_gemm.keeps(w, "bf16") and lowp_gemm.keeps(torch.nn.Parameter(w), "bf16")
+    assert not lowp_gemm.keeps(w.float(), "bf16")  # not the format's dtype
+    assert not lowp_gemm.keeps(w[:64], "bf16")  # too small for the CPU's bf16 path
+    assert not lowp_gemm.keeps(w.half(), "fp16")  # no such path for fp16
+    assert lowp_gemm.keeps(w[:64], None)  # read by lookups only: any size
+
+    class Sub(torch.Tensor):  # a tensor subclass (a DTensor, a quantised weight) is copied
+        pass
+
+    assert not lowp_gemm.keeps(w.as_subclass(Sub), "bf16")
+    assert not lowp_gemm.keeps(w.as_subclass(Sub), None)

@@ -117,8 +117,10 @@ def keeps(w: Any, fmt_name: Optional[str]) -> bool:
     """Whether weight ``w`` can stay in its own dtype, not copied into the working one: it is
     the format's dtype and :func:`eligible` (its readers run :func:`linear`; register it with
     ``set_twin(w, w)``); with no format (read by lookups only), any of :data:`LOWP_DTYPES`."""
+    if type(w) not in (torch.Tensor, torch.nn.Parameter):  # (a DTensor, a quantised weight:
+        return False  # a subclass is copied as before)
     if fmt_name is None:
-        return isinstance(w, torch.Tensor) and w.dtype in LOWP_DTYPES.values()
+        return w.dtype in LOWP_DTYPES.values()
     return eligible(w, fmt_name) and w.dtype == LOWP_DTYPES[fmt_name]
 
 
