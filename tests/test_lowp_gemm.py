@@ -180,7 +180,8 @@ def test_a_bf16_model_analysed_on_the_bf16_path_matches_the_fp32_path(monkeypatc
 
 def test_weights_kept_in_bf16_reach_every_other_reader_in_fp32(monkeypatch):
     # a weight read by a linear of plain data (not selected: no samples), a weight tied to an
-    # embedding, a weight read by a matmul too: each runs as on the fp32 path
+    # embedding, a weight read as x @ W, a weight read elementwise too: each runs as on the
+    # fp32 path
     monkeypatch.setattr(lowp_gemm, "CPU_MIN_DIM", 0)
 
     class Mixed(torch.nn.Module):
@@ -189,12 +190,13 @@ def test_weights_kept_in_bf16_reach_every_other_reader_in_fp32(monkeypatch):
             self.emb = torch.nn.Embedding(40, 24)
             self.first = torch.nn.Linear(24, 24)
             self.mid = torch.nn.Linear(24, 24, bias=False)
+            self.conv1d = torch.nn.Parameter(torch.randn(24, 24) / 5)  # read as x @ W
             self.head = torch.nn.Linear(24, 40, bias=False)
             self.head.weight = self.emb.weight  # tied
 
         def forward(self, idx, x):
             h = torch.tanh(self.first(x)) + self.emb(idx)
-            h = self.mid(h) + h @ self.mid.weight
+            h = self.mid(h) + h * self.mid.weight[0] + h @ self.conv1d
             return self.head(h)
 
     torch.manual_seed(0)
@@ -213,9 +215,10 @@ def test_weights_kept_in_bf16_reach_every_other_reader_in_fp32(monkeypatch):
             for _ in range(3):  # untraced, traced, replayed
                 assert torch.equal(f(idx, x), want)
         maps[lowp] = be.digit_map()
-        if lowp:  # first's and the tied weight kept as they are (read by linears and a
-            total = sum(p.numel() for p in model.parameters())  # lookup); mid's copied (a
-            kept = model.first.weight.numel() + model.emb.weight.numel()  # matmul reads it)
+        if lowp:  # first's, conv1d's (x @ W) and the tied weight kept as they are (read by
+            total = sum(p.numel() for p in model.parameters())  # GEMMs and a lookup); mid's
+            kept = sum(p.numel() for p in (model.first.weight, model.emb.weight,  # copied (an
+                                           model.conv1d))  # elementwise mul reads it)
             assert sum(i.weight_copies for i in be.infos) == 4 * (total - kept)
             assert not any(i.failures for i in be.infos)
     torch._dynamo.reset()
@@ -270,26 +273,36 @@ def test_the_fused_conversions_equal_their_references(shape):
         assert _same_bits(bindings.join_bf16(hi, r, d), lowp_gemm.join_reference(hi, r, d))
 
 
-def test_a_hf_llama_in_bf16_reads_its_weights_as_they_are():
-    # a transformers Llama (RMSNorm, rotary, GQA, SwiGLU, untied head) wide enough for the
-    # CPU's bf16 path: its linears' and embedding's weights are not copied (only the norms'
-    # and the 256-wide k/v projections', which stay on the fp32 path), the output is the
-    # model's own, the digit map within the estimator's resolution of the fp32 path's
+def _hf_model(name: str):
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=512, intermediate_size=1024,
-                                   num_hidden_layers=2, num_attention_heads=8,
-                                   num_key_value_heads=4, max_position_embeddings=64)
+    if name == "llama":  # RMSNorm, rotary, GQA, SwiGLU, untied head: the 256-wide k/v
+        cfg = transformers.LlamaConfig(  # projections stay on the fp32 path (CPU_MIN_DIM)
+            vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64)
+        cls, copied = transformers.LlamaForCausalLM, ("norm", "k_proj", "v_proj")
+    else:  # GPT-2: Conv1D's addmm(b, x, W), the head tied to the token embedding
+        cfg = transformers.GPT2Config(n_embd=512, n_layer=2, n_head=8, vocab_size=1000,
+                                      n_positions=64, bos_token_id=0, eos_token_id=0)
+        cls, copied = transformers.GPT2LMHeadModel, ("ln_", "bias")
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        model = transformers.LlamaForCausalLM(cfg).eval()
+        return cls(cfg).eval(), copied
     finally:
         torch.set_default_dtype(default)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_a_hf_model_in_bf16_reads_its_weights_as_they_are(name):
+    # a transformers model wide enough for the CPU's bf16 path: every GEMM of a weight runs
+    # there and its weights (and the embeddings') are not copied into fp32, the output is the
+    # model's own, the digit map within the estimator's resolution of the fp32 path's
+    model, copied = _hf_model(name)
     x = torch.randint(0, 1000, (1, 24))
     with torch.no_grad():
         want = model(x).logits
-    maps, copies = {}, {}
+    maps, copies, how = {}, {}, {}
     for lowp in (True, False):
         torch._dynamo.reset()
         be = fxstab.backend(format="bf16", seed=0, lowp_gemm=lowp)
@@ -299,10 +312,11 @@ def test_a_hf_llama_in_bf16_reads_its_weights_as_they_are():
                 assert torch.equal(f(x).logits, want)
         assert not any(i.failures for i in be.infos)
         maps[lowp], copies[lowp] = be.digit_map(), sum(i.weight_copies for i in be.infos)
+        how[lowp] = {e.reason for e in be.coverage().entries if e.kind in ("linear", "addmm")}
     torch._dynamo.reset()
+    assert "batched over the samples (bf16 GEMMs with an fp32 residual)" in how[True]
     total = sum(p.numel() for p in model.parameters())
-    small = sum(p.numel() for n, p in model.named_parameters()
-                if "norm" in n or "k_proj" in n or "v_proj" in n)
+    small = sum(p.numel() for n, p in model.named_parameters() if any(c in n for c in copied))
     assert copies == {False: 4 * total, True: 4 * small}, (copies, total, small)
     a, b = maps[True].operators, maps[False].operators
     assert list(a) == list(b)

@@ -30,7 +30,8 @@ from ..records.coverage import SKIPPED, CoverageEntry
 from ..records.run import RunState
 from ..config import rule_for
 from ..rules.lifting import (
-    ACCUMULATED_KINDS, NodePlan, OpGraph, Stacked, has_floating, rng_states, set_rng_states,
+    ACCUMULATED_KINDS, LOW_READERS, NodePlan, OpGraph, Stacked, has_floating, rng_states,
+    set_rng_states,
 )
 from ..rules.op.tracer import SampleTracer
 from .composites import expand_composites
@@ -212,9 +213,10 @@ class GraphAnalysis:
 
     def _low_weights(self) -> dict:
         """The weights (placeholder -> format name) that may stay in their own low-precision
-        dtype: every reader is a linear that reads it as its weight and whose samples' GEMMs
-        run in the format's kernels (:mod:`fxstab.numerics.lowp_gemm`), or an embedding (a
-        lookup, exact in any dtype; its rows then widen); those plans are marked ``lowp``. A
+        dtype: every reader is a GEMM that reads it as its weight (a linear, a Conv1D's addmm
+        or matmul: ``LOW_READERS``) and whose samples' GEMMs run in the format's kernels
+        (:mod:`fxstab.numerics.lowp_gemm`), or an embedding (a lookup, exact in any dtype; its
+        rows then widen); those plans are marked ``lowp``. A
         bf16 model's weights were otherwise copied into the working dtype: twice the model's
         memory, and the first analysed call's time faulting it in
         (benchmarks/bench_scale.py). The format is the linear readers' (None: embeddings
@@ -225,9 +227,13 @@ class GraphAnalysis:
             return {}
         for plan in self.plans:
             fmt = (plan.format or self.cfg.format).name
-            plan.lowp = plan.kind == "linear" and plan.accumulate is None and \
-                plan.gemm_inputs is None and fmt in LOWP_DTYPES or \
-                plan.kind == "embedding" and _arg(plan.node, 3, "max_norm") is None
+            node = plan.node
+            if plan.kind == "embedding":
+                plan.lowp = _arg(node, 3, "max_norm") is None
+            else:  # a GEMM of LOW_READERS with no modelled accumulator, no scaled addmm
+                plan.lowp = plan.kind in LOW_READERS and plan.accumulate is None and \
+                    plan.gemm_inputs is None and fmt in LOWP_DTYPES and \
+                    node.kwargs.get("beta", 1) == 1 and node.kwargs.get("alpha", 1) == 1
         low: dict = {}
         for node in self.sgraph.nodes:
             if node.op != "placeholder" or not names_weight(node) or not node.users:
@@ -236,10 +242,11 @@ class GraphAnalysis:
             for user in node.users:
                 plan = self.plan_of.get(user)
                 leaves = pytree.tree_leaves((user.args, user.kwargs))
-                if plan is None or not plan.lowp or _arg(user, 1, "weight") is not node or \
+                if plan is None or not plan.lowp or \
+                        _arg(user, *LOW_READERS[plan.kind][0]) is not node or \
                         sum(v is node for v in leaves) != 1:
                     break
-                if plan.kind == "linear":
+                if plan.kind != "embedding":
                     fmts.add((plan.format or self.cfg.format).name)
             else:
                 if len(fmts) <= 1:

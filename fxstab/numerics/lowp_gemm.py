@@ -68,15 +68,22 @@ def set_twin(working: torch.Tensor, original: torch.Tensor) -> None:
 
 def twin(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
     """The low-precision twin in ``dtype`` of weight ``t`` (or of a tensor on its memory: a
-    detached view of it) remembered by :func:`set_twin`, or None."""
+    detached view of it, or its transpose: ``t()`` of the twin) remembered by
+    :func:`set_twin`, or None."""
     if t is None or not t.numel():
         return None
     entry = _TWINS.get(t.data_ptr())
     if entry is None:
         return None
     working, low, version = entry[0](), entry[1], entry[2]
-    if working is None or low.dtype != dtype or working.shape != t.shape or \
-            working.stride() != t.stride():
+    if working is None or low.dtype != dtype:
+        return None
+    if working.shape == t.shape and working.stride() == t.stride():
+        pass
+    elif t.dim() == 2 and working.shape == t.shape[::-1] and \
+            working.stride() == t.stride()[::-1]:
+        low = low.t()  # (a weight read as x @ W: a GPT-2 Conv1D's addmm)
+    else:
         return None
     try:  # (a detached view shares the version counter: a write to either changes it)
         same = t._version == version
@@ -224,14 +231,17 @@ def _add_widened(out: torch.Tensor, part: torch.Tensor, nan_to_zero: bool = Fals
 
 
 def _with_bias(w16: torch.Tensor, b16: torch.Tensor) -> torch.Tensor:
-    """``[w | b]``, kept on ``w16`` while ``b16`` is the same tensor (a weight's twin)."""
+    """``[w | b]``, kept on the twin ``w16`` is (or is a transpose of: a new view at every call)
+    while ``b16`` is the same tensor (a weight's twin) at the same version."""
     try:
         version = b16._version
     except RuntimeError:  # an inference tensor: no version to trust
         return torch.cat([w16, b16.reshape(-1, 1)], 1)
-    kept = getattr(w16, "_fxstab_with_bias", None)
-    if kept is not None and kept[0] is b16 and kept[1] == version:
-        return kept[2]
+    owner = w16 if w16._base is None else w16._base
+    kept = getattr(owner, "_fxstab_with_bias", None)
+    if kept is not None and kept[0] is b16 and kept[1] == version and \
+            kept[2] == w16.stride():
+        return kept[3]
     aug = torch.cat([w16, b16.reshape(-1, 1)], 1)
-    w16._fxstab_with_bias = (b16, version, aug)
+    owner._fxstab_with_bias = (b16, version, w16.stride(), aug)
     return aug

@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 from ..capture import user_ops as user_operator
 from ..capture.opsets import qualified_op_name
 
-__all__ = ["Stacked", "NodePlan", "OpGraph", "ACCUMULATED_KINDS", "DECISIONS", "decided_on_mean",
+__all__ = ["Stacked", "NodePlan", "OpGraph", "ACCUMULATED_KINDS", "LOW_READERS", "as_linear", "DECISIONS", "decided_on_mean",
            "reshape", "attention_folded",
            "has_floating", "rng_states", "set_rng_states", "broadcasts_directly", "has_vmap_rule",
            "is_float_cast"]
@@ -30,6 +30,35 @@ __all__ = ["Stacked", "NodePlan", "OpGraph", "ACCUMULATED_KINDS", "DECISIONS", "
 ACCUMULATED_KINDS = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "baddbmm",
                                "conv1d", "conv2d",
                                "scaled_dot_product_attention"})
+
+# the operators that may read a weight kept in its own low-precision dtype as it is
+# (NodePlan.lowp): kind -> (the weight's position and keyword, the data operand's position, None
+# for a lookup). The GEMMs read it as a linear's weight (as_linear): F.linear(x, w, b),
+# addmm(b, x, W) and x @ W (a GPT-2 Conv1D's, W = w^T)
+LOW_READERS = {"linear": ((1, "weight"), 0), "addmm": ((2, "mat2"), 1),
+               "matmul": ((1, "other"), 0), "embedding": ((1, "weight"), None)}
+
+
+def as_linear(kind: str, args: list, kwargs: dict) -> Optional[tuple]:
+    """``(x, w, b)`` with ``w`` as F.linear reads it (``[out, in]``; ``b`` or None) of a GEMM
+    of :data:`LOW_READERS`, or None where the call is not that product (an addmm that scales,
+    a matmul of a weight that is not 2-D)."""
+    def arg(i: int, name: str) -> Any:
+        return args[i] if len(args) > i else kwargs.get(name)
+
+    if kind == "linear":
+        return arg(0, "input"), arg(1, "weight"), arg(2, "bias")
+    if kind == "addmm":
+        if kwargs.get("beta", 1) != 1 or kwargs.get("alpha", 1) != 1 or len(args) > 3:
+            return None
+        w = arg(2, "mat2")
+        return (arg(1, "mat1"), w.t(), arg(0, "input")) if isinstance(w, torch.Tensor) and \
+            w.dim() == 2 else None
+    if kind == "matmul":
+        w = arg(1, "other")
+        return (arg(0, "input"), w.t(), None) if isinstance(w, torch.Tensor) and \
+            w.dim() == 2 else None
+    return None
 
 
 # Decisions (docs/design.md §3): operators whose integer outputs choose positions of the data

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from ... import executors
 from ...capture.flat import unflatten_call
@@ -26,7 +27,7 @@ from ...numerics.digits import digits_cap
 from ...numerics.rounding import round_samples
 from ...records.report import ROUNDED
 from ..accumulation import accumulable, gemm_model_label, modelled_gemm
-from ..lifting import ACCUMULATED_KINDS, Stacked, attention_folded
+from ..lifting import ACCUMULATED_KINDS, LOW_READERS, Stacked, as_linear, attention_folded
 from .registry import OpCall, Outcome, op_rule
 from .structural import in_vmap_region
 
@@ -118,11 +119,11 @@ def batched(call: OpCall) -> Optional[Outcome]:
     if not all(i < k for i in call.stacked):
         return None
     t = call.tracer
-    fmt = (call.plan.format or t.fmt).name
     a, kw = unflatten_call(call.leaves, call.spec)
-    if kind == "linear" and t.cfg.lowp_gemm and \
-            lowp_gemm.applies(a[1] if len(a) > 1 else kw.get("weight"), fmt):
-        return _lowp_linear(call, fmt)  # (a weight of the format's dtype: a bf16 model's)
+    if kind == "linear":
+        low = lowp(call)
+        if low is not None:
+            return low
     a = [t.stack(v) if i < k and isinstance(v, (Stacked, torch.Tensor)) else v
          for i, v in enumerate(a)]
     out = attention_folded(call.fn, a, kw) if kind == "scaled_dot_product_attention" else \
@@ -130,29 +131,33 @@ def batched(call: OpCall) -> Optional[Outcome]:
     return Outcome(Stacked(t.to_working(out)), ROUNDED, "batched over the samples")
 
 
-def _lowp_linear(call: OpCall, fmt: str) -> Outcome:
-    """A linear of the samples in the format's own GEMM kernels (one step: whether its
-    operands are exact in the format's dtype is known only at run time), else in the
-    working dtype (:mod:`fxstab.numerics.lowp_gemm`)."""
-    t, spec, fn = call.tracer, call.spec, call.fn  # (not call: a step kept by the sampled
-    # graph must not hold the traced call's operands, a linear's samples each)
+@op_rule("addmm", "matmul")
+def lowp(call: OpCall) -> Optional[Outcome]:
+    """A product of the samples and a plain weight (a linear, a Conv1D's ``addmm(b, x, W)`` or
+    ``x @ W``) in the format's own GEMM kernels (:mod:`fxstab.numerics.lowp_gemm`): one step,
+    whether its operands are exact in the format's dtype is known only at run time, else in
+    the working dtype."""
+    t, plan = call.tracer, call.plan
+    fmt = (plan.format or t.fmt).name
+    if not t.cfg.lowp_gemm or plan.kind not in LOW_READERS or \
+            call.stacked != [LOW_READERS[plan.kind][1]]:
+        return None
+    ops = as_linear(plan.kind, *unflatten_call(call.leaves, call.spec))
+    if ops is None or not lowp_gemm.applies(ops[1], fmt):  # (a weight of the format's dtype:
+        return None  # a bf16 model's)
+    kind, spec = plan.kind, call.spec  # (not call: a step kept by the sampled graph must not
+    # hold the traced call's operands, a linear's samples each)
 
     def product(leaves: list) -> Stacked:
-        a, kw = unflatten_call(leaves, spec)
-        x = t.stack(a[0])
-        w = a[1] if len(a) > 1 else kw.get("weight")
-        b = a[2] if len(a) > 2 else kw.get("bias")
+        x, w, b = as_linear(kind, *unflatten_call(leaves, spec))
+        x = t.stack(x)
         native = bindings if t.state.kernel_for(executors.LOWP_CONVERT, x) == \
             executors.CPU else None
-        out = None if in_vmap_region(x) or not isinstance(w, torch.Tensor) else \
-            lowp_gemm.linear(x, w, b, fmt, native)
+        out = None if in_vmap_region(x) else lowp_gemm.linear(x, w, b, fmt, native)
         if out is None:  # (a weight kept in the format's dtype: in the working one here)
-            out = fn(x, *[t.to_working(v) if isinstance(v, torch.Tensor) else v
-                          for v in a[1:]], **{k: t.to_working(v) if isinstance(
-                              v, torch.Tensor) else v for k, v in kw.items()})
+            out = F.linear(x, t.to_working(w), None if b is None else t.to_working(b))
         return Stacked(t.to_working(out))
 
-    x = call.leaves[0]
-    device = (x.samples if isinstance(x, Stacked) else x).device
-    return Outcome(t.step("gemm", call.plan, product, call.leaves), ROUNDED,
-                   f"batched over the samples ({lowp_gemm.path_name(device)})")
+    x = call.leaves[call.stacked[0]]
+    return Outcome(t.step("gemm", plan, product, call.leaves), ROUNDED,
+                   f"batched over the samples ({lowp_gemm.path_name(x.samples.device)})")

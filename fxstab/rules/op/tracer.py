@@ -38,7 +38,7 @@ from ...records.coverage import ANALYSED, SKIPPED, UNROUNDED, CoverageEntry
 from ...records.report import (
     ROUNDED, UNLIFTED, OpReport, block_builder, report_builder, stats_row,
 )
-from ..lifting import NodePlan, OpGraph, Stacked, has_floating
+from ..lifting import LOW_READERS, NodePlan, OpGraph, Stacked, has_floating
 from . import decisions, draws, elementwise, gemm, per_sample, structural  # noqa: F401 - rules
 from .lifted import isolated, lifted
 from .registry import ONCE, OpCall, rules_for
@@ -727,9 +727,12 @@ TRIM_EVERY = 256 << 20
 
 def _reads_low(plan: NodePlan, stacked: list) -> bool:
     """Whether the node reads a weight kept in its own dtype as it is (OpGraph.low_weights): a
-    linear of the samples in the format's GEMMs (its data operand alone stacked: the batched
-    rule), an embedding of plain indices (its rows widen after the lookup)."""
-    return plan.lowp and stacked == ([0] if plan.kind == "linear" else [])
+    GEMM of the samples in the format's GEMMs (its data operand alone stacked: the rules of
+    fxstab.rules.op.gemm), an embedding of plain indices (its rows widen after the lookup)."""
+    if not plan.lowp:
+        return False
+    data = LOW_READERS[plan.kind][1]
+    return stacked == ([] if data is None else [data])
 
 
 def _is_weight(node: torch.fx.Node, value: torch.Tensor) -> bool:
