@@ -337,3 +337,25 @@ def test_which_weights_stay_in_their_own_dtype():
 
     assert not lowp_gemm.keeps(w.as_subclass(Sub), "bf16")
     assert not lowp_gemm.keeps(w.as_subclass(Sub), None)
+
+
+def test_fp64_samples_keep_their_working_copies(monkeypatch):
+    # format="auto" computes fp64 samples: the bf16 path does not apply, so the GEMMs'
+    # weights are converted once and kept (not at every call); the embeddings' lookups widen
+    # their rows
+    from models import GPT
+
+    monkeypatch.setattr(lowp_gemm, "CPU_MIN_DIM", 0)
+    torch.manual_seed(0)
+    model = GPT(vocab=64, d=64, heads=4, layers=1, ctx=16).to(torch.bfloat16).eval()
+    x = torch.randint(0, 64, (2, 16))
+    torch._dynamo.reset()
+    be = fxstab.backend(format="auto", seed=0)
+    f = torch.compile(model, backend=be)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(f(x), model(x))
+    torch._dynamo.reset()
+    total = sum(p.numel() for p in model.parameters())
+    lookups = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
+    assert sum(i.weight_copies for i in be.infos) == 8 * (total - lookups)

@@ -221,17 +221,21 @@ class GraphAnalysis:
         memory, and the first analysed call's time faulting it in
         (benchmarks/bench_scale.py). The format is the linear readers' (None: embeddings
         only)."""
+        from ..numerics.formats import working_dtype_for
         from ..numerics.lowp_gemm import LOWP_DTYPES
 
         if not self.cfg.lowp_gemm:
             return {}
+        # (the path computes fp32 samples' products: fp64 ones, format="auto"'s, read the
+        # working copy, converted once, not at every call)
+        fp32 = working_dtype_for(self.cfg.widest_format) == torch.float32
         for plan in self.plans:
             fmt = (plan.format or self.cfg.format).name
             node = plan.node
             if plan.kind == "embedding":
                 plan.lowp = _arg(node, 3, "max_norm") is None
             else:  # a GEMM of LOW_READERS with no modelled accumulator, no scaled addmm
-                plan.lowp = plan.kind in LOW_READERS and plan.accumulate is None and \
+                plan.lowp = fp32 and plan.kind in LOW_READERS and plan.accumulate is None and \
                     plan.gemm_inputs is None and fmt in LOWP_DTYPES and \
                     node.kwargs.get("beta", 1) == 1 and node.kwargs.get("alpha", 1) == 1
         low: dict = {}

@@ -19,7 +19,8 @@ from torch.utils import _pytree as pytree
 from ..capture import user_ops as user_operator
 from ..capture.opsets import qualified_op_name
 
-__all__ = ["Stacked", "NodePlan", "OpGraph", "ACCUMULATED_KINDS", "LOW_READERS", "as_linear", "DECISIONS", "decided_on_mean",
+__all__ = ["Stacked", "NodePlan", "OpGraph", "ACCUMULATED_KINDS", "LOW_READERS", "as_linear",
+           "DECISIONS", "decided_on_mean",
            "reshape", "attention_folded",
            "has_floating", "rng_states", "set_rng_states", "broadcasts_directly", "has_vmap_rule",
            "is_float_cast"]
