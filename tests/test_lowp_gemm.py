@@ -271,6 +271,9 @@ def test_the_fused_conversions_equal_their_references(shape):
     r, dp = _special(shape, 2).bfloat16(), (_special(shape, 3) * 1e-3).bfloat16()
     for d in (None, dp):
         assert _same_bits(bindings.join_bf16(hi, r, d), lowp_gemm.join_reference(hi, r, d))
+        into = torch.full(shape, 7.0)  # (into a given tensor: every element written)
+        assert bindings.join_bf16(hi, r, d, out=into) is into
+        assert _same_bits(into, lowp_gemm.join_reference(hi, r, d, out=torch.empty(shape)))
 
 
 def _hf_model(name: str):
@@ -359,3 +362,21 @@ def test_fp64_samples_keep_their_working_copies(monkeypatch):
     total = sum(p.numel() for p in model.parameters())
     lookups = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
     assert sum(i.weight_copies for i in be.infos) == 8 * (total - lookups)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_products_in_blocks_of_rows_choose_the_same_neighbours(monkeypatch, bias):
+    # a long sequence's vocabulary-wide product runs in blocks of rows (its bf16 temporaries
+    # bounded): the values are the whole product's, up to the sums' order
+    from fxstab.cpu import bindings
+
+    torch.manual_seed(2)
+    w, b = _weight(300, 128, bias)
+    x, _ = perturb_samples(torch.randn(1, 700, 128).bfloat16().float().expand(3, 700, 128),
+                           2.0 ** -8, seed=4)  # off the grid: d's product in blocks too
+    whole = lowp_gemm.linear(x, w, b, "bf16", bindings)
+    monkeypatch.setattr(lowp_gemm, "_GEMM_CHUNK_BYTES", 1)  # blocks of 256 of the 2100 rows
+    for native in (bindings, None):
+        blocks = lowp_gemm.linear(x, w, b, "bf16", native)
+        assert _same_neighbours(blocks, whole) >= 0.999
+        assert _same_neighbours(blocks, F.linear(x, w, b)) >= 0.99

@@ -651,17 +651,21 @@ def split_bf16(x: torch.Tensor) -> Optional[tuple[torch.Tensor, Optional[torch.T
     return hi, (lo if nonzero else None)
 
 
-def join_bf16(hi: torch.Tensor, r: torch.Tensor,
-              dp: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+def join_bf16(hi: torch.Tensor, r: torch.Tensor, dp: Optional[torch.Tensor] = None,
+              out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """``float(hi) + nan_to_num(float(r), nan=0) (+ float(dp))`` of contiguous CPU bf16 tensors
-    of one shape in one pass: bit for bit :func:`fxstab.numerics.lowp_gemm.join_reference`.
-    None without the kernels."""
+    of one shape in one pass (into ``out``, a contiguous fp32 tensor of that shape, where
+    given): bit for bit :func:`fxstab.numerics.lowp_gemm.join_reference`. None without the
+    kernels."""
     lib = _lib()
     parts = [hi, r] + ([dp] if dp is not None else [])
     if lib is None or any(t.dtype != torch.bfloat16 or not t.is_cpu or not t.is_contiguous()
-                          or t.shape != hi.shape for t in parts):
+                          or t.shape != hi.shape for t in parts) or \
+            (out is not None and (out.dtype != torch.float32 or not out.is_cpu or
+                                  not out.is_contiguous() or out.shape != hi.shape)):
         return None
-    out = torch.empty(hi.shape, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(hi.shape, dtype=torch.float32)
     lib.fxstab_join_bf16(hi.data_ptr(), r.data_ptr(), dp.data_ptr() if dp is not None else None,
                          out.data_ptr(), hi.numel(), torch.get_num_threads())
     return out

@@ -182,15 +182,24 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], fmt_name
     if b16 is not None:  # the bias inside the accumulator: a column of ones, a column of w
         x16 = torch.cat([x16, x16.new_ones(x16.shape[0], 1)], 1)
         wt = _with_bias(w16, b16).t()
-    hi = x16 @ wt
-    r = torch.addmm(hi, x16, wt, beta=-1)
-    # (d's product: its own 8 bits; joined to the residual in bf16, 0.9% not 0.4% of the
-    # elements took the other neighbour)
-    dp = d16 @ w16.t() if d16 is not None else None
-    out = native.join_bf16(hi, r, dp) if native is not None else None
-    if out is None:
-        out = join_reference(hi, r, dp)
+    out = torch.empty(x16.shape[0], w.shape[0], dtype=torch.float32)
+    # in blocks of rows: a long sequence's vocabulary-wide products (hi, r, d's) would each be
+    # a copy of the logits (benchmarks/bench_scale.py --seq 1024)
+    rows = max(256, _GEMM_CHUNK_BYTES // (2 * w.shape[0]))
+    for a in range(0, out.shape[0], rows):
+        xa = x16[a:a + rows]
+        hi = xa @ wt
+        r = torch.addmm(hi, xa, wt, beta=-1)
+        # (d's product: its own 8 bits; joined to the residual in bf16, 0.9% not 0.4% of the
+        # elements took the other neighbour)
+        dp = d16[a:a + rows] @ w16.t() if d16 is not None else None
+        if native is None or native.join_bf16(hi, r, dp, out=out[a:a + rows]) is None:
+            join_reference(hi, r, dp, out=out[a:a + rows])
     return out.reshape(*lead, w.shape[0])
+
+
+# the bf16 temporaries of one block of rows of the CPU path's products, at most (about)
+_GEMM_CHUNK_BYTES = 64 << 20
 
 
 def split_reference(x2: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -201,12 +210,15 @@ def split_reference(x2: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tens
     return x16, (d.to(torch.bfloat16) if bool(d.any()) else None)
 
 
-def join_reference(hi: torch.Tensor, r: torch.Tensor,
-                   dp: Optional[torch.Tensor] = None) -> torch.Tensor:
+def join_reference(hi: torch.Tensor, r: torch.Tensor, dp: Optional[torch.Tensor] = None,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The fp32 product from the bf16 GEMMs' parts: ``hi + r (+ dp)``, in that order (``r`` is
     NaN only where ``hi`` is not finite, ``S - hi = inf - inf``: ``hi`` is the fp32 path's value
-    there)."""
-    out = hi.float()
+    there); into ``out`` where given."""
+    if out is None:
+        out = hi.float()
+    else:
+        out.copy_(hi)
     _add_widened(out, r, nan_to_zero=True)
     if dp is not None:
         _add_widened(out, dp)
