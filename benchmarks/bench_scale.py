@@ -10,9 +10,13 @@ measured in this run:
 * the first two analysed calls (the untraced rules, then the trace) against one eager call,
 * peak resident memory of the process after the eager calls and after the analysed ones
   (``ru_maxrss``; the model, built in its dtype, is in both),
-* where the steady call's time goes per kind of step of the generated graph (the profiler's
-  self CPU time of fxstab's steps, the aten operators the samples run, the rest), the top
-  entries.
+* where the steady call's time goes, each part timed around its calls over a few steady calls
+  (the least): the deterministic call (the captured graph as the model runs it), the samples'
+  GEMMs of weights (``lowp_gemm.linear``: its GEMMs and conversions), the roundings with
+  their statistics (the prepared C kernels), the GEMM surrogate's perturbations, and the rest
+  (the samples' other operators, Python). ``--profile`` adds torch's profiler table (its
+  self CPU times inflate memory-bound operators several times over: a profiled call took
+  twice an unprofiled one).
 
 Writes ``results/bench_scale.json``.
 
@@ -57,6 +61,51 @@ def _rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
 
 
+def breakdown(f, x, be, calls: int = 3) -> dict:
+    """Seconds of one steady analysed call by part (the least over ``calls``): each part timed
+    around its functions, the rest by difference."""
+    from fxstab.cpu import bindings
+    from fxstab.numerics import lowp_gemm
+
+    spent: dict = {}
+
+    def timed(name, fn):
+        def run(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+        return run
+
+    graphs = [g for g in be.graphs]
+    saved = (lowp_gemm.linear, bindings.Prepared.__call__, bindings.perturb,
+             [g.deterministic for g in graphs])
+    lowp_gemm.linear = timed("weight GEMMs", lowp_gemm.linear)
+    bindings.Prepared.__call__ = timed("roundings", bindings.Prepared.__call__)
+    bindings.perturb = timed("surrogate", bindings.perturb)
+    for g in graphs:
+        g.deterministic = timed("deterministic", g.deterministic)
+    best: dict = {}
+    try:
+        for _ in range(calls):
+            spent.clear()
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                f(x)
+            total = time.perf_counter() - t0
+            if not best or total < best["total"]:
+                best = {**spent, "total": total}
+    finally:
+        lowp_gemm.linear, bindings.Prepared.__call__, bindings.perturb = saved[:3]
+        for g, d in zip(graphs, saved[3]):
+            g.deterministic = d
+    total = best.pop("total")
+    best["rest"] = total - sum(best.values())
+    best["total"] = total
+    return best
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=22)
@@ -69,6 +118,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lowp-gemm", action=argparse.BooleanOptionalAction, default=True,
                     help="the samples' linear layers in bf16 GEMMs (fxstab.numerics.lowp_gemm; "
                          "--no-lowp-gemm: in fp32, the reference)")
+    ap.add_argument("--profile", action="store_true", help="torch's profiler table too")
     ap.add_argument("--out", default=str(ROOT / "results"))
     args = ap.parse_args(argv)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
@@ -102,10 +152,13 @@ def main(argv=None) -> int:
     eager_t = statistics.median(p[0] for p in pairs)
     steady = statistics.median(p[1] for p in pairs)
     rss_analysed = _rss_gb()
-    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) \
-            as prof:
-        f(x)
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+    parts = breakdown(f, x, be)
+    table = ""
+    if args.profile:
+        with torch.no_grad(), torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            f(x)
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
     identical = True
     with torch.no_grad():
         identical = torch.equal(f(x).logits, model(x).logits)
@@ -130,11 +183,15 @@ def main(argv=None) -> int:
           f"{rss_analysed / rss_eager:>7.2f}x")
     print(f"operators {row['operators']}, coverage {100 * row['coverage']:.1f}%, output "
           f"bit-identical: {identical}")
-    print("where the steady call's time goes (self CPU time, top 15):")
-    print(table)
+    print("where the steady call's time goes (x one eager call):  " + "  ".join(
+        f"{k} {v / eager_t:.2f}" for k, v in parts.items()))
+    row["parts_x"] = {k: round(v / eager_t, 2) for k, v in parts.items()}
+    if table:
+        print(table)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_scale.json").write_text(json.dumps({"rows": [row], "profile": table}, indent=1))
+    (out / "bench_scale.json").write_text(json.dumps({"rows": [row], "profile": table},
+                                                     indent=1))
     return 0
 
 
