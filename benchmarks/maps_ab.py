@@ -62,7 +62,7 @@ def configurations() -> dict:
                            False)
     # wide enough for the CPU's bf16 path (fxstab.numerics.lowp_gemm.CPU_MIN_DIM): its weights
     # read as they are, the embedding tied to the head
-    out["gpt2-bf16-wide/op"] = (lambda: GPT2(d=512, heads=8, layers=1).to(torch.bfloat16).eval(),
+    out["gpt2-bf16-wide/op"] = (lambda: GPT2(d=1024, heads=16, layers=1).to(torch.bfloat16).eval(),
                                 lambda: (torch.randint(0, 256, (2, 32)),), {"granularity": "op"},
                                 False)
     return out

@@ -90,9 +90,10 @@ def test_a_bias_that_cancels_the_product_keeps_its_bits():
 
 def test_where_the_path_does_not_apply_it_says_none():
     # on the CPU a small weight's products stay in fp32 (the bf16 path's fixed costs)
-    assert lowp_gemm.applies(_weight(512, 600)[0], "bf16")
+    assert lowp_gemm.applies(_weight(1024, 1100)[0], "bf16")
+    assert not lowp_gemm.applies(_weight(768, 3072)[0], "bf16")  # (a GPT-2's: slower there)
     assert not lowp_gemm.applies(_weight(64, 600)[0], "bf16")
-    assert not lowp_gemm.applies(_weight(512, 600)[0], "fp16")
+    assert not lowp_gemm.applies(_weight(1024, 1100)[0], "fp16")
     w, b = _weight(4, 8)
     x = torch.randn(3, 2, 8).bfloat16().float()
     assert lowp_gemm.linear(x, w, b, "fp16") is None  # another format
@@ -297,10 +298,11 @@ def _hf_model(name: str):
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_a_hf_model_in_bf16_reads_its_weights_as_they_are(name):
+def test_a_hf_model_in_bf16_reads_its_weights_as_they_are(name, monkeypatch):
     # a transformers model wide enough for the CPU's bf16 path: every GEMM of a weight runs
     # there and its weights (and the embeddings') are not copied into fp32, the output is the
     # model's own, the digit map within the estimator's resolution of the fp32 path's
+    monkeypatch.setattr(lowp_gemm, "CPU_MIN_DIM", 512)  # (the path at half the width)
     model, copied = _hf_model(name)
     x = torch.randint(0, 1000, (1, 24))
     with torch.no_grad():
@@ -328,7 +330,7 @@ def test_a_hf_model_in_bf16_reads_its_weights_as_they_are(name):
 
 
 def test_which_weights_stay_in_their_own_dtype():
-    w = torch.zeros(512, 600, dtype=torch.bfloat16)
+    w = torch.zeros(1024, 1100, dtype=torch.bfloat16)
     assert lowp_gemm.keeps(w, "bf16") and lowp_gemm.keeps(torch.nn.Parameter(w), "bf16")
     assert not lowp_gemm.keeps(w.float(), "bf16")  # not the format's dtype
     assert not lowp_gemm.keeps(w[:64], "bf16")  # too small for the CPU's bf16 path

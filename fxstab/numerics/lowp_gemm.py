@@ -102,10 +102,12 @@ def _mm_dtype(device: str) -> bool:
         return False
 
 
-# On the CPU the bf16 path pays conversions and a residual GEMM: it wins where the GEMM
-# dominates, both dimensions of the weight at least this (measured: a 2048 x 5632 weight 0.5x
-# the fp32 GEMM's time; a 64-wide model's whole analysed call 1.25x slower)
-CPU_MIN_DIM = 512
+# On the CPU the bf16 path pays a residual GEMM (and the surrogate's d), their outputs and the
+# conversions: it wins where the GEMM's work dominates, both dimensions of the weight at least
+# this. Measured, 384 rows, with d, against the fp32 GEMM (session 19): 2048 x 5632 0.64-0.73x
+# of its time, 2048 x 2048 0.74x, 1024 x 1024 0.88x; 768- and 512-wide weights 0.7-1.6x (a
+# GPT-2 124M's steady call 8.1x eager with them, 7.3x without; its 50257 x 768 head 1.07x)
+CPU_MIN_DIM = 1024
 
 
 def eligible(w: Any, fmt_name: str) -> bool:
