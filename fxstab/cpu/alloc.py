@@ -39,18 +39,26 @@ _USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TO
 
 
 @functools.lru_cache(maxsize=None)
-def tune() -> bool:
-    """Raise glibc's mmap and trim thresholds (once per process); True if they were set."""
-    if os.environ.get("FXSTAB_MALLOC_TUNING", "1") == "0":
-        return False
-    if any(k in os.environ for k in _USER_SETTINGS) or not sys.platform.startswith("linux"):
-        return False
+def _glibc():
+    """The C library when it is glibc (its malloc settings apply), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
     try:
         libc = ctypes.CDLL(None)
-        if not hasattr(libc, "gnu_get_libc_version"):  # not glibc (musl, ...)
-            return False
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    except OSError:
+        return None
+    return libc if hasattr(libc, "gnu_get_libc_version") else None  # (not musl...)
+
+
+@functools.lru_cache(maxsize=None)
+def tune() -> bool:
+    """Raise glibc's mmap and trim thresholds (once per process); True if they were set."""
+    if os.environ.get("FXSTAB_MALLOC_TUNING", "1") == "0" or \
+            any(k in os.environ for k in _USER_SETTINGS):
+        return False
+    libc = _glibc()
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is None:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
@@ -58,26 +66,12 @@ def tune() -> bool:
         bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
 
 
-@functools.lru_cache(maxsize=None)
-def _malloc_trim():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None)
-        if not hasattr(libc, "gnu_get_libc_version"):  # not glibc (musl, ...)
-            return None
-        fn = libc.malloc_trim
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_size_t]
-    fn.restype = ctypes.c_int
-    return fn
-
-
 def trim() -> bool:
     """Return the heap's free pages to the kernel (glibc's ``malloc_trim(0)``); True if any
     were. Does nothing where glibc is not the allocator or ``FXSTAB_MALLOC_TUNING=0``."""
-    fn = _malloc_trim()
+    fn = getattr(_glibc(), "malloc_trim", None)
     if fn is None or os.environ.get("FXSTAB_MALLOC_TUNING", "1") == "0":
         return False
+    fn.argtypes = [ctypes.c_size_t]
+    fn.restype = ctypes.c_int
     return bool(fn(0))
