@@ -438,7 +438,7 @@ class GraphAnalysis:
                                   if names_weight(n)]
         if not self._weight_slots:
             return args
-        new = list(args)
+        new, changed = list(args), False
         for i in self._weight_slots:
             a = args[i] if i < len(args) else None
             if not isinstance(a, torch.Tensor) or not a.is_floating_point() or \
@@ -453,11 +453,12 @@ class GraphAnalysis:
                 copy = a if i in self._low_slots and lowp_gemm.keeps(
                     a, self._low_slots[i]) else a.detach().to(self._wdtype)
                 kept = self._kept_weights[i] = (a, version, copy)
-                self.info.weight_copies = sum(
-                    c.numel() * c.element_size() for w, _, c in self._kept_weights.values()
-                    if c is not w)
                 lowp_gemm.set_twin(copy, a)  # the samples' GEMMs read it as it is
+                changed = True
             new[i] = kept[2]
+        if changed:
+            self.info.weight_copies = sum(c.numel() * c.element_size()
+                                          for w, _, c in self._kept_weights.values() if c is not w)
         return tuple(new)
 
     def _sampled_key(self, args: tuple) -> tuple:
