@@ -101,10 +101,10 @@ class Bisection:
         ``trim_until``."""
         search = self.search
         while search.runs < split_until and not search.exhausted:
-            todo = [g for g in self.selection(target) if len(g.ops) > 1 and not g.fixed]
-            if not todo:
+            pending = [g for g in self.selection(target) if len(g.ops) > 1 and not g.fixed]
+            if not pending:
                 break
-            self.split(max(todo, key=self.cost))
+            self.split(max(pending, key=self.cost))
         chosen = self.selection(target)
         order = {n: i for i, n in enumerate(self.forward)}
 
