@@ -140,6 +140,28 @@ def test_the_cuda_branch_with_its_kernel_emulated(monkeypatch):
     assert _same_neighbours(got, F.linear(x, w, b)) >= 0.99
 
 
+def _both_paths(model, x, logits, kinds) -> tuple:
+    """The digit maps, the GEMMs' coverage reasons and the weights' working copies (bytes) of
+    ``model`` analysed in bf16 with the bf16 GEMM path and without, by ``lowp_gemm``; every
+    call's output the model's own, no stochastic path failed."""
+    with torch.no_grad():
+        want = logits(model(x))
+    maps, how, copies = {}, {}, {}
+    for lowp in (True, False):
+        torch._dynamo.reset()
+        be = fxstab.backend(format="bf16", seed=0, lowp_gemm=lowp)
+        f = torch.compile(model, backend=be)
+        with torch.no_grad():
+            for _ in range(3):  # untraced, traced, replayed
+                assert torch.equal(logits(f(x)), want)
+        assert not any(i.failures for i in be.infos)
+        maps[lowp] = be.digit_map()
+        how[lowp] = {e.reason for e in be.coverage().entries if e.kind in kinds}
+        copies[lowp] = sum(i.weight_copies for i in be.infos)
+    torch._dynamo.reset()
+    return maps, how, copies
+
+
 def test_a_bf16_model_analysed_on_the_bf16_path_matches_the_fp32_path(monkeypatch):
     from models import GPT
 
@@ -149,20 +171,7 @@ def test_a_bf16_model_analysed_on_the_bf16_path_matches_the_fp32_path(monkeypatc
     torch.manual_seed(0)
     model = GPT(vocab=64, d=64, heads=4, layers=2, ctx=16).to(torch.bfloat16).eval()
     x = torch.randint(0, 64, (2, 16))
-    with torch.no_grad():
-        want = model(x)
-    maps, how, copies = {}, {}, {}
-    for lowp in (True, False):
-        torch._dynamo.reset()
-        be = fxstab.backend(format="bf16", seed=0, lowp_gemm=lowp)
-        f = torch.compile(model, backend=be)
-        with torch.no_grad():
-            for _ in range(3):  # untraced, traced, replayed
-                assert torch.equal(f(x), want)
-        maps[lowp] = be.digit_map()
-        how[lowp] = {e.reason for e in be.coverage().entries if e.kind == "linear"}
-        copies[lowp] = sum(i.weight_copies for i in be.infos)
-    torch._dynamo.reset()
+    maps, how, copies = _both_paths(model, x, lambda out: out, ("linear",))
     # the linear layers' and embeddings' weights are read as they are (no fp32 copy: twice the
     # model's memory): only the norms and biases have working copies
     total = sum(p.numel() for p in model.parameters())
@@ -305,20 +314,7 @@ def test_a_hf_model_in_bf16_reads_its_weights_as_they_are(name, monkeypatch):
     monkeypatch.setattr(lowp_gemm, "CPU_MIN_DIM", 512)  # (the path at half the width)
     model, copied = _hf_model(name)
     x = torch.randint(0, 1000, (1, 24))
-    with torch.no_grad():
-        want = model(x).logits
-    maps, copies, how = {}, {}, {}
-    for lowp in (True, False):
-        torch._dynamo.reset()
-        be = fxstab.backend(format="bf16", seed=0, lowp_gemm=lowp)
-        f = torch.compile(model, backend=be)
-        with torch.no_grad():
-            for _ in range(3):  # untraced, traced, replayed
-                assert torch.equal(f(x).logits, want)
-        assert not any(i.failures for i in be.infos)
-        maps[lowp], copies[lowp] = be.digit_map(), sum(i.weight_copies for i in be.infos)
-        how[lowp] = {e.reason for e in be.coverage().entries if e.kind in ("linear", "addmm")}
-    torch._dynamo.reset()
+    maps, how, copies = _both_paths(model, x, lambda out: out.logits, ("linear", "addmm"))
     assert "batched over the samples (bf16 GEMMs with an fp32 residual)" in how[True]
     total = sum(p.numel() for p in model.parameters())
     small = sum(p.numel() for n, p in model.named_parameters() if any(c in n for c in copied))
