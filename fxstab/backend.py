@@ -308,6 +308,12 @@ class FxstabBackend:
         if c.accumulate:  # the GEMMs' accumulator: pattern -> its label ("fp32": trusted)
             meta["accumulate"] = {p: acc.label if acc is not None else "fp32"
                                   for p, acc in c.accumulate}
+        if c.lowp_gemm:  # the bf16 GEMM path's platform checks (fxstab.numerics.lowp_gemm):
+            from .numerics.lowp_gemm import verdicts  # device -> {"ok", "reason"}
+
+            checked = verdicts()
+            if checked:
+                meta["lowp_gemm"] = checked
         no_output = sorted(set().union(*(g.info.no_output for g in self.graphs)))
         if no_output:  # operators whose values reach only integer results (DigitMap's notes)
             meta["no_output"] = no_output

@@ -26,6 +26,12 @@ accumulator computes it, if it can return it wider than bf16.
   them (``bf16(x)`` with ``d``; ``hi + r (+ d's product)``) are two fused C kernels where
   they built, bit for bit :func:`split_reference` and :func:`join_reference`.
 
+* The premise (the residual formed in the bf16 GEMM's fp32 accumulator) is the platform's:
+  :func:`check` tests it once per process and device on products whose exact values are
+  known (issue 52: a CPU on which it failed would make maps from results of 8 bits,
+  silently); a device that fails runs the samples' GEMMs in the working dtype, says so once,
+  and the map's metadata records each verdict (:func:`verdicts`).
+
 The weights: a bf16 model's weight read only by such products (and lookups) is its own twin,
 never copied into fp32 (:func:`keeps`; ``GraphAnalysis._low_weights``); any other weight's
 working copy remembers the model's bf16 tensor as its twin (:func:`set_twin`). A weight read
@@ -42,13 +48,16 @@ working-dtype GEMM; ``fxstab.backend(lowp_gemm=False)`` always runs that one.
 from __future__ import annotations
 
 import functools
+import math
+import warnings
 import weakref
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
 __all__ = ["linear", "applies", "eligible", "keeps", "twin", "set_twin", "split_reference",
-           "join_reference", "LOWP_DTYPES", "CPU_MIN_DIM", "path_name"]
+           "join_reference", "LOWP_DTYPES", "CPU_MIN_DIM", "path_name", "check", "Check",
+           "verdicts"]
 
 # the formats whose samples' GEMMs can run in the format's own dtype
 LOWP_DTYPES = {"bf16": torch.bfloat16}
@@ -120,16 +129,117 @@ def _mm_dtype(device: str) -> bool:
 CPU_MIN_DIM = 1024
 
 
+class Check(NamedTuple):
+    """The platform check's verdict on a device: whether its bf16 GEMMs keep the bits the
+    path states (``ok``), and what was measured (``reason``)."""
+
+    ok: bool
+    reason: str
+
+
+# the probe's products: (rows, K, columns); the large one reaches the blocked kernels a
+# model's GEMMs run (K past any block of the reduction, both weight dimensions >= CPU_MIN_DIM)
+_PROBE_SHAPES = ((5, 65, 24), (256, 1025, 1024))
+
+
+@functools.lru_cache(maxsize=None)
+def check(device: str) -> Check:
+    """Whether the bf16 path keeps on ``device`` the bits the module states, tested once per
+    process and device on known products, the bias inside the accumulator included:
+
+    * integer operands in [-4, 4] (every partial sum exact in fp32, ``|S + b| < 2^16``): the
+      result must be the exact value, bit for bit, where the bias cancels a row and elsewhere;
+    * fractional ones, a bias cancelling some rows to ~2^-9 of the terms: the error against
+      fp64 within twice fp32's accumulation bound ``gamma_K sum |terms|`` (the fp32 path's own
+      error is one such) plus ``2^-16 |S|`` (the 16 bits ``hi + r`` keeps).
+
+    A platform whose bf16 GEMM does not return (or form the residual in) an fp32 accumulator
+    fails it; there the samples' GEMMs run in the working dtype (:func:`eligible` is False:
+    the maps are the fp32 path's), said once in a warning and in the map's metadata
+    (:func:`verdicts`)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    dev = torch.device(device)
+    cuda = _mm_dtype(device)
+    if dev.type != "cpu" and not cuda:
+        return Check(False, "no bf16 GEMM with a wide result here")
+    with _disable_current_modes(), torch.no_grad():
+        try:
+            verdict = _probe(dev, cuda)
+        except (RuntimeError, TypeError, NotImplementedError) as exc:
+            verdict = Check(False, f"the bf16 GEMMs failed: {exc}".splitlines()[0])
+    if not verdict.ok:
+        warnings.warn(f"fxstab: the samples' GEMMs of bf16 weights run in fp32 on {device}, "
+                      f"not in its bf16 GEMMs: {verdict.reason} (lowp_gemm)", stacklevel=2)
+    return verdict
+
+
+def _probe(dev: torch.device, cuda: bool) -> Check:
+    gen = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for m, k, n in _PROBE_SHAPES:
+        for integer in (True, False):
+            if integer:
+                x = torch.randint(-4, 5, (m, k), generator=gen).float()
+                w = torch.randint(-4, 5, (n, k), generator=gen).float()
+            else:
+                x = torch.randn(m, k, generator=gen).bfloat16().float()
+                w = (torch.randn(n, k, generator=gen) / math.sqrt(k)).bfloat16().float()
+            s = x.double() @ w.double().t()
+            b = (torch.randint(-64, 65, (n,), generator=gen) if integer else
+                 torch.randn(n, generator=gen)).bfloat16().double()
+            b[: n // 2] = -s[0, : n // 2]  # row 0's first half cancels
+            b16 = b.to(torch.bfloat16)
+            x, w16 = x.to(dev), w.to(dev, torch.bfloat16)
+            got = _product(x, w16, b16.to(dev), cuda).cpu().double()
+            exact = s + b16.double()
+            if integer:
+                wrong = int((got != exact).sum())
+                if wrong:
+                    return Check(False, f"{wrong} of {got.numel()} integer products of a "
+                                        f"{m}x{k}x{n} GEMM inexact")
+                continue
+            terms = x.cpu().double().abs() @ w.double().abs().t() + b16.double().abs()
+            gamma = k * 2.0 ** -24 / (1 - k * 2.0 ** -24)
+            ratio = ((got - exact).abs() / (2 * gamma * terms + 2.0 ** -16 * exact.abs()))
+            worst = max(worst, float(ratio.max()))
+            if not worst <= 1.0:  # (NaN fails)
+                return Check(False, f"a {m}x{k}x{n} GEMM's error {worst:.3g} times twice "
+                                    f"fp32's accumulation bound (where a bias cancels)")
+    return Check(True, f"products within {worst:.2f} of twice fp32's accumulation bound, "
+                       f"integer ones exact")
+
+
+def verdicts() -> dict:
+    """The platform checks made in this process: device -> ``{"ok", "reason"}`` (the map's
+    metadata ``lowp_gemm``)."""
+    return {dev: {"ok": c.ok, "reason": c.reason} for dev, c in _checked().items()}
+
+
+def _checked() -> dict:
+    # (lru_cache keeps no public view of its entries: replay the devices asked)
+    return {dev: check(dev) for dev in _ASKED}
+
+
+_ASKED: set = set()
+
+
 def eligible(w: Any, fmt_name: str) -> bool:
     """Whether a weight's products can run in the format's GEMMs here, its dtype aside: a bf16
     format, a 2-D weight, on the CPU one of at least :data:`CPU_MIN_DIM` each way, elsewhere a
-    device with a wide-result GEMM (``mm.dtype``)."""
+    device with a wide-result GEMM (``mm.dtype``); and the device passed :func:`check`."""
     if LOWP_DTYPES.get(fmt_name) is None or not isinstance(w, torch.Tensor) or w.dim() != 2 \
             or not w.numel():
         return False
-    if w.device.type == "cpu":
-        return min(w.shape) >= CPU_MIN_DIM
-    return _mm_dtype(str(w.device))
+    if w.device.type == "cpu" and min(w.shape) < CPU_MIN_DIM:
+        return False
+    return _passes(w.device)
+
+
+def _passes(device: torch.device) -> bool:
+    key = str(device)
+    _ASKED.add(key)
+    return check(key).ok
 
 
 def keeps(w: Any, fmt_name: Optional[str]) -> bool:
@@ -152,6 +262,8 @@ def applies(w: Any, fmt_name: str) -> bool:
 
 def path_name(device: torch.device) -> str:
     """How :func:`linear` computes on ``device`` (the coverage's words)."""
+    if not _passes(device):
+        return f"fp32 GEMM (bf16 GEMMs fail the platform check: {check(str(device)).reason})"
     if _mm_dtype(str(device)):
         return "bf16 GEMM with an fp32 result"
     return "bf16 GEMMs with an fp32 residual" if device.type == "cpu" else \
@@ -169,15 +281,22 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], fmt_name
     if dtype is None or x.dtype != torch.float32 or w.dim() != 2 or not x.numel() or \
             x.device != w.device:
         return None
-    cuda = _mm_dtype(str(x.device))
-    if not cuda and x.device.type != "cpu":
+    if not _passes(x.device):
         return None
+    cuda = _mm_dtype(str(x.device))
     w16 = twin(w, dtype)
     b16 = twin(b, dtype)
     if w16 is None or (b is not None and b16 is None):
         return None
     lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)
+    out = _product(x.reshape(-1, k), w16, b16, cuda, native)
+    return out.reshape(*lead, w.shape[0])
+
+
+def _product(x2: torch.Tensor, w16: torch.Tensor, b16: Optional[torch.Tensor], cuda: bool,
+             native: Any = None) -> torch.Tensor:
+    """``x2 @ w16^T + b16`` of fp32 samples ``x2`` (``[M, K]``) in bf16 GEMMs, fp32 (the
+    module's account; :func:`linear` without its checks, and what :func:`check` probes)."""
     # what the samples hold beyond bf16 (the GEMM surrogate's perturbation x (1 + eta r), data
     # of another precision): x - bf16(x), at most 2^-9 |x|, whose own product in bf16 adds
     # at most 2^-17 |x| |w| of error, below the 16 bits kept of the rest
@@ -188,26 +307,32 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], fmt_name
         out = torch.mm(x16, wt, out_dtype=torch.float32)
         if d16 is not None:
             out += torch.mm(d16, wt, out_dtype=torch.float32)
-        if b is not None:
+        if b16 is not None:
             out += b16.float()
-        return out.reshape(*lead, w.shape[0])
+        return out
     if b16 is not None:  # the bias inside the accumulator: a column of ones, a column of w
         x16 = torch.cat([x16, x16.new_ones(x16.shape[0], 1)], 1)
         wt = _with_bias(w16, b16).t()
-    out = torch.empty(x16.shape[0], w.shape[0], dtype=torch.float32)
+    out = torch.empty(x16.shape[0], w16.shape[0], dtype=torch.float32, device=x2.device)
     # in blocks of rows: a long sequence's vocabulary-wide products (hi, r, d's) would each be
     # a copy of the logits (benchmarks/bench_scale.py --seq 1024)
-    rows = max(256, _GEMM_CHUNK_BYTES // (2 * w.shape[0]))
+    rows = max(256, _GEMM_CHUNK_BYTES // (2 * w16.shape[0]))
     for a in range(0, out.shape[0], rows):
         xa = x16[a:a + rows]
         hi = xa @ wt
-        r = torch.addmm(hi, xa, wt, beta=-1)
+        r = _residual(hi, xa, wt)
         # (d's product: its own 8 bits; joined to the residual in bf16, 0.9% not 0.4% of the
         # elements took the other neighbour)
         dp = d16[a:a + rows] @ w16.t() if d16 is not None else None
         if native is None or native.join_bf16(hi, r, dp, out=out[a:a + rows]) is None:
             join_reference(hi, r, dp, out=out[a:a + rows])
-    return out.reshape(*lead, w.shape[0])
+    return out
+
+
+def _residual(hi: torch.Tensor, xa: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    """``S - hi`` rounded to bf16, ``S = xa @ wt`` in the bf16 GEMM's fp32 accumulator: the
+    premise of the CPU path, which :func:`check` tests on the platform."""
+    return torch.addmm(hi, xa, wt, beta=-1)
 
 
 # the bf16 temporaries of one block of rows of the CPU path's products, at most (about)
