@@ -1,4 +1,5 @@
-"""Digit maps: per-operator digits of one analysis, saved, diffed and localized (DESIGN.md §7).
+"""Digit maps: per-operator digits of one analysis, saved, diffed and localized
+(docs/design.md §7).
 
 A :class:`DigitMap` aggregates :class:`fxstab.records.report.OpReport` records (one per instrumented
 operator and analysed call) per stable operator name, keeps per-(phase, step) entries for the time

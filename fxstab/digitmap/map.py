@@ -1,4 +1,4 @@
-"""The digit map: per-operator digits of one analysis, with its metadata (DESIGN.md §7).
+"""The digit map: per-operator digits of one analysis, with its metadata (docs/design.md §7).
 
 A :class:`DigitMap` aggregates :class:`fxstab.records.report.OpReport` records (one per instrumented
 operator and analysed call) per stable operator name, keeps per-(phase, step) entries for the time

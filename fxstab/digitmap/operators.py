@@ -1,4 +1,4 @@
-"""The records of a digit map and how reports aggregate into them (DESIGN.md §7).
+"""The records of a digit map and how reports aggregate into them (docs/design.md §7).
 
 :class:`OperatorDigits` is one operator aggregated over its analysed calls, :class:`StepDigits`
 one operator at one (phase, step), :class:`LocalLoss` one line of the localization ranking.

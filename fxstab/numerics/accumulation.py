@@ -1,5 +1,5 @@
-"""A GEMM's accumulator as the hardware runs it (DESIGN.md §4b): its format, block, promotion and
-rounding, and :func:`emulate_matmul`, the deterministic result of that accumulator.
+"""A GEMM's accumulator as the hardware runs it (docs/design.md §4b): its format, block, promotion
+and rounding, and :func:`emulate_matmul`, the deterministic result of that accumulator.
 
 Semantics, exactly. K is walked in increasing order in blocks of ``block`` elements; the
 products of a block are summed in fp64 (the working dtype: a block of low-precision products

@@ -1,4 +1,4 @@
-"""Floating-point formats that fxstab simulates (DESIGN.md §1).
+"""Floating-point formats that fxstab simulates (docs/design.md §1).
 
 A format is a pair (exp_bits, man_bits); ``man_bits`` excludes the implicit bit, so the
 precision is ``p = man_bits + 1`` and the unit roundoff ``u = 2**-p``. Formats are IEEE-like
@@ -207,7 +207,7 @@ def torch_dtype_of(spec: FormatLike) -> Optional[torch.dtype]:
 
 
 def working_dtype_for(fmt: Format) -> torch.dtype:
-    """The dtype the stochastic path computes in for ``fmt`` (DESIGN.md §1).
+    """The dtype the stochastic path computes in for ``fmt`` (docs/design.md §1, "Working dtype").
 
     fp32 holds 16-bit and 8-bit formats with room to spare (2p+2 <= 24 bits, so rounding an fp32
     result into the format is free of double-rounding artefacts); everything wider (tf32, fp32,
