@@ -35,6 +35,12 @@ CASES = [
     ('L["args"][0].model', "model"),
     ("L['kwargs']['self'].model.norm", "model.norm"),
     ("L['args'][0]", ""),
+    # the compiled callable a bound method (operator_impact of a compiled model) or a compiled
+    # module wrapping the model: the model's own names
+    ("L['fn'].__self__.0", "0"),
+    ("L['fn'].__self__", ""),
+    ("L['self']._orig_mod.blocks.0", "blocks.0"),
+    ("L['self'].blocks.__self__x", "blocks.__self__x"),
     ("", ""),
 ]
 
@@ -98,3 +104,47 @@ def test_op_name_and_registry():
     assert reg.name("fc", "linear", "m.py:3", 0) == "fc/linear#0"
     assert reg.name("fc", "linear", "m.py:4", 0) == "fc/linear#1"
     assert reg.name("fc", "linear", "m.py:3", 0) == "fc/linear#0"  # same identity, same name
+
+
+class _Rotate(nn.Module):  # a function made a module, as transformers 5 makes its helpers
+    def forward(self, x):
+        return x * 2 + 1
+
+
+_ROTATE = _Rotate()  # held by a module-level global, not by the model
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.proj(_ROTATE(x))
+
+
+def test_a_module_held_by_a_global_is_named_inside_its_caller():
+    # (transformers' apply_rotary_pos_emb: G['__import_..._llama'].apply_rotary_pos_emb named
+    # no layer and numbered every layer's operators as one: mul#0..7)
+    import fxstab
+
+    model = nn.Sequential(_Attention(), _Attention())
+    torch._dynamo.reset()
+    be = fxstab.backend(format="bf16", seed=0)
+    with torch.no_grad():
+        torch.compile(model, backend=be)(torch.randn(2, 4))
+    names = list(be.digit_map().operators)
+    assert not [n for n in names if n.startswith("G.") or "__import" in n], names
+    for layer in ("0", "1"):
+        assert f"{layer}._ROTATE/mul#0" in names and f"{layer}._ROTATE/add#0" in names, names
+    torch._dynamo.reset()
+    raw = {"a": ("L['self'].layers.3.self_attn", nn.Module),
+           "b": ("G['__import_transformers_dot_models_dot_llama_dot_modeling_llama']"
+                 ".apply_rotary_pos_emb", nn.Module)}
+    node = torch.fx.Graph().placeholder("x")
+    node.meta["nn_module_stack"] = raw
+    assert module_path(node) == "layers.3.self_attn.apply_rotary_pos_emb"
+    node.meta["nn_module_stack"] = {"b": raw["b"]}  # called at the root
+    assert module_path(node) == "apply_rotary_pos_emb"
+    node.meta["nn_module_stack"] = {"b": ("G['__import_x_dot_rope']", nn.Module)}
+    assert module_path(node) == "rope"

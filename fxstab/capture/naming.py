@@ -24,6 +24,14 @@ _GETATTR = re.compile(r"""getattr\(([^()]*), (['"])([^'"]*)\2\)""")  # innermost
 _PREFIX = re.compile(r"""^L\[(['"])(?:(?:args|kwargs)\1\]\[[^\]]*\]|[^'"]*\1\])\.?""")
 _MODULES = re.compile(r"""(^|\.)_modules\[(['"])([^'"]*)\2\]""")  # nn.Module._modules['x']
 _SUBSCRIPT = re.compile(r"""\[(['"]?)([^\]'"]+)\1\]""")  # [0], ['k'], ["k"]
+# what stands between the root and the model's modules when the compiled callable is a bound
+# method (``L['fn'].__self__``: operator_impact of a compiled model) or a compiled module
+# wrapping the model (``OptimizedModule._orig_mod``): not part of the model's names
+_WRAPPERS = re.compile(r"^(?:(?:__self__|_orig_mod)(?:\.|$))+")
+# a module held by a module-level global, not by the model (transformers 5 makes functions
+# such as ``apply_rotary_pos_emb`` modules: ``G['__import_transformers_dot_..._llama'].
+# apply_rotary_pos_emb``): named inside the module that calls it
+_GLOBAL = re.compile(r"""^G\[(['"])([^'"]*)\1\]\.?""")
 
 
 def normalize_module_path(raw: str) -> str:
@@ -41,16 +49,32 @@ def normalize_module_path(raw: str) -> str:
     path = _PREFIX.sub("", path)
     path = _MODULES.sub(r"\1\3", path)
     path = _SUBSCRIPT.sub(r".\2", path)
-    return re.sub(r"\.+", ".", path).strip(".")
+    path = re.sub(r"\.+", ".", path).strip(".")
+    return _WRAPPERS.sub("", path)
+
+
+def _global_name(raw: str) -> str:
+    """The name of a module held by a global (:data:`_GLOBAL`): its attribute path after the
+    global (``apply_rotary_pos_emb``), or the global's own name (an import's last part)."""
+    m = _GLOBAL.match(raw)
+    rest = normalize_module_path(raw[m.end():])
+    return rest or m.group(2).rpartition("_dot_")[2]
 
 
 def module_path(node: torch.fx.Node) -> str:
-    """Model-relative module path of a dynamo node (``blocks.3.attn``; ``""`` at the root)."""
+    """Model-relative module path of a dynamo node (``blocks.3.attn``; ``""`` at the root).
+
+    A module held by a global rather than by the model (a function made a module, as
+    transformers' ``apply_rotary_pos_emb``) is named inside the module that calls it:
+    ``model.layers.3.self_attn.apply_rotary_pos_emb``, so each layer's call has its own names
+    (a bare global path named no layer, and numbered every layer's operators as one)."""
     stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    raw = list(stack.values())[-1][0]
-    return normalize_module_path(str(raw))
+    raws = [str(v[0]) for v in stack.values()]
+    inner: list = []
+    while raws and _GLOBAL.match(raws[-1]):
+        inner.insert(0, _global_name(raws.pop()))
+    return ".".join([p for p in [normalize_module_path(raws[-1]) if raws else ""] if p]
+                    + inner)
 
 
 def op_name(path: str, kind: str, index: int) -> str:
