@@ -272,3 +272,34 @@ def test_a_recheck_that_falls_short_raises_the_target_by_the_spread(monkeypatch)
     assert len(plan.promoted) > len(plain.promoted)
     assert plan.settings["raised_target"] >= keep + 0.3, plan.report()
     assert plan.met and min(plan.checks.values()) >= keep, plan.report()
+
+
+# --------------------------------------------------------------------------- trim and budget
+class LogSumExp(nn.Module):
+    """Seven operators; in fp16 the sum of exp overflows (a NaN/inf origin): ``exp, sum, log``
+    in fp32 keep 2.89 digits at the output (issue 56, item 9)."""
+
+    def forward(self, x):
+        e = torch.exp(x * 2.0 + 6.0)
+        return (torch.log(e.sum(-1)) - 6.0) / 2.0
+
+
+@pytest.mark.parametrize("budget", [None, 50])
+def test_a_small_model_is_trimmed_fully_and_a_budget_is_honoured(budget):
+    """The grow promotes five of the seven operators; the trim then drops the two that the
+    call target's 9 calls left untested (without a budget: a model of 7 operators is trimmed
+    fully; with ``budget=50``: the budget's calls, not the call target)."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 1024)
+    plan = plan_precision(LogSumExp(), (x,), format="fp16", keep=2.0, budget=budget)
+    assert plan.operators == 7 and plan.met, plan.report()
+    assert plan.promoted == ["exp#0", "sum#0", "log#0"], plan.promoted
+    assert plan.runs <= (50 if budget else 3 * 7)
+
+
+def test_a_budget_in_calls_bounds_the_trim():
+    """A budget of 9 calls is the call target's: the trim stops where it did before."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 1024)
+    plan = plan_precision(LogSumExp(), (x,), format="fp16", keep=2.0, budget=9)
+    assert plan.runs <= 9 and len(plan.promoted) > 3

@@ -339,6 +339,25 @@ def call_target(n_operators: int) -> float:
     return 4 + 2 * math.log2(max(n_operators, 2))
 
 
+# a model of at most this many forward operators is trimmed fully when no budget is given (a
+# shrink tests each promoted operator once after its chunks: at most ~3 calls an operator, each
+# call of such a model short), not within the call target: a 7-operator model kept all 7 where
+# 3 did (issue 56, item 9)
+FULL_TRIM_OPERATORS = 16
+
+
+def _route_calls(search: "PlanSearch", n_operators: int, reserve: int) -> float:
+    """The calls a route may have made when it stops, the re-checks' ``reserve`` left: the
+    budget's calls (``budget=`` an int), no limit for a budget in seconds (its deadline stops
+    the search), else the call target for ``n_operators`` (:func:`call_target`) less its two
+    re-check seeds."""
+    if search.budget_calls is not None:
+        return search.budget_calls - reserve
+    if search.budget is not None:
+        return math.inf
+    return int(call_target(n_operators)) - 2  # the target counts two re-check seeds
+
+
 def _is_spread(ev: Evaluation) -> bool:
     """Whether the map holds no hazard the local ranking can follow: no NaN/inf origin and no
     operator losing :data:`HAZARD_LOSS` digits or more against its inputs."""
@@ -429,8 +448,11 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
             an emulated accumulator), a promoted GEMM also leaves the recipe: its operands
             stay in the program's dtype and its sum is the trusted fp32 product.
         budget: at most this many analysed calls (an int) or seconds (a float, or ``"90s"``);
-            None: no cap. A search that reaches it returns its best plan so far, ``met``
-            False if that keeps less than ``keep``.
+            the search's routes use what it allows. None: no cap, the routes then stop at the
+            call target (:func:`call_target`), but for the trim of a model of at most
+            :data:`FULL_TRIM_OPERATORS` operators, which tests every promoted operator. A
+            search that reaches the budget returns its best plan so far, ``met`` False if
+            that keeps less than ``keep``.
         criterion: what of the outputs' per-element digits must reach ``keep`` (without
             ``outputs=``): ``"mean"`` (their average), ``"p5"`` (their 5% quantile: 95% of
             the elements keep ``keep``) or ``"min"`` (every element). Whatever the criterion,
@@ -606,23 +628,25 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
                 break
             if attempt == 0 and _is_spread(base):
                 route = "bisection"
-            # the call target (4 + 2·log2 n with two re-check seeds) less the re-checks
-            budget_calls = int(call_target(len(forward))) + len(more_inputs) + \
-                recheck_seeds - 2
+            # the calls the routes may make, less the re-checks: the budget where one is given
+            # (calls; none in calls for one in seconds, whose deadline stops the search), else
+            # the call target (4 + 2·log2 n with two re-check seeds), which a small model's
+            # trim does not stop at
             reserve = recheck_seeds + len(more_inputs)
+            calls = _route_calls(search, len(forward), reserve)
+            trim = math.inf if search.budget is None and len(forward) <= FULL_TRIM_OPERATORS \
+                else calls
             if route == "bisection":
                 if bisection is None:
                     bisection = Bisection(search, base, full, forward, extra)
                 # splits leave a call for the selection and two for its corrections
-                promoted, ev = bisection.run(target, budget_calls - reserve - 3,
-                                             budget_calls - reserve)
+                promoted, ev = bisection.run(target, calls - 3, trim)
             else:
                 promoted, ev = _grow(search, base, fwd, forward, consumers, target,
                                      list(promoted), ev)
                 if search.meets(ev, target) and attempt == 0:  # the second attempt keeps what
                     # the first found (another seed or input needed it)
-                    promoted, ev = _shrink(search, target, promoted, ev, extra,
-                                           budget_calls - reserve)
+                    promoted, ev = _shrink(search, target, promoted, ev, extra, trim)
             # of the candidates that keep the target, the cheapest (a correction may overshoot
             # past one found on the way)
             kept = [(plan_cost(p), list(p), e) for p, e in search.history
