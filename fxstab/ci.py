@@ -19,6 +19,8 @@ The exit code of ``run`` is the gate's: 0 pass, 1 fail (in any target), 2 unusab
 from __future__ import annotations
 
 import datetime
+import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -51,14 +53,15 @@ on:
   push:
     branches: [{main}]
 
-permissions:
-  contents: write        # the history branch (pushes to {main} only)
-  pull-requests: write   # the comment
+permissions: {{}}          # none by default; each job asks for what it uses
 
 jobs:
   digits:
     if: github.event_name == 'pull_request'
     runs-on: ubuntu-latest
+    permissions:
+      contents: read         # the checkout
+      pull-requests: write   # the comment
     timeout-minutes: 60
     steps:
       - uses: actions/checkout@v4
@@ -70,6 +73,7 @@ jobs:
           python-version: "{python}"
 
       - name: Install
+        id: install
         run: |
 {install}
 
@@ -129,6 +133,8 @@ jobs:
   history:
     if: github.event_name == 'push'
     runs-on: ubuntu-latest
+    permissions:
+      contents: write        # pushes the history branch
     timeout-minutes: 60
     steps:
       - uses: actions/checkout@v4
@@ -140,6 +146,7 @@ jobs:
           python-version: "{python}"
 
       - name: Install
+        id: install
         run: |
 {install}
 
@@ -216,21 +223,144 @@ fxstab-history:
       - fxstab-ci/history.html
 """
 
-DEFAULT_INSTALL = ("python -m pip install torch --index-url https://download.pytorch.org/whl/cpu",
-                   "python -m pip install fxstab")
+TORCH_CPU = "python -m pip install torch --index-url https://download.pytorch.org/whl/cpu"
 
 
-def workflow(kind: str, main: str = "main", python: str = "3.12",
-             install: tuple = DEFAULT_INSTALL, config: str = "pyproject.toml",
+def _origin() -> Optional[dict]:
+    """How pip installed the running fxstab: its PEP 610 ``direct_url.json`` (a VCS URL, an
+    archive, a folder); ``{}`` for an install from an index (no such file); None when fxstab
+    runs from a folder on ``sys.path`` without being installed."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution("fxstab")
+    except metadata.PackageNotFoundError:
+        return None
+    text = dist.read_text("direct_url.json")
+    return json.loads(text) if text else {}
+
+
+def _inside(path: Path, root: Path) -> Optional[str]:
+    """``path`` relative to ``root`` as ``./rel`` (``.`` for root itself), or None outside."""
+    try:
+        rel = path.resolve().relative_to(root.resolve())
+    except ValueError:
+        return None
+    return "." if not rel.parts else f"./{rel.as_posix()}"
+
+
+def _remote_hint(folder: Path) -> str:
+    """``git+URL@SHA`` for a git checkout with a remote (the commit the folder is at), else a
+    placeholder: what to give --fxstab."""
+    def git(*args: str) -> str:
+        proc = subprocess.run(["git", *args], cwd=folder, capture_output=True, text=True)
+        return proc.stdout.strip() if proc.returncode == 0 else ""
+
+    url, sha = git("remote", "get-url", "origin"), git("rev-parse", "HEAD")
+    if url and "://" in url and not url.startswith("file:"):
+        return f"git+{url}@{sha}"
+    return "git+https://HOST/OWNER/fxstab@COMMIT"
+
+
+def pip_install(requirement: str) -> str:
+    """The install command of fxstab from ``requirement``: a pip requirement
+    (``fxstab==0.1.0``, ``fxstab @ URL``), a URL (``git+https://...@REF``, a wheel's), or a
+    path in the repository (``./wheels/fxstab-0.1.0-py3-none-any.whl``)."""
+    req = requirement.strip()
+    if "://" in req and not req.startswith("fxstab"):
+        req = f"fxstab @ {req}"
+    return f"python -m pip install {shlex.quote(req)}"
+
+
+def fxstab_install(root: Path, origin: Any = ...) -> Optional[str]:
+    """The command that installs fxstab in CI as it is installed here (``origin``: the
+    distribution's ``direct_url.json``, read by default); None when the repository at ``root``
+    is fxstab itself (the project's own install covers it).
+
+    - a VCS install: the same URL at the installed commit;
+    - an archive (wheel, sdist) at an http(s) URL: that URL, with its hash;
+    - a wheel or a folder inside ``root``: that path (the CI checks the repository out);
+    - an install from an index: that version, pinned.
+
+    Raises:
+        CIError: an origin a CI runner cannot reach (a folder or a file outside the
+            repository, a local VCS clone, fxstab run from a folder it was never installed
+            from); the message says what to give ``--fxstab`` instead.
+    """
+    from ._version import __version__
+
+    if origin is ...:
+        origin = _origin()
+    if origin == {}:
+        return pip_install(f"fxstab=={__version__}")
+    url = (origin or {}).get("url", "")
+    local = Path(url[len("file://"):]) if url.startswith("file://") else None
+    hint = "git+https://HOST/OWNER/fxstab@COMMIT"
+    if origin is None:
+        where = "a folder on sys.path (it is not installed)"
+    elif "vcs_info" in origin and local is None:
+        vcs = origin["vcs_info"]
+        ref = vcs.get("commit_id") or vcs.get("requested_revision")
+        return pip_install(f"{vcs.get('vcs', 'git')}+{url}" + (f"@{ref}" if ref else ""))
+    elif "archive_info" in origin and local is None and url.startswith(("https://", "http://")):
+        hashes = origin["archive_info"].get("hashes") or {}
+        return pip_install(url + next((f"#{k}={v}" for k, v in sorted(hashes.items())), ""))
+    elif local is not None and _inside(local, root) is not None:
+        rel = _inside(local, root)
+        return None if rel == "." else pip_install(rel)
+    else:
+        where = url or "an unknown origin"
+        if local is not None and local.is_dir():
+            hint = _remote_hint(local)
+    raise CIError(
+        f"cannot tell how CI should install fxstab: this one is installed from {where}, which a "
+        f"CI runner cannot reach (fxstab is not on PyPI). Say where CI gets it: --fxstab "
+        f"{shlex.quote(hint)} (a git URL at a pushed commit, a wheel's URL, or a wheel or "
+        f"folder inside this repository), or give the whole install step with --install CMD "
+        f"(repeated); or install fxstab here from one of those and run init again")
+
+
+def project_install(root: Path) -> list:
+    """The commands that install the project at ``root`` (its dependencies, so that its
+    targets import): ``requirements.txt``, then the package itself when ``root`` holds one
+    (``setup.py``, ``setup.cfg``, or a ``pyproject.toml`` with ``[project]`` or
+    ``[build-system]``)."""
+    from .configfile import tomllib
+
+    cmds = []
+    if (root / "requirements.txt").is_file():
+        cmds.append("python -m pip install -r requirements.txt")
+    package = (root / "setup.py").is_file() or (root / "setup.cfg").is_file()
+    if not package and (root / "pyproject.toml").is_file():
+        try:
+            data = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+            data = {}  # the settings loader says what is wrong with it
+        package = "project" in data or "build-system" in data
+    if package:
+        cmds.append("python -m pip install -e .")
+    return cmds
+
+
+def install_commands(root: Path, origin: Any = ..., requirement: Optional[str] = None) -> tuple:
+    """The workflow's install step for the repository at ``root``: torch's CPU build, fxstab
+    (from ``requirement``, else as it is installed here: :func:`fxstab_install`), the project
+    (:func:`project_install`)."""
+    own = pip_install(requirement) if requirement else fxstab_install(root, origin)
+    return (TORCH_CPU, *([own] if own else []), *project_install(root))
+
+
+def workflow(kind: str, install: tuple, main: str = "main", python: str = "3.12", config: str = "pyproject.toml",
              branch: str = HISTORY_BRANCH) -> str:
     """The CI file of ``kind`` (``github``: a GitHub Actions workflow; ``gitlab``: a
     ``.gitlab-ci.yml``).
 
     Args:
         kind: ``github`` or ``gitlab``.
+        install: the shell commands that install torch, fxstab and the project
+            (:func:`install_commands`).
         main: the branch whose pushes build the history.
         python: the Python version the jobs use.
-        install: the shell commands that install torch, fxstab and the project.
         config: the settings file the comment names (the targets and the gate).
         branch: the history branch.
 
@@ -240,19 +370,23 @@ def workflow(kind: str, main: str = "main", python: str = "3.12",
     if kind not in KINDS:
         raise ValueError(f"unknown CI kind {kind!r}; use one of {', '.join(KINDS)}")
     if not install:
-        raise ValueError("install needs at least one command (pip install fxstab ...)")
+        raise ValueError("install needs at least one command (python -m pip install ...)")
     fields = dict(main=main, python=python, config=config, branch=branch, marker=MARKER,
                   install="\n".join(f"          {c}" for c in install),
-                  install_gl="\n".join(f"    - {c}" for c in install))
+                  install_gl="\n".join(f"    - {json.dumps(c)}" for c in install))
     return (_GITHUB if kind == "github" else _GITLAB).format(**fields)
 
 
-def init(kind: str, path: Optional[Path] = None, force: bool = False, **options) -> Path:
+def init(kind: str, path: Optional[Path] = None, force: bool = False,
+         install: Optional[tuple] = None, requirement: Optional[str] = None,
+         **options) -> Path:
     """Write :func:`workflow` to ``path`` (default ``.github/workflows/fxstab.yml`` or
-    ``.gitlab-ci.yml``).
+    ``.gitlab-ci.yml``); ``install`` is its install step (default: :func:`install_commands`
+    of the repository here, fxstab from ``requirement`` when given).
 
     Raises:
-        CIError: the file exists (``force`` overwrites it), or no target is configured.
+        CIError: the file exists (``force`` overwrites it), no target is configured, or no
+            install is given and this fxstab's origin is out of a CI runner's reach.
     """
     cfg = load()
     if not cfg.targets:
@@ -260,8 +394,12 @@ def init(kind: str, path: Optional[Path] = None, force: bool = False, **options)
         raise CIError(f"no [targets] in the settings ({where}): the workflow records the "
                       f"configured targets; add [tool.fxstab.targets.NAME] with target = "
                       f"'module:function' and output = 'NAME.json' first (docs/config.md)")
-    text = workflow(kind, config=cfg.path.name if cfg.path else "pyproject.toml", **options)
     path = Path(path or KINDS[kind])
+    if not install:
+        top = _git(Path.cwd(), "rev-parse", "--show-toplevel", check=False).stdout.strip()
+        install = install_commands(Path(top) if top else Path.cwd(), requirement=requirement)
+    text = workflow(kind, install, config=cfg.path.name if cfg.path else "pyproject.toml",
+                    **options)
     if path.exists() and not force:
         raise CIError(f"{path} exists: --force overwrites it, -o writes elsewhere"
                       + (" (GitLab: add it with include: local: FILE)" if kind == "gitlab"
@@ -453,9 +591,13 @@ def command(args: Any) -> int:
     """``fxstab ci init|run|keep`` (the CLI's parsed arguments): the exit code; raises
     :class:`CIError` or ValueError with the message the CLI prints (exit 2)."""
     if args.ci_command == "init":
-        install = tuple(args.install) if args.install else DEFAULT_INSTALL
+        install = tuple(args.install) if args.install else None
+        if install and args.fxstab:
+            raise CIError("--install gives the whole install step, fxstab's line included: "
+                          "give it or --fxstab, not both")
         path = init(args.kind, Path(args.output) if args.output else None, force=args.force,
-                    main=args.main, python=args.python, install=install)
+                    main=args.main, python=args.python, install=install,
+                    requirement=args.fxstab)
         print(f"wrote {path}: records the configured targets on every "
               f"{'pull' if args.kind == 'github' else 'merge'} request, diffs them against the "
               f"base, comments, uploads the pages, fails on the gate; pushes to {args.main} "

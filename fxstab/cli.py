@@ -718,8 +718,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--main", default="main", help="the branch whose pushes build the history")
     c.add_argument("--python", default="3.12", help="the jobs' Python version")
     c.add_argument("--install", action="append", metavar="CMD",
-                   help="a shell command installing torch, fxstab and the project (repeat; "
-                        "default: torch CPU, then pip install fxstab)")
+                   help="a shell command of the jobs' install step (repeat; default: torch's "
+                        "CPU build, fxstab from where it is installed here, the project's "
+                        "requirements.txt and package)")
+    c.add_argument("--fxstab", metavar="REQ",
+                   help="where CI installs fxstab from: a git URL (git+https://...@REF), a "
+                        "wheel's URL, or a wheel or folder in the repository (default: where "
+                        "it is installed here)")
     c = csub.add_parser("run", help="record the configured targets at two commits and diff them")
     c.add_argument("base", metavar="BASE", help="the base commit (ref or sha)")
     c.add_argument("head", metavar="HEAD", nargs="?", default="HEAD",
