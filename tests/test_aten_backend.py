@@ -188,7 +188,7 @@ def test_context_for_a_call_keeps_the_settings_and_starts_afresh():
     a copy with fresh running state: its own seed, recorder, counters and occurrence counts."""
     from fxstab.rules.aten import AtenContext, apply_primitive
 
-    proto = AtenContext(format="bf16", n_samples=3, diagnostics="summary")
+    proto = AtenContext.of(format="bf16", n_samples=3, diagnostics="summary")
     x = torch.tensor([1.0, 1.0 + 2.0 ** -7, 2.0])
     first: list = []
     a = proto.for_call(11, first.append)
@@ -236,7 +236,7 @@ def test_divisions_counted_with_the_planned_zero_masks():
     counts = []
     for need_digits, need_zeros, written in ((False, True, True), (False, False, False),
                                              (None, None, True)):  # None: assume a reader
-        ctx = AtenContext(format="bf16", n_samples=3, seed=4)
+        ctx = AtenContext.of(format="bf16", n_samples=3, seed=4)
         a = ctx.stack(x)
         y = apply_primitive(aten.mul.Tensor, (a, 1.0 + 2.0 ** -10), {}, ctx)
         d = apply_primitive(aten.sub.Tensor, (y, a), {}, ctx,  # rounding noise: zeros

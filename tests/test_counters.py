@@ -73,7 +73,7 @@ def test_operand_zero_counts_on_tensors(kernels):
     """Counts of division, math_function and branching on a tensor with some computational
     zeros: the fused kernel's statistics count them without a pass over the mask, and must
     agree with the mask, elementwise, in both kernel paths."""
-    ctx = AtenContext("fp32", 3, 0, kernels=kernels)
+    ctx = AtenContext.of(format="fp32", n_samples=3, seed=0, kernels=kernels)
     g = torch.Generator().manual_seed(0)
     one = Stacked(torch.ones(1, 64, dtype=torch.float64).expand(3, 64))
     delta = torch.where(torch.rand(64, generator=g) < 0.4, 1e-7, 0.5).double()
@@ -91,7 +91,7 @@ def test_operand_zero_counts_on_tensors(kernels):
 
 
 def test_intrinsic_abs_floor_and_int_cast():
-    ctx = AtenContext("fp32", 3, 0)
+    ctx = AtenContext.of(format="fp32", n_samples=3, seed=0)
     mixed = Stacked(torch.tensor([[1e-8], [-1e-8], [2e-8]], dtype=torch.float64))
     with instability_counters() as c:
         apply_primitive(aten.abs.default, (mixed,), {}, ctx)
@@ -113,7 +113,7 @@ def test_branching_comparisons_selections_where():
     c = _counts(lambda: (z > 0, torch.maximum(z, torch.zeros(())), F.relu(z),
                          torch.clamp(z, min=0.0)))
     assert c.counts["branching"] == 4
-    ctx = AtenContext("fp32", 3, 0)
+    ctx = AtenContext.of(format="fp32", n_samples=3, seed=0)
     cond = Stacked(torch.tensor([[True, True], [False, True], [True, True]]))
     a = Stacked(torch.zeros(3, 2, dtype=torch.float64))
     with instability_counters() as c:
@@ -194,18 +194,18 @@ def test_stable_code_counts_nothing():
 
 
 def test_diagnostics_off_computes_no_counters():
-    ctx = AtenContext("fp32", 3, 0, diagnostics="off")
+    ctx = AtenContext.of(format="fp32", n_samples=3, seed=0, diagnostics="off")
     z = Stacked(torch.tensor([[1e-8], [-1e-8], [2e-8]], dtype=torch.float64))
     apply_primitive(aten.reciprocal.default, (z,), {}, ctx)
     assert ctx.counters.total == 0
-    ctx = AtenContext("fp32", 3, 0, diagnostics="summary")
+    ctx = AtenContext.of(format="fp32", n_samples=3, seed=0, diagnostics="summary")
     apply_primitive(aten.reciprocal.default, (z,), {}, ctx)
     assert ctx.counters.counts["division"] == 1
 
 
 def test_records_carry_per_primitive_counters():
     records = []
-    ctx = AtenContext("fp32", 3, 0, recorder=records.append)
+    ctx = AtenContext.of(format="fp32", n_samples=3, seed=0, recorder=records.append)
     one = ctx.stack(torch.ones(4, dtype=torch.float64))
     y = apply_primitive(aten.add.Tensor, (one, 1e-7), {}, ctx)
     apply_primitive(aten.sub.Tensor, (y, one), {}, ctx)
@@ -221,9 +221,9 @@ def test_bad_settings():
         with instability_counters("loud"):
             pass
     with pytest.raises(ValueError, match="n_samples"):
-        AtenContext("fp32", 1)
+        AtenContext.of(format="fp32", n_samples=1)
     with pytest.raises(ValueError, match="kernels"):
-        AtenContext("fp32", 3, kernels="os")
+        AtenContext.of(format="fp32", n_samples=3, kernels="os")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -239,7 +239,7 @@ def test_finite_mask_matches_isfinite_over_samples(dtype):
             [big, big, big], [-big, big, -big], [0.0, -0.0, 0.0], [tiny, -tiny, 0.0],
             [math.inf, -math.inf, math.nan], [-math.inf, -math.inf, -math.inf]]
     s = torch.tensor(cols, dtype=dtype).T.contiguous()  # [3 samples, 10 elements]
-    ctx = AtenContext(format="bf16" if dtype == torch.float32 else "fp32", n_samples=3)
+    ctx = AtenContext.of(format="bf16" if dtype == torch.float32 else "fp32", n_samples=3)
     got = Analysis(s, ctx).finite
     assert torch.equal(got, torch.isfinite(s).all(0))
     assert got.tolist() == [True, False, False, False, True, True, True, True, False, False]
@@ -259,7 +259,7 @@ def test_comparison_of_identical_samples_is_the_cestac_rule(fmt, op):
     for other in ("stacked", "plain", "number"):
         results = []
         for copies in (False, True):
-            ctx = AtenContext(fmt, 3, 0)
+            ctx = AtenContext.of(format=fmt, n_samples=3, seed=0)
             emitted = []
             ctx.emit = lambda what, *rest, _e=ctx.emit: emitted.append(what) or _e(what, *rest)
             x = ctx.stack(a, materialize=copies)

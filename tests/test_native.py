@@ -612,7 +612,7 @@ def test_derive_seeds_are_derive_seed():
         seeds, then = native.derive_seeds(seed, salts, 100)
         assert seeds == [derive_seed(seed, s) for s in salts]
         assert then == [derive_seed(s, 100) for s in seeds]
-    ctx = AtenContext(format="bf16").for_call(12345, None, [3, 5])
+    ctx = AtenContext.of(format="bf16").for_call(12345, None, [3, 5])
     for salt in (3, 5, 9):  # 9 was not derived ahead
         s = ctx.next_seed(salt)
         assert s == derive_seed(12345, salt)

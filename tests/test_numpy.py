@@ -337,7 +337,7 @@ def test_decisions_and_indices_are_plain_numpy():
 
 
 def test_indices_that_samples_disagree_on_count_as_branching():
-    ctx = AtenContext("fp32", 3, 0)
+    ctx = AtenContext.of(format="fp32", n_samples=3, seed=0)
     # element 0 wins in sample 0, element 1 in samples 1 and 2
     s = torch.tensor([[1.0, 1.0 - 2**-23], [1.0, 1.0 + 2**-23], [1.0, 1.0 + 2**-22]],
                      dtype=torch.float64)

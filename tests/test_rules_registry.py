@@ -101,16 +101,19 @@ def test_the_tracer_runs_what_the_table_says(monkeypatch):
 def test_the_arithmetic_level_takes_its_settings_from_the_one_config():
     cfg = AnalysisConfig(granularity="aten", format="fp16", n_samples=4, seed=3,
                          confidence=0.9, cancel_digits=3.0, data_perturbation_threshold=2.0 ** -6)
-    ctx = AtenContext.from_config(cfg, round_per_sample=True)
+    ctx = AtenContext(cfg, round_per_sample=True)
     assert ctx.config is cfg and ctx.fmt.name == "fp16" and ctx.n_samples == 4
     assert ctx.eta == 2.0 ** -6 and ctx.cancel_digits == 3.0 and ctx.round_per_sample
+    assert ctx.seed == 3 and ctx.confidence == 0.9
+    # no second defaults: the keyword settings left out are the config's
+    assert AtenContext.of().config == AnalysisConfig(granularity="aten")
     # the eager driver's keyword settings are validated by the same config (its messages)
-    assert AtenContext("bf16").eta == 2.0 ** -8
+    assert AtenContext.of(format="bf16").eta == 2.0 ** -8
     for bad, match in (({"n_samples": 1}, "n_samples"), ({"kernels": "os"}, "kernels"),
                        ({"confidence": 2.0}, "confidence"),
                        ({"data_perturbation_threshold": 0.3}, "power of two")):
         with pytest.raises(ValueError, match=match):
-            AtenContext("fp32", **bad)
+            AtenContext.of(format="fp32", **bad)
         with pytest.raises(ValueError, match=match):
             AnalysisConfig(granularity="aten", **bad)
 

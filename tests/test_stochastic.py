@@ -56,7 +56,7 @@ def test_one_rounding_matches_the_rule():
 @pytest.mark.parametrize("fmt", ["bf16", "fp32", (5, 2)])
 def test_rounding_is_round_samples_bit_for_bit(kernels, fmt):
     """One mechanism: the fused kernel and the reference draw the same Philox bits."""
-    ctx = AtenContext(fmt, 3, seed=7, kernels=kernels)
+    ctx = AtenContext.of(format=fmt, n_samples=3, seed=7, kernels=kernels)
     x = torch.linspace(0.1, 3.0, 311, dtype=ctx.working_dtype)
     st = ctx.stack(x)
     out = apply_primitive(aten.exp.default, (st,), {}, ctx, salt=5)
@@ -71,7 +71,7 @@ def test_kernels_and_references_agree_on_surrogate_and_fp64():
     w = torch.randn(64, 8, dtype=torch.float64)
     outs = {}
     for kernels in ("auto", "torch"):
-        ctx = AtenContext("fp64", 3, seed=3, kernels=kernels)
+        ctx = AtenContext.of(format="fp64", n_samples=3, seed=3, kernels=kernels)
         st = ctx.stack(x)
         mm = apply_primitive(aten.mm.default, (st, w), {}, ctx, salt=1)  # surrogate + rounding
         e = apply_primitive(aten.exp.default, (st,), {}, ctx, salt=2)  # fp64: shared side
@@ -84,7 +84,7 @@ def test_kernels_and_references_agree_on_surrogate_and_fp64():
 
 def test_kernels_setting_is_validated():
     with pytest.raises(ValueError, match="kernels"):
-        AtenContext("fp32", 3, kernels="fast")
+        AtenContext.of(format="fp32", n_samples=3, kernels="fast")
 
 
 @pytest.mark.parametrize("kernels", ["auto", "torch"])
@@ -225,7 +225,7 @@ def test_nan_inputs_propagate_without_crashing():
 
 def test_unbatchable_primitive_falls_back_per_sample():
     records = []
-    ctx = AtenContext("fp32", 3, 0, recorder=records.append)
+    ctx = AtenContext.of(format="fp32", n_samples=3, seed=0, recorder=records.append)
     st = Stacked(torch.tensor([[1.0, 2.0], [1.0, 2.0 + 2**-40], [1.0, 2.0 - 2**-40]],
                               dtype=torch.float64))  # samples that differ
 
@@ -248,7 +248,7 @@ def test_unbatchable_primitive_falls_back_per_sample():
 def test_results_are_rounded_in_place_only_when_they_own_their_memory():
     """A fresh result is rounded in its own buffer; a view of an operand (unfold) or an
     operand returned as is never is: the operand's samples stay as they were."""
-    ctx = AtenContext("bf16", 3, 0)
+    ctx = AtenContext.of(format="bf16", n_samples=3, seed=0)
     g = torch.Generator().manual_seed(0)
     x = Stacked(torch.randn(3, 2, 8, generator=g))  # fp32 values: bf16 rounding moves them
     before = x.samples.clone()
@@ -263,7 +263,7 @@ def test_results_are_rounded_in_place_only_when_they_own_their_memory():
 
 
 def test_integer_and_bool_tensors_pass_through():
-    ctx = AtenContext("fp32", 3, 0)
+    ctx = AtenContext.of(format="fp32", n_samples=3, seed=0)
     i = torch.arange(4)
     assert torch.equal(apply_primitive(aten.add.Tensor, (i, 1), {}, ctx), i + 1)
     st = ctx.stack(torch.tensor([1.5, -2.5], dtype=torch.float64))

@@ -299,7 +299,7 @@ class AtenGraphAnalysis(GraphAnalysis):
                          for i, a in enumerate(args))
         set_rng_states(rng_states)  # the deterministic pass's random numbers, again
         if self._context is None:  # the settings, derived once per graph
-            self._context = AtenContext.from_config(cfg, round_per_sample=True)
+            self._context = AtenContext(cfg, round_per_sample=True)
         key = self._sampled_key(args)
         sg = self.sampled.get(key)
         if sg is not None and sg.tracer.low is low:

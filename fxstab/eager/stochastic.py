@@ -68,8 +68,9 @@ def _context(format, n_samples, seed, rounding, confidence, diagnostics, kernels
     key = (get_format(format), n_samples, seed, str(rounding), confidence, diagnostics, kernels)
     ctx = _CONTEXTS.get(key)
     if ctx is None:
-        ctx = _CONTEXTS[key] = AtenContext(format, n_samples, seed, rounding, confidence,
-                                           diagnostics, kernels=kernels)
+        ctx = _CONTEXTS[key] = AtenContext.of(
+            format=format, n_samples=n_samples, seed=seed, rounding=rounding,
+            confidence=confidence, diagnostics=diagnostics, kernels=kernels)
     return ctx
 
 
@@ -537,9 +538,10 @@ def analyze(fn: Callable, *, format: FormatLike = "fp32", n_samples: int = 3, se
     """
     def run(*args, **kwargs) -> AnalysisResult:
         records: list[PrimitiveRecord] = []
-        ctx = AtenContext(format, n_samples, seed, rounding, confidence, diagnostics,
-                          cancel_digits=cancel_digits, recorder=records.append,
-                          kernels=kernels)
+        ctx = AtenContext.of(format=format, n_samples=n_samples, seed=seed, rounding=rounding,
+                             confidence=confidence, diagnostics=diagnostics,
+                             cancel_digits=cancel_digits, kernels=kernels,
+                             recorder=records.append)
 
         numpy_call = any(isinstance(a, (np.ndarray, np.generic))
                          for a in pytree.tree_leaves((args, kwargs)))

@@ -15,8 +15,8 @@ from ... import executors
 from ...config import AnalysisConfig
 from ...cpu import bindings as native
 from ...numerics import randbits
-from ...numerics.digits import ZERO_THRESHOLD, DigitStats, stats_from_list, student_t
-from ...numerics.formats import Format, FormatLike, working_dtype_for
+from ...numerics.digits import DigitStats, stats_from_list, student_t
+from ...numerics.formats import Format, working_dtype_for
 from ...numerics.rounding import Rounding
 from ...records.counters import Counters
 from ...records.report import ROUNDED
@@ -52,69 +52,42 @@ class PrimitiveRecord:
         return stats_from_list(self.values, self.n_samples, self.t, self.cap)
 
 
-# the settings AtenContext takes from an AnalysisConfig (AtenContext.from_config)
-_SETTINGS = ("format", "n_samples", "seed", "rounding", "confidence", "diagnostics",
-             "cancel_digits", "zero_threshold", "kernels", "saturate",
-             "data_perturbation_threshold")
-
-
 @dataclass
 class AtenContext:
     """Configuration and running state shared by the primitives of one analysed call.
 
     The settings are an :class:`~fxstab.config.AnalysisConfig` (``config``), validated there
-    and only there: the backend passes its own (:meth:`from_config`); the eager driver's
-    keyword settings below make one.
+    and read from there, with its defaults: the backend passes its own; the eager driver and
+    the tests make one from keyword settings with :meth:`of`. The settings the rules read per
+    primitive (``n_samples``, ``fmt``, ``rounding``, ``confidence``, ``diagnostics``,
+    ``cancel_digits``, ``zero_threshold``, ``saturate``, ``eta``) are properties reading it.
 
     Args:
-        format: Simulated format (name, pair, dtype or Format).
-        n_samples: N >= 2 samples.
-        seed: Base seed; call ``k`` of the context rounds with ``derive_seed(seed, k)`` unless the
-            caller passes its own ``salt``.
-        rounding: Rounding mode of every result (``random``: CESTAC).
-        confidence: Student-t confidence of the digits.
-        diagnostics: ``off`` | ``summary`` | ``detailed`` (counters, docs/design.md §5).
-        cancel_digits: Digits an add/sub must lose to count as a cancellation (CADNA: 4).
-        zero_threshold: Digits below which a value is a computational zero (0.5).
+        config: The analysis's settings (``granularity="aten"``).
         recorder: Called with a :class:`PrimitiveRecord` for every recorded primitive.
-        kernels: ``auto``/``cpu``: the fused CPU kernels (:mod:`fxstab.cpu.bindings`) where they run
-            (CPU fp32/fp64 samples), the plain-torch references elsewhere; ``torch``: always
-            the references (:mod:`fxstab.executors`: this level has no Triton path yet, so
-            ``triton`` means ``auto``). Both draw the same Philox streams: the rounded samples
-            are the same bits either way.
-        saturate: Clamp overflow to the format's largest finite value instead of inf/NaN.
-        data_perturbation_threshold: The GEMM surrogate's eta (default: the format's unit
-            roundoff, docs/design.md §4).
         record_exact: Also record digit statistics of exact primitives (views, selections).
         round_per_sample: Round the results of a primitive that vmap cannot batch (it runs once
             per sample; status ``per_sample``) like any other, as the backend does
-            (docs/design.md §3); ``False`` (the eager driver) leaves them unrounded (status ``unlifted``).
+            (docs/design.md §3); ``False`` (the eager driver) leaves them unrounded (status
+            ``unlifted``).
 
-    Derived once (read by the rules' modules): ``fmt``, ``working_dtype``, ``complex_dtype``,
-    ``eft`` (the fp64 format's error-free rounding), ``cap`` (the format's digit cap), ``t``
+    Derived once (read by the rules' modules): ``working_dtype``, ``complex_dtype``, ``eft``
+    (the fp64 format's error-free rounding), ``cap`` (the format's digit cap), ``t``
     (Student's t of the digits), ``digits_offset`` (the digits' additive constant,
-    ``log10(sqrt(N (N - 1)) / t)``), ``use_native`` (the fused CPU kernels run),
-    ``use_lookup`` (unary math through the bf16 tables). Running state: ``counters``,
-    ``calls``, ``last_events`` (the counter events of the last primitive), ``gemm_pending``
-    (the seed and surrogate of the GEMM between its perturbation and its rounding).
+    ``log10(sqrt(N (N - 1)) / t)``), ``use_native`` (the fused CPU kernels run: the
+    ``kernels`` option, :mod:`fxstab.executors`), ``use_lookup`` (unary math through the bf16
+    tables). Running state: ``seed`` (the base seed of the call: call ``k`` of the context
+    rounds with ``derive_seed(seed, k)`` unless the caller passes its own ``salt``; the
+    config's until :meth:`for_call` gives one), ``counters``, ``calls``, ``last_events`` (the
+    counter events of the last primitive), ``gemm_pending`` (the seed and surrogate of the
+    GEMM between its perturbation and its rounding).
     """
 
-    format: FormatLike = "fp32"
-    n_samples: int = 3
-    seed: int = 0
-    rounding: str | Rounding = "random"
-    confidence: float = 0.95
-    diagnostics: str = "summary"
-    cancel_digits: float = 4.0
-    zero_threshold: float = ZERO_THRESHOLD
+    config: AnalysisConfig
     recorder: Optional[Callable[[PrimitiveRecord], None]] = None
-    kernels: str = "auto"
-    saturate: bool = False
     record_exact: bool = False
     round_per_sample: bool = False
-    data_perturbation_threshold: Optional[float] = None
-    # the settings above as one validated config (given: the settings are read from it)
-    config: Optional[AnalysisConfig] = None
+    seed: int = field(init=False)
     counters: Counters = field(init=False)
     calls: int = field(default=0, init=False)
     # emits the parts of the rules that read values as steps of a graph being traced (the
@@ -122,53 +95,83 @@ class AtenContext:
     stepper: Optional[Callable] = field(default=None, init=False, repr=False)
 
     @classmethod
-    def from_config(cls, config: AnalysisConfig, **running: Any) -> "AtenContext":
-        """The context of an analysis configured by ``config`` (its settings as they are:
-        already validated); ``running``: ``recorder``, ``record_exact``,
-        ``round_per_sample``."""
-        return cls(config=config, **running)
+    def of(cls, *, recorder: Optional[Callable[[PrimitiveRecord], None]] = None,
+           record_exact: bool = False, round_per_sample: bool = False,
+           **settings: Any) -> "AtenContext":
+        """The context of ``settings``: :class:`~fxstab.config.AnalysisConfig`'s keywords
+        (``format=``, ``n_samples=``, ``seed=``, ``kernels=``...) at
+        ``granularity="aten"``, with its defaults and its checks."""
+        return cls(AnalysisConfig(granularity="aten", **settings), recorder, record_exact,
+                   round_per_sample)
 
     def __post_init__(self) -> None:
         config = self.config
-        if config is None:  # the keyword settings: validated by the one config
-            config = AnalysisConfig(
-                granularity="aten", format=self.format, n_samples=self.n_samples,
-                seed=self.seed, rounding=self.rounding, confidence=self.confidence,
-                diagnostics=self.diagnostics, cancel_digits=self.cancel_digits,
-                zero_threshold=self.zero_threshold, kernels=self.kernels,
-                saturate=self.saturate,
-                data_perturbation_threshold=self.data_perturbation_threshold)
-        else:  # the settings read from the config
-            for name in _SETTINGS:
-                setattr(self, name, getattr(config, name))
-        self.config = config
-        self.fmt: Format = config.format
-        self.rounding = config.rounding
-        # the GEMM surrogate's threshold (config: the format's unit roundoff by default)
-        self.eta: float = config.data_perturbation_threshold
-        self.working_dtype = working_dtype_for(self.fmt)
+        self.seed = config.seed
+        self.working_dtype = working_dtype_for(config.format)
         # complex samples: real and imaginary parts in the working dtype
         self.complex_dtype = torch.complex128 if self.working_dtype == torch.float64 else \
             torch.complex64
         # fp64 format in fp64: rounding needs the exact result's side (error-free transforms)
-        self.eft = (self.working_dtype == torch.float64 and self.fmt.man_bits == 52
-                    and self.rounding is Rounding.RANDOM)
-        self.cap = self.fmt.digit_cap
-        t = self.t = student_t(self.n_samples, self.confidence)
-        n = self.n_samples
+        self.eft = (self.working_dtype == torch.float64 and config.format.man_bits == 52
+                    and config.rounding is Rounding.RANDOM)
+        self.cap = config.format.digit_cap
+        n = config.n_samples
+        t = self.t = student_t(n, config.confidence)
         self.digits_offset = math.log10(math.sqrt(n * (n - 1)) / t)
-        self.counters = Counters("detailed" if self.diagnostics == "detailed" else "summary")
+        self.counters = Counters("detailed" if config.diagnostics == "detailed" else "summary")
         self._occurrence: dict[str, int] = {}
         self._seeds: Optional[dict] = None  # salt -> seed, derived ahead (for_call)
         self._round_seeds: Optional[dict] = None  # seed -> its first output's rounding seed
-        self.use_native = executors.native_possible(self.kernels)
+        self.use_native = executors.native_possible(config.kernels)
         self._rounders: dict = {}
         self.gemm_pending: Optional[tuple] = None  # (seed, surrogate fired) of the GEMM being run
         # unary math on rounded values of a format with at most bf16's significand (bf16, fp8:
         # every such value is a bf16 value) through native.lookup_bf16
         self.use_lookup = (self.use_native and self.working_dtype == torch.float32
-                           and self.fmt.man_bits <= 7)
+                           and config.format.man_bits <= 7)
         self.last_events: list = []
+
+    # -- the settings, read from the config ---------------------------------------------------
+    @property
+    def fmt(self) -> Format:
+        """The simulated format."""
+        return self.config.format
+
+    @property
+    def n_samples(self) -> int:
+        return self.config.n_samples
+
+    @property
+    def rounding(self) -> Rounding:
+        """The rounding mode of every result (``random``: CESTAC)."""
+        return self.config.rounding
+
+    @property
+    def confidence(self) -> float:
+        return self.config.confidence
+
+    @property
+    def diagnostics(self) -> str:
+        return self.config.diagnostics
+
+    @property
+    def cancel_digits(self) -> float:
+        """Digits an add/sub must lose to count as a cancellation (CADNA: 4)."""
+        return self.config.cancel_digits
+
+    @property
+    def zero_threshold(self) -> float:
+        return self.config.zero_threshold
+
+    @property
+    def saturate(self) -> bool:
+        return self.config.saturate
+
+    @property
+    def eta(self) -> float:
+        """The GEMM surrogate's threshold (the config's: the format's unit roundoff unless
+        set, docs/design.md §4)."""
+        return self.config.data_perturbation_threshold
 
     def measure(self, samples: torch.Tensor) -> Analysis:
         """What the counters read of ``samples``, measured on first use
@@ -213,10 +216,11 @@ class AtenContext:
         key = (dtype, rounded)
         r = self._rounders.get(key)
         if r is None:
+            cfg = self.config
             r = self._rounders[key] = native.rounder(
-                self.fmt, self.rounding if rounded else None, dtype, self.n_samples,
-                saturate=self.saturate, confidence=self.confidence,
-                zero_threshold=self.zero_threshold)
+                cfg.format, cfg.rounding if rounded else None, dtype, cfg.n_samples,
+                saturate=cfg.saturate, confidence=cfg.confidence,
+                zero_threshold=cfg.zero_threshold)
         return r
 
     def next_seed(self, salt: Optional[int] = None) -> int:
