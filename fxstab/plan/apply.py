@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import operator
 import warnings
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -30,7 +31,8 @@ from ..records.run import RunState
 from .record import PrecisionPlan
 from .inputs import as_inputs
 
-__all__ = ["apply_plan", "PlanBackend", "check_plan", "PlanCheck", "output_true_digits"]
+__all__ = ["apply_plan", "PlanBackend", "check_plan", "PlanCheck", "output_true_digits",
+           "output_non_finite"]
 
 
 def _higher_dtype(plan: PrecisionPlan) -> torch.dtype:
@@ -177,24 +179,51 @@ def apply_plan(model: Any, plan: PrecisionPlan) -> Any:
     """
     be = PlanBackend(plan)
     compiled = torch.compile(model, backend=be)
-    try:
-        compiled.plan_backend = be
-    except AttributeError:  # a compiled function
-        pass
+    if isinstance(compiled, torch.nn.Module):
+        # on the wrapper itself: its setattr would set it on the user's model, whose
+        # ``copy.deepcopy`` then meets the fake tensors the backend's graphs hold
+        object.__setattr__(compiled, "plan_backend", be)
+    else:
+        try:
+            compiled.plan_backend = be
+        except AttributeError:  # a compiled function that takes no attributes
+            pass
     return compiled
 
 
+@dataclass
 class PlanCheck:
-    """True digits of the real low-precision run against fp64, without and with the plan."""
+    """True digits of the real low-precision run against fp64, without and with the plan.
 
-    def __init__(self, plain: float, planned: float, high: float, missing: list) -> None:
-        self.plain, self.planned, self.high, self.missing = plain, planned, high, missing
+    Attributes:
+        plain, planned, high: the avg true digits at the outputs without the plan, with it,
+            and all in ``higher`` (a NaN/inf element counts 0 digits).
+        missing: the plan's operators no compiled graph held.
+        plain_non_finite, planned_non_finite, high_non_finite: the output elements that are
+            NaN/inf in each run, of ``numel`` floating output elements.
+    """
+
+    plain: float
+    planned: float
+    high: float
+    missing: list = field(default_factory=list)
+    plain_non_finite: int = 0
+    planned_non_finite: int = 0
+    high_non_finite: int = 0
+    numel: int = 0
+
+    def _digits(self, digits: float, non_finite: int) -> str:
+        """A run's digits, with its NaN/inf outputs where it has some (they count 0 digits:
+        the average alone would hide them)."""
+        return f"{digits:.2f}" + (f" ({non_finite} of {self.numel} output elements NaN/inf)"
+                                  if non_finite else "")
 
     def report(self, plan: PrecisionPlan) -> str:
         lines = [f"real run in {plan.format} against fp64 of the same weights (avg true digits "
-                 f"at the outputs): {self.plain:.2f} without the plan, {self.planned:.2f} with "
-                 f"it ({len(plan.promoted)} operators in {plan.higher}); all in {plan.higher}: "
-                 f"{self.high:.2f}"]
+                 f"at the outputs): {self._digits(self.plain, self.plain_non_finite)} without "
+                 f"the plan, {self._digits(self.planned, self.planned_non_finite)} with it "
+                 f"({len(plan.promoted)} operators in {plan.higher}); all in {plan.higher}: "
+                 f"{self._digits(self.high, self.high_non_finite)}"]
         if self.missing:
             lines.append(f"warning: {len(self.missing)} operator(s) of the plan were not found "
                          f"in the compiled model: {', '.join(self.missing[:5])}")
@@ -214,6 +243,16 @@ def output_true_digits(y: Any, ref: Any, cap: float) -> float:
             total += float(true_digits(a, r, cap).sum())
             numel += a.numel()
     return total / numel if numel else float("nan")
+
+
+def output_non_finite(y: Any) -> tuple[int, int]:
+    """(NaN/inf elements, elements) of a model's floating outputs ``y``."""
+    bad = numel = 0
+    for a in pytree.tree_leaves(y):
+        if isinstance(a, torch.Tensor) and a.is_floating_point() and a.numel():
+            bad += int((~torch.isfinite(a)).sum())
+            numel += a.numel()
+    return bad, numel
 
 
 def check_plan(model: torch.nn.Module, example_inputs: Sequence, plan: PrecisionPlan
@@ -239,5 +278,10 @@ def check_plan(model: torch.nn.Module, example_inputs: Sequence, plan: Precision
         planned_model = apply_plan(copy.deepcopy(lowered), plan)
         planned = planned_model(*inputs)
         missing = planned_model.plan_backend.missing()
-    return PlanCheck(output_true_digits(plain, ref, cap), output_true_digits(planned, ref, cap),
-                     output_true_digits(high, ref, get_format(plan.higher).digit_cap), missing)
+    return PlanCheck(plain=output_true_digits(plain, ref, cap),
+                     planned=output_true_digits(planned, ref, cap),
+                     high=output_true_digits(high, ref, get_format(plan.higher).digit_cap),
+                     missing=missing, plain_non_finite=output_non_finite(plain)[0],
+                     planned_non_finite=output_non_finite(planned)[0],
+                     high_non_finite=output_non_finite(high)[0],
+                     numel=output_non_finite(plain)[1])

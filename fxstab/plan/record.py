@@ -109,12 +109,14 @@ class PrecisionPlan:
         if len(self.checks) > 1:
             worst = (f", the worst of {', '.join(self.checks)}: "
                      + ", ".join(_digits(d) for d in self.checks.values()))
+        # known where the search ran everything in higher (an empty plan's did not need to)
+        all_higher = f"; all in {self.higher}: {_digits(self.all_higher)}" \
+            if self.all_higher == self.all_higher else ""
         lines = [f"precision plan: {share} in {self.higher}, the rest in {self.format}; "
                  f"{self.runs} analysed calls",
                  f"digits at {what} ({criterion}, the analysis; NaN/inf fails): "
                  f"{_digits(self.before)} in {self.format} -> {_digits(self.after)} with the "
-                 f"plan{worst} (required {self.required():.2f}; all in {self.higher}: "
-                 f"{_digits(self.all_higher)})"]
+                 f"plan{worst} (required {self.required():.2f}{all_higher})"]
         calibration = self.settings.get("calibration")
         if isinstance(calibration, dict):
             lines.append(f"keep {self.keep:.2f} is in true digits of the real run: the analysis "

@@ -153,8 +153,6 @@ class PlanSearch:
         with be.capture_samples() as cap, torch.no_grad():
             compiled(*(self.inputs if inputs is None else inputs))
         self.runs += 1
-        if self.progress is not None:
-            self.progress(self)
         if not be.reports:
             raise RuntimeError("the analysis recorded no operator: nothing to plan (is the model "
                                "a torch.nn.Module torch.compile can capture?)")
@@ -167,6 +165,8 @@ class PlanSearch:
         self._cache[key] = result
         if seed is None and input_index == 0:
             self.history.append((tuple(promoted), result))
+        if self.progress is not None:  # after the history: the line shows this call's digits
+            self.progress(self)
         return result
 
 
@@ -711,6 +711,9 @@ def _progress_line(keep: float) -> Any:
     def show(search: "PlanSearch") -> None:
         best = max((e.digits for _, e in search.history), default=math.nan)
         end = "\r" if sys.stderr.isatty() else "\n"
-        print(f"fxstab plan: {search.runs} analysed calls, best {best:.2f} digits "
-              f"(keep {keep:.2f})", end=end, file=sys.stderr, flush=True)
+        said = f"best {best:.2f} digits" if math.isfinite(best) else \
+            "every candidate's outputs hold a NaN/inf so far" if best == -math.inf else \
+            "no candidate yet"
+        print(f"fxstab plan: {search.runs} analysed calls, {said} (keep {keep:.2f})", end=end,
+              file=sys.stderr, flush=True)
     return show

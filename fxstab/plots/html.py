@@ -668,13 +668,19 @@ def plan_page(plan: Any, check: Any = None, title: Optional[str] = None) -> str:
     data = {"page": "plan", "format": plan.format, "higher": plan.higher, "keep": required,
             "cost": _num(plan.cost, 4), "promoted": len(plan.promoted), "ops": ops,
             "frontier": frontier, "checks": {k: _num(v, 3) for k, v in plan.checks.items()}}
-    verdict = "keeps" if plan.met else "does NOT keep"
+    # what the plan keeps (the worst check) against what it must: the requirement alone read
+    # as what it keeps
+    verdict = (f"keeps {_fmt(plan.after)} digits at the outputs (the analysis), "
+               f"{'meeting' if plan.met else 'NOT meeting'} the {required:.2f} required")
     real = ""
     if check is not None:
+        def run(which: str) -> str:  # its NaN/inf outputs too: they count 0 digits
+            bad = getattr(check, f"{which}_non_finite", 0)
+            return f"<b>{getattr(check, which):.2f}</b>" + (
+                f" ({bad} of {check.numel} output elements NaN/inf)" if bad else "")
         real = (f"<p>The real run in {escape(plan.format)} against fp64 of the same weights "
-                f"(avg true digits at the outputs): <b>{check.plain:.2f}</b> without the plan, "
-                f"<b>{check.planned:.2f}</b> with it; all in {escape(plan.higher)}: "
-                f"{check.high:.2f}.</p>")
+                f"(avg true digits at the outputs): {run('plain')} without the plan, "
+                f"{run('planned')} with it; all in {escape(plan.higher)}: {run('high')}.</p>")
     checks = ", ".join(f"{escape(k)} {_fmt(v)}" for k, v in plan.checks.items())
     cost = (f"; cost {plan.cost:.3f} against {plan.cost_all_higher:.3f} with everything in "
             f"{escape(plan.higher)} (all in {escape(plan.format)} = 1)"
@@ -685,9 +691,9 @@ def plan_page(plan: Any, check: Any = None, title: Optional[str] = None) -> str:
 {escape(plan.higher)}, the rest in {escape(plan.format)}; {plan.runs} analysed calls</div></header>
 <main>
 <section id="verdict-section"><h2>Verdict</h2>
-<p class="verdict {'pass' if plan.met else 'fail'}">The plan {verdict} {required:.2f} digits at the
-outputs (the analysis): {_fmt(plan.before)} in {escape(plan.format)}, {_fmt(plan.after)} with
-the plan{f" (the worst of {checks})" if len(plan.checks) > 1 else ""}{cost}.</p>{real}</section>
+<p class="verdict {'pass' if plan.met else 'fail'}">The plan {verdict}: {_fmt(plan.before)} in
+{escape(plan.format)}, {_fmt(plan.after)} with the plan{f" (the worst of {checks})"
+if len(plan.checks) > 1 else ""}{cost}.</p>{real}</section>
 <section id="frontier-section"><h2>Digits against cost</h2>
 <p class="muted">The plans the search evaluated that no cheaper one beats (the analysis, the
 search's seed), by cost; the line is what the plan must keep, the marked point the plan.</p>
