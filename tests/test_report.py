@@ -159,3 +159,39 @@ def test_a_call_noted_as_one_block_gives_the_reports_noted_one_by_one(monkeypatc
     assert be_each.sampled_graphs()[0].tracer._usual is None
     assert block == [r.as_dict() for r in be_each.reports] and len(block) == 5 * 3
     assert any(r["surrogate"] for r in block) and not all(r["surrogate"] for r in block)
+
+
+def test_a_report_row_names_its_parts_and_builds_the_report_a_tuple_built():
+    """Issue 53, item 4: a deferred report is a ReportRow built by keyword (the GEMM's figures
+    a named field, not a sixth item found by its length); the tuple the tracers handed before
+    builds the same report."""
+    from fxstab.records.report import ReportRow, report_builder
+
+    class Figures(tuple):  # a modelled GEMM's (avg, min), its operands' statistics beside
+        operands = {"elements": 12, "scale_max": 4.0}
+
+    fixed = OpReport.fixed_of({"name": "lin/linear#0", "kind": "linear", "module_path": "lin",
+                               "format": "bf16", "n_samples": 3, "shape": (2, 4)})
+    v = stats_row([16.0, 1.0, 3.0, 2.0, 0.0, 8.0, 1.0, 0.5, 1.0, 1.5, 2.0])
+    build = report_builder("train", 7, 2, 3, 4.3)
+    gemm = Figures((2.5, 1.25))
+    row = ReportRow(fixed=fixed, cap=2.4, surrogate=True, stats=v, gemm=gemm)
+    r = build(row)
+    assert (r.name, r.phase, r.step, r.call, r.surrogate) == ("lin/linear#0", "train", 7, 2, True)
+    assert (r.avg_digits, r.min_digits, r.numel, r.zero_fraction) == (2.0, 1.0, 8, 0.25)
+    assert (r.accumulator_digits, r.accumulator_min_digits) == (2.5, 1.25)
+    assert (r.operand_elements, r.operand_scale_max) == (12, 4.0)
+    assert r.counters == {k: 0 for k in r.counters}  # none counted
+    assert build((fixed, 2.4, True, None, v, gemm)) == r
+    plain = build(ReportRow(fixed=fixed, cap=2.4, surrogate=False, stats=v,
+                            counters={**r.counters, "cancellation": 3}))
+    assert plain.counters["cancellation"] == 3 and plain.accumulator_digits != \
+        plain.accumulator_digits  # NaN: no accumulator modelled
+    assert build((fixed, 2.4, False, {**r.counters, "cancellation": 3}, v)) == plain
+
+
+def test_a_report_of_nothing_measured_reads_the_cap():
+    fixed = OpReport.fixed_of({"name": "add#0", "kind": "add", "module_path": ""})
+    r = OpReport.from_stats(fixed, "default", None, 0, False, {}, [0.0] * 11, 3, 4.3, 2.4)
+    assert (r.avg_digits, r.min_digits, r.max_digits, r.normwise_digits, r.p10_digits,
+            r.p50_digits, r.numel) == (2.4, 2.4, 2.4, 2.4, 2.4, 2.4, 0)

@@ -11,7 +11,7 @@ import math
 import struct
 from collections.abc import MutableSequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 from ..numerics.digits import STATS_LEN, normwise_digits
 
@@ -104,23 +104,29 @@ class OpReport:
 
     @classmethod
     def from_stats(cls, fixed: tuple, phase: str, step: Optional[int], call: int,
-                   surrogate: bool, counters: dict, v: list, n: int, t: float,
+                   surrogate: bool, counters: dict, v: Sequence[float], n: int, t: float,
                    cap: float) -> "OpReport":
         """A report from the fields its operator's reports share (``fixed``: the values of
         :data:`FIXED_FIELDS`, see :meth:`fixed_of`), this call's, and a statistics list
         (:func:`fxstab.numerics.digits.stats_vector`'s layout; empty: the cap), with the digits of
-        :func:`fxstab.numerics.digits.stats_from_list`: how the backends build their reports (one
-        positional call, no keyword parsing)."""
+        :func:`fxstab.numerics.digits.stats_from_list`: how the backends build their reports."""
         name, kind, module_path, source, fmt, n_samples, status, shape, inputs, direction = fixed
         total, mn, mx, zeros, nf, numel, msq, vsq, under, p10, p50 = v
-        if numel == 0:
-            return cls(name, kind, module_path, source, phase, step, fmt, n_samples, cap, cap,
-                       cap, 0, 0.0, 0, cap, cap, cap, 0, surrogate, status, shape, counters,
-                       inputs, call, direction)
-        return cls(name, kind, module_path, source, phase, step, fmt, n_samples, total / numel,
-                   mn, mx, int(numel), zeros / numel, int(nf),
-                   normwise_digits(msq, vsq, nf, n, t, cap), p10, p50, int(under), surrogate,
-                   status, shape, counters, inputs, call, direction)
+        if numel == 0:  # nothing measured: every digit figure the cap
+            return cls(name=name, kind=kind, module_path=module_path, source=source,
+                       phase=phase, step=step, format=fmt, n_samples=n_samples,
+                       avg_digits=cap, min_digits=cap, max_digits=cap, numel=0,
+                       zero_fraction=0.0, non_finite=0, normwise_digits=cap, p10_digits=cap,
+                       p50_digits=cap, underflow=0, surrogate=surrogate, status=status,
+                       shape=shape, counters=counters, inputs=inputs, call=call,
+                       direction=direction)
+        return cls(name=name, kind=kind, module_path=module_path, source=source, phase=phase,
+                   step=step, format=fmt, n_samples=n_samples, avg_digits=total / numel,
+                   min_digits=mn, max_digits=mx, numel=int(numel), zero_fraction=zeros / numel,
+                   non_finite=int(nf), normwise_digits=normwise_digits(msq, vsq, nf, n, t, cap),
+                   p10_digits=p10, p50_digits=p50, underflow=int(under), surrogate=surrogate,
+                   status=status, shape=shape, counters=counters, inputs=inputs, call=call,
+                   direction=direction)
 
     def fixed(self) -> tuple:
         """This report's :data:`FIXED_FIELDS` (what :meth:`from_stats` takes)."""
@@ -234,21 +240,58 @@ def row_values(v: bytes) -> tuple:
     return _ROW.unpack(v)
 
 
+@dataclass(slots=True)
+class ReportRow:
+    """One operator's report of one analysed call as a tracer hands it to the log
+    (:meth:`ReportLog.defer`, with :func:`report_builder`'s ``build``): what it is built from,
+    kept until the log is read.
+
+    Attributes:
+        fixed: the operator's :data:`FIXED_FIELDS` (:meth:`OpReport.fixed_of`).
+        cap: its digit cap (the digits of a value measured exactly).
+        surrogate: whether its GEMM surrogate fired in this call.
+        stats: its statistics row (:func:`stats_row`).
+        counters: its instability counters; None: none counted (the usual case: no dict
+            kept until the log is read).
+        gemm: a modelled GEMM's figures: the accumulator's digits ``(avg, min)``, with its
+            operands' statistics as ``.operands`` where a recipe rounds them
+            (:class:`fxstab.rules.accumulation.GemmFigures`); None: no GEMM modelled.
+    """
+
+    fixed: tuple
+    cap: float
+    surrogate: bool
+    stats: bytes
+    counters: Optional[dict] = None
+    gemm: Optional[tuple] = None
+
+    @classmethod
+    def from_tuple(cls, row: tuple) -> "ReportRow":
+        """The row of a tracer that still hands ``(fixed, cap, surrogate, counters, stats)``
+        and a sixth item for a modelled GEMM's figures (the operator and arithmetic levels'
+        tracers, until they build :class:`ReportRow` by keyword)."""
+        fixed, cap, surrogate, counters, stats = row[:5]
+        return cls(fixed=fixed, cap=cap, surrogate=surrogate, stats=stats, counters=counters,
+                   gemm=row[5] if len(row) > 5 else None)
+
+
 def report_builder(phase: str, step: Optional[int], call: int, n: int,
-                   t: float) -> Callable[[tuple], OpReport]:
-    """The ``build`` of one analysed call's deferred reports (:meth:`ReportLog.defer`), for
-    rows ``(fixed, cap, surrogate, counters or None for none counted, stats_row(...))``, and
-    a sixth item ``(avg, min)`` where a modelled GEMM measured its accumulator's digits."""
+                   t: float) -> Callable[[ReportRow], OpReport]:
+    """The ``build`` of one analysed call's deferred reports (:meth:`ReportLog.defer`): one
+    :class:`ReportRow` to its :class:`OpReport`."""
     from_stats = OpReport.from_stats
 
-    def build(row: tuple) -> OpReport:
-        fixed, cap, surrogate, counters, v = row[:5] if len(row) > 5 else row
-        r = from_stats(fixed, phase, step, call, surrogate,
-                       empty_counters() if counters is None else counters, row_values(v),
-                       n, t, cap)
-        if len(row) > 5:  # a modelled GEMM's accumulator digits (avg, min)
-            r.accumulator_digits, r.accumulator_min_digits = row[5]
-            for k, v in getattr(row[5], "operands", {}).items():  # its operands' statistics
+    def build(row: ReportRow) -> OpReport:
+        if type(row) is not ReportRow:
+            row = ReportRow.from_tuple(row)
+        counters = row.counters
+        r = from_stats(row.fixed, phase, step, call, row.surrogate,
+                       empty_counters() if counters is None else counters,
+                       row_values(row.stats), n, t, row.cap)
+        gemm = row.gemm
+        if gemm is not None:  # a modelled GEMM's accumulator digits (avg, min)
+            r.accumulator_digits, r.accumulator_min_digits = gemm
+            for k, v in getattr(gemm, "operands", {}).items():  # its operands' statistics
                 setattr(r, f"operand_{k}", v)
         return r
 
