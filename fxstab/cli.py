@@ -111,12 +111,22 @@ _DEFAULTS = {"granularity": "op", "format": "bf16", "n_samples": 3, "seed": 0,
 def _settings(args: argparse.Namespace) -> Any:
     """The settings file (``--config FILE``, else the nearest fxstab.toml / pyproject.toml with
     [tool.fxstab]); a bad file is exit 2 with the file, key and value named."""
-    from .configfile import ConfigError, load
+    import warnings
+
+    from .configfile import ConfigError, ConfigWarning, load
 
     try:
-        return load(getattr(args, "config", None))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ConfigWarning)
+            cfg = load(getattr(args, "config", None))
     except ConfigError as e:
         raise CLIError(str(e)) from None
+    for w in caught:  # one line each, as the CLI's errors (a broken pyproject.toml passed by)
+        if issubclass(w.category, ConfigWarning):
+            print(f"fxstab {args.command}: warning: {w.message}", file=sys.stderr)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return cfg
 
 
 def _analysis_options(args: argparse.Namespace, cfg: Any, target: Any = None,

@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -61,6 +63,11 @@ ANALYSIS_KEYS: dict[str, tuple] = {
 GATE_KEYS: dict[str, tuple] = {"max_drop": (float, int), "metric": (str,)}
 TARGET_KEYS: dict[str, tuple] = {"target": (str,), "output": (str,), "kwargs": (dict,),
                                  "calls": (int,)}
+
+
+class ConfigWarning(UserWarning):
+    """A ``pyproject.toml`` passed by while searching for the settings: it does not parse and
+    shows no ``[tool.fxstab]`` (the message names the file, the line and the column)."""
 
 
 class ConfigError(ValueError):
@@ -143,12 +150,31 @@ def find(start: Optional[PathLike] = None) -> Optional[Path]:
         py = d / "pyproject.toml"
         if py.is_file():
             try:
-                data = tomllib.loads(py.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
-                continue  # another tool's broken file is not ours to report while searching
+                text = py.read_text(encoding="utf-8")
+                data = tomllib.loads(text)
+            except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+                if isinstance(e, tomllib.TOMLDecodeError) and _FXSTAB_TABLE.search(text):
+                    return py  # ours: load() says where it does not parse
+                # another tool's file, perhaps: passed by, but never silently
+                warnings.warn(f"{py}: skipped: {_unreadable(e)}; fxstab reads no settings "
+                              f"from it (fix it, or give --config FILE)", ConfigWarning,
+                              stacklevel=2)
+                continue
             if isinstance(data.get("tool"), dict) and "fxstab" in data["tool"]:
                 return py
     return None
+
+
+# a [tool.fxstab] table (or a subtable, or a dotted key under [tool]) in a file's text
+_FXSTAB_TABLE = re.compile(r"^\s*(\[+\s*tool\s*\.\s*[\"']?fxstab\b|fxstab\s*[.=])", re.M)
+
+
+def _unreadable(e: Exception) -> str:
+    """Why a settings file could not be read: for TOML, the parser's message with its line
+    and column."""
+    if isinstance(e, tomllib.TOMLDecodeError):
+        return f"not valid TOML: {e}"
+    return f"cannot read it ({e})"
 
 
 def load(path: Optional[PathLike] = None, search: bool = True) -> Config:
@@ -175,10 +201,8 @@ def load(path: Optional[PathLike] = None, search: bool = True) -> Config:
                                            "pyproject.toml with a [tool.fxstab] table")
     try:
         data = tomllib.loads(found.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(found, "(file)", f"cannot read it ({e})") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(found, "(file)", f"not valid TOML: {e}") from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(found, "(file)", _unreadable(e)) from None
     if found.name == "pyproject.toml" or "tool" in data:
         tool = data.get("tool", {})
         if not isinstance(tool, dict) or "fxstab" not in tool:

@@ -125,6 +125,34 @@ def test_a_bad_value_names_the_file_the_key_and_the_value(tmp_path, text, key, v
         configfile.load(tmp_path / "pyproject.toml")
 
 
+def test_a_pyproject_that_does_not_parse_is_named_with_its_line_and_column(
+        tmp_path, monkeypatch, capsys):
+    """Issue 56, item 6: a broken pyproject.toml was passed by in silence and the run took the
+    defaults. One with [tool.fxstab] is an error, one without a warning; both name the file,
+    the line and the column."""
+    py = _write(tmp_path, "pyproject.toml", """\
+        [tool.fxstab]
+        format = "fp16"
+        seed = = 1
+    """)
+    with pytest.raises(ConfigError) as info:
+        configfile.load(tmp_path)
+    assert str(info.value).startswith(f"{py}: (file): not valid TOML: ")
+    assert "line 3, column" in str(info.value)
+    monkeypatch.chdir(tmp_path)
+    assert main(["record"]) == 2  # as a user meets it: not "no [targets] configured"
+    err = capsys.readouterr().err
+    assert f"{py}: (file): not valid TOML" in err and "line 3" in err, err
+    # another tool's broken file: passed by, with a warning that says where
+    _write(tmp_path, "pyproject.toml", '[project]\nname = "x"\nversion = 1.0.0\n')
+    with pytest.warns(configfile.ConfigWarning, match=r"pyproject\.toml: skipped: not valid "
+                                                       r"TOML: .*line 3, column"):
+        assert configfile.find(tmp_path) is None
+    assert main(["record"]) == 2  # no target anywhere; the file passed by is said first
+    err = capsys.readouterr().err
+    assert err.startswith(f"fxstab record: warning: {py}: skipped: not valid TOML"), err
+
+
 def test_unreadable_files_are_errors_too(tmp_path):
     with pytest.raises(ConfigError, match="no such file"):
         configfile.load(tmp_path / "absent.toml")
