@@ -72,10 +72,20 @@ class Evaluation:
 
 
 class PlanSearch:
-    """Runs the analysed calls of one search and counts them (``runs``)."""
+    """One search of a precision plan: its analysed calls (:meth:`evaluate`, counted in
+    ``runs``) and, with :meth:`run`, the search itself (the module docstring's routes, the
+    re-checks, the calibration), whose state lives here between its steps.
+
+    The search's own settings (``keep``, ``recheck_seeds``, ``inputs``, ``cost``,
+    ``calibrate``) are :func:`plan_precision`'s, validated there; a search made only to
+    evaluate candidates (the tests', the benchmarks') needs none of them.
+    """
 
     def __init__(self, model: Any, example_inputs: Sequence, format: Any, higher: Any,
-                 outputs: Optional[Sequence[str]], budget: Any, options: dict) -> None:
+                 outputs: Optional[Sequence[str]], budget: Any, options: dict, *,
+                 keep: float = math.nan, recheck_seeds: int = 2,
+                 inputs: Sequence[tuple] = (), cost: Optional[CostModel] = None,
+                 calibrate: bool = False) -> None:
         self.model = model
         self.inputs = as_inputs(example_inputs)
         self.format = get_format(format)
@@ -104,6 +114,27 @@ class PlanSearch:
         self._cache: dict = {}
         self.progress: Any = None  # called after each analysed call (the CLI's progress line)
         self.margin = 0.0  # standard errors of the estimate a candidate must keep above
+        # -- the search's settings (plan_precision's)
+        self.keep = keep  # as given (the messages print it so); the record's is float(keep)
+        self.recheck_seeds = recheck_seeds
+        self.more_inputs = list(inputs)  # the further inputs the final plan is re-checked on
+        self.cost_model = cost or CostModel()
+        self.calibrate = calibrate
+        self.seed = options.get("seed", 0)
+        # -- what the search learns (run(): the base call, then each step)
+        self.base: Optional[Evaluation] = None  # the empty plan's call
+        self.full: Optional[Evaluation] = None  # every forward operator in higher (once needed)
+        self.forward: list = []  # the forward operators, in graph order
+        self.extra: dict = {}  # operator -> what promoting it costs more (the cost model)
+        self.low_total = 1.0  # the program's cost all in format
+        self.record: Optional[PrecisionPlan] = None  # the plan returned, filled by finish()
+        self.route = "local"  # "local" or "bisection" (the module docstring)
+        self.bisection: Optional[Bisection] = None
+        # the analysis digits the plan must keep: keep, or with calibrate=True keep's true
+        # digits mapped through the real runs' points (analysis digits, true digits)
+        self.goal = float(keep)
+        self.points: list = []
+        self.real_runs = 0
 
     def recipe_off(self, promoted: Sequence[str]) -> list:
         """The promoted GEMMs that leave the recipe (bf16 operands, the trusted fp32 sum):
@@ -168,6 +199,257 @@ class PlanSearch:
         if self.progress is not None:  # after the history: the line shows this call's digits
             self.progress(self)
         return result
+
+    # -- the search ------------------------------------------------------------------------
+    def run(self) -> PrecisionPlan:
+        """The search (the module docstring's routes, then the re-checks): the plan."""
+        self._begin()
+        if self.calibrate:
+            self._calibrate()
+        target, promoted, ev = self.goal, [], self.base
+        for attempt in range(2):  # the second: the target raised by the spread the re-check saw
+            if not self.meets(ev, target):
+                if self.full is None:
+                    self._all_higher()
+                    if self.full.digits < self.goal:
+                        need = f"keep={self.keep}" if not self.calibrate else \
+                            f"the {self.goal:.2f} that keep={self.keep} true digits needs"
+                        warnings.warn(f"fxstab: even every operator in {self.higher.name} keeps "
+                                      f"{self.full.digits:.2f} digits at the outputs, less than "
+                                      f"{need}: the plan promotes everything", UserWarning,
+                                      stacklevel=3)  # plan_precision's caller
+                        return self.finish(self.forward, self.full,
+                                           {f"seed {self.seed}": self.full})
+                if self.full.digits < target:  # the raised target is out of reach: the last plan
+                    break
+                promoted, ev = self._route(attempt, target, promoted, ev)
+            if ev.digits < self.goal:  # the budget ran out first
+                return self.finish(promoted, ev, {f"seed {self.seed}": ev})
+            checks = self.recheck(promoted, ev)
+            failing = min(checks.values(), key=lambda e: e.digits)
+            if self.calibrate and failing.digits >= self.goal:  # the found plan's real run
+                self.points.append((ev.digits, self.real_run(promoted).planned))
+                self.real_runs += 1
+                if self.points[-1][1] < self.keep and not self.exhausted and attempt == 0:
+                    self.goal = _analysis_goal(self.points, self.keep)
+                    target = max(self.goal, target + 0.01)
+                    continue
+                return self.finish(promoted, ev, checks)
+            if failing.digits >= self.goal or self.exhausted or attempt == 1:
+                return self.finish(promoted, ev, checks)
+            if math.isfinite(failing.digits):
+                # the estimator's spread: the search's seed read this much above the worst check
+                target = self.goal + (ev.digits - failing.digits) + 0.01
+                self.record.settings["raised_target"] = target
+            else:  # a NaN/inf another seed or input meets: promote what its map ranks first
+                pulled, units = _candidates(failing, promoted, set(self.forward), self.consumers)
+                step = pulled + [n for u in units[:1] for n in u if n not in pulled]
+                if not step:
+                    return self.finish(promoted, ev, checks)
+                promoted = promoted + step
+                ev = self.evaluate(promoted)
+                self.route = "local"
+        return self.finish(promoted, ev, checks)
+
+    def _begin(self) -> None:
+        """The empty plan's call, what it tells of the graph (operators, edges, costs) and the
+        plan's record."""
+        self.base = base = self.evaluate(())
+        operators = base.map.operators
+        self.forward = forward = [op.name for op in operators.values()
+                                  if op.direction == "forward"]
+        self.consumers = base.map.consumers()
+        self.kinds = {name: op.kind for name, op in operators.items()}
+        self.paths = {name: op.module_path for name, op in operators.items()}
+        costs = self.cost_model.table(base.map, forward, self.format, self.higher)
+        self.extra = {n: hi - lo for n, (lo, hi) in costs.items()}
+        self.low_total = sum(lo for lo, _ in costs.values()) or 1.0
+        settings = {"n_samples": self.options.get("n_samples", 3), "seed": self.seed,
+                    "granularity": "op", "criterion": self.criterion}
+        if self.recipe[0]:
+            settings["gemm_inputs"] = {p: f.name if f is not None else "as given"
+                                       for p, f in self.recipe[0]}
+            settings["gemm_scaling"] = self.options.get("gemm_scaling", "tensor")
+        if self.recipe[1]:
+            settings["accumulate"] = {p: a.label if a is not None else "fp32"
+                                      for p, a in self.recipe[1]}
+        self.record = PrecisionPlan(format=self.format.name, higher=self.higher.name,
+                                    keep=float(self.keep), outputs=self.outputs or None,
+                                    operators=len(forward), before=base.digits,
+                                    settings=settings)
+        self.record.cost_all_higher = sum(hi for _, hi in costs.values()) / self.low_total
+
+    def _all_higher(self) -> None:
+        """Every forward operator in ``higher`` (one call, made once)."""
+        self.full = self.evaluate(self.forward)
+        self.record.all_higher = self.full.digits
+
+    def _calibrate(self) -> None:
+        """calibrate=True: the analysis's goal from the real runs of the empty plan (plain
+        and all in ``higher``) against its two analysed calls."""
+        self._all_higher()
+        check = self.real_run([])
+        self.real_runs += 1
+        cap = self.format.digit_cap
+        self.points = [(self.base.digits, check.plain), (self.full.digits, min(check.high, cap))]
+        self.goal = _analysis_goal(self.points, self.keep)
+
+    def _route(self, attempt: int, target: float, promoted: list,
+               ev: Evaluation) -> tuple[list, Evaluation]:
+        """One attempt's route towards ``target`` from ``promoted``: the cheapest candidate
+        that keeps it (or the route's last, where none does)."""
+        if attempt == 0 and _is_spread(self.base):
+            self.route = "bisection"
+        # the calls the routes may make, less the re-checks: the budget where one is given
+        # (calls; none in calls for one in seconds, whose deadline stops the search), else
+        # the call target (4 + 2·log2 n with two re-check seeds), which a small model's trim
+        # does not stop at
+        calls = self.route_calls(self.recheck_seeds + len(self.more_inputs))
+        trim = math.inf if self.budget is None and \
+            len(self.forward) <= FULL_TRIM_OPERATORS else calls
+        if self.route == "bisection":
+            if self.bisection is None:
+                self.bisection = Bisection(self, self.base, self.full, self.forward, self.extra)
+            # splits leave a call for the selection and two for its corrections
+            promoted, ev = self.bisection.run(target, calls - 3, trim)
+        else:
+            promoted, ev = self.grow(target, list(promoted), ev)
+            if self.meets(ev, target) and attempt == 0:  # the second attempt keeps what
+                # the first found (another seed or input needed it)
+                promoted, ev = self.shrink(target, promoted, ev, trim)
+        # of the candidates that keep the target, the cheapest (a correction may overshoot
+        # past one found on the way)
+        kept = [(self.plan_cost(p), list(p), e) for p, e in self.history
+                if self.meets(e, target)]
+        if kept and self.meets(ev, target):
+            cheapest = min(kept, key=lambda k: (k[0], len(k[1])))
+            if cheapest[0] < self.plan_cost(promoted):
+                promoted, ev = cheapest[1], cheapest[2]
+        return promoted, ev
+
+    def route_calls(self, reserve: int) -> float:
+        """The calls a route may have made when it stops, the re-checks' ``reserve`` left: the
+        budget's calls (``budget=`` an int), no limit for a budget in seconds (its deadline
+        stops the search), else the call target (:func:`call_target`) less its two re-check
+        seeds."""
+        if self.budget_calls is not None:
+            return self.budget_calls - reserve
+        if self.budget is not None:
+            return math.inf
+        return int(call_target(len(self.forward))) - 2  # the target counts two re-check seeds
+
+    def grow(self, target: float, promoted: list, ev: Evaluation) -> tuple[list, Evaluation]:
+        """The local route's grow step (the module docstring's 1.) until ``target``."""
+        fwd = set(self.forward)
+        batch = 1
+        while not self.meets(ev, target):
+            if self.exhausted:
+                break
+            pulled, units = _candidates(ev, promoted, fwd, self.consumers)
+            step = list(pulled)  # the plan's regions grow a generation a round, beside new units
+            for unit in units[:batch]:
+                step += [n for n in unit if n not in step]
+            if not step:  # nothing ranks as a loss: the remaining operators in graph order
+                step = [n for n in self.forward if n not in promoted][:batch]
+            if not step:
+                break
+            promoted = promoted + step
+            ev = self.evaluate(promoted)
+            batch = batch if pulled else 2 * batch
+        return promoted, ev
+
+    def shrink(self, target: float, promoted: list, ev: Evaluation,
+               until: float) -> tuple[list, Evaluation]:
+        """The local route's shrink step: chunks of halving size (delta debugging's complement
+        step), then each operator once, the dearest first (latest added among equals); it
+        stops once the search has made ``until`` calls (the plan may then keep an operator a
+        longer search would drop: every test so far kept what it needs)."""
+        n = 2
+        while 2 <= n < len(promoted) and not self.exhausted and self.runs < until:
+            size = math.ceil(len(promoted) / n)
+            dropped = False
+            for chunk in [promoted[i:i + size] for i in range(0, len(promoted), size)]:
+                rest = [p for p in promoted if p not in chunk]
+                if rest and not self.exhausted and self.runs < until:
+                    trial = self.evaluate(rest)
+                    if self.meets(trial, target):
+                        promoted, ev, dropped = rest, trial, True
+            n = n if dropped else 2 * n
+        added = {n: i for i, n in enumerate(promoted)}
+        for name in sorted(promoted, key=lambda n: (-self.extra.get(n, 0.0), -added[n])):
+            if len(promoted) < 2 or self.exhausted or self.runs >= until:
+                break
+            rest = [p for p in promoted if p != name]
+            trial = self.evaluate(rest)
+            if self.meets(trial, target):
+                promoted, ev = rest, trial
+        return promoted, ev
+
+    def plan_cost(self, promoted: Sequence[str]) -> float:
+        """A plan's cost relative to the program all in ``format`` (the cost model)."""
+        return 1.0 + sum(self.extra[n] for n in promoted) / self.low_total
+
+    def recheck(self, promoted: list, ev: Evaluation) -> dict:
+        """label -> the plan's evaluation with each further seed and input."""
+        seed = self.seed
+        checks = {f"seed {seed}": ev}
+        for k in range(1, self.recheck_seeds + 1):
+            if self.exhausted:
+                break
+            checks[f"seed {seed + k}"] = self.evaluate(promoted, seed=seed + k)
+        for i, x in enumerate(self.more_inputs, start=1):
+            if self.exhausted:
+                break
+            checks[f"inputs[{i}]"] = self.evaluate(promoted, inputs=x, input_index=i)
+        return checks
+
+    def real_run(self, promoted: Sequence[str]) -> Any:
+        """check_plan's real run of a candidate (calibrate=True)."""
+        from .apply import check_plan
+
+        trial = PrecisionPlan(format=self.format.name, higher=self.higher.name,
+                              keep=float(self.keep), promoted=list(promoted),
+                              kinds={n: self.base.map[n].kind for n in promoted},
+                              modules={n: self.base.map[n].module_path for n in promoted})
+        torch._dynamo.reset()
+        return check_plan(self.model, self.inputs, trial)
+
+    def finish(self, promoted: list, ev: Evaluation, checks: dict) -> PrecisionPlan:
+        """The plan's record of ``promoted`` (whose call is ``ev``) and its ``checks``."""
+        plan, base = self.record, self.base
+        order = {name: i for i, name in enumerate(self.forward)}
+        promoted = sorted(promoted, key=order.__getitem__)
+        plan.promoted = promoted
+        plan.kinds = {n: base.map[n].kind for n in promoted}
+        plan.modules = {n: base.map[n].module_path for n in promoted}
+        plan.per_operator = {n: (base.map[n].avg_digits,
+                                 ev.map[n].avg_digits if n in ev.map else math.nan)
+                             for n in promoted}
+        plan.checks = {k: (v.digits if isinstance(v, Evaluation) else v)
+                       for k, v in checks.items()}
+        plan.after = min(plan.checks.values())
+        plan.met, plan.runs = plan.after >= self.goal, self.runs
+        if self.calibrate:
+            points = self.points
+            real = points[-1][1] if len(points) > 2 else math.nan
+            plan.settings["calibration"] = {"points": [list(p) for p in points],
+                                            "goal": self.goal, "real": real,
+                                            "real_runs": self.real_runs}
+            plan.met = plan.met and real >= self.keep
+        plan.settings["route"] = self.route
+        plan.cost = self.plan_cost(promoted)
+        plan.frontier = _pareto([[self.plan_cost(p), e.digits, len(p)]
+                                 for p, e in self.history])
+        modules: dict = {}
+        for name in self.forward:
+            modules.setdefault(base.map[name].module_path, []).append(name)
+        # never the whole model (a module holding every operator's module): that is the
+        # program in higher, not a region of it
+        plan.regions = [r for r in plan.autocast_regions(modules)
+                        if not all(m == r or m.startswith(r + ".") for m in modules)]
+        if self.progress is not None and sys.stderr.isatty():  # end the rewritten line
+            print(file=sys.stderr)
+        return plan
 
 
 def _operators_digits(dmap: DigitMap, names: Sequence[str]) -> float:
@@ -341,21 +623,9 @@ def call_target(n_operators: int) -> float:
 
 # a model of at most this many forward operators is trimmed fully when no budget is given (a
 # shrink tests each promoted operator once after its chunks: at most ~3 calls an operator, each
-# call of such a model short), not within the call target: a 7-operator model kept all 7 where
-# 3 did (issue 56, item 9)
+# call of such a model short), not within the call target: a 7-operator model kept 5 where
+# exp, sum, log did (issue 56, item 9)
 FULL_TRIM_OPERATORS = 16
-
-
-def _route_calls(search: "PlanSearch", n_operators: int, reserve: int) -> float:
-    """The calls a route may have made when it stops, the re-checks' ``reserve`` left: the
-    budget's calls (``budget=`` an int), no limit for a budget in seconds (its deadline stops
-    the search), else the call target for ``n_operators`` (:func:`call_target`) less its two
-    re-check seeds."""
-    if search.budget_calls is not None:
-        return search.budget_calls - reserve
-    if search.budget is not None:
-        return math.inf
-    return int(call_target(n_operators)) - 2  # the target counts two re-check seeds
 
 
 def _is_spread(ev: Evaluation) -> bool:
@@ -363,55 +633,6 @@ def _is_spread(ev: Evaluation) -> bool:
     operator losing :data:`HAZARD_LOSS` digits or more against its inputs."""
     ranking = ev.map.localize()
     return not any(x.nonfinite_origin or x.local_loss >= HAZARD_LOSS for x in ranking)
-
-
-def _grow(search: "PlanSearch", base: Evaluation, fwd: set, forward: list, consumers: dict,
-          target: float, promoted: list, ev: Evaluation) -> tuple:
-    """The local route's grow step (the module docstring's 1.) until ``target``."""
-    batch = 1
-    while not search.meets(ev, target):
-        if search.exhausted:
-            break
-        pulled, units = _candidates(ev, promoted, fwd, consumers)
-        step = list(pulled)  # the plan's regions grow a generation a round, beside new units
-        for unit in units[:batch]:
-            step += [n for n in unit if n not in step]
-        if not step:  # nothing ranks as a loss: the remaining operators in graph order
-            step = [n for n in forward if n not in promoted][:batch]
-        if not step:
-            break
-        promoted = promoted + step
-        ev = search.evaluate(promoted)
-        batch = batch if pulled else 2 * batch
-    return promoted, ev
-
-
-def _shrink(search: "PlanSearch", target: float, promoted: list, ev: Evaluation,
-            extra: dict, until: int) -> tuple:
-    """The local route's shrink step: chunks of halving size (delta debugging's complement
-    step), then each operator once, the dearest first (latest added among equals); it stops
-    once the search has made ``until`` calls (the plan may then keep an operator a longer
-    search would drop: every test so far kept what it needs)."""
-    n = 2
-    while 2 <= n < len(promoted) and not search.exhausted and search.runs < until:
-        size = math.ceil(len(promoted) / n)
-        dropped = False
-        for chunk in [promoted[i:i + size] for i in range(0, len(promoted), size)]:
-            rest = [p for p in promoted if p not in chunk]
-            if rest and not search.exhausted and search.runs < until:
-                trial = search.evaluate(rest)
-                if search.meets(trial, target):
-                    promoted, ev, dropped = rest, trial, True
-        n = n if dropped else 2 * n
-    added = {n: i for i, n in enumerate(promoted)}
-    for name in sorted(promoted, key=lambda n: (-extra.get(n, 0.0), -added[n])):
-        if len(promoted) < 2 or search.exhausted or search.runs >= until:
-            break
-        rest = [p for p in promoted if p != name]
-        trial = search.evaluate(rest)
-        if search.meets(trial, target):
-            promoted, ev = rest, trial
-    return promoted, ev
 
 
 def _pareto(points: list) -> list:
@@ -493,7 +714,6 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
         raise ValueError(f"recheck_seeds must be a number of seeds >= 0, got {recheck_seeds!r}")
     if cost is not None and not isinstance(cost, CostModel):
         raise ValueError(f"cost must be a fxstab.plan.CostModel, got {type(cost).__name__}")
-    cost = cost or CostModel()
     if calibrate and (outputs is not None or criterion != "mean" or
                       torch_dtype_of(format) is None or options.get("gemm_inputs") or
                       options.get("accumulate")):
@@ -510,178 +730,12 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
             raise ValueError(f"{bad}= is set by the plan's search, not an option")
     make_backend(format=format, **options)  # validates the options, warns what it warns
     search = PlanSearch(model, example_inputs, format, higher, outputs, budget,
-                        {**options, "criterion": criterion})
+                        {**options, "criterion": criterion}, keep=keep,
+                        recheck_seeds=recheck_seeds, inputs=more_inputs, cost=cost,
+                        calibrate=calibrate)
     if progress:
         search.progress = _progress_line(keep)
-    base = search.evaluate(())
-    forward = [op.name for op in base.map.operators.values() if op.direction == "forward"]
-    fwd = set(forward)
-    consumers = base.map.consumers()
-    search.consumers = consumers
-    search.kinds = {name: op.kind for name, op in base.map.operators.items()}
-    search.paths = {name: op.module_path for name, op in base.map.operators.items()}
-    costs = cost.table(base.map, forward, search.format, search.higher)
-    extra = {n: hi - lo for n, (lo, hi) in costs.items()}
-    low_total = sum(lo for lo, _ in costs.values()) or 1.0
-    order = {name: i for i, name in enumerate(forward)}
-    seed = options.get("seed", 0)
-    settings = {"n_samples": options.get("n_samples", 3), "seed": seed,
-                "granularity": granularity, "criterion": criterion}
-    if search.recipe[0]:
-        settings["gemm_inputs"] = {p: f.name if f is not None else "as given"
-                                   for p, f in search.recipe[0]}
-        settings["gemm_scaling"] = options.get("gemm_scaling", "tensor")
-    if search.recipe[1]:
-        settings["accumulate"] = {p: a.label if a is not None else "fp32"
-                                  for p, a in search.recipe[1]}
-    plan = PrecisionPlan(format=search.format.name, higher=search.higher.name,
-                         keep=float(keep), outputs=list(outputs) if outputs else None,
-                         operators=len(forward), before=base.digits, settings=settings)
-    plan.cost_all_higher = sum(hi for _, hi in costs.values()) / low_total
-
-    def plan_cost(promoted: Sequence[str]) -> float:
-        return 1.0 + sum(extra[n] for n in promoted) / low_total
-
-    def recheck(promoted: list, ev: Evaluation) -> dict:
-        """label -> the plan's evaluation with each further seed and input."""
-        checks = {f"seed {seed}": ev}
-        for k in range(1, recheck_seeds + 1):
-            if search.exhausted:
-                break
-            checks[f"seed {seed + k}"] = search.evaluate(promoted, seed=seed + k)
-        for i, x in enumerate(more_inputs, start=1):
-            if search.exhausted:
-                break
-            checks[f"inputs[{i}]"] = search.evaluate(promoted, inputs=x, input_index=i)
-        return checks
-
-    def real_run(promoted: Sequence[str]) -> Any:
-        """check_plan's real run of a candidate (calibrate=True)."""
-        from .apply import check_plan
-
-        trial = PrecisionPlan(format=search.format.name, higher=search.higher.name,
-                              keep=float(keep), promoted=list(promoted),
-                              kinds={n: base.map[n].kind for n in promoted},
-                              modules={n: base.map[n].module_path for n in promoted})
-        torch._dynamo.reset()
-        return check_plan(model, search.inputs, trial)
-
-    def finish(promoted: list, ev: Evaluation, checks: dict) -> PrecisionPlan:
-        promoted = sorted(promoted, key=order.__getitem__)
-        plan.promoted = promoted
-        plan.kinds = {n: base.map[n].kind for n in promoted}
-        plan.modules = {n: base.map[n].module_path for n in promoted}
-        plan.per_operator = {n: (base.map[n].avg_digits,
-                                 ev.map[n].avg_digits if n in ev.map else math.nan)
-                             for n in promoted}
-        plan.checks = {k: (v.digits if isinstance(v, Evaluation) else v)
-                       for k, v in checks.items()}
-        plan.after = min(plan.checks.values())
-        plan.met, plan.runs = plan.after >= goal, search.runs
-        if calibrate:
-            real = points[-1][1] if len(points) > 2 else math.nan
-            plan.settings["calibration"] = {"points": [list(p) for p in points], "goal": goal,
-                                            "real": real, "real_runs": real_runs}
-            plan.met = plan.met and real >= keep
-        plan.settings["route"] = route
-        plan.cost = plan_cost(promoted)
-        plan.frontier = _pareto([[plan_cost(p), e.digits, len(p)] for p, e in search.history])
-        modules: dict = {}
-        for name in forward:
-            modules.setdefault(base.map[name].module_path, []).append(name)
-        # never the whole model (a module holding every operator's module): that is the
-        # program in higher, not a region of it
-        plan.regions = [r for r in plan.autocast_regions(modules)
-                        if not all(m == r or m.startswith(r + ".") for m in modules)]
-        if progress and sys.stderr.isatty():  # end the rewritten line
-            print(file=sys.stderr)
-        return plan
-
-    route = "local"
-    full: Optional[Evaluation] = None
-    bisection: Optional[Bisection] = None
-    # the analysis digits the plan must keep: keep, or with calibrate=True keep's true digits
-    # mapped through the real runs' points (analysis digits, true digits)
-    goal, points, real_runs = float(keep), [], 0
-    if calibrate:
-        full = search.evaluate(forward)
-        plan.all_higher = full.digits
-        check = real_run([])
-        real_runs += 1
-        points = [(base.digits, check.plain), (full.digits, min(check.high, cap))]
-        goal = _analysis_goal(points, keep)
-    target, promoted, ev = goal, [], base
-    for attempt in range(2):  # the second: the target raised by the spread the re-check saw
-        if not search.meets(ev, target):
-            if full is None:
-                full = search.evaluate(forward)
-                plan.all_higher = full.digits
-                if full.digits < goal:
-                    need = f"keep={keep}" if not calibrate else \
-                        f"the {goal:.2f} that keep={keep} true digits needs"
-                    warnings.warn(f"fxstab: even every operator in {search.higher.name} keeps "
-                                  f"{full.digits:.2f} digits at the outputs, less than "
-                                  f"{need}: the plan promotes everything", UserWarning,
-                                  stacklevel=2)
-                    return finish(forward, full, {f"seed {seed}": full})
-            if full.digits < target:  # the raised target is out of reach: the last plan
-                break
-            if attempt == 0 and _is_spread(base):
-                route = "bisection"
-            # the calls the routes may make, less the re-checks: the budget where one is given
-            # (calls; none in calls for one in seconds, whose deadline stops the search), else
-            # the call target (4 + 2·log2 n with two re-check seeds), which a small model's
-            # trim does not stop at
-            reserve = recheck_seeds + len(more_inputs)
-            calls = _route_calls(search, len(forward), reserve)
-            trim = math.inf if search.budget is None and len(forward) <= FULL_TRIM_OPERATORS \
-                else calls
-            if route == "bisection":
-                if bisection is None:
-                    bisection = Bisection(search, base, full, forward, extra)
-                # splits leave a call for the selection and two for its corrections
-                promoted, ev = bisection.run(target, calls - 3, trim)
-            else:
-                promoted, ev = _grow(search, base, fwd, forward, consumers, target,
-                                     list(promoted), ev)
-                if search.meets(ev, target) and attempt == 0:  # the second attempt keeps what
-                    # the first found (another seed or input needed it)
-                    promoted, ev = _shrink(search, target, promoted, ev, extra, trim)
-            # of the candidates that keep the target, the cheapest (a correction may overshoot
-            # past one found on the way)
-            kept = [(plan_cost(p), list(p), e) for p, e in search.history
-                    if search.meets(e, target)]
-            if kept and search.meets(ev, target):
-                cheapest = min(kept, key=lambda k: (k[0], len(k[1])))
-                if cheapest[0] < plan_cost(promoted):
-                    promoted, ev = cheapest[1], cheapest[2]
-        if ev.digits < goal:  # the budget ran out first
-            return finish(promoted, ev, {f"seed {seed}": ev})
-        checks = recheck(promoted, ev)
-        failing = min(checks.values(), key=lambda e: e.digits)
-        if calibrate and failing.digits >= goal:  # the found plan's real run
-            points.append((ev.digits, real_run(promoted).planned))
-            real_runs += 1
-            if points[-1][1] < keep and not search.exhausted and attempt == 0:
-                goal = _analysis_goal(points, keep)
-                target = max(goal, target + 0.01)
-                continue
-            return finish(promoted, ev, checks)
-        if failing.digits >= goal or search.exhausted or attempt == 1:
-            return finish(promoted, ev, checks)
-        if math.isfinite(failing.digits):
-            # the estimator's spread: the search's seed read this much above the worst check
-            target = goal + (ev.digits - failing.digits) + 0.01
-            plan.settings["raised_target"] = target
-        else:  # a NaN/inf another seed or input meets: promote what its map ranks first
-            pulled, units = _candidates(failing, promoted, fwd, consumers)
-            step = pulled + [n for u in units[:1] for n in u if n not in pulled]
-            if not step:
-                return finish(promoted, ev, checks)
-            promoted = promoted + step
-            ev = search.evaluate(promoted)
-            route = "local"
-    return finish(promoted, ev, checks)
+    return search.run()
 
 
 def _analysis_goal(points: Sequence, keep: float) -> float:
