@@ -43,8 +43,8 @@ from .records.report import OpReport, ReportLog
 from .records.run import RunState
 
 __all__ = ["backend", "FxstabBackend", "default_backend", "get_default_backend", "NEVER_RAN",
-           "CoverageWarning", "PatternWarning", "coverage_warning", "coverage_fix",
-           "unmatched_pattern_warning"]
+           "NOT_CALLED", "CoverageWarning", "PatternWarning", "coverage_warning",
+           "coverage_fix", "unmatched_pattern_warning"]
 
 # What digit_map() says when torch.compile never handed this backend a graph.
 NEVER_RAN = (
@@ -53,6 +53,19 @@ NEVER_RAN = (
     "container it wraps (torch.compile(DDP(nn.Sequential(...)))): compile the inner module "
     "(torch.compile(ddp.module, backend=be), or a model class of your own inside DDP), and "
     "check that the compiled model was called.")
+
+# What digit_map() says when the compiled model has not been called since the backend was made.
+NOT_CALLED = (
+    "fxstab: the model has not run: torch.compile compiles and analyses on the first call, and "
+    "no compiled function or model was called since this backend was made, so the digit map "
+    "is empty. Call the compiled model (compiled(*inputs)), then digit_map().")
+
+
+def _dynamo_frames() -> int:
+    """The frames Dynamo has been handed in this process (compiled or not)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["total"])
 
 
 class CoverageWarning(UserWarning):
@@ -170,6 +183,9 @@ class FxstabBackend:
         # what digit_map() has warned about (each once per backend): "coverage", and
         # (option, pattern) for formats=/accumulate=/gemm_inputs= patterns matching nothing
         self._warned: set = set()
+        # no graph and no frame since: the model was never called (NOT_CALLED), rather than
+        # called with nothing compiled (NEVER_RAN)
+        self._frames_at_start = _dynamo_frames()
 
     @property
     def config(self) -> AnalysisConfig:
@@ -342,7 +358,8 @@ class FxstabBackend:
         from .digitmap import DigitMap
 
         if not self.graphs:
-            warnings.warn(NEVER_RAN, RuntimeWarning, stacklevel=2)
+            called = _dynamo_frames() != self._frames_at_start
+            warnings.warn(NEVER_RAN if called else NOT_CALLED, RuntimeWarning, stacklevel=2)
         meta = self.metadata()
         self._warn_what_was_skipped(meta["coverage"])
         if target:

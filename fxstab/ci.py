@@ -417,6 +417,29 @@ def _git(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProc
     return proc
 
 
+def _repo() -> Path:
+    """The git repository of the current folder (its top level)."""
+    proc = _git(Path.cwd(), "rev-parse", "--show-toplevel", check=False)
+    if proc.returncode:
+        raise CIError(f"{Path.cwd()} is not in a git repository: fxstab ci records commits; "
+                      f"run it in a clone of the project")
+    return Path(proc.stdout.strip())
+
+
+def _commit(repo: Path, ref: str) -> str:
+    """The full SHA of the commit ``ref`` names in ``repo``."""
+    proc = _git(repo, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}", check=False)
+    if proc.returncode:
+        shallow = _git(repo, "rev-parse", "--is-shallow-repository",
+                       check=False).stdout.strip() == "true"
+        raise CIError(f"no commit {ref!r} in {repo}: give a branch, a tag or a SHA of this "
+                      f"repository (git log --oneline lists them)"
+                      + ("; this clone is shallow: fetch the history first (git fetch "
+                         "--unshallow, or fetch-depth: 0 in actions/checkout)" if shallow
+                         else ""))
+    return proc.stdout.strip()
+
+
 def _record(worktree: Path, cfg_path: Path, out: Path) -> dict:
     """Record every configured target in ``worktree`` into ``out``/NAME.json; returns
     {name: error or None}."""
@@ -470,14 +493,13 @@ def run(base: str, head: str = "HEAD", out: Path = Path("fxstab-ci"),
     from .digitmap import DigitMap, diff
     from .plots import html
 
-    repo = Path(_git(Path.cwd(), "rev-parse", "--show-toplevel").stdout.strip())
+    repo = _repo()
     cfg: Config = load(config)
     if cfg.path is None or not cfg.targets:
         raise CIError("no [targets] in the settings file: nothing to record (docs/config.md)")
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    shas = {k: _git(repo, "rev-parse", "--verify", f"{ref}^{{commit}}").stdout.strip()
-            for k, ref in (("base", base), ("head", head))}
+    shas = {k: _commit(repo, ref) for k, ref in (("base", base), ("head", head))}
     tmp = Path(tempfile.mkdtemp(prefix="fxstab-ci-"))
     errors = {}
     try:
@@ -552,11 +574,11 @@ def keep(branch: str = HISTORY_BRANCH, config: Optional[Path] = None,
     from . import history
     from .plots import html
 
-    repo = Path(_git(Path.cwd(), "rev-parse", "--show-toplevel").stdout.strip())
+    repo = _repo()
     cfg = load(config)
     if cfg.path is None or not cfg.targets:
         raise CIError("no [targets] in the settings file: nothing to record (docs/config.md)")
-    sha = _git(repo, "rev-parse", "HEAD").stdout.strip()
+    sha = _commit(repo, "HEAD")
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
     tmp = Path(tempfile.mkdtemp(prefix="fxstab-keep-"))
     wt = tmp / "history"

@@ -10,6 +10,8 @@ bad arguments, a target whose model fails).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import sys
 import traceback
@@ -68,6 +70,8 @@ def load_target(spec: str, kwargs: Optional[dict] = None, root: Optional[Path] =
         return load(spec, kwargs, root)
     except TargetError as e:
         raise CLIError(str(e)) from None
+    except Exception as e:  # the build function's own code (or its module's) raised
+        raise TargetBuildError(spec) from e
 
 
 def _accumulate_arg(preset: str, rounding: Optional[str]):
@@ -609,6 +613,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--html", metavar="OUT",
                    help="a self-contained page (OUT.html): the verdict, digits against cost "
                         "(the frontier), the promoted operators, the real run's check")
+    p.add_argument("--verbose", action="store_true",
+                   help="print the whole traceback when the target's model fails")
     p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser(
@@ -775,11 +781,62 @@ def _root_cause(exc: BaseException) -> BaseException:
     return exc
 
 
+class TargetBuildError(Exception):
+    """The target's build function (or its module's import) raised: the cause is chained."""
+
+    def __init__(self, spec: str) -> None:
+        self.spec = spec
+        super().__init__(spec)
+
+
+# the commands that run the user's model: its failures are one line, the trace with --verbose
+_RUNS_THE_MODEL = ("record", "plan")
+# torch logs the failing meta kernel of a shape error at ERROR, with its whole traceback,
+# before it raises the error fxstab reports (18 lines for a linear's bad input)
+_TORCH_NOISE = ("torch._subclasses.fake_tensor",)
+
+
+class _DropRecords(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return False
+
+
+@contextlib.contextmanager
+def _quiet_torch(verbose: bool):
+    """Silence torch's internal error logs of a failing model unless ``verbose``."""
+    if verbose:
+        yield
+        return
+    drop = _DropRecords()
+    loggers = [logging.getLogger(name) for name in _TORCH_NOISE]
+    for lg in loggers:
+        lg.addFilter(drop)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(drop)
+
+
+def _failure_line(exc: BaseException) -> str:
+    """``Type: first line of the message (at file:line)``: the innermost cause of ``exc``,
+    where the user's own code (not torch's, not fxstab's) raised it."""
+    cause = _root_cause(exc)
+    first = (str(cause).strip().splitlines() or [""])[0]
+    tb = traceback.extract_tb(cause.__traceback__) if cause.__traceback__ else []
+    user = [f for f in tb if "site-packages" not in f.filename and "/torch/" not in f.filename
+            and "/fxstab/" not in f.filename]
+    where = f" (at {user[-1].filename}:{user[-1].lineno})" if user else ""
+    return f"{type(cause).__name__}: {first}{where}"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line; returns the exit code (see the module docstring)."""
     args = build_parser().parse_args(argv)
+    verbose = getattr(args, "verbose", False)
     try:
-        return int(args.func(args) or 0)
+        with _quiet_torch(verbose or args.command not in _RUNS_THE_MODEL):
+            return int(args.func(args) or 0)
     except CLIError as e:
         print(f"fxstab {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -792,22 +849,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             pass
         return EXIT_OK
     except Exception as e:
-        if args.command != "record":
+        if args.command not in _RUNS_THE_MODEL:
             raise
         # the target's own code failed: the cause in one line, the trace with --verbose
-        if getattr(args, "verbose", False):
+        if verbose:
             traceback.print_exc()
-        cause = _root_cause(e)
-        first = (str(cause).strip().splitlines() or [""])[0]
-        where = ""
-        tb = traceback.extract_tb(cause.__traceback__) if cause.__traceback__ else []
-        user = [f for f in tb if "site-packages" not in f.filename and "/torch/" not in f.filename
-                and "/fxstab/" not in f.filename]
-        if user:
-            where = f" (at {user[-1].filename}:{user[-1].lineno})"
-        print(f"fxstab record: error: the model failed: {type(cause).__name__}: {first}{where}"
-              + ("" if getattr(args, "verbose", False) else "; --verbose prints the traceback"),
-              file=sys.stderr)
+        what = (f"building the target failed: {e.spec} raised" if isinstance(e, TargetBuildError)
+                else "the model failed")
+        print(f"fxstab {args.command}: error: {what}: {_failure_line(e)}"
+              + ("" if verbose else "; --verbose prints the traceback"), file=sys.stderr)
         return EXIT_USAGE
 
 

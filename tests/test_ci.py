@@ -260,6 +260,23 @@ def _vendor_fxstab(dest: Path) -> None:
         shutil.copyfile(repo / name, dest / name)
 
 
+def test_a_bad_ref_or_no_repository_is_said_in_words(tmp_path, monkeypatch, capsys):
+    """Issue 56, item 12: not git's own `rev-parse` output."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pyproject.toml").write_text(_SETTINGS)
+    assert main(["ci", "run", "main"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (f"fxstab ci: error: {tmp_path} is not in a git repository: fxstab "
+                           f"ci records commits; run it in a clone of the project"), err
+    _git(tmp_path, "init", "-q", "-b", "main")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-q", "-m", "first")
+    assert main(["ci", "run", "nosuchref"]) == 2
+    err = capsys.readouterr().err
+    assert "rev-parse" not in err and "fatal" not in err, err
+    assert f"no commit 'nosuchref' in {tmp_path}: give a branch, a tag or a SHA" in err, err
+
+
 @pytest.mark.slow
 def test_the_workflows_steps_on_two_commits(tmp_path, monkeypatch):
     """Run the generated workflow's own shell steps on a sample repository: the install step

@@ -614,6 +614,40 @@ def test_record_accepts_bit_counts_and_reports_the_models_error_in_one_line(tmp_
     torch._dynamo.reset()
 
 
+def test_a_failing_target_is_one_line_on_stderr_as_a_user_sees_it(tmp_path):
+    """Issue 56, item 12, in a real process (torch's logs bypass pytest's capture): a shape
+    error is fxstab's one line, without torch's 18-line fake-tensor log before it; a build
+    function that raises is named as such, not as "the model failed"; plan says the same."""
+    (tmp_path / "targets.py").write_text(textwrap.dedent("""
+        import torch
+
+        def mismatch():
+            return torch.nn.Linear(16, 4), (torch.randn(8, 15),)
+
+        def broken():
+            raise FileNotFoundError("weights.pt")
+    """))
+
+    def fxstab_err(*args: str) -> list:
+        proc = subprocess.run([sys.executable, "-m", "fxstab", *args], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2, proc.stderr
+        return proc.stderr.strip().splitlines()
+
+    for cmd in (["record", "-o", "a.json"], ["plan", "--format", "fp16", "-o", "p.json"]):
+        err = fxstab_err(cmd[0], "targets.py:mismatch", *cmd[1:])
+        assert len(err) == 1, "\n".join(err)
+        assert err[0].startswith(f"fxstab {cmd[0]}: error: the model failed: RuntimeError: ")
+        assert "[8, 15] X [16, 4]" in err[0]
+        err = fxstab_err(cmd[0], "targets.py:broken", *cmd[1:])
+        assert err == [f"fxstab {cmd[0]}: error: building the target failed: targets.py:broken "
+                       f"raised: FileNotFoundError: weights.pt (at {tmp_path / 'targets.py'}:"
+                       f"8); --verbose prints the traceback"], err
+    # --verbose keeps everything
+    err = fxstab_err("record", "targets.py:mismatch", "-o", "a.json", "--verbose")
+    assert len(err) > 20 and any(ln.startswith("Traceback") for ln in err)
+
+
 def test_show_into_a_closed_pipe_prints_no_traceback(tmp_path):
     import subprocess
     import sys
