@@ -28,7 +28,8 @@ from ..numerics.accumulation import emulate_matmul, operand_stats, quantize_oper
 from ..numerics.digits import true_digits
 from ..numerics.rounding import Rounding, quantize, round_samples
 from ..numerics.randbits import derive_seed
-from .lifting import Stacked
+from ..config import AnalysisConfig
+from .lifting import NodePlan, Stacked
 
 __all__ = ["gemm_operands", "accumulable", "accumulated_product", "modelled_gemm",
            "accumulator_error", "biased_accumulator", "GemmFigures", "merge_operand_stats",
@@ -243,7 +244,7 @@ def accumulated_product(a: tuple, kw: dict, kind: str, acc: Any, seed: int,
     return Stacked(to_working(y))
 
 
-def modelled_gemm(a: tuple, kw: dict, plan: Any, cfg: Any, seed: int,
+def modelled_gemm(a: tuple, kw: dict, plan: NodePlan, cfg: AnalysisConfig, seed: int,
                   to_working: Callable[[torch.Tensor], torch.Tensor],
                   cap: Optional[float] = None) -> tuple[Stacked, Optional[tuple]]:
     """The operator level's modelled GEMM: :func:`accumulated_product` of a call's arguments
@@ -278,7 +279,7 @@ def modelled_gemm(a: tuple, kw: dict, plan: Any, cfg: Any, seed: int,
     ``cap`` and a recipe."""
     acc, inputs = plan.accumulate, plan.gemm_inputs
     # the operands' scaling: the program's own recipe (a torchao float8 GEMM), else the config's
-    scaling = getattr(plan, "gemm_scaling", None) or cfg.gemm_scaling
+    scaling = plan.gemm_scaling or cfg.gemm_scaling
     biased = acc is not None and biased_accumulator(acc)
     sampled = sample_accumulator(acc, cfg.rounding) if biased else acc
     stats: Optional[list] = [] if inputs is not None else None

@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 
 from ..capture import user_ops as user_operator
 from ..capture.opsets import qualified_op_name
+from ..records.run import RunState
 
 __all__ = ["Stacked", "NodePlan", "OpGraph", "ACCUMULATED_KINDS", "LOW_READERS", "as_linear",
            "DECISIONS", "decided_on_mean",
@@ -221,7 +222,7 @@ class OpGraph:
     plan_of: dict  # node -> its NodePlan
     free_after: dict  # node -> the values whose last use it is
     mutated: set  # the placeholders the graph writes into
-    state: Any  # the backend's RunState (fxstab.records.run): config, reports, kernels
+    state: RunState  # the backend's: config, reports, kernels
     # operator -> why vmap does not lift it / why its samples run in the model's dtype: what
     # the default rule learned, kept across calls (GraphInfo shows them)
     unlifted: dict = field(default_factory=dict)

@@ -23,9 +23,43 @@ operators' outputs, the coverage note) is the tracer's, not a rule's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Protocol
 
-__all__ = ["OpCall", "Outcome", "OpRule", "OP_RULES", "op_rule", "rules_for", "describe", "ONCE"]
+import torch
+
+from ...config import AnalysisConfig
+from ...numerics.formats import Format
+from ...records.run import RunState
+from ..lifting import NodePlan, OpGraph
+
+__all__ = ["OpCall", "Outcome", "OpRule", "OP_RULES", "op_rule", "rules_for", "describe", "ONCE",
+           "Tracer"]
+
+
+class Tracer(Protocol):
+    """What a rule may use of the tracer that calls it
+    (:class:`fxstab.rules.op.tracer.SampleTracer`, which imports this table: the registry
+    names the tracer's side of the boundary instead of importing it)."""
+
+    g: OpGraph  # the graph's decisions (what vmap does not lift, what runs in the model's dtype)
+    state: RunState
+    cfg: AnalysisConfig
+    fmt: Format  # the analysis's format
+    wdtype: torch.dtype  # the working dtype of the samples
+    n: int  # the samples
+    acc_errors: dict  # GEMM plan index -> its modelled accumulator's figures
+
+    def seed(self, plan: NodePlan, purpose: int) -> int: ...
+
+    def to_working(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    def stack(self, v: Any) -> torch.Tensor: ...
+
+    def step(self, what: str, plan: NodePlan, fn: Callable[[list], Any], leaves: list) -> Any: ...
+
+    def det_dtype(self, plan: NodePlan) -> Optional[torch.dtype]: ...
+
+    def wrap_out(self, out: Any) -> Any: ...
 
 
 @dataclass(slots=True)
@@ -38,10 +72,11 @@ class OpCall:
     positions; ``fn`` the callable the node calls (a custom operator's implementation, a
     ``reshape`` for a view of samples); ``args`` the node's arguments as the environment holds
     them; ``tracer`` the :class:`~fxstab.rules.op.tracer.SampleTracer` whose helpers
-    (``step``, ``wrap_out``, ``to_working``, ``det_dtype``...) the rule calls."""
+    (:class:`Tracer`: ``step``, ``wrap_out``, ``to_working``, ``det_dtype``...) the rule
+    calls; ``plan`` the node's."""
 
-    tracer: Any
-    plan: Any  # the node's NodePlan (fxstab.rules.lifting)
+    tracer: Tracer
+    plan: NodePlan
     fn: Callable
     args: tuple
     leaves: list
