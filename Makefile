@@ -1,4 +1,6 @@
-# Two set-up commands (README): `make demo` runs the main job, `make test` installs and tests.
+# Two set-up commands (README): `make demo` installs what the demo needs (torch and fxstab's own
+# dependencies) and runs it; `make test` adds the test extra (Triton, transformers, Lightning,
+# Chromium's client, ...: the large part of the environment) and tests.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -7,16 +9,22 @@ TORCH_PIN ?= torch==2.13.0
 
 .PHONY: demo test test-fast install lint bench clean
 
-$(VENV)/.installed: pyproject.toml Makefile
+# the runtime: torch, then fxstab and its dependencies (pyproject.toml's `dependencies`)
+$(VENV)/.runtime: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PIN)
+	$(PY) -m pip install -q -e .
+	touch $@
+
+# the test extra on top of the runtime
+$(VENV)/.installed: $(VENV)/.runtime
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
 install: $(VENV)/.installed
 
-demo: $(VENV)/.installed
+demo: $(VENV)/.runtime
 	$(VENV)/bin/fxstab demo
 
 # The layer contract of pyproject.toml ([tool.importlinter]), on a copy of the tree laid out as

@@ -483,8 +483,7 @@ def backend(
         return backend(**{**defaults, **merged})
     unknown = set(options) - set(AnalysisConfig.__dataclass_fields__)
     if unknown:
-        raise ValueError(f"unknown fxstab option(s) {sorted(unknown)}; known: "
-                         f"{sorted(AnalysisConfig.__dataclass_fields__)}")
+        raise ValueError(unknown_options_message(sorted(unknown)))
     cfg = AnalysisConfig(granularity=granularity, format=format, n_samples=n_samples, seed=seed,
                          rounding=rounding, output=output, select=select, every=every,
                          confidence=confidence, kernels=kernels, **options)
@@ -499,6 +498,22 @@ def backend(
 
         torch._dynamo.config.allow_rnn = True
     return FxstabBackend(cfg)
+
+
+def unknown_options_message(names: list) -> str:
+    """What :func:`backend` says of keyword arguments it does not take: each name, the known
+    option closest to it (``formt`` -> ``format``: difflib's ratio >= 0.6), then every known
+    option."""
+    import difflib
+
+    known = sorted({*inspect.signature(backend).parameters, *AnalysisConfig.__dataclass_fields__}
+                   - {"options"})
+    parts = []
+    for name in names:
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        parts.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return (f"unknown fxstab option{'s' if len(names) > 1 else ''} {', '.join(parts)}; the "
+            f"options of fxstab.backend are {', '.join(known)} (the README's option table)")
 
 
 def _check_triton_usable() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -397,6 +398,40 @@ class _PerSampleOnly(torch.autograd.Function):
 def test_invalid_options_are_rejected_clearly(kwargs, match):
     with pytest.raises(ValueError, match=match):
         fxstab.backend(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, close", [
+    ({"formt": "fp16"}, "format"),
+    ({"zero_treshold": 0.4}, "zero_threshold"),
+    ({"n_sample": 4}, "n_samples"),
+    ({"lowp_gem": False}, "lowp_gemm"),
+])
+def test_a_misspelt_option_names_the_closest(kwargs, close):
+    """Issue 56, item 13: `formt=` said only "unknown"; it says "did you mean 'format'?"."""
+    with pytest.raises(ValueError) as info:
+        fxstab.backend(**kwargs)
+    (name,) = kwargs
+    assert f"unknown fxstab option {name!r} (did you mean {close!r}?)" in str(info.value)
+    with pytest.raises(ValueError, match=r"option 'colour'; the options"):  # nothing close
+        fxstab.backend(colour="red")
+
+
+def test_the_readme_option_table_lists_every_option():
+    """Issue 56, item 13: every keyword fxstab.backend takes is a row of the README's table."""
+    import inspect
+    import re
+
+    from fxstab.config import AnalysisConfig
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme[readme.index("| option | default | meaning |"):]
+    table = table[:table.index("\n\n")]
+    rows = {name for first in re.findall(r"^\| ([^|]+) \|", table, re.M)
+            for name in re.findall(r"`(\w+)`", first)}
+    options = ({*inspect.signature(fxstab.backend).parameters, *AnalysisConfig.__dataclass_fields__}
+               - {"options"})
+    assert not options - rows, f"missing from the README's option table: {sorted(options - rows)}"
+    assert not rows - options, f"not options of fxstab.backend: {sorted(rows - options)}"
 
 
 def test_surrogate_perturbs_data_operands_not_weights(monkeypatch):
