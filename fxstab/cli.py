@@ -589,8 +589,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--outputs", nargs="+", metavar="OPERATOR", default=None,
                    help="check these operators' digits instead of the model's outputs")
     p.add_argument("--budget", default=None,
-                   help="at most this many analysed calls, or seconds with an s ('90s') "
-                        "(default: no cap)")
+                   help="at most this many analysed calls, or seconds with an s ('90s'); the "
+                        "search uses what it allows (default: none, the search then keeps "
+                        "within 4 + 2*log2(operators) calls, but trims a model of up to 16 "
+                        "operators fully)")
     p.add_argument("--criterion", default="mean", choices=("mean", "p5", "min"),
                    help="what of the outputs' per-element digits must reach --keep: their "
                         "average, 5%% quantile or minimum (a NaN/inf in any output always "
