@@ -41,12 +41,16 @@ from ..capture.opsets import node_kind
 from ..records.coverage import ANALYSED, SKIPPED, UNROUNDED, CoverageEntry
 from ..records.report import OBSERVED, PER_SAMPLE, UNLIFTED
 from ..rules.aten import decompositions
-from ..rules.aten.kinds import RANDOM_PRIMITIVES, SYMBOLIC_PRIMITIVES
+from ..rules.aten.primitives import RANDOM, SYMBOLIC
 from ..rules.aten.tracer import ISOLATED, AtenGraph, AtenTracer, LoweredGraph, PrimitivePlan
 from ..rules.lifting import rng_states, set_rng_states
 from .composites import expand_composites
 from .op_level import GraphAnalysis
 from .sampled_graph import SampledGraph
+
+# what the tracer does with a primitive of a path (the rows of rules/aten/primitives.py): a
+# symbolic size is a plain value, a random draw runs once; every other path is the rule's
+_ACTIONS = {SYMBOLIC: "plain", RANDOM: "random"}
 
 # Lowerings kept per graph (input signatures: shapes, dtypes, scalars read with .item()); the
 # least recently used one goes first (a dynamic-shape model called with ever new lengths).
@@ -234,8 +238,7 @@ class AtenGraphAnalysis(GraphAnalysis):
                 prim = f"aten.{info.kind}#{k}"
                 name = f"{op_name}/{prim}" if op_name else (f"{path}/{prim}" if path else prim)
                 record = origin in self.recorded_ops if self.cfg.select is not None else True
-                action = ("plain" if info.kind in SYMBOLIC_PRIMITIVES else
-                          "random" if info.kind in RANDOM_PRIMITIVES else "rule")
+                action = _ACTIONS.get(info.rule.path, "rule")  # the primitive's row
                 plan = PrimitivePlan(i, action, node.target, name, path, record, False, False,
                                  origin, info.inplace)
                 if self.cfg.unrounded:  # an ablation (name: the record's, in full)

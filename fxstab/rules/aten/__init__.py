@@ -18,9 +18,9 @@ into a generated graph) both call it, primitive by primitive:
 * Every floating result of an arithmetic primitive is rounded into the format (``random`` by
   default, one seed per primitive and call from :func:`fxstab.numerics.randbits.derive_seed`)
   and its digit statistics are recorded. Data movement and selection primitives (views, cat,
-  index, neg, abs, max/min, where...: :data:`.kinds.EXACT_PRIMITIVES`) are exact: not rounded,
-  not recorded, but their counters run.
-* GEMM-like primitives (:data:`.kinds.GEMM_PRIMITIVES`) are trusted: stacked operands whose
+  index, neg, abs, max/min, where...: the rows of the exact and layout paths) are exact: not
+  rounded, not recorded, but their counters run.
+* GEMM-like primitives (the rows of the gemm path) are trusted: stacked operands whose
   samples are insufficiently separated get the data-perturbation surrogate with eta =
   ``data_perturbation_threshold`` (the format's unit roundoff by default), then the product is
   rounded; the record says ``surrogate``. Plain operands (weights, constants) are not perturbed.
@@ -35,8 +35,13 @@ The settings are :class:`.context.AtenContext`'s, made from an
 chosen by :mod:`fxstab.executors` (the fused CPU kernels of :mod:`fxstab.cpu.bindings`, or the
 plain-torch references: the same Philox bits).
 
-The modules, in the order a primitive meets them: :mod:`.kinds` (what each primitive is: op
-classes, :func:`op_info`), :mod:`.measure` (:class:`Analysis`: what is measured of samples),
+What the rules do with a primitive of each kind is its row of one table,
+:data:`.primitives.PRIMITIVES` (:class:`.primitives.PrimitiveRule`: its path, exactness,
+counters, what they read, its batcher; ``describe_primitive("add")`` says it in words): a new
+primitive is one :func:`.primitives.primitive` entry.
+
+The modules, in the order a primitive meets them: :mod:`.primitives` (the table), :mod:`.kinds`
+(what each primitive is: the rows without code, :func:`op_info`), :mod:`.measure` (:class:`Analysis`: what is measured of samples),
 :mod:`.context` (:class:`AtenContext`, :class:`PrimitiveRecord`), :mod:`.batching` (running a
 primitive on all samples), :mod:`.rounding` (rounding into the format and measuring),
 :mod:`.counters` (CADNA's counters), :mod:`.apply` (:func:`apply_primitive`, the rule),
@@ -47,15 +52,13 @@ primitive on all samples), :mod:`.rounding` (rounding into the format and measur
 from .apply import apply_primitive, observe, to_op_report
 from .context import AtenContext, PrimitiveRecord
 from .decompositions import DECOMPOSED, decompositions
-from .kinds import (
-    EXACT_PRIMITIVES, GEMM_PRIMITIVES, OUTPUT_DIGITS_KINDS, OpInfo, op_info, operand_needs,
-    primitive_kind,
-)
+from .kinds import GEMM_PRIMITIVES, OpInfo, op_info, operand_needs, primitive_kind
+from .primitives import PRIMITIVES, PrimitiveRule, describe_primitive, primitive, rule_of
 from .rounding import round_stacked
 from ..lifting import Stacked
 from .measure import Analysis
 
 __all__ = ["Stacked", "Analysis", "AtenContext", "PrimitiveRecord", "apply_primitive",
            "round_stacked", "primitive_kind", "op_info", "OpInfo", "GEMM_PRIMITIVES",
-           "EXACT_PRIMITIVES", "observe", "operand_needs", "OUTPUT_DIGITS_KINDS", "to_op_report",
-           "decompositions", "DECOMPOSED"]
+           "observe", "operand_needs", "to_op_report", "decompositions", "DECOMPOSED",
+           "PRIMITIVES", "PrimitiveRule", "primitive", "rule_of", "describe_primitive"]

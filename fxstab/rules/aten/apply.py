@@ -3,6 +3,10 @@ every rule of the arithmetic level to it (the package docstring, :mod:`fxstab.ru
 states them); :func:`observe` records a value without rounding it; :func:`to_op_report` turns a
 record into the report the backends write.
 
+What happens to a primitive is its row's (:data:`fxstab.rules.aten.primitives.PRIMITIVES`):
+:func:`apply_primitive` looks the row up and runs the function of its path (:data:`_PATHS`:
+a decision, a comparison, a GEMM, the general path with the fused binary kernel or the bf16
+lookup tables); the row's fields decide the rest (exact or not, counters, what is recorded).
 What :func:`apply_primitive` decides from types and shapes (stacked or plain operands, the
 batching, the dtype of plain operands) runs at once; what reads values (the comparison, the
 GEMM surrogate, the bf16 lookup tables, the rounding, the counters, the record) is held by a
@@ -11,8 +15,9 @@ GEMM surrogate, the bf16 lookup tables, the rounding, the counters, the record) 
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch.utils import _pytree as pytree
@@ -27,14 +32,12 @@ from .batching import (
 )
 from .context import AtenContext, PrimitiveRecord
 from .counters import (
-    compute_counters, count_found, counting_mode, diff_analysis, differs, limit_diff, no_counts,
+    compute_counters, count_found, counting_mode, diff_analysis, differs, no_counts,
 )
-from .kinds import (
-    COMPARISONS, COMPLEX_ARITHMETIC, OUTPUT_DIGITS_KINDS, SELECT2_KINDS, OpInfo, op_info,
-    primitive_kind,
-)
+from .kinds import OpInfo, op_info, primitive_kind
+from .primitives import BINARY, COMPARE, DECIDE, GEMM, ARITHMETIC, PrimitiveRule, primitive
 from .rounding import perturb_operand, round_complex, round_fp64, round_measure
-from ..lifting import DECISIONS, Stacked, decided_on_mean
+from ..lifting import Stacked, decided_on_mean
 from .measure import Analysis
 
 __all__ = ["apply_primitive", "observe", "to_op_report"]
@@ -42,37 +45,18 @@ __all__ = ["apply_primitive", "observe", "to_op_report"]
 _NO_KWARGS: dict = {}
 
 
-def _cestac_compare(kind: str, diff: Analysis, mean_diff: torch.Tensor) -> torch.Tensor:
-    equal = diff.exact_zero | diff.zero
-    c = COMPARISONS[kind]
-    if c == "eq":
-        return equal
-    if c == "ne":
-        return ~equal
-    if c == "lt":
-        return (mean_diff < 0) & ~equal
-    if c == "le":
-        return (mean_diff < 0) | equal
-    if c == "gt":
-        return (mean_diff > 0) & ~equal
-    return (mean_diff > 0) | equal
-
-
-def _compare_identical(kind: str, args: tuple) -> torch.Tensor:
+def _compare_identical(rule: PrimitiveRule, args: tuple) -> torch.Tensor:
     """A comparison whose stacked operands are identical samples (data entering the analysis,
     a buffer: a causal mask's ``bias == 0``): their difference has no noise (no computational
-    zero, no branching to count), so CESTAC's rule (:func:`_cestac_compare`) is the sign of
+    zero, no branching to count), so CESTAC's rule (the relation's ``cestac``) is the sign of
     the difference of one sample, without a step (torch operators only)."""
     x, y = (v[0] if type(a) is Stacked else v
             for a, v in zip(args, aligned(args, logical_ndim(args))))
     d = torch.sub(x, y) if isinstance(x, torch.Tensor) else torch.rsub(y, x)
-    c = COMPARISONS[kind]
-    if c in ("eq", "ne"):
-        return d == 0 if c == "eq" else d != 0
-    return d < 0 if c == "lt" else d <= 0 if c == "le" else d > 0 if c == "gt" else d >= 0
+    return rule.relation.exact(d)
 
 
-def _fix_dtype_kwargs(kind: str, kwargs: dict, ctx: AtenContext) -> dict:
+def _fix_dtype_kwargs(kwargs: dict, ctx: AtenContext) -> dict:
     dt = kwargs.get("dtype")
     if isinstance(dt, torch.dtype) and dt.is_floating_point:
         kwargs = dict(kwargs)
@@ -128,10 +112,9 @@ def _digits_through(info: OpInfo, op, args: tuple, kwargs: dict, out: torch.Tens
     if src is None or (src.measured_digits is None and src.measured_zero is None) or \
             len(args) and has_stacked(args[1:], kwargs):
         return None
-    same = info.kind in ("clone", "alias", "detach", "lift_fresh_copy", "contiguous", "neg")
     moved = []
     for t in (src.measured_digits, src.measured_zero):
-        if t is not None and not same:
+        if t is not None and not info.rule.identity:
             try:
                 t = (info.plain or op)(t, *args[1:], **kwargs)
             except Exception:  # noqa: BLE001 - e.g. a view the digits' strides do not allow
@@ -182,7 +165,6 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
     """
     kwargs = kwargs or _NO_KWARGS
     info = op_info(op)
-    kind = info.kind
     n = ctx.n_samples
     stacked, identical, other = scan_args(args)
     if kwargs and not stacked:
@@ -194,6 +176,7 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
         args = (Stacked(t.unsqueeze(0).expand(n, *t.shape).clone()),) + tuple(args[1:])
         identical = False
     from_plain = not stacked
+    out = None
     if from_plain:
         # Only plain operands (parameters, constants): run once. An arithmetic result is still
         # a result of the simulated arithmetic, so it enters the samples here (N identical
@@ -208,41 +191,80 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
         args = _working_args(args, ctx)
     # a cast into float8 (torchao's float8 recipes): a rounding into that format, whatever the
     # analysis's (the samples stay in the working dtype)
-    float8 = float8_format(kwargs.get("dtype")) if kind == "_to_copy" and stacked and \
+    float8 = float8_format(kwargs.get("dtype")) if info.rule.casts and stacked and \
         type(args[0]) is Stacked and args[0].samples.is_floating_point() else None
     if kwargs:
-        kwargs = _fix_dtype_kwargs(kind, kwargs, ctx)
+        kwargs = _fix_dtype_kwargs(kwargs, ctx)
     rule = _Rule(op, info, name, salt, need_digits, need_zeros, ctx.stepper is not None)
     rule.rounds = rounds
     rule.float8 = float8
+    return _PATHS.get(info.rule.path, _general)(rule, ctx, args, kwargs,
+                                                _Given(identical, from_plain, out))
 
-    # Decisions (top-k routing, sort, argmax): once for every sample, on the samples' mean
-    if kind in DECISIONS and type(args[0]) is Stacked and args[0].samples.is_floating_point() \
+
+class _Given(NamedTuple):
+    """What :func:`apply_primitive` found of a call's operands before its path runs: every
+    stacked operand identical samples, no operand stacked (and then the plain result)."""
+
+    identical: bool
+    from_plain: bool
+    out: Any
+
+
+def _decide(rule: "_Rule", ctx: AtenContext, args: tuple, kwargs: dict, given: _Given) -> Any:
+    """Decisions (top-k routing, sort, argmax): once for every sample, on the samples' mean;
+    the general path where the call is not one to decide."""
+    op, info, name = rule.op, rule.info, rule.name
+    if type(args[0]) is Stacked and args[0].samples.is_floating_point() \
             and not any(type(a) is Stacked for a in args[1:]) and not has_stacked((), kwargs):
-        decided = decided_on_mean(info.plain or op, kind, args[0], tuple(args[1:]), kwargs)
+        decided = decided_on_mean(info.plain or op, info.kind, args[0], tuple(args[1:]), kwargs)
         if decided is not None:
             if counting_mode(ctx)[0]:  # where the samples alone would decide otherwise
                 idx = decided[1] if isinstance(decided, tuple) else decided
                 ctx.emit("decide", name, _decision_counter(info.plain or op, name), [idx],
                          args, kwargs)
             return decided
-    # Comparisons: one plain boolean decision per element (CESTAC), branching on noise.
-    if info.compare and len(args) >= 2 and differs(args[0], args[1]):
-        if identical and len(args) == 2 and not kwargs:
-            return _compare_identical(info.kind, args)
-        return ctx.emit("compare", name, rule.compare, (), args, kwargs)
-    if info.gemm and not from_plain:
-        # the surrogate on the stacked operands (a step), then the product on the samples
-        if rounds:
-            args = ctx.emit("perturb", name, rule.perturb, (), args, kwargs)
-        raw, lifted = run_batched(op, info, args, kwargs, n, ctx)
-        rule.lifted = lifted
-    elif from_plain:
+    return _general(rule, ctx, args, kwargs, given)
+
+
+def _compare(rule: "_Rule", ctx: AtenContext, args: tuple, kwargs: dict, given: _Given) -> Any:
+    """Comparisons: one plain boolean decision per element (CESTAC), branching on noise; the
+    general path where no floating difference is compared."""
+    if len(args) >= 2 and differs(args[0], args[1]):
+        if given.identical and len(args) == 2 and not kwargs:
+            return _compare_identical(rule.info.rule, args)
+        return ctx.emit("compare", rule.name, rule.compare, (), args, kwargs)
+    return _general(rule, ctx, args, kwargs, given)
+
+
+def _gemm(rule: "_Rule", ctx: AtenContext, args: tuple, kwargs: dict, given: _Given) -> Any:
+    """A GEMM: the surrogate on the stacked operands (a step), then the product on the
+    samples; of plain operands only, the general path."""
+    if given.from_plain:
+        return _general(rule, ctx, args, kwargs, given)
+    if rule.rounds:
+        args = ctx.emit("perturb", rule.name, rule.perturb, (), args, kwargs)
+    raw, rule.lifted = run_batched(rule.op, rule.info, args, kwargs, ctx.n_samples, ctx)
+    return _finish(rule, ctx, raw, args, kwargs)
+
+
+# what _general's fused step returns where it does not apply
+_NOT_FUSED = object()
+
+
+def _general(rule: "_Rule", ctx: AtenContext, args: tuple, kwargs: dict, given: _Given,
+             fused: Optional[Callable] = None) -> Any:
+    """The general path: the primitive on the samples (from plain operands: their result
+    as N identical samples; identical operands: one evaluation for all), else ``fused``
+    (a path's kernel that computes the primitive inside its rounding) or batched, then
+    rounded, measured, counted and recorded (:meth:`_Rule.finish`)."""
+    op, info, n = rule.op, rule.info, ctx.n_samples
+    if given.from_plain:
         raw = pytree.tree_map(
             lambda v: _to_working(v, ctx).unsqueeze(0).expand(n, *v.shape)
             if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
-            else v, out)
-    elif identical and not (kwargs and has_stacked((), kwargs)):
+            else v, given.out)
+    elif given.identical and not (kwargs and has_stacked((), kwargs)):
         # Every operand is N identical samples (data entering the analysis, or exact
         # operations on it): one evaluation serves all samples; they part at the rounding.
         one = (info.plain or op)(*[a.samples[0] if isinstance(a, Stacked) else a for a in args],
@@ -250,26 +272,55 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
         raw = one.unsqueeze(0).expand(n, *one.shape) if isinstance(one, torch.Tensor) else \
             pytree.tree_map(lambda v: v.unsqueeze(0).expand(n, *v.shape)
                             if isinstance(v, torch.Tensor) else v, one)
-    elif rounds and ctx.use_lookup and info.kind in native.LOOKUP_OPS and len(args) == 1 \
+    else:
+        if fused is not None:
+            done = fused(rule, ctx, args, kwargs)
+            if done is not _NOT_FUSED:
+                return done
+        raw, rule.lifted = run_batched(op, info, args, kwargs, n, ctx)
+    return _finish(rule, ctx, raw, args, kwargs)
+
+
+def _lookup(rule: "_Rule", ctx: AtenContext, args: tuple, kwargs: dict) -> Any:
+    """exp, log, ... (a row with ``lookup``) of values in the format: a table of the op's own
+    results (unless a value is not one of the format's), then rounded."""
+    if rule.rounds and ctx.use_lookup and rule.info.rule.lookup and len(args) == 1 \
             and not kwargs \
             and type(args[0]) is Stacked and args[0].samples.dtype == torch.float32 \
             and args[0].samples.is_cpu and args[0].samples.is_contiguous():
-        # exp, log, ... of values in the format: a table of the op's own results (unless a
-        # value is not one of the format's), then rounded
-        return ctx.emit("lookup", name, rule.lookup, (), args, kwargs, op)
-    elif rounds and info.binary and not kwargs and _fusable(args, ctx):
-        # add, sub, mul, div: computed by the kernel inside its rounding (one step, no pass of
-        # the operator's own)
-        return ctx.emit("binary", name, rule.binary, (), args, kwargs, _batched_call(info, args))
-    else:
-        raw, rule.lifted = run_batched(op, info, args, kwargs, n, ctx)
-    if info.layout and info.exact and need_digits is False and need_zeros is False and \
-            rule.lifted and type(raw) is torch.Tensor and \
+        return ctx.emit("lookup", rule.name, rule.lookup, (), args, kwargs, rule.op)
+    return _NOT_FUSED
+
+
+def _binary(rule: "_Rule", ctx: AtenContext, args: tuple, kwargs: dict) -> Any:
+    """add, sub, mul, div: computed by the kernel inside its rounding (one step, no pass of
+    the operator's own)."""
+    if rule.rounds and rule.info.binary and not kwargs and _fusable(args, ctx):
+        return ctx.emit("binary", rule.name, rule.binary, (), args, kwargs,
+                        _batched_call(rule.info, args))
+    return _NOT_FUSED
+
+
+def _finish(rule: "_Rule", ctx: AtenContext, raw: Any, args: tuple, kwargs: dict) -> Any:
+    """The outputs ``raw`` on the samples rounded, measured, counted and recorded (a step)."""
+    info = rule.info
+    if info.layout and info.exact and rule.need_digits is False and \
+            rule.need_zeros is False and rule.lifted and type(raw) is torch.Tensor and \
             not (ctx.record_exact and ctx.recorder is not None):
         # a view no reader measures through (a graph driver's plan says so): nothing to round,
         # count, record or carry, so no step
         return Stacked(raw)
     return rule.finish_raw(ctx, raw, args, kwargs)
+
+
+# path -> how apply_primitive runs it (exact, layout, random, symbolic: the general path)
+_PATHS: dict[str, Callable] = {
+    DECIDE: _decide, COMPARE: _compare, GEMM: _gemm,
+    ARITHMETIC: functools.partial(_general, fused=_lookup),
+    BINARY: functools.partial(_general, fused=_binary),
+}
+# the primitives whose bf16 results have lookup tables (the fused kernels', cpu/bindings.py)
+primitive(*sorted(native.LOOKUP_OPS), lookup=True)
 
 
 def _decision_counter(op: Any, name: Optional[str]) -> Any:
@@ -379,7 +430,7 @@ class _Rule:
             return False, False
         need_digits, need_zeros = self.need_digits, self.need_zeros
         digits = ctx.cap > ctx.cancel_digits and (
-            need_digits is not False or self.info.kind in OUTPUT_DIGITS_KINDS)
+            need_digits is not False or self.info.rule.output_digits)
         zeros = (need_digits if need_zeros is None else need_zeros) is not False
         return digits, zeros
 
@@ -428,7 +479,7 @@ class _Rule:
     def compare(self, ctx: AtenContext, raw: list, args: tuple, kwargs: dict) -> torch.Tensor:
         kind = self.info.kind
         diff = diff_analysis(args[0], args[1], ctx, logical_ndim(args[:2]))
-        result = _cestac_compare(kind, diff, diff.samples.mean(0))
+        result = self.info.rule.relation.cestac(diff.exact_zero | diff.zero, diff.samples.mean(0))
         rec_name = self.name or ctx.name_for(self.op)
         counting, detailed = counting_mode(ctx)
         if counting:
@@ -483,14 +534,11 @@ class _Rule:
                                       surrogate=surrogate, counting=counting,
                                       detailed=detailed)
         exact = info.exact and self.float8 is None
-        if exact and kind in COMPLEX_ARITHMETIC and type(args[0]) is Stacked and \
-                args[0].samples.is_complex():
-            exact = False  # |z|, z / |z|: arithmetic on the parts
-        elif exact and kind == "round" and kwargs.get("decimals"):
-            exact = False  # round(x * 10**d) / 10**d: not a value of the format in general
+        if exact and info.rule.inexact is not None and info.rule.inexact(args, kwargs):
+            exact = False  # |z| of complex z, round(x, decimals=d): arithmetic after all
         do_round = (lifted or ctx.round_per_sample) and not exact and self.rounds
         want_record = ctx.recorder is not None and (
-            not exact or ctx.record_exact or _writes_nonfinite(kind, args, kwargs))
+            not exact or ctx.record_exact or info.rule.writes and _writes_nonfinite(args, kwargs))
         # per-element digits (or the zero mask) now, in the rounding pass, when a counter will
         # read them
         digits_if_counting, zeros_if_counting = self._wants(ctx, True)
@@ -585,11 +633,10 @@ class _Rule:
         kind = info.kind
         rec_name = self.name or ctx.name_for(op) if (want_record or counting) else None
         if counting:
-            diff = None
-            if kind in SELECT2_KINDS or kind in ("clamp", "clamp_min", "clamp_max"):
-                diff = limit_diff(kind, args, kwargs, ctx)
+            row = info.rule
+            diff = row.branch(args, kwargs, ctx) if row.branch is not None else None
             out_numel = first.samples.numel() // n if first is not None else 0
-            found = compute_counters(kind, args, kwargs, first, out_numel, ctx, diff, detailed)
+            found = compute_counters(row, args, kwargs, first, out_numel, ctx, diff, detailed)
             counts = count_found(kind, found, out_numel, first, ctx, rec_name, op, detailed, None) \
                 if found else no_counts(ctx)
         else:
@@ -609,16 +656,11 @@ class _Rule:
         return result
 
 
-# Exact primitives that write a value of their own: filled with an infinity (an attention mask's
-# -inf), they are recorded (observed, not rounded), so the graph sees where the infinities come
-# from and their consumers (the softmax's x - max) are not taken for where NaN/inf appear.
-_WRITING_KINDS = frozenset({"masked_fill", "fill", "full", "full_like", "new_full", "where",
-                            "index_put", "index_fill", "scatter", "masked_scatter"})
-
-
-def _writes_nonfinite(kind: str, args: tuple, kwargs: dict) -> bool:
-    if kind not in _WRITING_KINDS:
-        return False
+def _writes_nonfinite(args: tuple, kwargs: dict) -> bool:
+    """Whether an exact primitive that writes a value of its own (its row's ``writes``:
+    masked_fill, where...) writes an infinity or NaN (an attention mask's -inf): then it is
+    recorded (observed, not rounded), so the graph sees where the infinities come from and
+    their consumers (the softmax's x - max) are not taken for where NaN/inf appear."""
     for v in (*args, *kwargs.values()):
         if isinstance(v, float) and not math.isfinite(v):
             return True

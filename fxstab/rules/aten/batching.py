@@ -1,8 +1,9 @@
 """Running one primitive on all N samples at once (docs/design.md §3).
 
 Pointwise primitives run directly on the samples with ranks aligned (:func:`aligned`); hot
-views, reductions, softmax and GEMMs have a batcher in the table :data:`BATCHERS` (registered
-with :func:`batcher`: their dimension arguments shifted past the sample dimension); the rest go
+views, reductions, softmax and GEMMs have a batcher in their row of the table
+:data:`fxstab.rules.aten.primitives.PRIMITIVES` (registered with :func:`batcher`: their
+dimension arguments shifted past the sample dimension; :data:`BATCHERS` lists them); the rest go
 through ``torch.vmap``; a primitive that cannot be batched runs once per sample
 (:func:`run_batched` says whether it was lifted).
 """
@@ -10,6 +11,7 @@ through ``torch.vmap``; a primitive that cannot be batched runs once per sample
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator, Mapping
 from typing import Callable, Optional
 
 import torch
@@ -17,6 +19,7 @@ from torch.utils import _pytree as pytree
 
 from .context import AtenContext
 from .kinds import OpInfo, broadcast_in_dim, primitive_kind, prims_var
+from .primitives import PRIMITIVES, PrimitiveRule, primitive
 from ..lifting import Stacked
 
 aten = torch.ops.aten
@@ -77,29 +80,41 @@ def logical_ndim(args) -> int:
 
 
 # -- the batchers: hot non-pointwise primitives on all samples without vmap ---------------------
-# kind -> batcher(op, args, kwargs): the outputs with their sample dim, or NotImplemented (then
-# vmap, then once per sample), as JAX's primitive_batchers. A batcher meets no stacked keyword
-# argument (_batched_special checks), and no keyword argument at all unless registered with
-# ``kwargs=True``.
-BATCHERS: dict[str, Callable] = {}
-_TAKES_KWARGS: set = set()
-
-
+# batcher(op, args, kwargs): the outputs with their sample dim, or NotImplemented (then vmap,
+# then once per sample), as JAX's primitive_batchers, in the primitive's row. A batcher meets no
+# stacked keyword argument (_batched_special checks), and no keyword argument at all unless
+# registered with ``kwargs=True``.
 def batcher(*kinds: str, kwargs: bool = False) -> Callable:
-    """Register the decorated ``batcher(op, args, kwargs)`` for every kind in ``kinds``."""
+    """Register the decorated ``batcher(op, args, kwargs)`` in the rows of ``kinds``."""
     def register(fn: Callable) -> Callable:
-        for kind in kinds:
-            BATCHERS[kind] = fn
-            if kwargs:
-                _TAKES_KWARGS.add(kind)
+        primitive(*kinds, batcher=fn, batcher_kwargs=kwargs)
         return fn
     return register
 
 
-def _batched_special(op, kind: str, args: tuple, kwargs: dict):
-    """The batcher of ``kind`` on these arguments, or ``NotImplemented``."""
-    fn = BATCHERS.get(kind)
-    if fn is None or kwargs and kind not in _TAKES_KWARGS:
+class _Batchers(Mapping):
+    """kind -> its batcher, read from the rows (a view: the table is the home)."""
+
+    def __getitem__(self, kind: str) -> Callable:
+        fn = PRIMITIVES[kind].batcher
+        if fn is None:
+            raise KeyError(kind)
+        return fn
+
+    def __iter__(self) -> Iterator[str]:
+        return (k for k, r in PRIMITIVES.items() if r.batcher is not None)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+BATCHERS: Mapping = _Batchers()
+
+
+def _batched_special(op, rule: PrimitiveRule, args: tuple, kwargs: dict):
+    """The batcher of ``rule`` on these arguments, or ``NotImplemented``."""
+    fn = rule.batcher
+    if fn is None or kwargs and not rule.batcher_kwargs:
         return NotImplemented
     if any(isinstance(v, Stacked) for v in kwargs.values()):
         return NotImplemented
@@ -232,47 +247,63 @@ def _slice(op, s, nd, rest, kwargs):
 
 
 # The batchers below take a dim argument, which a 0-d value reaches with dim 0 or -1 (torch
-# wraps a scalar's dims), not a dim of its samples: _on_scalar runs them.
-@batcher("sum", "mean", "amax", "amin", kwargs=True)
+# wraps a scalar's dims), not a dim of its samples: on 0-d samples each runs over the only
+# dim of ``s[:, None]`` (:func:`_on_scalar`).
+@batcher("sum", "mean", kwargs=True)
 @_on_samples
 def _reduce(op, s, nd, rest, kwargs):
-    kind = primitive_kind(op)
+    fn = getattr(torch, primitive_kind(op))
+    extra = {k: v for k, v in kwargs.items() if k == "dtype"}
     if nd == 0:
-        return _on_scalar(op, kind, s, rest, kwargs)
+        if kwargs.get("output_dtype"):
+            return NotImplemented
+        return _on_scalar(s, rest, lambda col: fn(col, [1], False, **extra))
     if any(isinstance(r, Stacked) for r in rest) or kwargs.get("output_dtype"):
         return NotImplemented
     dim = rest[0] if rest else kwargs.get("dim", None)
     keepdim = rest[1] if len(rest) > 1 else kwargs.get("keepdim", False)
-    extra = {k: v for k, v in kwargs.items() if k == "dtype"}
     dims = _dims(dim, nd)
-    if kind in ("amax", "amin"):
-        return getattr(torch, kind)(s, dims, keepdim)
     if isinstance(dims, int):
         dims = [dims]
     if not dims:
         return s.clone()
-    return getattr(torch, kind)(s, dims, keepdim, **extra)
+    return fn(s, dims, keepdim, **extra)
+
+
+@batcher("amax", "amin", kwargs=True)
+@_on_samples
+def _extreme(op, s, nd, rest, kwargs):
+    fn = getattr(torch, primitive_kind(op))
+    if nd == 0:
+        if kwargs.get("output_dtype"):
+            return NotImplemented
+        return _on_scalar(s, rest, lambda col: fn(col, [1], False))
+    if any(isinstance(r, Stacked) for r in rest) or kwargs.get("output_dtype"):
+        return NotImplemented
+    dim = rest[0] if rest else kwargs.get("dim", None)
+    keepdim = rest[1] if len(rest) > 1 else kwargs.get("keepdim", False)
+    return fn(s, _dims(dim, nd), keepdim)
 
 
 @batcher("var", kwargs=True)
 @_on_samples
 def _var(op, s, nd, rest, kwargs):
-    if nd == 0:
-        return _on_scalar(op, "var", s, rest, kwargs)
     if getattr(op, "namespace", None) != "prims" or kwargs.get("output_dtype"):
         return NotImplemented
-    dims = _dims(rest[0] if rest else None, nd)
     correction = rest[1] if len(rest) > 1 else kwargs.get("correction", 1)
+    if nd == 0:
+        return _on_scalar(s, rest, lambda col: prims_var(col, [1], correction).reshape(s.shape))
+    dims = _dims(rest[0] if rest else None, nd)
     return prims_var(s, [dims] if isinstance(dims, int) else dims, correction)
 
 
 @batcher("_softmax", "_log_softmax", kwargs=True)
 @_on_samples
 def _along_dim(op, s, nd, rest, kwargs):
-    if nd == 0:
-        return _on_scalar(op, primitive_kind(op), s, rest, kwargs)
     if len(rest) < 1:
         return NotImplemented
+    if nd == 0:
+        return _on_scalar(s, rest, lambda col: op(col, 1, *rest[1:], **kwargs).squeeze(1))
     return op(s, _norm_dim(rest[0], nd), *rest[1:], **kwargs)
 
 
@@ -287,27 +318,13 @@ def _broadcast_in_dim(op, s, nd, rest, kwargs):
     return broadcast_in_dim(s, [s.shape[0]] + list(rest[0]), [0] + [d + 1 for d in rest[1]])
 
 
-def _on_scalar(op, kind: str, s: torch.Tensor, rest: tuple, kwargs: dict):
-    """``op`` over the only dim of 0-d samples ``s`` ([N]): on ``s[:, None]`` over dim 1, then
-    back to [N] (torch's own arithmetic: a sum of one value, a softmax of one value is 1)."""
+def _on_scalar(s: torch.Tensor, rest: tuple, run: Callable):
+    """``run(col)`` over the only dim of 0-d samples ``s`` ([N]) as ``col = s[:, None]``
+    ([N, 1], the reduction over dim 1, back to [N]: torch's own arithmetic, a sum of one
+    value, a softmax of one value is 1)."""
     if any(isinstance(r, Stacked) for r in rest):
         return NotImplemented
-    col = s.unsqueeze(1)
-    if kind in ("_softmax", "_log_softmax", "cumsum"):
-        if not rest:
-            return NotImplemented
-        return op(col, 1, *rest[1:], **kwargs).squeeze(1)
-    if kind == "var":
-        if getattr(op, "namespace", None) != "prims" or kwargs.get("output_dtype"):
-            return NotImplemented
-        correction = rest[1] if len(rest) > 1 else kwargs.get("correction", 1)
-        return prims_var(col, [1], correction).reshape(s.shape)
-    if kwargs.get("output_dtype"):
-        return NotImplemented
-    extra = {k: v for k, v in kwargs.items() if k == "dtype"}
-    if kind in ("amax", "amin"):
-        return getattr(torch, kind)(col, [1], False)
-    return getattr(torch, kind)(col, [1], False, **extra)
+    return run(s.unsqueeze(1))
 
 
 def _run_per_sample(op, args, kwargs, n):
@@ -346,7 +363,7 @@ def run_batched(op, info: OpInfo, args: tuple, kwargs: dict, n: int, ctx: "AtenC
                 for a in lined[:2]):
             return torch.div(*lined[:2], rounding_mode="trunc"), True  # prims.div of ints
         return info.call(*lined, **kwargs), True
-    res = _batched_special(op, info.kind, args, kwargs)
+    res = _batched_special(op, info.rule, args, kwargs)
     if res is not NotImplemented:
         return res, True
     if not stacked_kw:

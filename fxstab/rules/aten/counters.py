@@ -1,12 +1,14 @@
 """CADNA's counters at the arithmetic level (docs/design.md §5), from the digits the rules already
-have: which counters a primitive triggers (:func:`compute_counters`, :func:`limit_diff` for
-max/min/clamp), and counting them into the context, the open collectors and per-event records
-(:func:`count_found`)."""
+have: the counters of each primitive family, registered with its row of the table
+(:func:`fxstab.rules.aten.primitives.primitive`: the families with counters have their rows
+here, beside their code), :func:`compute_counters` (a row's counters, then the anomalies every
+inexact primitive shares), and counting them into the context, the open collectors and
+per-event records (:func:`count_found`)."""
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch.utils import _pytree as pytree
@@ -15,14 +17,13 @@ from ...records.counters import CounterEvent, active_collectors
 from ...records.report import empty_counters
 from .batching import aligned, logical_ndim
 from .context import AtenContext
-from .kinds import (
-    ADD_KINDS, DIV_KINDS, EXACT_PRIMITIVES, MATH_KINDS, POW_KINDS, REDUCE_SUM_KINDS,
-    ROUNDING_INTRINSICS, COMPARISONS, SELECT2_KINDS,
+from .primitives import (
+    ARITHMETIC, BINARY, EXACT, PrimitiveRule, primitive, reads_digits, reads_zeros,
 )
 from ..lifting import Stacked
 from .measure import Analysis
 
-__all__ = ["differs", "diff_analysis", "compute_counters", "limit_diff", "counting_mode",
+__all__ = ["differs", "diff_analysis", "CounterCall", "compute_counters", "counting_mode",
            "no_counts", "count_found"]
 
 
@@ -73,20 +74,35 @@ class Counted(int):
     """A counter's count found without its mask (summary counters only)."""
 
 
-# Elementwise kinds whose result is non-finite wherever the operands at these positions are
-# (IEEE: an infinity or NaN in a sum, a difference or a product, or in a quotient's numerator)
-_NONFINITE_CARRIERS = {"add": (0, 1), "sub": (0, 1), "mul": (0, 1), "div": (0,)}
+class CounterCall(NamedTuple):
+    """One primitive call as its family's counters read it: the arguments, the output (its
+    samples and their analysis ``oa``, None where not floating), the output's logical number
+    of elements, the compared difference of a selection (its row's ``branch``) and whether
+    a cancellation is possible at all (an output digit below ``cap - cancel_digits``)."""
+
+    args: tuple
+    kwargs: dict
+    out: Optional[Stacked]
+    oa: Optional[Analysis]
+    out_numel: int
+    ctx: AtenContext
+    diff: Optional[Analysis]
+    can_cancel: bool
 
 
-def _anomalies_counted(kind: str, args: tuple, oa: Analysis, out_numel: int,
+_NONE: list = []
+
+
+def _anomalies_counted(rule: PrimitiveRule, args: tuple, oa: Analysis, out_numel: int,
                        ctx: AtenContext) -> Optional[Counted]:
-    """The anomalies of an add, sub, mul or div from counts, without masks, where they
+    """The anomalies of an add, sub, mul or div (a row with ``carriers``: the operands whose
+    non-finite elements the output carries, IEEE) from counts, without masks, where they
     decide it: with finite operands every non-finite output element is one; with one operand
     holding non-finite elements that the output carries (a causal mask's -inf through the
     softmax's x - max), the output's non-finite elements beyond the ones it carries. None
     where only masks tell (both operands non-finite, a divisor's infinities)."""
-    carriers = _NONFINITE_CARRIERS.get(kind)
-    if carriers is None or len(args) != 2:
+    carriers = rule.carriers
+    if not carriers or len(args) != 2:
         return None
     found = None  # (position, non-finite elements, logical numel) of the one non-finite operand
     for i, x in enumerate(args):
@@ -110,84 +126,25 @@ def _anomalies_counted(kind: str, args: tuple, oa: Analysis, out_numel: int,
     return Counted(oa.non_finite - nf * (out_numel // numel))
 
 
-def compute_counters(kind: str, args: tuple, kwargs: dict, out: Optional[Stacked],
-                      out_numel: int, ctx: AtenContext, diff: Optional[Analysis],
-                      masks: bool = False):
+def compute_counters(rule: PrimitiveRule, args: tuple, kwargs: dict, out: Optional[Stacked],
+                     out_numel: int, ctx: AtenContext, diff: Optional[Analysis],
+                     masks: bool = False) -> list:
     """Masks (or counts) of the counters this primitive triggers: list of (key, mask); with
-    ``masks`` (per-event records) every one as a mask."""
-    found = []
+    ``masks`` (per-event records) every one as a mask. Its row's ``counters``, then the
+    anomalies (NaN/inf from finite operands) of a primitive that is not exact."""
     oa = out.analysis(ctx) if out is not None and out.samples.is_floating_point() else None
     # no output digit is below cap - cancel_digits (>= every reference): no cancellation
     # (always so when the format has fewer digits than cancel_digits: bf16, fp16, fp8)
     can_cancel = oa is not None and not (oa.min_digits is not None and
                                          oa.min_digits > ctx.cap - ctx.cancel_digits)
-    if kind in ADD_KINDS and can_cancel:
-        ops = [_operand(x, ctx) for x in args[:2]]
-        # exact data (identical samples, finite) has the cap's digits: it never lowers the min
-        ds = [o.digits for o in ops if o is not None and not _exact_data(o)]
-        if ds or any(o is not None for o in ops):
-            ref = (ctx.cap if not ds else ds[0] if len(ds) == 1
-                   else torch.minimum(ds[0], ds[1]))
-            found.append(("cancellation", oa.digits <= ref - ctx.cancel_digits))
-    elif kind in ADD_KINDS or kind in REDUCE_SUM_KINDS and not can_cancel:
-        pass
-    elif kind in REDUCE_SUM_KINDS and oa is not None and isinstance(args[0], Stacked):
-        a = args[0].analysis(ctx)
-        nd = args[0].ndim
-        dim = args[1] if len(args) > 1 else kwargs.get("dim")
-        keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
-        dg = a.digits
-        if dg.dim() and not any(dg.stride()):  # one value for all (identical samples): no pass
-            ref = dg.reshape(-1)[0]
-        elif dim is None or (isinstance(dim, (list, tuple)) and not dim):
-            ref = a.digits.amin() if nd else a.digits
-        else:
-            dims = [d % nd for d in (dim if isinstance(dim, (list, tuple)) else [dim])] if nd else []
-            ref = a.digits.amin(dim=dims, keepdim=bool(keepdim)) if dims else a.digits
-        found.append(("cancellation", oa.digits <= ref - ctx.cancel_digits))
-    elif kind in DIV_KINDS:
-        if kind == "reciprocal":
-            o = _operand(args[0], ctx)
-        else:
-            o = _operand(args[1], ctx) if len(args) > 1 else None
-        if o is not None and not o.no_zeros:
-            found.append(("division", _zeros(o, out_numel)))
-    elif kind == "mul":
-        oa_, ob_ = (_operand(x, ctx) for x in args[:2])
-        if oa_ is not None and ob_ is not None and not (oa_.no_zeros or ob_.no_zeros):
-            found.append(("multiplication", oa_.zero & ob_.zero))
-    elif kind in POW_KINDS or kind in MATH_KINDS:
-        zs = [o for o in (_operand(x, ctx) for x in args[:2]) if o is not None and not o.no_zeros]
-        if zs:
-            found.append(("power" if kind in POW_KINDS else "math_function",
-                          _zeros(zs[0], out_numel) if len(zs) == 1 else zs[0].zero | zs[1].zero))
-    elif kind == "abs" and isinstance(args[0], Stacked) and args[0].samples.is_floating_point():
-        s = args[0].samples
-        found.append(("intrinsic", (s > 0).any(0) & (s < 0).any(0)))
-    elif kind in ROUNDING_INTRINSICS and out is not None and not kwargs.get("decimals"):
-        found.append(("intrinsic", ~out.analysis(ctx).identical))
-    elif kind in ("_to_copy", "to") and out is not None and not out.samples.is_floating_point() \
-            and isinstance(args[0], Stacked) and args[0].samples.is_floating_point():
-        found.append(("intrinsic", ~out.analysis(ctx).identical))
-    elif kind in COMPARISONS or kind in SELECT2_KINDS or kind in ("clamp", "clamp_min", "clamp_max"):
-        if diff is not None:
-            found.append(("branching", diff.zero))
-    elif kind in ("relu", "threshold", "hardtanh") and isinstance(args[0], Stacked):
-        if kind == "relu":
-            a = args[0].analysis(ctx)
-            if not a.no_zeros:
-                found.append(("branching", _zeros(a, out_numel)))
-        else:
-            lim = args[1] if len(args) > 1 else (-1.0 if kind == "hardtanh" else 0.0)
-            d = diff_analysis(args[0], lim, ctx, args[0].ndim)
-            if d is not None:
-                found.append(("branching", d.zero))
-    elif kind == "where" and isinstance(args[0], Stacked):
-        c = args[0].samples
-        found.append(("branching", c.any(0) & ~c.all(0)))
+    found = _NONE
+    if rule.counters is not None:
+        found = rule.counters(CounterCall(args, kwargs, out, oa, out_numel, ctx, diff,
+                                          can_cancel))
     # NaN/inf produced from finite operands; an exact primitive only moves values around
-    if oa is not None and kind not in EXACT_PRIMITIVES and not oa.all_finite:
-        counted = None if masks else _anomalies_counted(kind, args, oa, out_numel, ctx)
+    if oa is not None and not rule.exact and not oa.all_finite:
+        found = list(found)
+        counted = None if masks else _anomalies_counted(rule, args, oa, out_numel, ctx)
         if counted is not None:
             found.append(("anomaly", counted))
             return found
@@ -211,6 +168,240 @@ def compute_counters(kind: str, args: tuple, kwargs: dict, out: Optional[Stacked
     return found
 
 
+# --------------------------------------------------------------------------- the families
+@primitive("add", "sub", path=BINARY, needs=reads_digits, output_digits=True, carriers=(0, 1))
+def _cancellation(c: CounterCall) -> list:
+    """cancellation where the output keeps cancel_digits fewer digits than the fewer of its
+    two operands' (exact data counts with the cap's)."""
+    if not c.can_cancel:
+        return _NONE
+    ctx = c.ctx
+    ops = [_operand(x, ctx) for x in c.args[:2]]
+    # exact data (identical samples, finite) has the cap's digits: it never lowers the min
+    ds = [o.digits for o in ops if o is not None and not _exact_data(o)]
+    if not ds and not any(o is not None for o in ops):
+        return _NONE
+    ref = ctx.cap if not ds else ds[0] if len(ds) == 1 else torch.minimum(ds[0], ds[1])
+    return [("cancellation", c.oa.digits <= ref - ctx.cancel_digits)]
+
+
+primitive("rsub", path=ARITHMETIC, needs=reads_digits, output_digits=True,
+          counters=_cancellation, family="cancellation")
+
+
+@primitive("sum", "mean", "nansum", path=ARITHMETIC, needs=reads_digits, output_digits=True)
+def _summed_cancellation(c: CounterCall) -> list:
+    """cancellation where the sum keeps cancel_digits fewer digits than the fewest of the
+    terms it sums."""
+    args, kwargs = c.args, c.kwargs
+    if not c.can_cancel or not isinstance(args[0], Stacked):
+        return _NONE
+    a = args[0].analysis(c.ctx)
+    nd = args[0].ndim
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    dg = a.digits
+    if dg.dim() and not any(dg.stride()):  # one value for all (identical samples): no pass
+        ref = dg.reshape(-1)[0]
+    elif dim is None or (isinstance(dim, (list, tuple)) and not dim):
+        ref = a.digits.amin() if nd else a.digits
+    else:
+        dims = [d % nd for d in (dim if isinstance(dim, (list, tuple)) else [dim])] if nd else []
+        ref = a.digits.amin(dim=dims, keepdim=bool(keepdim)) if dims else a.digits
+    return [("cancellation", c.oa.digits <= ref - c.ctx.cancel_digits)]
+
+
+def _divided_by(o: Optional[Analysis], c: CounterCall) -> list:
+    if o is None or o.no_zeros:
+        return _NONE
+    return [("division", _zeros(o, c.out_numel))]
+
+
+def _second_operand(args: tuple, operand: Any) -> tuple[bool, bool]:
+    """The zero mask of the divisor, the second operand."""
+    return False, len(args) > 1 and args[1] is operand
+
+
+@primitive("div", path=BINARY, needs=_second_operand, carriers=(0,))
+def _division(c: CounterCall) -> list:
+    """division by a computational zero (the divisor's zero mask)."""
+    return _divided_by(_operand(c.args[1], c.ctx) if len(c.args) > 1 else None, c)
+
+
+primitive("remainder", "fmod", "floor_divide", path=ARITHMETIC, needs=_second_operand,
+          counters=_division, family="division")
+
+
+def _first_operand(args: tuple, operand: Any) -> tuple[bool, bool]:
+    """The zero mask of the divisor, the only operand."""
+    return False, args[0] is operand
+
+
+@primitive("reciprocal", path=ARITHMETIC, needs=_first_operand)
+def _reciprocal(c: CounterCall) -> list:
+    """division by a computational zero (1/x: the operand's zero mask)."""
+    return _divided_by(_operand(c.args[0], c.ctx), c)
+
+
+@primitive("mul", path=BINARY, needs=reads_zeros, carriers=(0, 1))
+def _multiplication(c: CounterCall) -> list:
+    """multiplication of two computational zeros."""
+    oa_, ob_ = (_operand(x, c.ctx) for x in c.args[:2])
+    if oa_ is None or ob_ is None or oa_.no_zeros or ob_.no_zeros:
+        return _NONE
+    return [("multiplication", oa_.zero & ob_.zero)]
+
+
+def _zero_argument(c: CounterCall, key: str) -> list:
+    zs = [o for o in (_operand(x, c.ctx) for x in c.args[:2]) if o is not None and not o.no_zeros]
+    if not zs:
+        return _NONE
+    return [(key, _zeros(zs[0], c.out_numel) if len(zs) == 1 else zs[0].zero | zs[1].zero)]
+
+
+@primitive("pow", "float_power", path=ARITHMETIC, needs=reads_zeros)
+def _power(c: CounterCall) -> list:
+    """power with a computational zero as its base or exponent."""
+    return _zero_argument(c, "power")
+
+
+@primitive("sqrt", "rsqrt", "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sin",
+           "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "tanh", "asinh", "acosh",
+           "atanh", "erf", "erfc", "erfinv", "sigmoid", "lgamma", "digamma", "atan2", "logit",
+           "special_erfcx", "xlogy", path=ARITHMETIC, needs=reads_zeros)
+def _math_function(c: CounterCall) -> list:
+    """math_function of a computational zero."""
+    return _zero_argument(c, "math_function")
+
+
+def _complex_operand(args: tuple, kwargs: dict) -> bool:
+    """|z|, z / |z|: arithmetic on the parts of a complex operand."""
+    return type(args[0]) is Stacked and args[0].samples.is_complex()
+
+
+@primitive("abs", path=EXACT, inexact=_complex_operand)
+def _sign_change(c: CounterCall) -> list:
+    """intrinsic where the samples of the operand differ in sign."""
+    x = c.args[0]
+    if not (isinstance(x, Stacked) and x.samples.is_floating_point()):
+        return _NONE
+    s = x.samples
+    return [("intrinsic", (s > 0).any(0) & (s < 0).any(0))]
+
+
+def _with_decimals(args: tuple, kwargs: dict) -> bool:
+    """round(x * 10**d) / 10**d: not a value of the format in general."""
+    return bool(kwargs.get("decimals"))
+
+
+@primitive("floor", "ceil", "trunc", "sign", path=EXACT)
+def _rounding_intrinsic(c: CounterCall) -> list:
+    """intrinsic where the samples of the output differ (rounded to different integers)."""
+    if c.out is None or c.kwargs.get("decimals"):
+        return _NONE
+    return [("intrinsic", ~c.out.analysis(c.ctx).identical)]
+
+
+primitive("round", path=EXACT, inexact=_with_decimals, counters=_rounding_intrinsic,
+          family="rounding_intrinsic")
+primitive("sgn", path=EXACT, inexact=_complex_operand, counters=_rounding_intrinsic,
+          family="rounding_intrinsic")
+primitive("frac", path=ARITHMETIC, counters=_rounding_intrinsic, family="rounding_intrinsic")
+
+
+@primitive("_to_copy", "to", path=EXACT, casts=True)
+def _cast(c: CounterCall) -> list:
+    """intrinsic where a floating operand's samples cast to different integers."""
+    out, x = c.out, c.args[0]
+    if out is None or out.samples.is_floating_point() or \
+            not (isinstance(x, Stacked) and x.samples.is_floating_point()):
+        return _NONE
+    return [("intrinsic", ~out.analysis(c.ctx).identical)]
+
+
+def _branching(c: CounterCall) -> list:
+    """branching where the compared difference is a computational zero."""
+    return _NONE if c.diff is None else [("branching", c.diff.zero)]
+
+
+def _two_operands(args: tuple, kwargs: dict, ctx: AtenContext) -> Optional[Analysis]:
+    """max/min of two operands: their difference."""
+    return diff_analysis(args[0], args[1], ctx, logical_ndim(args[:2]))
+
+
+primitive("maximum", "minimum", path=EXACT, branch=_two_operands, counters=_branching,
+          family="selection")
+primitive("fmax", "fmin", path=ARITHMETIC, branch=_two_operands, counters=_branching,
+          family="selection")
+
+
+def _limits(args: tuple, lo: Any, hi: Any, ctx: AtenContext) -> Optional[Analysis]:
+    """The difference of the operand and its limits (both: the fewer digits, either zero)."""
+    diffs = [d for d in (diff_analysis(args[0], lim, ctx, args[0].ndim)
+                         for lim in (lo, hi) if lim is not None) if d is not None]
+    if len(diffs) < 2:
+        return diffs[0] if diffs else None
+    a, b = diffs
+    return Analysis(a.samples, ctx, digits=torch.minimum(a.digits, b.digits), zero=a.zero | b.zero)
+
+
+def _clamp_limits(args: tuple, kwargs: dict, ctx: AtenContext) -> Optional[Analysis]:
+    """clamp(x, min, max), clamp_min(x, min): the differences from the limits."""
+    return _limits(args, args[1] if len(args) > 1 else kwargs.get("min"),
+                   args[2] if len(args) > 2 else kwargs.get("max"), ctx)
+
+
+def _upper_limit(args: tuple, kwargs: dict, ctx: AtenContext) -> Optional[Analysis]:
+    """clamp_max(x, max): the difference from the limit."""
+    return _limits(args, None, args[1] if len(args) > 1 else kwargs.get("min"), ctx)
+
+
+primitive("clamp", "clamp_min", path=EXACT, branch=_clamp_limits, counters=_branching,
+          family="clamp")
+primitive("clamp_max", path=EXACT, branch=_upper_limit, counters=_branching, family="clamp")
+
+
+@primitive("relu", path=EXACT, needs=reads_zeros)
+def _relu_branching(c: CounterCall) -> list:
+    """branching where the operand is a computational zero (its zero mask)."""
+    x = c.args[0]
+    if not isinstance(x, Stacked):
+        return _NONE
+    a = x.analysis(c.ctx)
+    return _NONE if a.no_zeros else [("branching", _zeros(a, c.out_numel))]
+
+
+def _below(c: CounterCall, default: float) -> list:
+    x = c.args[0]
+    if not isinstance(x, Stacked):
+        return _NONE
+    lim = c.args[1] if len(c.args) > 1 else default
+    d = diff_analysis(x, lim, c.ctx, x.ndim)
+    return _NONE if d is None else [("branching", d.zero)]
+
+
+@primitive("threshold", path=EXACT)
+def _threshold_branching(c: CounterCall) -> list:
+    """branching where the operand minus its threshold is a computational zero."""
+    return _below(c, 0.0)
+
+
+@primitive("hardtanh", path=EXACT)
+def _hardtanh_branching(c: CounterCall) -> list:
+    """branching where the operand minus its lower limit is a computational zero."""
+    return _below(c, -1.0)
+
+
+@primitive("where", path=EXACT, writes=True)
+def _condition_branching(c: CounterCall) -> list:
+    """branching where the samples of the condition disagree."""
+    cond = c.args[0]
+    if not isinstance(cond, Stacked):
+        return _NONE
+    s = cond.samples
+    return [("branching", s.any(0) & ~s.all(0))]
+
+
 def counting_mode(ctx: AtenContext) -> tuple[bool, bool]:
     """(whether counters run, whether they keep per-event records): the context's
     diagnostics, or an open :func:`fxstab.records.counters.instability_counters` block."""
@@ -219,24 +410,6 @@ def counting_mode(ctx: AtenContext) -> tuple[bool, bool]:
     detailed = counting and (ctx.diagnostics == "detailed" or bool(collectors) and any(
         c.diagnostics == "detailed" for c in collectors))
     return counting, detailed
-
-
-def limit_diff(kind: str, args: tuple, kwargs: dict, ctx: AtenContext) -> Optional[Analysis]:
-    """Analysis of the compared difference of max/min/clamp (computational zero: branching)."""
-    if kind in SELECT2_KINDS:
-        return diff_analysis(args[0], args[1], ctx, logical_ndim(args[:2]))
-    lo = args[1] if len(args) > 1 else kwargs.get("min")
-    hi = args[2] if len(args) > 2 else kwargs.get("max")
-    if kind == "clamp_max":
-        lo, hi = None, lo
-    diffs = [d for d in (diff_analysis(args[0], lim, ctx, args[0].ndim)
-                         for lim in (lo, hi) if lim is not None) if d is not None]
-    if len(diffs) < 2:
-        return diffs[0] if diffs else None
-    a, b = diffs
-    z = a.zero | b.zero
-    both = Analysis(a.samples, ctx, digits=torch.minimum(a.digits, b.digits), zero=z)
-    return both
 
 
 def no_counts(ctx: AtenContext) -> dict:

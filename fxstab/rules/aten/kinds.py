@@ -1,32 +1,33 @@
-"""What the arithmetic-level rules know about each aten primitive, from its name and schema.
-
-The op classes (GEMMs, exact primitives, additions, divisions, math functions, comparisons...),
-and :func:`op_info`, the per-overload decisions the rules take once: pointwise or not, exact,
-trusted GEMM, factory, layout (digits follow the op), CESTAC comparison, prims replacements,
-in-place. :func:`operand_needs` says what a primitive's counters read of an operand, so a graph
-driver can measure it in the operand's rounding pass.
+"""What each aten primitive is: :func:`primitive_kind`, the rows of the primitives that carry no
+code of their own in the table :data:`fxstab.rules.aten.primitives.PRIMITIVES` (GEMMs, exact
+and layout primitives, comparisons, decisions, random draws, symbolic sizes; the families with
+counters are registered beside them, in :mod:`.counters`), and :func:`op_info`, the
+per-overload decisions the rules take once from the row and the schema: pointwise or not,
+prims replacements, in-place, one IEEE operation. :func:`operand_needs` says what a primitive's
+counters read of an operand, so a graph driver can measure it in the operand's rounding pass.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
+from ..lifting import DECISIONS
+from .primitives import (
+    BINARY, COMPARE, DECIDE, EXACT, GEMM, LAYOUT, RANDOM, SYMBOLIC, PrimitiveRule, kinds_on,
+    primitive, rule_of,
+)
+
 aten = torch.ops.aten
 
-__all__ = [
-    "primitive_kind", "GEMM_PRIMITIVES", "EXACT_PRIMITIVES", "COMPLEX_ARITHMETIC", "ADD_KINDS",
-    "DIV_KINDS", "POW_KINDS", "MATH_KINDS", "ROUNDING_INTRINSICS", "COMPARISONS",
-    "SELECT2_KINDS", "REDUCE_SUM_KINDS", "RANDOM_PRIMITIVES", "SYMBOLIC_PRIMITIVES", "OpInfo",
-    "op_info", "prims_var", "broadcast_in_dim",
-    "OUTPUT_DIGITS_KINDS", "operand_needs",
-]
+__all__ = ["primitive_kind", "GEMM_PRIMITIVES", "Relation", "OpInfo", "op_info", "prims_var",
+           "broadcast_in_dim", "operand_needs"]
 
 
-# --------------------------------------------------------------------------- op classes
+# --------------------------------------------------------------------------- the rows
 def primitive_kind(op: Any) -> str:
     """Short name of an aten overload: ``aten.add.Tensor`` -> ``add``."""
     packet = getattr(op, "overloadpacket", None)
@@ -34,60 +35,90 @@ def primitive_kind(op: Any) -> str:
     return name.split(".")[0]
 
 
-GEMM_PRIMITIVES = frozenset({
-    "mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "convolution",
-    "_convolution", "conv1d", "conv2d", "conv3d", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention", "scaled_dot_product_attention",
-    "_scaled_dot_product_attention_math",
-})
-# Exact primitives: the result is (a selection of) input values, so rounding is the identity.
-EXACT_PRIMITIVES = frozenset({
-    "view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "unsqueeze",
-    "squeeze", "select", "slice", "clone", "contiguous", "alias", "detach", "lift_fresh_copy",
-    "cat", "stack", "split", "split_with_sizes", "chunk", "unbind", "index", "index_select",
-    "gather", "narrow", "flatten", "unflatten", "repeat", "roll", "flip", "diagonal", "as_strided",
-    "_to_copy", "to", "copy", "convert_element_type", "neg", "abs", "maximum", "minimum", "max", "min", "amax", "amin",
-    "clamp", "clamp_min", "clamp_max", "relu", "threshold", "hardtanh", "where", "masked_fill",
-    "constant_pad_nd", "sort", "topk", "embedding", "scatter", "slice_scatter", "select_scatter",
-    "index_put", "fill", "zeros_like", "ones_like", "full_like", "empty_like", "new_zeros",
-    "new_ones", "new_full", "new_empty", "floor", "ceil", "trunc", "round", "sign", "sgn",
-    "_reshape_alias", "view_as", "expand_as", "movedim", "squeeze_copy", "unsqueeze_copy",
-    "view_copy", "permute_copy", "t_copy", "transpose_copy", "expand_copy", "detach_copy",
-    "pixel_shuffle", "broadcast_in_dim", "collapse_view", "split_dim", "squeeze_copy", "max_pool2d_with_indices", "max_pool1d", "max_pool2d", "repeat_interleave",
-    # complex values: views of their parts, and the parts put together
-    "view_as_real", "view_as_complex", "real", "imag", "conj", "_conj", "conj_physical",
-    "_conj_physical", "resolve_conj", "resolve_neg", "_neg_view", "complex",
-})
-# Exact on real values, arithmetic on complex ones (|z| = sqrt(re^2 + im^2), z / |z|).
-COMPLEX_ARITHMETIC = frozenset({"abs", "sgn"})
-ADD_KINDS = frozenset({"add", "sub", "rsub"})
-DIV_KINDS = frozenset({"div", "reciprocal", "remainder", "fmod", "floor_divide"})
-POW_KINDS = frozenset({"pow", "float_power"})
-MATH_KINDS = frozenset({
-    "sqrt", "rsqrt", "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sin", "cos", "tan",
-    "asin", "acos", "atan", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "erf", "erfc",
-    "erfinv", "sigmoid", "lgamma", "digamma", "atan2", "logit", "special_erfcx", "xlogy",
-})
-ROUNDING_INTRINSICS = frozenset({"floor", "ceil", "trunc", "round", "sign", "sgn", "frac"})
-COMPARISONS = {"eq": "eq", "ne": "ne", "lt": "lt", "le": "le", "gt": "gt", "ge": "ge",
-            "less": "lt", "less_equal": "le", "greater": "gt", "greater_equal": "ge",
-            "not_equal": "ne"}
-SELECT2_KINDS = frozenset({"maximum", "minimum", "fmax", "fmin"})
+primitive("mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "convolution",
+          "_convolution", "conv1d", "conv2d", "conv3d", "_scaled_dot_product_flash_attention",
+          "_scaled_dot_product_flash_attention_for_cpu",
+          "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+          "scaled_dot_product_attention", "_scaled_dot_product_attention_math",
+          path=GEMM, family="gemm")
+# (what digitmap.hints reads; the table is the home)
+GEMM_PRIMITIVES = kinds_on(GEMM)
+
+# Exact primitives whose per-element digits are the same rearrangement of their operand's
+# digits: the digits of a view (or of -x) need no new measurement; the identities keep every
+# element in its place.
+primitive("clone", "alias", "detach", "lift_fresh_copy", "contiguous", "neg", path=LAYOUT,
+          identity=True, family="copy")
+primitive("view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "unsqueeze",
+          "squeeze", "select", "slice", "narrow", "flatten", "unflatten", "diagonal", "movedim",
+          "squeeze_copy", "unsqueeze_copy", "view_copy", "permute_copy", "t_copy",
+          "transpose_copy", "expand_copy", "detach_copy", "broadcast_in_dim", "collapse_view",
+          "split_dim", path=LAYOUT, family="view")
+# Exact primitives: the result is (a selection of) input values, so rounding is the identity
+# (the ones with counters of their own, abs, max/min, clamp, relu, where, floor..., casts, are
+# registered with them in .counters)
+primitive("_reshape_alias", "view_as", "expand_as", "as_strided", "cat", "stack", "split",
+          "split_with_sizes", "chunk", "unbind", "index", "index_select", "gather", "repeat",
+          "repeat_interleave", "roll", "flip", "pixel_shuffle", "constant_pad_nd", "embedding",
+          "slice_scatter", "select_scatter", "copy", "convert_element_type", "max", "min",
+          "amax", "amin", "max_pool2d_with_indices", "max_pool1d", "max_pool2d", "zeros_like",
+          "ones_like", "empty_like", "new_zeros", "new_ones", "new_empty",
+          path=EXACT, family="data movement")
+# exact, but writing a value of their own: filled with an infinity (an attention mask's -inf),
+# they are recorded (observed, not rounded), so the graph sees where the infinities come from
+# and their consumers (the softmax's x - max) are not taken for where NaN/inf appear
+primitive("masked_fill", "fill", "full_like", "new_full", "index_put", "scatter", path=EXACT,
+          writes=True, family="fill")
+# complex values: views of their parts, and the parts put together
+primitive("view_as_real", "view_as_complex", "real", "imag", "conj", "_conj", "conj_physical",
+          "_conj_physical", "resolve_conj", "resolve_neg", "_neg_view", "complex", path=EXACT,
+          family="complex parts")
+
+
+class Relation(NamedTuple):
+    """A comparison's relation: ``cestac(equal, mean_diff)`` (CESTAC's, on the samples'
+    difference: ``equal`` where it is an exact or computational zero) and ``exact(d)`` (on
+    the difference of identical samples)."""
+
+    name: str
+    cestac: Callable
+    exact: Callable
+
+
+_RELATIONS = {
+    "eq": Relation("eq", lambda equal, m: equal, lambda d: d == 0),
+    "ne": Relation("ne", lambda equal, m: ~equal, lambda d: d != 0),
+    "lt": Relation("lt", lambda equal, m: (m < 0) & ~equal, lambda d: d < 0),
+    "le": Relation("le", lambda equal, m: (m < 0) | equal, lambda d: d <= 0),
+    "gt": Relation("gt", lambda equal, m: (m > 0) & ~equal, lambda d: d > 0),
+    "ge": Relation("ge", lambda equal, m: (m > 0) | equal, lambda d: d >= 0),
+}
+for _name, _aliases in (("eq", ()), ("ne", ("not_equal",)), ("lt", ("less",)),
+                        ("le", ("less_equal",)), ("gt", ("greater",)),
+                        ("ge", ("greater_equal",))):
+    primitive(_name, *_aliases, path=COMPARE, relation=_RELATIONS[_name], family="comparison",
+              doc="branching where the compared difference is a computational zero")
+
+# Decisions (rules/lifting.py's DECISIONS, shared with the operator level); sort's and
+# topk's values are their operands' (exact) where they are not decided (a dim that is no int)
+_DECIDED = "branching where a sample, deciding alone, would choose otherwise"
+primitive("sort", "topk", path=DECIDE, exact=True, family="decision", doc=_DECIDED)
+primitive(*sorted(set(DECISIONS) - {"sort", "topk"}), path=DECIDE, family="decision",
+          doc=_DECIDED)
+
+# Random draws: run once, on the first sample's shape (every sample gets the deterministic
+# pass's random numbers: dropout masks)
+primitive("rand", "randn", "rand_like", "randn_like", "randint", "randint_like", "bernoulli",
+          "uniform", "normal", "randperm", "multinomial", "native_dropout", "exponential",
+          "bernoulli_", "uniform_", "normal_", "exponential_", "random_", "geometric_",
+          "cauchy_", "log_normal_", path=RANDOM, family="random draw")
+# Symbolic sizes of a dynamic-shape lowering: plain values
+primitive("sym_size", "sym_stride", "sym_numel", "sym_storage_offset", path=SYMBOLIC,
+          family="symbolic size")
+
 # Tensor factories (no arithmetic: their values are constants or uninitialised memory).
 _FACTORY_PREFIXES = ("empty", "zeros", "ones", "full", "arange", "scalar_tensor", "new_",
                      "eye", "linspace", "logspace")
-REDUCE_SUM_KINDS = frozenset({"sum", "mean", "nansum"})
-# Random draws: run once, on the first sample's shape (every sample gets the deterministic
-# pass's random numbers: dropout masks)
-RANDOM_PRIMITIVES = frozenset({
-    "rand", "randn", "rand_like", "randn_like", "randint", "randint_like", "bernoulli",
-    "uniform", "normal", "randperm", "multinomial", "native_dropout", "exponential",
-    "bernoulli_", "uniform_", "normal_", "exponential_", "random_", "geometric_", "cauchy_",
-    "log_normal_",
-})
-# Symbolic sizes of a dynamic-shape lowering: plain values
-SYMBOLIC_PRIMITIVES = frozenset({"sym_size", "sym_stride", "sym_numel", "sym_storage_offset"})
 
 
 # --------------------------------------------------------------------------- per-op decisions
@@ -97,7 +128,7 @@ class OpInfo:
 
     kind: str
     pointwise: bool  # torch.Tag.pointwise: runs directly on ranks-aligned samples
-    exact: bool  # not rounded, not recorded (EXACT_PRIMITIVES)
+    exact: bool  # not rounded, not recorded (its row's ``exact``)
     gemm: bool  # trusted, with the data-perturbation surrogate
     factory: bool  # tensor factories: constants stay plain
     layout: bool  # digits follow the op: digits(op(x, ...)) == op(digits(x), ...)
@@ -110,17 +141,9 @@ class OpInfo:
     inplace: bool = False  # writes into its first argument (``add_``, ``copy_``...)
     binary: Optional[str] = None  # one IEEE operation per element (add, sub, mul, div of two
     # operands, nothing else): what fxstab.cpu.bindings.Binary computes inside the rounding
+    rule: Optional[PrimitiveRule] = None  # its row of the table (PRIMITIVES)
 
 
-# Exact primitives whose per-element digits are the same rearrangement of their operand's
-# digits: the digits of a view (or of -x) need no new measurement.
-_LAYOUT = frozenset({
-    "view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "unsqueeze",
-    "squeeze", "select", "slice", "clone", "alias", "detach", "lift_fresh_copy", "contiguous",
-    "narrow", "flatten", "unflatten", "diagonal", "movedim", "squeeze_copy", "unsqueeze_copy",
-    "view_copy", "permute_copy", "t_copy", "transpose_copy", "expand_copy", "detach_copy",
-    "broadcast_in_dim", "collapse_view", "split_dim", "neg",
-})
 _PRIMS_AS_ATEN = {"div": aten.div.Tensor, "sum": None, "var": None}
 
 
@@ -163,13 +186,15 @@ def _compute_op_info(op: Any) -> OpInfo:
     if is_prim and kind in _PRIMS_AS_ATEN:
         prim = _PRIMS_AS_ATEN[kind] or kind
     run = prim if prim is not None and not isinstance(prim, str) else op
+    rule = rule_of(kind)
     return OpInfo(
         kind=kind, pointwise=torch.Tag.pointwise in getattr(op, "tags", ()),
-        exact=kind in EXACT_PRIMITIVES, gemm=kind in GEMM_PRIMITIVES,
-        factory=kind.startswith(_FACTORY_PREFIXES), layout=kind in _LAYOUT,
-        compare=kind in COMPARISONS, prim=prim, text=str(op),
+        exact=rule.exact, gemm=rule.path == GEMM,
+        factory=kind.startswith(_FACTORY_PREFIXES), layout=rule.path == LAYOUT,
+        compare=rule.path == COMPARE, prim=prim, text=str(op),
         plain=_PRIMS_PLAIN.get(kind) if is_prim else None,
-        call=getattr(run, "_op", run), inplace=_writes_first(op), binary=_BINARY.get(str(op)))
+        call=getattr(run, "_op", run), inplace=_writes_first(op),
+        binary=_BINARY.get(str(op)) if rule.path == BINARY else None, rule=rule)
 
 
 def _writes_first(op: Any) -> bool:
@@ -195,25 +220,12 @@ def op_info(op: Any) -> OpInfo:
         return _compute_op_info(op)
 
 
-# Kinds whose counters read their own output's per-element digits.
-OUTPUT_DIGITS_KINDS = frozenset(ADD_KINDS | REDUCE_SUM_KINDS)
-# Kinds whose counters read an operand's computational-zero mask (all operands, or the
-# divisor of a division).
-_OPERAND_ZEROS_KINDS = frozenset(DIV_KINDS | POW_KINDS | MATH_KINDS | {"mul", "relu"})
-
-
 def operand_needs(info: "OpInfo", args: tuple, kwargs: dict, operand: Any) -> tuple[bool, bool]:
     """(digits, zero mask): what the counters of a primitive (``info``, its ``args`` and
-    ``kwargs`` as a graph holds them) read of ``operand``: the digits of add/sub operands and
-    of summed values (cancellation), the zero masks of divisors, factors and math arguments.
-    A graph driver writes those in the operand's rounding pass; anything else a consumer reads
-    is measured when read."""
-    kind = info.kind
+    ``kwargs`` as a graph holds them) read of ``operand``: its row's ``needs`` (the digits of
+    add/sub operands and of summed values for a cancellation, the zero masks of divisors,
+    factors and math arguments). A graph driver writes those in the operand's rounding pass;
+    anything else a consumer reads is measured when read."""
     if any(v is operand for v in kwargs.values()):
         return True, True  # an unusual place: assume everything
-    if kind in ADD_KINDS or kind in REDUCE_SUM_KINDS:
-        return True, False
-    if kind in DIV_KINDS:
-        divisor = args[0] if kind == "reciprocal" else (args[1] if len(args) > 1 else None)
-        return False, divisor is operand
-    return False, kind in _OPERAND_ZEROS_KINDS
+    return info.rule.needs(args, operand)
