@@ -46,6 +46,7 @@ def test_describe_primitive_says_how_it_is_analysed():
     assert text.startswith("add (cancellation): binary")
     assert "cancellation where the output keeps" in text and "anomaly" in text
     assert "per-element digits" in text
+    assert "reads of its operands: zero masks" in describe_primitive("div")  # the divisor's
     assert "layout" in describe_primitive("view") and "batcher: reshape" in \
         describe_primitive("view")
     assert "counters: none" in describe_primitive("view")

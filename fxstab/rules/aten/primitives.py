@@ -199,7 +199,8 @@ def describe_primitive(kind: str) -> str:
     if not r.exact:
         counters.append("anomaly where NaN or inf come from finite operands")
     lines.append("counters: " + ("; ".join(counters) if counters else "none"))
-    digits, zeros = r.needs((), object())
+    probe = (object(), object())  # two operands: which of them the counters read
+    digits, zeros = (any(r.needs(probe, x)[i] for x in probe) for i in (0, 1))
     read = [w for w, on in (("per-element digits", digits), ("zero masks", zeros)) if on]
     if r.output_digits:
         read.append("its own output's digits")
