@@ -214,13 +214,11 @@ class FxstabBackend:
     def enabled(self, on: bool) -> None:
         self.state.enabled = on
 
-    def uses_triton(self, t: torch.Tensor) -> bool:
-        """Whether rounding/statistics of ``t`` go through the fused Triton kernels."""
-        return self.state.kernel_for(executors.ROUND, t) == executors.TRITON
-
-    def uses_native(self, t: torch.Tensor) -> bool:
-        """Whether rounding/statistics of ``t`` go through the fused CPU kernels."""
-        return self.state.kernel_for(executors.ROUND, t) == executors.CPU
+    def kernels_for(self, t: torch.Tensor) -> str:
+        """Which kernels round the samples ``t`` and measure their digits: ``"cpu"`` (the
+        fused C kernels), ``"triton"`` or ``"torch"`` (the references), as
+        :mod:`fxstab.executors` chooses under the ``kernels`` option."""
+        return self.state.kernel(executors.ROUND, t).name
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         state = self.state

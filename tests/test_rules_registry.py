@@ -11,7 +11,6 @@ import torch
 import torch.nn as nn
 
 import fxstab
-from fxstab import executors
 from fxstab.config import AnalysisConfig
 from fxstab.records.report import ROUNDED
 from fxstab.rules.aten import batching
@@ -139,25 +138,6 @@ def test_the_arithmetic_level_honours_data_perturbation_threshold():
     torch._dynamo.reset()
     coarse = _surrogate_digits(2.0 ** -10)
     assert coarse < fine - 2  # ~14 bits more noise: ~4 digits fewer
-
-
-def test_one_kernel_choice_for_every_function():
-    x = torch.ones(3, 4)
-    cpu = executors.CPU if fxstab.cpu.bindings.available() else executors.TORCH
-    for fn in (executors.ROUND, executors.PERTURB, executors.ACCUMULATE, executors.ATEN_ROUND):
-        assert executors.implementation("auto", fn, x, 3) == cpu
-        assert executors.implementation("cpu", fn, x, 3) == cpu
-        assert executors.implementation("torch", fn, x, 3) == executors.TORCH
-        # neither fused kernel reads fp16 samples, nor tensors on another device
-        assert executors.implementation("auto", fn, x.half(), 3) == executors.TORCH
-        assert executors.implementation("auto", fn, torch.empty(3, device="meta"), 3) == \
-            executors.TORCH
-    assert executors.implementation("triton", executors.ROUND, x, 3) == executors.TRITON
-    # the arithmetic level has no Triton path: there "triton" means "auto"
-    assert executors.implementation("triton", executors.ATEN_ROUND, x, 3) == cpu
-    assert executors.implementation("auto", executors.ROUND, x, 10_000) == executors.TORCH
-    be = fxstab.backend(kernels="torch")
-    assert not be.uses_native(x) and not be.uses_triton(x)
 
 
 def test_models_analyse_the_same_through_the_tables():

@@ -46,7 +46,8 @@ class RunState:
     def reports(self, reports: Iterable[OpReport]) -> None:
         self._reports = reports if isinstance(reports, ReportLog) else ReportLog(reports)
 
-    def kernel_for(self, function: str, t: torch.Tensor) -> str:
-        """The implementation that computes ``function`` (:data:`fxstab.executors.ROUND`,
-        ``PERTURB``, ``ACCUMULATE``) on ``t`` under this analysis's ``kernels`` option."""
-        return executors.implementation(self.config.kernels, function, t, self.config.n_samples)
+    def kernel(self, function: str, t: torch.Tensor) -> Optional[executors.Implementation]:
+        """The implementation to call for ``function`` (:data:`fxstab.executors.ROUND`,
+        ``PERTURB``, ``ACCUMULATE``...) on ``t`` under this analysis's ``kernels`` option
+        (:func:`fxstab.executors.choose`; None: a fused step the chosen kernels lack)."""
+        return executors.choose(self.config.kernels, function, t, self.config.n_samples)

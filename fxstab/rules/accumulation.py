@@ -9,24 +9,25 @@ broadcasts as one sample: its batch dims are aligned with the stacked operand's 
 ``conv2d`` run through their GEMM form (im2col: each group's weight times the input's
 patches), ``scaled_dot_product_attention`` as its two products around the softmax. On CUDA
 the Triton kernel of :mod:`fxstab.kernels.accumulate` computes the product, on the CPU blocked
-fp64 products with each block rounded by the fused C kernel (:func:`product_kernel`): the same
-bits. A nearest or directed accumulator's samples round randomly and carry its bias
-(:func:`modelled_gemm`, issue 43).
+fp64 products with each block rounded by the fused C kernel (the implementations of
+:data:`fxstab.executors.ACCUMULATE`, which chooses among them): the same bits. A nearest or
+directed accumulator's samples round randomly and carry its bias (:func:`modelled_gemm`, issue
+43).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 from typing import Any, Callable, Optional
 
 import torch
 
-from ..cpu import bindings
-from ..numerics.accumulation import emulate_matmul, operand_stats, quantize_operand
+from .. import executors
+from ..executors import fused_rounder, samples_rounder  # noqa: F401 - kept importable here
+from ..numerics.accumulation import operand_stats, quantize_operand
 from ..numerics.digits import true_digits
-from ..numerics.rounding import Rounding, quantize, round_samples
+from ..numerics.rounding import Rounding
 from ..numerics.randbits import derive_seed
 from ..config import AnalysisConfig
 from .lifting import NodePlan, Stacked
@@ -34,7 +35,7 @@ from .lifting import NodePlan, Stacked
 __all__ = ["gemm_operands", "accumulable", "accumulated_product", "modelled_gemm",
            "accumulator_error", "biased_accumulator", "GemmFigures", "merge_operand_stats",
            "sample_accumulator", "bias_weights", "with_bias",
-           "gemm_model_label", "fused_rounder", "samples_rounder", "product_kernel", "CONV_KINDS",
+           "gemm_model_label", "fused_rounder", "samples_rounder", "CONV_KINDS",
            "conv_args", "SDPA", "sdpa_args", "BIASED_KINDS"]
 
 
@@ -159,55 +160,6 @@ def gemm_model_label(acc: Any, inputs: Any, scaling: str) -> str:
     return ", ".join(parts) + " on the samples"
 
 
-def fused_rounder(left: torch.Tensor, right: torch.Tensor) -> Any:
-    """The fused CPU kernels as ``emulate_matmul``'s rounder for these operands' products
-    (``[N, ...]`` samples in fp64, N the leading dim), or None where they do not apply (no C
-    compiler, another device): each block's rounding of the output tile is then one kernel
-    call instead of tens of tensor passes, with CESTAC's draws across the samples."""
-    n = max(left.shape[0], right.shape[0])
-    if not (left.is_cpu and bindings.available() and 1 <= n <= bindings.MAX_SAMPLES):
-        return None
-
-    def rounder(x: torch.Tensor, fmt: Any, mode: Any, seed: Any) -> torch.Tensor:
-        x = x.contiguous()
-        if x.dtype != torch.float64 or x.shape[0] != n:
-            return quantize(x, fmt, mode, seed=seed)
-        r = bindings.rounder(fmt, mode, torch.float64, n)
-        return r(x, 0 if seed is None else seed, want_stats=False, in_place=True)[0]
-    return rounder
-
-
-def samples_rounder(n: int) -> Any:
-    """The plain-torch reference of :func:`fused_rounder` (any device): each block's
-    rounding of the ``[N, ...]`` output tile by ``round_samples``, the same draws."""
-
-    def rounder(x: torch.Tensor, fmt: Any, mode: Any, seed: Any) -> torch.Tensor:
-        if x.shape[0] != n:
-            return quantize(x, fmt, mode, seed=seed)
-        return round_samples(x, fmt, mode, seed=0 if seed is None else seed)
-    return rounder
-
-
-def _triton_importable() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def product_kernel(kernels: str, t: torch.Tensor, n: int) -> str:
-    """Which implementation computes a modelled GEMM of ``n`` samples on ``t``'s device
-    under the ``kernels`` option: ``"triton"`` (the Triton kernel of
-    :mod:`fxstab.kernels.accumulate`: ``kernels="triton"``, or ``"auto"`` on a CUDA tensor
-    where Triton is installed), ``"cpu"`` (blocked fp64 products with each block's rounding
-    by the fused C kernel: ``"auto"`` or ``"cpu"`` on a CPU tensor where it builds) or
-    ``"torch"`` (the same products, rounded by ``round_samples``). All three draw the same
-    bits (``tests/kernels/test_accumulate_kernel.py``)."""
-    if kernels == "triton" or (kernels == "auto" and t.is_cuda and _triton_importable()):
-        return "triton"
-    if kernels in ("auto", "cpu") and t.is_cpu and bindings.available() and \
-            1 <= n <= bindings.MAX_SAMPLES:
-        return "cpu"
-    return "torch"
-
-
 def accumulated_product(a: tuple, kw: dict, kind: str, acc: Any, seed: int,
                         to_working: Callable[[torch.Tensor], torch.Tensor], inputs: Any = None,
                         scaling: str = "tensor", mode: Any = "random",
@@ -216,7 +168,7 @@ def accumulated_product(a: tuple, kw: dict, kind: str, acc: Any, seed: int,
     enter through ``to_working`` (the working dtype). With ``inputs``, each operand's samples
     are first scaled and rounded into that format (``scaling``; each sample its own scales,
     the analysis's rounding ``mode``: the samples draw their own directions). ``kernels``
-    picks the implementation (:func:`product_kernel`). With ``inputs`` and a ``stats`` list,
+    picks the implementation (:data:`fxstab.executors.ACCUMULATE`). With ``inputs`` and a ``stats`` list,
     the operands' statistics in that recipe (:func:`~fxstab.numerics.accumulation.
     operand_stats`, of every product's two operands, the first sample's) are appended to it."""
     if kind in CONV_KINDS:
@@ -414,7 +366,8 @@ def _samples_product(left: torch.Tensor, right: torch.Tensor, acc: Any, seed: in
                      stats: Optional[list] = None) -> torch.Tensor:
     """``left @ right`` of stacked operands ``[N or 1, ..., M, K]`` and ``[N or 1, ..., K, P]``
     with the accumulator ``acc`` (and the operands in ``inputs``), by the implementation
-    ``kernels`` picks (:func:`product_kernel`)."""
+    ``kernels`` picks (:data:`fxstab.executors.ACCUMULATE`; the exact sum, ``acc`` None: the
+    reference)."""
     if inputs is not None and stats is not None:
         stats.append(operand_stats(left[:1], inputs, scaling, batch_dims=1))
         stats.append(operand_stats(right[:1], inputs, scaling, right=True, batch_dims=1))
@@ -424,13 +377,9 @@ def _samples_product(left: torch.Tensor, right: torch.Tensor, acc: Any, seed: in
         right = quantize_operand(right, inputs, scaling, right=True, mode=mode,
                                  seed=derive_seed(seed, 2), batch_dims=1)
     n = max(left.shape[0], right.shape[0])
-    impl = product_kernel(kernels, left, n) if acc is not None else "torch"
-    if impl == "triton":
-        from ..kernels.accumulate import emulate_matmul_triton
-
-        return emulate_matmul_triton(left, right, acc, seed=seed, samples=True)
-    rounder = fused_rounder(left, right) if impl == "cpu" else None
-    return emulate_matmul(left, right, acc, seed=seed, rounder=rounder or samples_rounder(n))
+    product = executors.choose(kernels, executors.ACCUMULATE, left, n) if acc is not None \
+        else executors.reference(executors.ACCUMULATE)
+    return product(left, right, acc, seed, n)
 
 
 def _conv_product(a: tuple, kw: dict, kind: str, acc: Any, seed: int,

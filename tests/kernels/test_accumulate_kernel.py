@@ -15,7 +15,8 @@ import fxstab
 from fxstab.cpu import bindings
 from fxstab.kernels.accumulate import emulate_matmul_triton
 from fxstab.numerics.accumulation import Accumulation, Alignment, emulate_matmul
-from fxstab.rules.accumulation import fused_rounder, product_kernel, samples_rounder
+from fxstab import executors
+from fxstab.rules.accumulation import fused_rounder, samples_rounder
 
 from kernel_testutil import assert_bits_equal, cuda_ready, kernels_runnable
 
@@ -160,9 +161,13 @@ def test_bad_calls_are_clear_errors():
 
 def test_the_analysis_picks_the_kernel_by_the_kernels_option():
     t = torch.ones(2, 3)
-    assert product_kernel("triton", t, 3) == "triton"
-    assert product_kernel("torch", t, 3) == "torch"
-    assert product_kernel("auto", t, 3) == ("cpu" if bindings.available() else "torch")
+
+    def chosen(kernels: str) -> str:
+        return executors.choose(kernels, executors.ACCUMULATE, t, 3).name
+
+    assert chosen("triton") == "triton"
+    assert chosen("torch") == "torch"
+    assert chosen("auto") == ("cpu" if bindings.available() else "torch")
 
 
 @pytest.mark.parametrize("mode", ["random", "zero"])

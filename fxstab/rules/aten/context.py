@@ -207,9 +207,16 @@ class AtenContext:
             return fn(self, raw, args, kwargs)
         return self.stepper(what, name, fn, raw, args, kwargs, op)
 
+    def kernel(self, function: str, samples: torch.Tensor) -> executors.Implementation:
+        """The implementation to call for ``function`` (:data:`fxstab.executors.ATEN_ROUND`,
+        ``ATEN_PERTURB``...) on ``samples`` under this context's ``kernels`` option
+        (:func:`fxstab.executors.choose`)."""
+        return executors.choose(self.config.kernels, function, samples, self.config.n_samples)
+
     def native_for(self, samples: torch.Tensor) -> bool:
-        """Whether ``samples`` ([N, ...]) go through the fused CPU kernels."""
-        return self.use_native and samples.is_cpu and samples.dtype in executors.NATIVE_DTYPES
+        """Whether ``samples`` ([N, ...]) go through the fused CPU kernels (the kernels chosen
+        for :data:`fxstab.executors.ATEN_ROUND` are fused: the arithmetic level's are C)."""
+        return self.use_native and self.kernel(executors.ATEN_ROUND, samples).fused
 
     def rounder(self, dtype: torch.dtype, rounded: bool) -> "native.Rounder":
         """The fused kernel with this context's settings, rounding (or only measuring)."""

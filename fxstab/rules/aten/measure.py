@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from ... import executors
 from ...cpu import bindings as native
 from ...numerics.digits import MIN, NON_FINITE, ZEROS
 
@@ -90,14 +91,12 @@ class Analysis:
                     self._digits = torch.where(fin, ctx.cap, 0.0).to(s.dtype)
             elif s[0].numel() == 0:
                 self._digits = torch.zeros(s.shape[1:], dtype=ctx.working_dtype, device=s.device)
-            elif ctx.native_for(s):
-                _, st, d = native.round_stats(s, ctx.fmt, None, confidence=ctx.confidence,
-                                              zero_threshold=ctx.zero_threshold, want_digits=True,
-                                              as_list=True)
-                self._digits, self._nf = d, int(st[NON_FINITE])
-                self.zeros, self.min_digits = st[ZEROS], st[MIN]
-            else:
-                self._digits = _torch_digits(s, ctx, self.identical, self.finite)
+            else:  # one measuring pass (:data:`fxstab.executors.ATEN_DIGITS`)
+                d, st = ctx.kernel(executors.ATEN_DIGITS, s)(s, ctx, self)
+                self._digits = d
+                if st is not None:  # the fused kernel's statistics came with them
+                    self._nf = int(st[NON_FINITE])
+                    self.zeros, self.min_digits = st[ZEROS], st[MIN]
         return self._digits
 
     @property
@@ -162,6 +161,22 @@ class Analysis:
                     z = z & ~self.exact_zero
                 self._zero = z
         return self._zero
+
+
+@executors.implements(executors.ATEN_DIGITS, executors.CPU, executors.fused_cpu)
+def _fused_digits(s: torch.Tensor, ctx: "AtenContext", an: Analysis) -> tuple:
+    """The per-element digits of samples ``s`` (with elements) and their statistics row, by
+    the fused kernel measuring without rounding."""
+    _, st, d = native.round_stats(s, ctx.fmt, None, confidence=ctx.confidence,
+                                  zero_threshold=ctx.zero_threshold, want_digits=True,
+                                  as_list=True)
+    return d, st
+
+
+@executors.implements(executors.ATEN_DIGITS, executors.TORCH)
+def _reference_digits(s: torch.Tensor, ctx: "AtenContext", an: Analysis) -> tuple:
+    """:func:`_fused_digits`' reference: the digits alone (no statistics row)."""
+    return _torch_digits(s, ctx, an.identical, an.finite), None
 
 
 def _torch_digits(s: torch.Tensor, ctx: "AtenContext", identical: torch.Tensor,

@@ -1,7 +1,9 @@
 """Rounding of a primitive's results into the format (docs/design.md §1), with their measurement.
 
 :func:`round_measure` rounds stacked samples and measures their digits in one pass of the fused
-CPU kernel (or the references: :func:`fxstab.numerics.rounding.round_samples` and torch digits);
+CPU kernel (or the references: :func:`fxstab.numerics.rounding.round_samples` and torch digits:
+the two implementations of :data:`fxstab.executors.ATEN_ROUND`, registered here, which
+:func:`fxstab.executors.choose` picks between);
 the fp64 format rounds through error-free transformations (:func:`round_fp64`), complex values
 part by part (:func:`round_complex`); :func:`perturb_operand` is the GEMM surrogate
 (docs/design.md §4).
@@ -14,12 +16,11 @@ from typing import Optional
 
 import torch
 
-from ...cpu import bindings as native
+from ... import executors
 from ...numerics import randbits
 from ...numerics.digits import empty_stats, extra_stats, underflow_count
-from ...numerics.formats import Format, get_format
-from ...numerics.rounding import Rounding, round_samples, sample_draws
-from ...numerics.surrogate import perturb_samples
+from ...numerics.formats import Format
+from ...numerics.rounding import Rounding, round_samples
 from .batching import aligned
 from .context import AtenContext
 from .measure import Analysis
@@ -32,13 +33,11 @@ def round_stacked(samples: torch.Tensor, fmt: Format, mode: Rounding, seed: int,
     """Round stacked samples into ``fmt`` with the cross-sample scheme of docs/design.md §1.
 
     The same bits as :func:`fxstab.numerics.rounding.round_samples` (Philox streams), through the fused
-    CPU kernel where it runs (``kernels`` ``auto``/``cpu``) and the reference elsewhere.
+    CPU kernel where it runs (``kernels`` ``auto``/``cpu``) and the reference elsewhere
+    (:data:`fxstab.executors.ROUND_ONLY`).
     """
-    if kernels != "torch" and samples.device.type == "cpu" and \
-            samples.dtype in (torch.float32, torch.float64) and native.available():
-        return native.round_stats(samples, fmt, mode, seed, saturate=saturate,
-                                  want_stats=False)[0]
-    return round_samples(samples, fmt, mode, seed, saturate=saturate)
+    rounding = executors.choose(kernels, executors.ROUND_ONLY, samples, samples.shape[0])
+    return rounding(samples, fmt, mode, seed, saturate)
 
 
 def round_measure(v: torch.Tensor, ctx: AtenContext, seed: Optional[int], want_stats: bool,
@@ -52,15 +51,30 @@ def round_measure(v: torch.Tensor, ctx: AtenContext, seed: Optional[int], want_s
     """
     if seed is None and not (want_stats or want_digits):
         return v, None, Analysis(v, ctx)
-    if ctx.native_for(v) and v.dim() and v.numel():
-        want_stats = want_stats or want_digits or want_zeros
-        if not v.is_contiguous() and not (v.stride(0) == 0 and v[0].is_contiguous()):
-            v = v.contiguous()
-        # the settings are bound once per context; an expanded view (identical samples) is
-        # read N times, not copied
-        r = ctx.rounder(v.dtype, seed is not None)
-        out, st, d, z = r(v, 0 if seed is None else seed, want_stats, want_digits, want_zeros, own)
-        return out, st, Analysis(out, ctx, digits=d, stats=st, zero=z)
+    kernel = ctx.kernel(executors.ATEN_ROUND, v) if v.dim() and v.numel() else \
+        executors.reference(executors.ATEN_ROUND)
+    return kernel(v, ctx, seed, want_stats, want_digits, want_zeros, own)
+
+
+@executors.implements(executors.ATEN_ROUND, executors.CPU, executors.fused_cpu)
+def _round_measure_fused(v: torch.Tensor, ctx: AtenContext, seed: Optional[int],
+                         want_stats: bool, want_digits: bool, want_zeros: bool, own: bool):
+    """:func:`round_measure` in one pass of the fused CPU kernel (``v`` has elements)."""
+    want_stats = want_stats or want_digits or want_zeros
+    if not v.is_contiguous() and not (v.stride(0) == 0 and v[0].is_contiguous()):
+        v = v.contiguous()
+    # the settings are bound once per context; an expanded view (identical samples) is
+    # read N times, not copied
+    r = ctx.rounder(v.dtype, seed is not None)
+    out, st, d, z = r(v, 0 if seed is None else seed, want_stats, want_digits, want_zeros, own)
+    return out, st, Analysis(out, ctx, digits=d, stats=st, zero=z)
+
+
+@executors.implements(executors.ATEN_ROUND, executors.TORCH)
+def _round_measure_reference(v: torch.Tensor, ctx: AtenContext, seed: Optional[int],
+                             want_stats: bool, want_digits: bool, want_zeros: bool, own: bool):
+    """:func:`round_measure` by ``round_samples`` and torch digits (the zero mask and the
+    digits wait for a reader: :class:`~fxstab.rules.aten.measure.Analysis`)."""
     numel = v.numel() // v.shape[0] if v.dim() and v.shape[0] else (0 if v.dim() else 1)
     under = 0
     if seed is not None:
@@ -85,26 +99,12 @@ def round_measure(v: torch.Tensor, ctx: AtenContext, seed: Optional[int], want_s
     return v, st, an
 
 
-def _random_up(n: int, numel: int, seed: int, ctx: AtenContext, device) -> torch.Tensor:
-    """Rounding directions [N, numel] (True: away from zero) of ``random`` rounding: the
-    Philox bits of :func:`fxstab.numerics.rounding.round_samples` with CADNA's cross-sample scheme.
-
-    Through the fused kernel: rounding a value halfway inside a bf16 interval reads the bit
-    (it goes up exactly when the bit says so), the same bits as the reference below.
-    """
-    if ctx.use_native and device.type == "cpu" and numel:
-        probe = torch.full((numel,), _PROBE, dtype=torch.float32)
-        out = native.round_stats(probe, _PROBE_FORMAT, Rounding.RANDOM, seed, n_samples=n,
-                                 want_stats=False)[0]
-        return out > _PROBE
-    draws, flips = sample_draws(n)
-    bits = randbits.random_bits(seed, numel, sorted(set(draws)), device=device)
-    flip = torch.tensor(flips, dtype=torch.int64, device=device).reshape(n, 1)
-    return (bits[torch.tensor(draws, device=device)] ^ flip).bool()
-
-
-_PROBE = 1.0 + 2.0 ** -9  # between bf16's neighbours 1 and 1 + 2**-7
-_PROBE_FORMAT = get_format("bf16")
+def _random_up(n: int, numel: int, seed: int, ctx: AtenContext, y: torch.Tensor) -> torch.Tensor:
+    """Rounding directions [N, numel] (True: away from zero) of ``random`` rounding for the
+    samples ``y``: the Philox bits of :func:`fxstab.numerics.rounding.round_samples` with
+    CADNA's cross-sample scheme (:data:`fxstab.executors.RANDOM_UP`: the fused kernel where it
+    reads ``y``'s samples, the same bits)."""
+    return ctx.kernel(executors.RANDOM_UP, y)(n, numel, seed, y.device)
 
 
 # Error-free transformations for the fp64 format (docs/design.md §1): the working dtype is the
@@ -175,9 +175,9 @@ def round_fp64(kind: str, op, args: tuple, kwargs: dict, y: torch.Tensor, seed: 
     if numel == 0:
         return y
     side = _fp64_side(kind, op, args, kwargs, y)
-    up = _random_up(n, numel, seed, ctx, y.device).reshape(y.shape)
+    up = _random_up(n, numel, seed, ctx, y).reshape(y.shape)
     if side is None:
-        shared = _random_up(1, numel, randbits.derive_seed(seed, 1), ctx, y.device)
+        shared = _random_up(1, numel, randbits.derive_seed(seed, 1), ctx, y)
         side = torch.where(shared.reshape((1,) + y.shape[1:]), 1.0, -1.0).to(y.dtype)
         moved = torch.nextafter(y, side * math.inf)
         return torch.where(up & torch.isfinite(y), moved, y)
@@ -188,10 +188,8 @@ def round_fp64(kind: str, op, args: tuple, kwargs: dict, y: torch.Tensor, seed: 
 
 def perturb_operand(samples: torch.Tensor, eta: float, seed: int, ctx: AtenContext) -> tuple[torch.Tensor, int]:
     """The GEMM surrogate (docs/design.md §4): :func:`fxstab.numerics.surrogate.perturb_samples`, through the
-    fused kernel where it runs (same bits)."""
-    if ctx.native_for(samples):
-        return native.perturb(samples, eta, seed)
-    return perturb_samples(samples, eta, seed)
+    fused kernel where it runs (same bits; :data:`fxstab.executors.ATEN_PERTURB`)."""
+    return ctx.kernel(executors.ATEN_PERTURB, samples)(samples, eta, seed)
 
 
 def round_complex(v: torch.Tensor, ctx: AtenContext, seed: Optional[int], want_stats: bool,

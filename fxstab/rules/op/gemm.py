@@ -20,7 +20,6 @@ import torch.nn.functional as F
 
 from ... import executors
 from ...capture.flat import unflatten_call
-from ...cpu import bindings
 from ...capture.torchao import float8_cast
 from ...numerics import lowp_gemm
 from ...numerics.digits import digits_cap
@@ -151,9 +150,8 @@ def lowp(call: OpCall) -> Optional[Outcome]:
     def product(leaves: list) -> Stacked:
         x, w, b = as_linear(kind, *unflatten_call(leaves, spec))
         x = t.stack(x)
-        native = bindings if t.state.kernel_for(executors.LOWP_CONVERT, x) == \
-            executors.CPU else None
-        out = None if in_vmap_region(x) else lowp_gemm.linear(x, w, b, fmt, native)
+        out = None if in_vmap_region(x) else \
+            t.state.kernel(executors.LOWP_CONVERT, x)(x, w, b, fmt)
         if out is None:  # (a weight kept in the format's dtype: in the working one here)
             out = F.linear(x, t.to_working(w), None if b is None else t.to_working(b))
         return Stacked(t.to_working(out))

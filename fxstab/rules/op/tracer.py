@@ -27,12 +27,8 @@ from ...capture.opsets import nothing_to_lose
 from ... import executors
 from ...cpu import alloc, bindings as native
 from ...numerics import lowp_gemm, randbits
-from ...numerics.digits import (
-    digits_cap, empty_stats, extra_stats, merge_stats, stats_vector, student_t, underflow_count,
-)
+from ...numerics.digits import digits_cap, empty_stats, merge_stats, student_t
 from ...numerics.formats import working_dtype_for
-from ...numerics.rounding import round_samples
-from ...numerics.surrogate import perturb_samples
 from ...passes import steps
 from ...records.coverage import ANALYSED, SKIPPED, UNROUNDED, CoverageEntry
 from ...records.report import (
@@ -44,7 +40,7 @@ from .lifted import isolated, lifted
 from .registry import ONCE, OpCall, rules_for
 from .structural import in_vmap_region, on_samples, rebatched, unbatched
 
-__all__ = ["SampleTracer", "Pending"]
+__all__ = ["SampleTracer", "Pending", "RoundedOutput"]
 
 
 class Pending(NamedTuple):
@@ -58,6 +54,20 @@ class Pending(NamedTuple):
     fired: Optional[bool]
     status: str
     shape: tuple
+
+
+class RoundedOutput(NamedTuple):
+    """One floating output of an operator as its round step takes it (decided once, by
+    :meth:`SampleTracer._round_and_record`)."""
+
+    leaf: int  # its index among the operator's output leaves
+    stacked: bool  # it carries samples (else a plain tensor, read as N identical samples)
+    in_place: bool  # memory of its own (no input's): rounded where it lies
+    complex: bool  # real and imaginary parts rounded (and measured) as two real values
+    # the step that rounds it and runs its consumer GEMM's surrogate in the same pass, where the
+    # chosen kernels have one (executors.ROUND_PERTURB; None: the GEMM perturbs it itself)
+    fused: Optional[executors.Implementation]
+    prepared: Optional["native.Prepared"]  # its kernel with the settings bound, if they have one
 
 
 class SampleTracer(torch.fx.Interpreter):
@@ -422,19 +432,8 @@ class SampleTracer(torch.fx.Interpreter):
 
     def _perturb_step(self, plan: NodePlan, purpose: int, stacked: bool, xs: list) -> list:
         x = xs[0]
-        eta = self._eta(plan)
-        seed = self.seed(plan, purpose)
-        impl = self.state.kernel_for(executors.PERTURB, x)
-        if impl == executors.CPU:  # a plain operand is read N times, never copied
-            out, count = native.perturb(x, eta, seed, n_samples=None if stacked else self.n)
-        else:
-            samples = (x if stacked else x.unsqueeze(0).expand(self.n, *x.shape)).contiguous()
-            if impl == executors.TRITON:
-                from ...kernels.dispatch import perturb
-
-                out, count = perturb(samples, eta, seed, kernels=impl)
-            else:
-                out, count = perturb_samples(samples, eta, seed)
+        perturb = self.state.kernel(executors.PERTURB, x)  # (x plain: read as N samples)
+        out, count = perturb(x, self._eta(plan), self.seed(plan, purpose), self.n, stacked)
         if count:
             self.fired[plan.index] = True
         return [out]
@@ -451,7 +450,7 @@ class SampleTracer(torch.fx.Interpreter):
                  if isinstance(v, (Stacked, torch.Tensor))}
         rounds = status != UNLIFTED and plan.rounds  # (unrounded=: an ablation)
         fuse = plan.fuse if status == ROUNDED and rounds and len(flat) == 1 else None
-        to_round: list = []  # (leaf index, stacked, in place, complex, fused, prepared kernel)
+        to_round: list[RoundedOutput] = []
         # leaf index -> the tensor the step reads: inside a captured vmap region, a batched
         # value's physical tensor (its batch dims after the samples' dim; the shape reported
         # has them), wrapped back at its levels after the step (structural.unbatched)
@@ -469,36 +468,39 @@ class SampleTracer(torch.fx.Interpreter):
             if not shape:
                 shape = tuple(t.shape[1:] if stacked else t.shape)
             samples = t if stacked else self.stack(t)
-            native_ok = not t.is_complex() and \
-                self.state.kernel_for(executors.ROUND, samples) == executors.CPU
-            fused = fuse is not None and native_ok
+            # the fused steps of the kernels that round these samples (complex ones round part
+            # by part: neither)
+            real = not t.is_complex()
+            prepare = self.state.kernel(executors.PREPARED_ROUND, samples) if real else None
+            fused = self.state.kernel(executors.ROUND_PERTURB, samples) \
+                if real and fuse is not None else None
             own = stacked and _storage(t) not in taken
             prepared = None
-            if native_ok and samples[0].numel():
+            if prepare is not None and samples[0].numel():
                 # the kernel's settings bound once: a call sets the seed(s) and runs it; with
                 # its consumer GEMM's surrogate in the same pass where fused
-                prepared = native.Prepared(native.rounder(
-                    plan.format or self.fmt, cfg.rounding if rounds else None,
-                    samples.dtype,
-                    self.n, saturate=cfg.saturate, confidence=cfg.confidence,
-                    zero_threshold=cfg.zero_threshold), own,
-                    self._eta(fuse[0]) if fused else None)
-            to_round.append((j, stacked, own, t.is_complex(), fused, prepared))
+                prepared = prepare(plan.format or self.fmt, cfg.rounding if rounds else None,
+                                   samples.dtype, self.n, saturate=cfg.saturate,
+                                   confidence=cfg.confidence,
+                                   zero_threshold=cfg.zero_threshold, in_place=own,
+                                   eta=self._eta(fuse[0]) if fused is not None else None)
+            to_round.append(RoundedOutput(j, stacked, own, t.is_complex(), fused, prepared))
         if not to_round:
             return out, False
         general = functools.partial(self._round_step, plan, tuple(to_round), status, shape)
-        j, stacked, _own, _cplx, _fused, prepared = to_round[0]
-        if len(to_round) == 1 and prepared is not None:
-            one = self._one_output_step(plan, j, prepared, status, shape, general, stacked)
+        first = to_round[0]
+        if len(to_round) == 1 and first.prepared is not None:
+            one = self._one_output_step(plan, first.leaf, first.prepared, status, shape, general,
+                                        first.stacked)
             step = steps.Step("round", plan.name, lambda xs: [one(xs)], one=one)
         else:
             step = steps.Step("round", plan.name, general)
-        rounded = steps.emit(step, [physical[j] for j, *_ in to_round])
+        rounded = steps.emit(step, [physical[o.leaf] for o in to_round])
         new = list(flat)
-        for (j, *_rest, fused, _prepared), r in zip(to_round, rounded):
-            new[j] = Stacked(rebatched(r, levels[j]))
-            if fused:
-                self.preperturbed[fuse[0].index] = new[j]
+        for o, r in zip(to_round, rounded):
+            new[o.leaf] = Stacked(rebatched(r, levels[o.leaf]))
+            if o.fused is not None:
+                self.preperturbed[fuse[0].index] = new[o.leaf]
         return (new[0] if single else pytree.tree_unflatten(new, spec)), True
 
     def _one_output_step(self, plan: NodePlan, j: int, prepared: "native.Prepared",
@@ -549,19 +551,20 @@ class SampleTracer(torch.fx.Interpreter):
 
         return one
 
-    def _round_step(self, plan: NodePlan, to_round: tuple, status: str, shape: tuple,
-                    xs: list) -> list:
+    def _round_step(self, plan: NodePlan, to_round: tuple[RoundedOutput, ...], status: str,
+                    shape: tuple, xs: list) -> list:
         cfg = self.cfg
         stats, outs = [], []
-        for (j, stacked, own, cplx, fused, prepared), t in zip(to_round, xs):
-            samples = t if stacked else t.unsqueeze(0).expand(self.n, *t.shape)
+        for o, t in zip(to_round, xs):
+            j, prepared = o.leaf, o.prepared
+            samples = t if o.stacked else t.unsqueeze(0).expand(self.n, *t.shape)
             if prepared is not None and prepared.fused is None:  # (fused: one-output steps')
                 out = prepared(samples, self.seed(plan, j))
                 if out is not None:
                     outs.append(out)
                     stats.append(prepared.stats)  # read by finish, before the next call
                     continue
-            if cplx:
+            if o.complex:
                 # real and imaginary parts round (and are measured) as two real values each
                 parts, vec = self._round_stats(torch.view_as_real(samples.resolve_conj()
                                                                   .contiguous()),
@@ -569,19 +572,19 @@ class SampleTracer(torch.fx.Interpreter):
                                                self.seed(plan, j), False,
                                                plan.format)
                 outs.append(torch.view_as_complex(parts))
-            elif fused:
+            elif o.fused is not None:
                 user, leaf = plan.fuse
-                samples, vec, count = native.round_perturb(
+                samples, vec, count = o.fused(
                     samples, plan.format or self.fmt, cfg.rounding, self.seed(plan, j),
                     self._eta(user), self.seed(user, 1000 + leaf),
                     saturate=cfg.saturate, confidence=cfg.confidence,
-                    zero_threshold=cfg.zero_threshold, in_place=own, as_list=True)
+                    zero_threshold=cfg.zero_threshold, in_place=o.in_place)
                 if count:
                     self.fired[user.index] = True
                 outs.append(samples)
             else:
                 samples, vec = self._round_stats(samples, status != UNLIFTED and plan.rounds,
-                                                 self.seed(plan, j), own, plan.format)
+                                                 self.seed(plan, j), o.in_place, plan.format)
                 outs.append(samples)
             stats.append(vec)
         self.pending.append(Pending(plan, stats, self.fired.pop(plan.index, False), status, shape))
@@ -593,42 +596,19 @@ class SampleTracer(torch.fx.Interpreter):
         """Round (unless ``rounded`` is False) and measure one output's samples.
 
         Returns the samples and [sum of digits, min, max, zeros, non-finite, numel] (a list
-        from the CPU kernels, a tensor from the others: ``finish`` reads both);
+        from the CPU kernels, a list or tensor from the others: ``finish`` reads both), by the
+        implementation of :data:`fxstab.executors.ROUND` chosen for them (the fused C or
+        Triton kernels do both in one pass, the plain-torch path computes the same bits);
         ``in_place`` lets the fused CPU kernels overwrite ``samples`` (an output nothing else
-        holds), which saves one copy of every output at the peak. The fused
-        Triton kernel does both in one pass where ``kernels`` selects it (CUDA by default);
-        the plain-torch path computes the same bits.
+        holds), which saves one copy of every output at the peak.
         """
         cfg = self.cfg
         fmt = fmt or self.fmt
-        n = samples.shape[0]
-        cap = digits_cap(fmt, samples.dtype)
-        numel = samples[0].numel()
-        if numel == 0:
-            return samples, empty_stats(cap)
-        impl = self.state.kernel_for(executors.ROUND, samples)
-        if impl == executors.CPU:
-            out, vec, _ = native.round_stats(samples, fmt, cfg.rounding if rounded else None,
-                                             seed, saturate=cfg.saturate,
-                                             confidence=cfg.confidence,
-                                             zero_threshold=cfg.zero_threshold,
-                                             in_place=in_place, as_list=True)
-            return out, vec
-        t = student_t(n, cfg.confidence)
-        under = underflow_count(samples, fmt) if rounded else 0
-        if rounded and impl == executors.TRITON:
-            from ...kernels.dispatch import round_and_stats
-
-            out, st = round_and_stats(samples, fmt, cfg.rounding, seed,
-                                      saturate=cfg.saturate, confidence=cfg.confidence,
-                                      zero_threshold=cfg.zero_threshold, kernels=impl)
-            # the extras (norms, underflow, quantiles) with torch operations on the device
-            return out, [st.avg * numel, st.min, st.max, st.zero_fraction * numel,
-                         float(st.non_finite), float(numel)] + extra_stats(out, t, cap, under)
-        if rounded:
-            samples = round_samples(samples, fmt, cfg.rounding, seed=seed,
-                                    saturate=cfg.saturate)
-        return samples, stats_vector(samples, t, cap, cfg.zero_threshold, under)
+        if samples[0].numel() == 0:
+            return samples, empty_stats(digits_cap(fmt, samples.dtype))
+        return self.state.kernel(executors.ROUND, samples)(
+            samples, fmt, cfg.rounding if rounded else None, seed, saturate=cfg.saturate,
+            confidence=cfg.confidence, zero_threshold=cfg.zero_threshold, in_place=in_place)
 
     def measure(self, samples: torch.Tensor, fmt: Any) -> Any:
         """The statistics row of ``samples`` ([N, ...]) measured, not rounded: a value no rule
