@@ -342,7 +342,8 @@ def project_install(root: Path) -> list:
     return cmds
 
 
-def install_commands(root: Path, origin: Any = ..., requirement: Optional[str] = None) -> tuple:
+def install_commands(root: Path, origin: Any = ...,
+                     requirement: Optional[str] = None) -> tuple:
     """The workflow's install step for the repository at ``root``: torch's CPU build, fxstab
     (from ``requirement``, else as it is installed here: :func:`fxstab_install`), the project
     (:func:`project_install`)."""
@@ -350,8 +351,8 @@ def install_commands(root: Path, origin: Any = ..., requirement: Optional[str] =
     return (TORCH_CPU, *([own] if own else []), *project_install(root))
 
 
-def workflow(kind: str, install: tuple, main: str = "main", python: str = "3.12", config: str = "pyproject.toml",
-             branch: str = HISTORY_BRANCH) -> str:
+def workflow(kind: str, install: tuple, main: str = "main", python: str = "3.12",
+             config: str = "pyproject.toml", branch: str = HISTORY_BRANCH) -> str:
     """The CI file of ``kind`` (``github``: a GitHub Actions workflow; ``gitlab``: a
     ``.gitlab-ci.yml``).
 
@@ -607,6 +608,42 @@ def keep(branch: str = HISTORY_BRANCH, config: Optional[Path] = None,
     finally:
         _git(repo, "worktree", "remove", "--force", str(wt), check=False)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def add_parser(sub: Any, config_option: Any) -> Any:
+    """``fxstab ci init|run|keep``'s arguments (:func:`command` reads them): the parser of
+    ``ci`` added to the CLI's subparsers ``sub``; ``config_option(parser)`` adds ``--config``."""
+    p = sub.add_parser("ci", help="generate and run the CI workflow of digit maps (docs/ci.md)")
+    csub = p.add_subparsers(dest="ci_command", required=True)
+    c = csub.add_parser("init", help="write a GitHub or GitLab CI file for the configured "
+                                     "targets")
+    c.add_argument("kind", choices=("github", "gitlab"))
+    c.add_argument("-o", "--output", metavar="FILE",
+                   help="default .github/workflows/fxstab.yml or .gitlab-ci.yml")
+    c.add_argument("--force", action="store_true", help="overwrite an existing file")
+    c.add_argument("--main", default="main", help="the branch whose pushes build the history")
+    c.add_argument("--python", default="3.12", help="the jobs' Python version")
+    c.add_argument("--install", action="append", metavar="CMD",
+                   help="a shell command of the jobs' install step (repeat; default: torch's "
+                        "CPU build, fxstab from where it is installed here, the project's "
+                        "requirements.txt and package)")
+    c.add_argument("--fxstab", metavar="REQ",
+                   help="where CI installs fxstab from: a git URL (git+https://...@REF), a "
+                        "wheel's URL, or a wheel or folder in the repository (default: where "
+                        "it is installed here)")
+    c = csub.add_parser("run", help="record the configured targets at two commits and diff them")
+    c.add_argument("base", metavar="BASE", help="the base commit (ref or sha)")
+    c.add_argument("head", metavar="HEAD", nargs="?", default="HEAD",
+                   help="the commit under test (default HEAD)")
+    c.add_argument("--out", default="fxstab-ci", help="output folder (default fxstab-ci)")
+    c.add_argument("--history-branch", default=None, metavar="BRANCH",
+                   help="also write history.html: the branch's maps and this head's")
+    config_option(c)
+    c = csub.add_parser("keep", help="add HEAD's maps to the history branch (a commit there)")
+    c.add_argument("--branch", default="fxstab-history", help="default fxstab-history")
+    c.add_argument("--html", metavar="OUT", help="also write the history page")
+    config_option(c)
+    return p
 
 
 def command(args: Any) -> int:

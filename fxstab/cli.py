@@ -10,13 +10,13 @@ bad arguments, a target whose model fails).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import logging
 import os
 import sys
 import traceback
 from pathlib import Path
 from typing import Any, Optional, Sequence
+
+from .targets import TargetBuildError, failure_line, quiet_torch_logs
 
 EXIT_OK, EXIT_DROP, EXIT_USAGE = 0, 1, 2
 
@@ -725,36 +725,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"digits drawn (default {_default_metric()})")
     p.set_defaults(func=_cmd_history)
 
-    p = sub.add_parser("ci", help="generate and run the CI workflow of digit maps (docs/ci.md)")
-    csub = p.add_subparsers(dest="ci_command", required=True)
-    c = csub.add_parser("init", help="write a GitHub or GitLab CI file for the configured "
-                                     "targets")
-    c.add_argument("kind", choices=("github", "gitlab"))
-    c.add_argument("-o", "--output", metavar="FILE",
-                   help="default .github/workflows/fxstab.yml or .gitlab-ci.yml")
-    c.add_argument("--force", action="store_true", help="overwrite an existing file")
-    c.add_argument("--main", default="main", help="the branch whose pushes build the history")
-    c.add_argument("--python", default="3.12", help="the jobs' Python version")
-    c.add_argument("--install", action="append", metavar="CMD",
-                   help="a shell command of the jobs' install step (repeat; default: torch's "
-                        "CPU build, fxstab from where it is installed here, the project's "
-                        "requirements.txt and package)")
-    c.add_argument("--fxstab", metavar="REQ",
-                   help="where CI installs fxstab from: a git URL (git+https://...@REF), a "
-                        "wheel's URL, or a wheel or folder in the repository (default: where "
-                        "it is installed here)")
-    c = csub.add_parser("run", help="record the configured targets at two commits and diff them")
-    c.add_argument("base", metavar="BASE", help="the base commit (ref or sha)")
-    c.add_argument("head", metavar="HEAD", nargs="?", default="HEAD",
-                   help="the commit under test (default HEAD)")
-    c.add_argument("--out", default="fxstab-ci", help="output folder (default fxstab-ci)")
-    c.add_argument("--history-branch", default=None, metavar="BRANCH",
-                   help="also write history.html: the branch's maps and this head's")
-    _add_config_option(c)
-    c = csub.add_parser("keep", help="add HEAD's maps to the history branch (a commit there)")
-    c.add_argument("--branch", default="fxstab-history", help="default fxstab-history")
-    c.add_argument("--html", metavar="OUT", help="also write the history page")
-    _add_config_option(c)
+    from . import ci
+
+    p = ci.add_parser(sub, _add_config_option)
     p.set_defaults(func=_cmd_ci)
     return parser
 
@@ -771,65 +744,8 @@ def _default_metric() -> str:
     return DEFAULT_METRIC
 
 
-def _root_cause(exc: BaseException) -> BaseException:
-    """The innermost exception of a chain (dynamo wraps the model's own error)."""
-    seen = set()
-    while id(exc) not in seen:
-        seen.add(id(exc))
-        nxt = exc.__cause__ or exc.__context__  # dynamo re-raises the model's error
-        if nxt is None:
-            break
-        exc = nxt
-    return exc
-
-
-class TargetBuildError(Exception):
-    """The target's build function (or its module's import) raised: the cause is chained."""
-
-    def __init__(self, spec: str) -> None:
-        self.spec = spec
-        super().__init__(spec)
-
-
 # the commands that run the user's model: its failures are one line, the trace with --verbose
 _RUNS_THE_MODEL = ("record", "plan")
-# torch logs the failing meta kernel of a shape error at ERROR, with its whole traceback,
-# before it raises the error fxstab reports (18 lines for a linear's bad input)
-_TORCH_NOISE = ("torch._subclasses.fake_tensor",)
-
-
-class _DropRecords(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return False
-
-
-@contextlib.contextmanager
-def _quiet_torch(verbose: bool):
-    """Silence torch's internal error logs of a failing model unless ``verbose``."""
-    if verbose:
-        yield
-        return
-    drop = _DropRecords()
-    loggers = [logging.getLogger(name) for name in _TORCH_NOISE]
-    for lg in loggers:
-        lg.addFilter(drop)
-    try:
-        yield
-    finally:
-        for lg in loggers:
-            lg.removeFilter(drop)
-
-
-def _failure_line(exc: BaseException) -> str:
-    """``Type: first line of the message (at file:line)``: the innermost cause of ``exc``,
-    where the user's own code (not torch's, not fxstab's) raised it."""
-    cause = _root_cause(exc)
-    first = (str(cause).strip().splitlines() or [""])[0]
-    tb = traceback.extract_tb(cause.__traceback__) if cause.__traceback__ else []
-    user = [f for f in tb if "site-packages" not in f.filename and "/torch/" not in f.filename
-            and "/fxstab/" not in f.filename]
-    where = f" (at {user[-1].filename}:{user[-1].lineno})" if user else ""
-    return f"{type(cause).__name__}: {first}{where}"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -837,7 +753,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     verbose = getattr(args, "verbose", False)
     try:
-        with _quiet_torch(verbose or args.command not in _RUNS_THE_MODEL):
+        with quiet_torch_logs(verbose or args.command not in _RUNS_THE_MODEL):
             return int(args.func(args) or 0)
     except CLIError as e:
         print(f"fxstab {args.command}: error: {e}", file=sys.stderr)
@@ -858,7 +774,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             traceback.print_exc()
         what = (f"building the target failed: {e.spec} raised" if isinstance(e, TargetBuildError)
                 else "the model failed")
-        print(f"fxstab {args.command}: error: {what}: {_failure_line(e)}"
+        print(f"fxstab {args.command}: error: {what}: {failure_line(e)}"
               + ("" if verbose else "; --verbose prints the traceback"), file=sys.stderr)
         return EXIT_USAGE
 

@@ -9,15 +9,27 @@ model's ``forward``) before anything is compiled; a broken contract is a
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import logging
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, Optional
 
 
 class TargetError(ValueError):
     """A TARGET that does not follow the contract (the message names it and the fix)."""
+
+
+class TargetBuildError(Exception):
+    """The TARGET's build function (or its module's import) raised: the cause is chained
+    (the CLI says "building the target failed", not "the model failed")."""
+
+    def __init__(self, spec: str) -> None:
+        self.spec = spec
+        super().__init__(spec)
 
 
 class Target:
@@ -154,3 +166,55 @@ def _check_signature(spec: str, target: Target) -> None:
             ([f"keywords {sorted(target.kwargs)}"] if target.kwargs else [])
         raise TargetError(f"{spec}: the example inputs ({', '.join(given) or 'none'}) do not fit "
                        f"the model's call{sig}: {e}") from None
+
+
+# --------------------------------------------------------------------------- when it fails
+# torch logs the failing meta kernel of a shape error at ERROR, with its whole traceback,
+# before it raises the error the CLI reports in one line (18 lines for a linear's bad input)
+_TORCH_NOISE = ("torch._subclasses.fake_tensor",)
+
+
+class _DropRecords(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return False
+
+
+@contextlib.contextmanager
+def quiet_torch_logs(verbose: bool = False):
+    """Silence torch's internal error logs of a failing model, unless ``verbose``."""
+    if verbose:
+        yield
+        return
+    drop = _DropRecords()
+    loggers = [logging.getLogger(name) for name in _TORCH_NOISE]
+    for lg in loggers:
+        lg.addFilter(drop)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(drop)
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The innermost exception of a chain (dynamo wraps the model's own error)."""
+    seen = set()
+    while id(exc) not in seen:
+        seen.add(id(exc))
+        nxt = exc.__cause__ or exc.__context__  # dynamo re-raises the model's error
+        if nxt is None:
+            break
+        exc = nxt
+    return exc
+
+
+def failure_line(exc: BaseException) -> str:
+    """``Type: first line of the message (at file:line)``: the innermost cause of ``exc``,
+    where the user's own code (not torch's, not fxstab's) raised it."""
+    cause = root_cause(exc)
+    first = (str(cause).strip().splitlines() or [""])[0]
+    tb = traceback.extract_tb(cause.__traceback__) if cause.__traceback__ else []
+    user = [f for f in tb if "site-packages" not in f.filename and "/torch/" not in f.filename
+            and "/fxstab/" not in f.filename]
+    where = f" (at {user[-1].filename}:{user[-1].lineno})" if user else ""
+    return f"{type(cause).__name__}: {first}{where}"
