@@ -355,8 +355,7 @@ def run_batched(op, info: OpInfo, args: tuple, kwargs: dict, n: int, ctx: "AtenC
     that ``vmap`` cannot batch runs once per sample from one RNG state: a step of the traced
     graph (:meth:`AtenContext.emit`)."""
     stacked_kw = bool(kwargs) and has_stacked((), kwargs)
-    if (info.pointwise or info.prim is not None and not isinstance(info.prim, str)) \
-            and not stacked_kw:
+    if (info.pointwise or info.prim is not None) and not stacked_kw:
         lined = aligned(args)
         if info.prim is aten.div.Tensor and not any(
                 isinstance(a, torch.Tensor) and a.is_floating_point() or isinstance(a, float)

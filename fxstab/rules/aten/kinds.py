@@ -134,6 +134,7 @@ class OpInfo:
     layout: bool  # digits follow the op: digits(op(x, ...)) == op(digits(x), ...)
     compare: bool  # CESTAC comparison: a plain boolean decision
     prim: Any = None  # aten replacement of a prims op that neither vmap nor pointwise covers
+    # (its row's ``prims_aten``)
     text: str = ""  # str(op), for records
     plain: Any = None  # faster equivalent of a prims op on plain (unstacked) values
     call: Any = None  # what runs it on aligned samples: ``prim`` or ``op``, without the
@@ -144,7 +145,8 @@ class OpInfo:
     rule: Optional[PrimitiveRule] = None  # its row of the table (PRIMITIVES)
 
 
-_PRIMS_AS_ATEN = {"div": aten.div.Tensor, "sum": None, "var": None}
+# prims.div (true division of floats, truncation of integers) runs as aten.div.Tensor
+primitive("div", prims_aten=aten.div.Tensor)
 
 
 def prims_var(x: torch.Tensor, dims=None, correction: float = 1.0, *, output_dtype=None):
@@ -170,7 +172,10 @@ def broadcast_in_dim(x: torch.Tensor, shape, broadcast_dimensions) -> torch.Tens
     return x.expand(list(shape))
 
 
-_PRIMS_PLAIN = {"var": prims_var, "sum": _prims_sum, "broadcast_in_dim": broadcast_in_dim}
+# the prims ops' faster equivalents on plain (unstacked) values
+primitive("var", prims_plain=prims_var)
+primitive("sum", prims_plain=_prims_sum)
+primitive("broadcast_in_dim", prims_plain=broadcast_in_dim)
 
 
 # The overloads that are one IEEE add, sub, mul or true division per element (with no alpha
@@ -181,18 +186,16 @@ _BINARY = {f"{ns}.{k}.{o}": k for k in ("add", "sub", "mul", "div")
 
 def _compute_op_info(op: Any) -> OpInfo:
     kind = primitive_kind(op)
-    prim = None
-    is_prim = getattr(op, "namespace", None) == "prims"
-    if is_prim and kind in _PRIMS_AS_ATEN:
-        prim = _PRIMS_AS_ATEN[kind] or kind
-    run = prim if prim is not None and not isinstance(prim, str) else op
     rule = rule_of(kind)
+    is_prim = getattr(op, "namespace", None) == "prims"
+    prim = rule.prims_aten if is_prim else None
+    run = prim if prim is not None else op
     return OpInfo(
         kind=kind, pointwise=torch.Tag.pointwise in getattr(op, "tags", ()),
         exact=rule.exact, gemm=rule.path == GEMM,
         factory=kind.startswith(_FACTORY_PREFIXES), layout=rule.path == LAYOUT,
         compare=rule.path == COMPARE, prim=prim, text=str(op),
-        plain=_PRIMS_PLAIN.get(kind) if is_prim else None,
+        plain=rule.prims_plain if is_prim else None,
         call=getattr(run, "_op", run), inplace=_writes_first(op),
         binary=_BINARY.get(str(op)) if rule.path == BINARY else None, rule=rule)
 

@@ -103,6 +103,8 @@ class PrimitiveRule:
     carriers: tuple = ()
     relation: Any = None  # compare: its relation (fxstab.rules.aten.kinds.Relation)
     lookup: bool = False  # arithmetic: bf16 lookup tables of its results exist
+    prims_aten: Any = None  # the aten overload its prims op runs as (prims.div: aten.div.Tensor)
+    prims_plain: Optional[Callable] = None  # a faster equivalent of its prims op on plain values
     batcher: Optional[Callable] = None  # batcher(op, args, kwargs) (fxstab.rules.aten.batching)
     batcher_kwargs: bool = False  # the batcher takes keyword arguments
     doc: str = ""
