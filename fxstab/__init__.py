@@ -16,8 +16,11 @@ from .numerics.rounding import Rounding, quantize, round_samples
 from .eager.stochastic import AnalysisResult, StochasticTensor, analyze, stochastic
 from .plan import PrecisionPlan, apply_plan, check_plan, plan_precision
 from .impact import Impact, operator_impact
+from .plots.notebook import register_displays as _register_displays
 
 from ._version import __version__
+
+_register_displays()  # maps, diffs and coverages show themselves in notebooks
 
 __all__ = [
     "FORMATS", "Format", "get_format", "Rounding", "quantize", "round_samples",

@@ -322,12 +322,12 @@ class FxstabBackend:
         if c.accumulate:  # the GEMMs' accumulator: pattern -> its label ("fp32": trusted)
             meta["accumulate"] = {p: acc.label if acc is not None else "fp32"
                                   for p, acc in c.accumulate}
-        if c.lowp_gemm:  # the bf16 GEMM path's platform checks (fxstab.numerics.lowp_gemm):
-            from .numerics.lowp_gemm import verdicts  # device -> {"ok", "reason"}
-
-            checked = verdicts()
-            if checked:
-                meta["lowp_gemm"] = checked
+        # the bf16 GEMM path's platform checks where they decided a weight's products
+        # (fxstab.numerics.lowp_gemm): device -> {"ok", "reason"}
+        checked = {dev: {"ok": v.ok, "reason": v.reason} for g in self.graphs
+                   for dev, v in getattr(g.info, "lowp_checks", {}).items()}
+        if checked:
+            meta["lowp_gemm"] = checked
         no_output = sorted(set().union(*(g.info.no_output for g in self.graphs)))
         if no_output:  # operators whose values reach only integer results (DigitMap's notes)
             meta["no_output"] = no_output

@@ -72,6 +72,20 @@ class Impact:
         more."""
         return self.by_operator.get(name, 0.0) >= self.threshold
 
+    def __repr__(self) -> str:
+        top = self.ranked()[:1]
+        return (f"Impact({len(self.by_operator)} operators, {len(self.resolved)} measured "
+                f"alone; outputs {self.output_digits:.2f} avg digits with every operator "
+                f"rounded; {self.calls} analysed calls"
+                + (f"; largest: {top[0][0]} {top[0][1]:.2f}" if top else "") + ")")
+
+    def _repr_html_(self) -> str:
+        """Jupyter's display: the operators whose rounding costs the outputs most
+        (:func:`fxstab.plots.notebook.impact_fragment`)."""
+        from .plots import notebook
+
+        return notebook.impact_fragment(self)
+
     def table(self, top: Optional[int] = 10) -> str:
         rows = self.ranked()[:top]
         width = max([len(n) for n, _ in rows] + [8])

@@ -127,10 +127,8 @@ def test_cancelling_products_of_exact_sums_are_exact():
 def fresh_check():
     """The platform check run anew (its verdict is cached per process and device)."""
     lowp_gemm.check.cache_clear()
-    lowp_gemm._ASKED.clear()
     yield
     lowp_gemm.check.cache_clear()
-    lowp_gemm._ASKED.clear()
 
 
 def _residual_outside_the_accumulator(hi, xa, wt):
@@ -151,9 +149,13 @@ def test_the_platform_check_accepts_this_platform_and_an_exact_one(fresh_check, 
         warnings.simplefilter("error")
         verdict = lowp_gemm.check("cpu")
     assert verdict.ok, verdict
-    assert lowp_gemm.verdicts() == {}  # (asked directly: not a verdict the analysis used)
-    assert lowp_gemm.applies(_weight(1024, 1100)[0], "bf16")
-    assert lowp_gemm.verdicts() == {"cpu": {"ok": True, "reason": verdict.reason}}
+    w = _weight(1024, 1100)[0]
+    assert lowp_gemm.applies(w, "bf16")
+    # the verdict where it decides a weight's products: a bf16 weight the path would take
+    assert lowp_gemm.verdict_for(w.bfloat16(), "bf16") == verdict
+    assert lowp_gemm.verdict_for(w, "bf16") is None  # (an fp32 weight)
+    assert lowp_gemm.verdict_for(w[:64].bfloat16(), "bf16") is None  # (the fp32 GEMM's size)
+    assert lowp_gemm.verdict_for(w.bfloat16(), "fp16") is None
     lowp_gemm.check.cache_clear()
     monkeypatch.setattr(lowp_gemm, "_residual", _residual_exact)
     assert lowp_gemm.check("cpu").ok
@@ -172,8 +174,8 @@ def test_the_platform_check_rejects_a_residual_outside_the_accumulator(fresh_che
         assert lowp_gemm.linear(torch.randn(2, 1100), w, b, "bf16") is None
         assert lowp_gemm.path_name(torch.device("cpu")).startswith("fp32 GEMM (bf16 GEMMs "
                                                                    "fail the platform check")
-    verdict = lowp_gemm.verdicts()["cpu"]
-    assert not verdict["ok"] and "accumulation bound" in verdict["reason"]
+    verdict = lowp_gemm.verdict_for(w.bfloat16(), "bf16")
+    assert not verdict.ok and "accumulation bound" in verdict.reason
 
 
 def test_a_platform_that_fails_the_check_gets_the_fp32_paths_maps(fresh_check, monkeypatch):
@@ -195,7 +197,7 @@ def test_a_platform_that_fails_the_check_gets_the_fp32_paths_maps(fresh_check, m
     a, b = maps[True], maps[False]
     assert a.operators == b.operators  # field for field
     assert a.metadata["lowp_gemm"]["cpu"]["ok"] is False
-    assert "lowp_gemm" not in b.metadata  # (not asked for: no verdict to record)
+    assert "lowp_gemm" not in b.metadata  # (the path off: no verdict decided anything)
 
 
 def test_where_the_path_does_not_apply_it_says_none():
@@ -291,6 +293,7 @@ def test_a_bf16_model_analysed_on_the_bf16_path_matches_the_fp32_path(monkeypatc
     assert how[True] == {"batched over the samples (bf16 GEMMs with an fp32 residual)"}, how
     assert how[False] == {"batched over the samples"}
     a, b = maps[True], maps[False]
+    assert a.metadata["lowp_gemm"]["cpu"]["ok"] is True and "lowp_gemm" not in b.metadata
     assert list(a.operators) == list(b.operators)
     diff = max(abs(a.operators[n].avg_digits - b.operators[n].avg_digits) for n in a.operators)
     assert diff < 0.05, diff

@@ -64,6 +64,9 @@ class GraphInfo:
     # the weights' copies in the working dtype the analysis keeps, in bytes (a weight its
     # readers' GEMMs read in its own dtype has none: GraphAnalysis._low_weights)
     weight_copies: int = 0
+    # device -> the bf16 GEMM path's platform check, where it decided a weight's products
+    # (fxstab.numerics.lowp_gemm.verdict_for; the map's metadata "lowp_gemm")
+    lowp_checks: dict = field(default_factory=dict)
     # instrumented operators whose values reach no floating output but through instrumented
     # operators (a NaN/inf there is absorbed: GraphAnalysis._reaching_no_output)
     no_output: set = field(default_factory=set)
@@ -450,6 +453,10 @@ class GraphAnalysis:
                 continue
             kept = self._kept_weights.get(i)
             if kept is None or kept[0] is not a or kept[1] != version:
+                if i in self._low_slots:
+                    verdict = lowp_gemm.verdict_for(a, self._low_slots[i] or "")
+                    if verdict is not None:
+                        self.info.lowp_checks[str(a.device)] = verdict
                 copy = a if i in self._low_slots and lowp_gemm.keeps(
                     a, self._low_slots[i]) else a.detach().to(self._wdtype)
                 kept = self._kept_weights[i] = (a, version, copy)

@@ -133,6 +133,18 @@ class DiffResult:
         """0 when the gate passes, 1 when it fails."""
         return 1 if self.failed else 0
 
+    def __repr__(self) -> str:
+        return (f"DiffResult({self.summary()}; {self.base_label} -> {self.head_label}, "
+                f"{len(self.drops)} drop(s), {len(self.gains)} gain(s), {len(self.added)} "
+                f"added, {len(self.removed)} removed, {self.unchanged} unchanged)")
+
+    def _repr_html_(self) -> Optional[str]:
+        """Jupyter's display: the verdict and the tables of the diff's page
+        (:func:`fxstab.plots.notebook.diff_fragment`)."""
+        from ..records import display
+
+        return display.html(self)
+
     def summary(self) -> str:
         if not self.failed:
             return f"OK: no operator lost more than {self.max_drop:g} {self.metric} digits"

@@ -351,6 +351,13 @@ class DigitMap:
         return (f"DigitMap({len(self)} operators, format={self.metadata.get('format')!r}, "
                 f"steps={len(self.step_keys())})")
 
+    def _repr_html_(self) -> Optional[str]:
+        """Jupyter's display: the title, settings, findings, the operators with the fewest
+        digits and the coverage (:func:`fxstab.plots.notebook.map_fragment`)."""
+        from ..records import display
+
+        return display.html(self)
+
     # ----------------------------------------------------------------- time series
     def step_keys(self) -> list[tuple[str, Optional[int]]]:
         """The distinct (phase, step) pairs, in order of appearance."""

@@ -30,7 +30,7 @@ accumulator computes it, if it can return it wider than bf16.
   :func:`check` tests it once per process and device on products whose exact values are
   known (issue 52: a CPU on which it failed would make maps from results of 8 bits,
   silently); a device that fails runs the samples' GEMMs in the working dtype, says so once,
-  and the map's metadata records each verdict (:func:`verdicts`).
+  and the metadata of a map whose weights it decided records it (:func:`verdict_for`).
 
 The weights: a bf16 model's weight read only by such products (and lookups) is its own twin,
 never copied into fp32 (:func:`keeps`; ``GraphAnalysis._low_weights``); any other weight's
@@ -57,7 +57,7 @@ import torch
 
 __all__ = ["linear", "applies", "eligible", "keeps", "twin", "set_twin", "split_reference",
            "join_reference", "LOWP_DTYPES", "CPU_MIN_DIM", "path_name", "check", "Check",
-           "verdicts"]
+           "verdict_for"]
 
 # the formats whose samples' GEMMs can run in the format's own dtype
 LOWP_DTYPES = {"bf16": torch.bfloat16}
@@ -155,8 +155,8 @@ def check(device: str) -> Check:
 
     A platform whose bf16 GEMM does not return (or form the residual in) an fp32 accumulator
     fails it; there the samples' GEMMs run in the working dtype (:func:`eligible` is False:
-    the maps are the fp32 path's), said once in a warning and in the map's metadata
-    (:func:`verdicts`)."""
+    the maps are the fp32 path's), said once in a warning and in the metadata of the maps
+    whose weights it decided (:func:`verdict_for`)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     dev = torch.device(device)
@@ -210,36 +210,31 @@ def _probe(dev: torch.device, cuda: bool) -> Check:
                        f"integer ones exact")
 
 
-def verdicts() -> dict:
-    """The platform checks made in this process: device -> ``{"ok", "reason"}`` (the map's
-    metadata ``lowp_gemm``)."""
-    return {dev: {"ok": c.ok, "reason": c.reason} for dev, c in _checked().items()}
-
-
-def _checked() -> dict:
-    # (lru_cache keeps no public view of its entries: replay the devices asked)
-    return {dev: check(dev) for dev in _ASKED}
-
-
-_ASKED: set = set()
+def verdict_for(w: Any, fmt_name: str) -> Optional[Check]:
+    """The platform check's verdict where it decides weight ``w``'s products (a weight of the
+    format's dtype the path would take: :func:`eligible` but for the check), else None; what
+    the map's metadata ``lowp_gemm`` records, per device (``GraphInfo.lowp_checks``)."""
+    if not _shaped(w, fmt_name) or w.dtype != LOWP_DTYPES[fmt_name]:
+        return None
+    return check(str(w.device))
 
 
 def eligible(w: Any, fmt_name: str) -> bool:
     """Whether a weight's products can run in the format's GEMMs here, its dtype aside: a bf16
     format, a 2-D weight, on the CPU one of at least :data:`CPU_MIN_DIM` each way, elsewhere a
     device with a wide-result GEMM (``mm.dtype``); and the device passed :func:`check`."""
+    return _shaped(w, fmt_name) and _passes(w.device)
+
+
+def _shaped(w: Any, fmt_name: str) -> bool:
     if LOWP_DTYPES.get(fmt_name) is None or not isinstance(w, torch.Tensor) or w.dim() != 2 \
             or not w.numel():
         return False
-    if w.device.type == "cpu" and min(w.shape) < CPU_MIN_DIM:
-        return False
-    return _passes(w.device)
+    return w.device.type != "cpu" or min(w.shape) >= CPU_MIN_DIM
 
 
 def _passes(device: torch.device) -> bool:
-    key = str(device)
-    _ASKED.add(key)
-    return check(key).ok
+    return check(str(device)).ok
 
 
 def keeps(w: Any, fmt_name: Optional[str]) -> bool:

@@ -218,6 +218,21 @@ class PlanCheck:
         return f"{digits:.2f}" + (f" ({non_finite} of {self.numel} output elements NaN/inf)"
                                   if non_finite else "")
 
+    def __repr__(self) -> str:
+        return (f"PlanCheck(avg true digits at the outputs: "
+                f"{self._digits(self.plain, self.plain_non_finite)} without the plan, "
+                f"{self._digits(self.planned, self.planned_non_finite)} with it, "
+                f"{self._digits(self.high, self.high_non_finite)} all in the higher format"
+                + (f"; {len(self.missing)} operator(s) of the plan not found" if self.missing
+                   else "") + ")")
+
+    def _repr_html_(self) -> str:
+        """Jupyter's display: the three runs' digits and NaN/inf outputs
+        (:func:`fxstab.plots.notebook.check_fragment`)."""
+        from ..plots import notebook
+
+        return notebook.check_fragment(self)
+
     def report(self, plan: PrecisionPlan) -> str:
         lines = [f"real run in {plan.format} against fp64 of the same weights (avg true digits "
                  f"at the outputs): {self._digits(self.plain, self.plain_non_finite)} without "

@@ -180,6 +180,18 @@ class PrecisionPlan:
     def __str__(self) -> str:
         return self.report()
 
+    def __repr__(self) -> str:
+        return (f"PrecisionPlan({len(self.promoted)} of {self.operators} operators in "
+                f"{self.higher}, the rest in {self.format}: keeps {self.after:.2f} digits, "
+                f"{'meets' if self.met else 'does not meet'} {self.required():.2f})")
+
+    def _repr_html_(self) -> str:
+        """Jupyter's display: the verdict and the promoted operators
+        (:func:`fxstab.plots.notebook.plan_fragment`)."""
+        from ..plots import notebook
+
+        return notebook.plan_fragment(self)
+
     @property
     def feasible(self) -> float:
         """The most digits the outputs keep with every operator in ``higher`` (NaN where the

@@ -16,6 +16,10 @@ Each page is one file: the CSS and the script (``fxstab/plots/pages/``) and the 
 - :func:`history_page`: digit maps across commits, per target its outputs' and worst
   operators' digits as lines and a table (``fxstab history``).
 
+The pieces the pages share with the notebook displays (:mod:`fxstab.plots.notebook`) are
+public: :func:`settings_html`, :func:`ops_table`, :func:`coverage_summary`,
+:func:`coverage_html`, :func:`finding_class`, :func:`fmt_digits`, :func:`ink_for`.
+
 Every function takes plain data and returns the page as text; :func:`write_page` saves it.
 ``docs/pictures.md`` shows the pages.
 """
@@ -87,7 +91,7 @@ def digit_colour(digits: float, cap: float) -> str:
     return "#" + "".join(f"{round(c):02x}" for c in rgb)
 
 
-def _ink(fill: str) -> str:
+def ink_for(fill: str) -> str:
     r, g, b = (int(fill[k:k + 2], 16) / 255 for k in (1, 3, 5))
     return "#ffffff" if 0.299 * r + 0.587 * g + 0.114 * b < 0.45 else "#000000"
 
@@ -137,7 +141,7 @@ def _page(title: str, body: str, data: Any, script: str) -> str:
         "</body></html>", ""])
 
 
-def _settings_html(meta: Mapping) -> str:
+def settings_html(meta: Mapping) -> str:
     keys = [k for k in _SETTINGS if meta.get(k) is not None]
     keys += sorted(k for k, v in meta.items() if k not in _SETTINGS and v is not None
                    and isinstance(v, (str, int, float, bool)))
@@ -185,7 +189,7 @@ def _steps_data(dm: DigitMap, index: dict) -> Optional[dict]:
     return {"labels": labels, "values": values, "bad": bad}
 
 
-def _coverage(cov: Any, names: set) -> tuple[dict, dict]:
+def coverage_summary(cov: Any, names: set) -> tuple[dict, dict]:
     """(operator name -> [how, reason], the summary: counts and what was not analysed)."""
     if not isinstance(cov, dict):
         return {}, {}
@@ -209,7 +213,7 @@ def _coverage(cov: Any, names: set) -> tuple[dict, dict]:
     return per_op, summary
 
 
-def _ops_table(head: tuple, rows) -> str:
+def ops_table(head: tuple, rows) -> str:
     """A static ``ops`` table: ``rows`` of HTML cells, a cell ``(html, cls)`` with its class."""
     def cell(c: Any) -> str:
         return (f'<td class="{c[1]}">{c[0]}</td>' if isinstance(c, tuple)
@@ -219,7 +223,7 @@ def _ops_table(head: tuple, rows) -> str:
             f"</thead><tbody>{body}</tbody></table>")
 
 
-def _coverage_html(summary: dict) -> str:
+def coverage_html(summary: dict) -> str:
     if not summary:
         return ('<p class="muted" id="coverage">This map carries no coverage (recorded before '
                 'fxstab kept it).</p>')
@@ -231,13 +235,13 @@ def _coverage_html(summary: dict) -> str:
                  if summary.get(k) is not None)
     out = [f'<div id="coverage"><p>{head}.</p><div class="kpis">{kp}</div>']
     if summary["missing"]:
-        table = _ops_table(("operator", "kind", "how", "reason"),
+        table = ops_table(("operator", "kind", "how", "reason"),
                            ((f"<code>{escape(n)}</code>", escape(k), escape(h), escape(r))
                             for n, k, h, r in summary["missing"]))
         out.append(f"<p><b>Not analysed ({len(summary['missing'])})</b>: not in the map.</p>"
                    + table)
     if summary["others"]:
-        table = _ops_table(("how", "reason", "count", "e.g."),
+        table = ops_table(("how", "reason", "count", "e.g."),
                            ((escape(h), escape(r), (c, "n"),
                              f"<code>{escape(', '.join(ex))}</code>")
                             for h, r, c, ex in summary["others"]))
@@ -247,7 +251,7 @@ def _coverage_html(summary: dict) -> str:
     return "".join(out)
 
 
-def _finding_class(line: str) -> str:
+def finding_class(line: str) -> str:
     if line.startswith("NaN/inf first appear"):
         return "origin"
     if line.startswith("note:"):
@@ -260,7 +264,7 @@ def _findings_html(dm: DigitMap, metric: str) -> str:
     out = []
     for m in METRICS:
         lines = dm.findings(metric=m)
-        items = "".join(f'<li class="{_finding_class(t)}">{escape(t)}</li>' for t in lines)
+        items = "".join(f'<li class="{finding_class(t)}">{escape(t)}</li>' for t in lines)
         if not lines:
             items = f'<li class="none">{escape(NO_FINDINGS)}</li>'
         hidden = "" if m == metric else " hidden"
@@ -301,7 +305,7 @@ def map_page(dm: DigitMap, metric: Optional[str] = None, title: Optional[str] = 
     index = {n: i for i, n in enumerate(names)}
     consumers = dm.consumers()
     sources = set(dm.nonfinite_sources())
-    cov_of, cov_summary = _coverage(meta.get("coverage"), set(names))
+    cov_of, cov_summary = coverage_summary(meta.get("coverage"), set(names))
     cap = dm.cap
     ops = []
     for n, op in dm.operators.items():
@@ -327,7 +331,7 @@ def map_page(dm: DigitMap, metric: Optional[str] = None, title: Optional[str] = 
         fill = digit_colour(v, cap)
         cls = "origin" if n in sources else "pass" if op.non_finite else ""
         text = ("n/a" if math.isnan(v) else f"{v:.2f}") + (" NaN/inf" if op.non_finite else "")
-        styles[n] = BoxStyle(fill, _ink(fill), text, cls, n in sources)
+        styles[n] = BoxStyle(fill, ink_for(fill), text, cls, n in sources)
     lay = layout_graph(dm)
     steps = _steps_data(dm, index)
     data = {"page": "map", "metric": metric, "metrics": list(METRICS), "cap": cap, "ops": ops,
@@ -342,7 +346,7 @@ def map_page(dm: DigitMap, metric: Optional[str] = None, title: Optional[str] = 
 <header><h1>{escape(title)}</h1>
 <div class="muted">{len(dm)} operators, {escape(str(meta.get('format', '?')))}, cap
 {cap:.2f} digits, {len(dm.step_keys())} (phase, step) point(s)</div>
-{_settings_html(meta)}</header>
+{settings_html(meta)}</header>
 <main>
 <section id="findings-section"><h2>Findings</h2>{_findings_html(dm, metric)}</section>
 <section id="graph-section"><h2>Operator graph</h2>
@@ -359,7 +363,7 @@ placeholder="blocks.1.* (glob)"></label><label>kind <select id="f-kind"></select
 <label><span id="f-metric-name">{metric}</span> digits below <input type="number" id="f-below"
 step="0.1" min="0"></label><span class="muted" id="f-count"></span></div>
 <div class="tablebox" id="table"></div></section>
-<section id="coverage-section"><h2>Coverage</h2>{_coverage_html(cov_summary)}</section>
+<section id="coverage-section"><h2>Coverage</h2>{coverage_html(cov_summary)}</section>
 </main>"""
     return _page(title, body, data, "map.js")
 
@@ -503,7 +507,7 @@ placeholder="blocks.1.* (glob)"></label><label>change <select id="f-kind"></sele
 <span class="muted" id="f-count"></span></div>
 <div class="tablebox" id="table"></div></section>
 <section id="settings-section"><h2>Settings</h2>
-<h3>base</h3>{_settings_html(base.metadata)}<h3>head</h3>{_settings_html(head.metadata)}
+<h3>base</h3>{settings_html(base.metadata)}<h3>head</h3>{settings_html(head.metadata)}
 </section></main>"""
     return _page(title, body, data, "diff.js")
 
@@ -562,7 +566,7 @@ def monitor_page(history: Mapping[str, list], summary: Optional[Mapping] = None,
     shown = {k: v for k, v in cfg.items() if isinstance(v, (str, int, float, bool))}
     body = f"""
 <header><h1>{escape(title)}</h1><div class="kpis" id="kpis">{''.join(kp)}</div>
-{_settings_html(shown)}</header>
+{settings_html(shown)}</header>
 <main>
 <section id="promotions-section"><h2>Promotions</h2><div id="promotions"></div></section>
 <section id="heat-section"><h2>Scores per operator and step</h2>
@@ -670,7 +674,7 @@ def plan_page(plan: Any, check: Any = None, title: Optional[str] = None) -> str:
             "frontier": frontier, "checks": {k: _num(v, 3) for k, v in plan.checks.items()}}
     # what the plan keeps (the worst check) against what it must: the requirement alone read
     # as what it keeps
-    verdict = (f"keeps {_fmt(plan.after)} digits at the outputs (the analysis), "
+    verdict = (f"keeps {fmt_digits(plan.after)} digits at the outputs (the analysis), "
                f"{'meeting' if plan.met else 'NOT meeting'} the {required:.2f} required")
     real = ""
     if check is not None:
@@ -681,7 +685,7 @@ def plan_page(plan: Any, check: Any = None, title: Optional[str] = None) -> str:
         real = (f"<p>The real run in {escape(plan.format)} against fp64 of the same weights "
                 f"(avg true digits at the outputs): {run('plain')} without the plan, "
                 f"{run('planned')} with it; all in {escape(plan.higher)}: {run('high')}.</p>")
-    checks = ", ".join(f"{escape(k)} {_fmt(v)}" for k, v in plan.checks.items())
+    checks = ", ".join(f"{escape(k)} {fmt_digits(v)}" for k, v in plan.checks.items())
     cost = (f"; cost {plan.cost:.3f} against {plan.cost_all_higher:.3f} with everything in "
             f"{escape(plan.higher)} (all in {escape(plan.format)} = 1)"
             if plan.cost == plan.cost else "")
@@ -691,8 +695,8 @@ def plan_page(plan: Any, check: Any = None, title: Optional[str] = None) -> str:
 {escape(plan.higher)}, the rest in {escape(plan.format)}; {plan.runs} analysed calls</div></header>
 <main>
 <section id="verdict-section"><h2>Verdict</h2>
-<p class="verdict {'pass' if plan.met else 'fail'}">The plan {verdict}: {_fmt(plan.before)} in
-{escape(plan.format)}, {_fmt(plan.after)} with the plan{f" (the worst of {checks})"
+<p class="verdict {'pass' if plan.met else 'fail'}">The plan {verdict}: {fmt_digits(plan.before)} in
+{escape(plan.format)}, {fmt_digits(plan.after)} with the plan{f" (the worst of {checks})"
 if len(plan.checks) > 1 else ""}{cost}.</p>{real}</section>
 <section id="frontier-section"><h2>Digits against cost</h2>
 <p class="muted">The plans the search evaluated that no cheaper one beats (the analysis, the
@@ -704,7 +708,7 @@ search's seed), by cost; the line is what the plan must keep, the marked point t
     return _page(title, body, data, "plan.js")
 
 
-def _fmt(v: Any) -> str:
+def fmt_digits(v: Any) -> str:
     return "NaN/inf" if not isinstance(v, (int, float)) or not math.isfinite(v) else f"{v:.2f}"
 
 

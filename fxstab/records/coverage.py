@@ -101,6 +101,21 @@ class Coverage:
     def __str__(self) -> str:  # pragma: no cover - convenience
         return self.table()
 
+    def __repr__(self) -> str:
+        frac = self.fraction
+        share = "nothing counted" if frac is None else (
+            f"{sum(e.how == ANALYSED for e in self.counted)} of {len(self.counted)} floating "
+            f"operators analysed ({100 * frac:.0f}%)")
+        return (f"Coverage({share}, {len(self.unrounded)} unrounded, {len(self.skipped)} "
+                f"skipped)")
+
+    def _repr_html_(self) -> Optional[str]:
+        """Jupyter's display: the map page's coverage section
+        (:func:`fxstab.plots.notebook.coverage_fragment`)."""
+        from . import display
+
+        return display.html(self)
+
 
 def coverage_dict(entries: list) -> dict:
     """The JSON form (digit-map metadata): counts, the fraction and every entry."""
