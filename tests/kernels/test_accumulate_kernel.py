@@ -271,7 +271,7 @@ def test_aligned_accumulator_in_the_analysis_draws_the_same_as_the_cpu_path():
 
     a, b = _operands((3, 9, 96), (24, 96), dtype=torch.float32)
     plan = SimpleNamespace(kind="linear", accumulate=Accumulation.parse("fp8-promoted"),
-                           gemm_inputs=None)
+                           gemm_inputs=None, gemm_scaling=None)  # (a NodePlan's fields)
     outs = {}
     for kernels in ("triton", "torch"):
         cfg = SimpleNamespace(gemm_scaling="tensor", rounding="random", kernels=kernels)
