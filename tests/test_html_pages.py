@@ -581,6 +581,29 @@ def test_history_page_in_chromium(browser, tmp_path, capsys):
     assert "no such file or folder" in capsys.readouterr().err
 
 
+def test_a_training_history_says_steps_and_a_new_operator_says_new(browser, tmp_path):
+    # steps.html of the trainer callbacks (unit="step"): steps, not commits; an operator only
+    # the last point has reads "new", not "+0.00"
+    from fxstab.plots import html
+
+    first = DigitMap.from_reports([_rep("a/linear#0", 2.0)], metadata={"format": "bf16"})
+    last = DigitMap.from_reports([_rep("a/linear#0", 1.5), _rep("a/exp#0", 1.0, ("a/linear#0",))],
+                                 metadata={"format": "bf16"})
+    out = html.write_page(html.history_page([("step 10", {"m": first}), ("step 20", {"m": last})],
+                                            unit="step"), tmp_path / "steps.html")
+    pg = Opened(browser, out, width=1280)
+    try:
+        assert pg.errors == []
+        assert "2 step(s), 1 target(s)" in pg.page.inner_text("header")
+        assert "commit" not in pg.page.inner_text("body")
+        rows = dict(pg.page.eval_on_selector_all(
+            "#table-0 tbody tr", "trs => trs.map(t => [t.cells[0].textContent, "
+                                 "t.cells[t.cells.length - 1].textContent])"))
+        assert rows == {"a/linear#0": "-0.50", "a/exp#0": "new"}, rows
+    finally:
+        pg.close()
+
+
 def test_monitor_table_and_page_say_never_checked(browser, tmp_path):
     from fxstab.monitor import StabilityMonitor
 

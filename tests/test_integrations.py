@@ -88,19 +88,27 @@ def _hf_train(out: Path, callback: bool) -> tuple:
                              save_strategy="no", disable_tqdm=True, seed=0,
                              learning_rate=1e-3, dataloader_num_workers=0)
     model = tiny_gpt2()
-    trainer = Trainer(model=model, args=args, train_dataset=batches())
-    cb = FxstabCallback.attach(trainer, every=EVERY, format="bf16") if callback else None
+    # the idiom every Hugging Face user writes (FxstabCallback.attach: the monitor's test)
+    cb = FxstabCallback(every=EVERY, format="bf16") if callback else None
+    trainer = Trainer(model=model, args=args, train_dataset=batches(),
+                      callbacks=[cb] if cb else None)
     trainer.train()
     torch._dynamo.reset()
     return model, cb, trainer
 
 
-def test_transformers_trainer_with_the_callback(tmp_path):
+def test_transformers_trainer_with_the_callback(tmp_path, capsys):
     plain, _, _ = _hf_train(tmp_path / "plain", callback=False)
+    capsys.readouterr()
     model, cb, trainer = _hf_train(tmp_path / "run", callback=True)
     _check_maps(tmp_path / "run" / "fxstab")
+    # callbacks=[cb] appended it after TensorBoard's: it went first, its figures reached it
+    assert trainer.callback_handler.callbacks[0] is cb
     _check_tensorboard(tmp_path / "run")
     assert [r["step"] for r in cb.logged] == [10, 20]
+    said = capsys.readouterr().out
+    assert f"fxstab: 2 digit map(s) in {tmp_path / 'run' / 'fxstab'}; open " in said, said
+    assert "steps.html" in said
     # training is unchanged, bit for bit
     for (n, p), q in zip(model.named_parameters(), plain.parameters()):
         assert torch.equal(p, q), n

@@ -133,7 +133,8 @@ class StepAnalysis:
                                  last.with_suffix(".html"))]
         points = [(f"step {s}", {"model": DigitMap.load(p)}) for s, p in self.maps]
         pages.append(html.write_page(html.history_page(points, title="fxstab: digits over "
-                                                                      "training steps"),
+                                                                      "training steps",
+                                                       unit="step"),
                                      self.output_dir / "steps.html"))
         return pages
 

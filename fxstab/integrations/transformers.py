@@ -17,18 +17,23 @@ the last map's page and ``steps.html`` (digits over the analysed steps) are writ
 maps. With ``monitor=StabilityMonitor(...)`` (the model wrapped by ``monitor.wrap``) the
 callback steps the monitor and logs its scores and promotions instead.
 
-``attach`` puts the callback first among the trainer's callbacks, so that the reporting
-callbacks see its figures in the same ``on_log`` call; ``Trainer(callbacks=[FxstabCallback()])``
-appends it after them, and its figures then reach only the callback's ``logged`` list.
+``Trainer(callbacks=[FxstabCallback(every=10, format="bf16")])``, the usual idiom, does the
+same. The reporting callbacks must see its figures in the ``on_log`` call that carries them,
+so the callback goes first among the trainer's callbacks: ``attach`` puts it there; added any
+other way (``callbacks=[...]`` and ``add_callback`` append it after the reporting callbacks),
+it moves itself there when the trainer first calls it (``on_init_end``, ``on_train_begin``).
+When training ends it says where the maps and pages went.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
 from transformers import TrainerCallback
+from transformers.trainer_callback import CallbackHandler
 
 from .core import StepAnalysis, monitor_headline
 
@@ -67,7 +72,12 @@ class FxstabCallback(TrainerCallback):
         return cb
 
     # ----------------------------------------------------------------- events
+    def on_init_end(self, args, state, control, **kwargs):
+        _go_first(self)
+        return control
+
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        _go_first(self)  # (added by add_callback after the trainer was made)
         if self.analysis is not None:
             self.analysis.output_dir = Path(self.output_dir or Path(args.output_dir) / "fxstab")
             # the batch of each training forward (keyword inputs, as the Trainer calls it)
@@ -112,7 +122,33 @@ class FxstabCallback(TrainerCallback):
         elif self.monitor is not None:
             out = Path(self.output_dir or Path(args.output_dir) / "fxstab")
             self.pages = [self.monitor.save_html(out / "monitor.html")]
+        if self.pages and state.is_world_process_zero:
+            print(where_they_went(self.analysis, self.pages))
         return control
+
+
+def where_they_went(analysis: Optional[StepAnalysis], pages: list) -> str:
+    """The line said when training ends: the maps written and the pages to open."""
+    maps = f"{len(analysis.maps)} digit map(s) in {analysis.output_dir}; " \
+        if analysis is not None else ""
+    return f"fxstab: {maps}open {' and '.join(str(p) for p in pages)}"
+
+
+def _go_first(cb: FxstabCallback) -> None:
+    """Put ``cb`` first among the callbacks of the trainer calling it. The handler is not
+    handed to a callback: it is the ``self`` of ``CallbackHandler.call_event``, the frame
+    that calls the event (searched a few frames up; nothing found, nothing moves)."""
+    frame = sys._getframe(1)
+    for _ in range(4):
+        frame = frame.f_back
+        if frame is None:
+            return
+        handler = frame.f_locals.get("self")
+        if isinstance(handler, CallbackHandler):
+            if any(c is cb for c in handler.callbacks) and handler.callbacks[0] is not cb:
+                handler.callbacks.remove(cb)
+                handler.callbacks.insert(0, cb)
+            return
 
 
 def _loss_of(out: Any) -> Any:

@@ -582,15 +582,17 @@ promotion. Click a row to add it to the lines below.</p><div class="heatbox">
 
 # --------------------------------------------------------------------------- the history page
 def history_page(points: list, top: int = 8, metric: Optional[str] = None,
-                 title: str = "fxstab digit history") -> str:
-    """The trend page of digit maps across commits (``fxstab history``).
+                 title: str = "fxstab digit history", unit: str = "commit") -> str:
+    """The trend page of digit maps across commits (``fxstab history``), or across the steps
+    of a training run (``unit="step"``: the trainer callbacks' ``steps.html``).
 
     Args:
-        points: ``(label, {target name: DigitMap})`` in order, oldest first (a commit each).
+        points: ``(label, {target name: DigitMap})`` in order, oldest first (a ``unit`` each).
         top: the worst operators drawn per target beside its outputs (the operators no other
             reads): those with the fewest digits at any point.
         metric: the metric selected when the page opens (the selector offers all).
         title: the page's title.
+        unit: what a point is, in the page's words ("commit", "step").
 
     Raises:
         ValueError: no point, a point without maps, or ``top`` < 1.
@@ -635,15 +637,16 @@ def history_page(points: list, top: int = 8, metric: Optional[str] = None,
         out.append({"name": t, "ops": list(names), "outputs": [n for n in names if n in outputs],
                     "worst": worst, "values": values, "bad": bad, "caps": caps})
     data = {"page": "history", "metric": metric, "metrics": list(METRICS), "labels": labels,
-            "targets": out, "top": top}
+            "targets": out, "top": top, "unit": unit}
     sections = "".join(
         f'<section class="target" id="target-{k}"><h2>{escape(t["name"])}</h2>'
         f'<div class="lines" id="lines-{k}"></div><div class="tablebox" id="table-{k}"></div>'
         f"</section>" for k, t in enumerate(out))
     body = f"""
 <header><h1>{escape(title)}</h1>
-<div class="muted">{len(labels)} commit(s), {len(out)} target(s): each target's outputs (the
-operators no other reads) and its {top} worst operators, their digits at each commit.</div>
+<div class="muted">{len(labels)} {escape(unit)}(s), {len(out)} target(s): each target's outputs
+(the operators no other reads) and its {top} worst operators, their digits at each
+{escape(unit)}.</div>
 <div class="controls">{_metric_select(metric)}</div></header>
 <main>{sections}</main>"""
     return _page(title, body, data, "history.js")
