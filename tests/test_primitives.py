@@ -52,6 +52,8 @@ def test_describe_primitive_says_how_it_is_analysed():
     assert "counters: none" in describe_primitive("view")
     assert "CESTAC" in describe_primitive("eq")
     assert describe_primitive("softmax").startswith("softmax ((no row)): arithmetic")
+    assert "mask (drawn once, on ones) times every sample" in describe_primitive("native_dropout")
+    assert all(r.draw is not None for r in PRIMITIVES.values() if r.path == "random")
 
 
 def test_registering_is_checked():

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
+from torch.utils import _pytree as pytree
 
-from ..lifting import DECISIONS
+from ..lifting import DECISIONS, Stacked
 from .primitives import (
     BINARY, COMPARE, DECIDE, EXACT, GEMM, LAYOUT, RANDOM, SYMBOLIC, PrimitiveRule, kinds_on,
     primitive, rule_of,
@@ -106,12 +107,32 @@ primitive("sort", "topk", path=DECIDE, exact=True, family="decision", doc=_DECID
 primitive(*sorted(set(DECISIONS) - {"sort", "topk"}), path=DECIDE, family="decision",
           doc=_DECIDED)
 
+def _on_first_sample(op: Any, args: tuple, kwargs: dict) -> Any:
+    """Once, on the first sample's shape: every sample gets the deterministic pass's random
+    numbers."""
+    is_s = lambda v: isinstance(v, Stacked)  # noqa: E731
+    a, k = pytree.tree_map(lambda v: v.samples[0] if is_s(v) else v, (args, kwargs), is_leaf=is_s)
+    return op(*a, **k)
+
+
+def _mask_on_samples(op: Any, args: tuple, kwargs: dict) -> Any:
+    """native_dropout: the deterministic pass's mask (drawn once, on ones) times every
+    sample; the mask."""
+    x = args[0]
+    stacked = isinstance(x, Stacked)
+    ones = torch.ones_like(x.samples[0] if stacked else x)
+    scaled, mask = op(ones, *args[1:], **kwargs)
+    xs = x.samples if stacked else x
+    return (Stacked(xs * scaled) if stacked else xs * scaled), mask
+
+
 # Random draws: run once, on the first sample's shape (every sample gets the deterministic
 # pass's random numbers: dropout masks)
 primitive("rand", "randn", "rand_like", "randn_like", "randint", "randint_like", "bernoulli",
-          "uniform", "normal", "randperm", "multinomial", "native_dropout", "exponential",
-          "bernoulli_", "uniform_", "normal_", "exponential_", "random_", "geometric_",
-          "cauchy_", "log_normal_", path=RANDOM, family="random draw")
+          "uniform", "normal", "randperm", "multinomial", "exponential", "bernoulli_",
+          "uniform_", "normal_", "exponential_", "random_", "geometric_", "cauchy_",
+          "log_normal_", path=RANDOM, draw=_on_first_sample, family="random draw")
+primitive("native_dropout", path=RANDOM, draw=_mask_on_samples, family="random draw")
 # Symbolic sizes of a dynamic-shape lowering: plain values
 primitive("sym_size", "sym_stride", "sym_numel", "sym_storage_offset", path=SYMBOLIC,
           family="symbolic size")

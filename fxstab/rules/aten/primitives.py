@@ -16,7 +16,8 @@ One frozen :class:`PrimitiveRule` per kind says everything the rules decide from
   selections that compare their operands (max/min/clamp), ``branch``: the compared difference;
 * what its counters **need** of an operand (:func:`fxstab.rules.aten.kinds.operand_needs`: the
   per-element digits, the zero mask), and whether they read the output's own digits;
-* its **batcher** (:mod:`.batching`: the primitive on all samples at once, without vmap);
+* its **batcher** (:mod:`.batching`: the primitive on all samples at once, without vmap), a
+  random draw's ``draw`` (how it runs on the samples), a prims op's replacements;
 * a one-line **doc** (:func:`describe_primitive`).
 
 A family of kinds is registered once, beside its code, with :func:`primitive` (as a decorator
@@ -57,8 +58,8 @@ PATHS = {
     BINARY: "binary: one IEEE operation per element, computed by the fused kernel inside its "
             "rounding where the overload is that operation, else rounded as arithmetic",
     ARITHMETIC: "arithmetic: every floating result rounded into the format and recorded",
-    RANDOM: "random: a random draw (the backend's tracer runs it once, on the first sample's "
-            "shape: every sample gets the deterministic pass's random numbers)",
+    RANDOM: "random: a random draw, run on the samples by its row's draw (the backend's "
+            "tracer): every sample gets the deterministic pass's random numbers",
     SYMBOLIC: "symbolic: a size of a dynamic-shape lowering, a plain value",
 }
 
@@ -105,6 +106,8 @@ class PrimitiveRule:
     lookup: bool = False  # arithmetic: bf16 lookup tables of its results exist
     prims_aten: Any = None  # the aten overload its prims op runs as (prims.div: aten.div.Tensor)
     prims_plain: Optional[Callable] = None  # a faster equivalent of its prims op on plain values
+    # random: how the draw runs on the samples, draw(op, args, kwargs) (rules/aten/kinds.py)
+    draw: Optional[Callable] = None
     batcher: Optional[Callable] = None  # batcher(op, args, kwargs) (fxstab.rules.aten.batching)
     batcher_kwargs: bool = False  # the batcher takes keyword arguments
     doc: str = ""
@@ -206,6 +209,8 @@ def describe_primitive(kind: str) -> str:
     read = [w for w, on in (("per-element digits", digits), ("zero masks", zeros)) if on]
     if r.output_digits:
         read.append("its own output's digits")
+    if r.draw is not None:
+        lines.append(f"draw: {_doc_of(r.draw)}")
     lines.append("reads of its operands: " + (", ".join(read) if read else "nothing measured"))
     lines.append(f"batcher: {r.batcher.__name__.lstrip('_')}" if r.batcher is not None else
                  "batcher: none (pointwise on aligned samples, else vmap, else per sample)")

@@ -26,6 +26,7 @@ from ...numerics import randbits
 from ...passes import steps
 from ...records.report import OpReport, report_builder, stats_row
 from .apply import apply_primitive, observe
+from .kinds import op_info
 from ..lifting import Stacked
 
 __all__ = ["AtenTracer", "AtenGraph", "PrimitivePlan", "LoweredGraph", "plain_call", "ISOLATED"]
@@ -343,8 +344,6 @@ def _view_chain(node: torch.fx.Node, env: dict) -> Optional[list]:
     """The view primitives from a base tensor to ``node`` ([base, view, ..., node]), when
     ``node`` is a view (through view primitives) of a plain tensor of the environment that is
     not a view itself; None otherwise."""
-    from .kinds import op_info
-
     chain = [node]
     while True:
         cur = chain[-1]
@@ -382,8 +381,11 @@ def _isolated_step(op: Any) -> Callable:
 
 
 def _random_step(op: Any) -> Callable:
+    """A random primitive's draw on the samples (its row's ``draw``)."""
+    draw = op_info(op).rule.draw
+
     def run(ctx: Any, raw: list, args: tuple, kwargs: dict) -> Any:
-        return _random_call(op, args, kwargs, Stacked)
+        return draw(op, args, kwargs)
     return run
 
 
@@ -434,17 +436,3 @@ def plain_call(fn: Callable, args: Any, kwargs: Any, stacked_type: type) -> Any:
         return args[0][args[1]]
     a, k = pytree.tree_map(lambda v: v.samples[0] if is_s(v) else v, (args, kwargs), is_leaf=is_s)
     return fn(*a, **k)
-
-
-def _random_call(op: Any, args: Any, kwargs: Any, stacked_type: type) -> Any:
-    """Random primitives run once, on the first sample's shape: every sample gets the
-    deterministic pass's random numbers (dropout masks)."""
-    is_s = lambda v: isinstance(v, stacked_type)  # noqa: E731
-    if "native_dropout" in str(op):
-        x = args[0]
-        ones = torch.ones_like(x.samples[0] if is_s(x) else x)
-        scaled, mask = op(ones, *args[1:], **kwargs)
-        xs = x.samples if is_s(x) else x
-        return (stacked_type(xs * scaled) if is_s(x) else xs * scaled), mask
-    a, k = pytree.tree_map(lambda v: v.samples[0] if is_s(v) else v, (args, kwargs), is_leaf=is_s)
-    return op(*a, **k)
