@@ -132,6 +132,8 @@ def primitive(*kinds: str, **fields: Any) -> Callable:
     function as the family's ``counters`` (its docstring's first paragraph the ``doc``, its
     name the family's, unless given) and returns it. A kind registered again gets the new
     fields added to its row; a field set twice to different values is a ``ValueError``.
+    Register before the primitive first runs: :func:`~fxstab.rules.aten.kinds.op_info` reads
+    the row once per overload.
     """
     if not kinds:
         raise ValueError("primitive() needs at least one aten primitive kind (aten.add.Tensor "
