@@ -1,0 +1,19 @@
+"""Stable rewrites of naive floating-point formulas (docs/fixes.md, issue 54).
+
+* :mod:`.registry`: the table ``REWRITES[name]``, the :func:`~.registry.rewrite` decorator
+  (pattern and precondition as one ``match(node)``, the docstring as documentation) and
+  ``describe(name)``;
+* the rewrites, by what the naive formula does: :mod:`.logs` (a logarithm of a value that
+  rounds to 0 or 1), :mod:`.exps` (an exponential that over- or underflows or cancels),
+  :mod:`.reductions` (statistics written with squares);
+* :mod:`.graph`: a rewrite applied to a captured graph, and the backend that applies them
+  (:class:`~.graph.RewriteBackend`).
+"""
+
+# the rewrites join the table as their modules load (in this order: the order they are tried)
+from . import logs, exps, reductions  # noqa: F401,I001
+from .graph import RewriteBackend, Site, apply_match
+from .registry import REWRITES, Call, Match, Rewrite, describe, find_matches, rewrite
+
+__all__ = ["REWRITES", "Rewrite", "Match", "Call", "rewrite", "describe", "find_matches",
+           "apply_match", "RewriteBackend", "Site"]

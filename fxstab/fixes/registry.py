@@ -1,0 +1,138 @@
+"""The stable rewrites as a table: a naive formula over the captured operator-level graph and
+the stable form that replaces it (``REWRITES[name]``), as :mod:`fxstab.rules.op.registry`
+holds a rule per operator kind.
+
+A rewrite is registered next to its code with :func:`rewrite`: the decorated
+``match(node) -> Match | None`` is its pattern and its precondition at once (it looks at
+``node`` as the *root* of the naive formula, the node whose value the stable form replaces,
+and answers None where the pattern or the precondition fails); its docstring is its
+documentation (the first paragraph is what :func:`describe` prints, a ``Needs:`` line the
+precondition ``docs/fixes.md`` lists). The replacement is data, a :class:`Call` tree over the
+matched operands, so one emitter (:mod:`fxstab.fixes.graph`) writes every stable form into a
+graph and one printer writes it as code (``F.log_softmax(z, 1)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch.fx
+
+__all__ = ["Call", "Match", "Rewrite", "REWRITES", "rewrite", "describe", "find_matches",
+           "spelled"]
+
+
+class Call:
+    """One call of the stable form: ``fn(*args, **kwargs)``, spelled ``text`` in code.
+
+    An argument is a graph node (an operand of the naive formula), another :class:`Call`
+    (emitted first) or a constant."""
+
+    __slots__ = ("text", "fn", "args", "kwargs")
+
+    def __init__(self, text: str, fn: Callable, *args: Any, **kwargs: Any) -> None:
+        self.text, self.fn, self.args, self.kwargs = text, fn, args, kwargs
+
+    def code(self) -> str:
+        """The call as a user would write it (operands by their names in the program)."""
+        if self.text == "-":  # a negation reads as the operator
+            return "-" + spelled(self.args[0])
+        parts = [spelled(a) for a in self.args]
+        parts += [f"{k}={spelled(v)}" for k, v in self.kwargs.items()]
+        return f"{self.text}({', '.join(parts)})"
+
+
+def spelled(value: Any) -> str:
+    """An operand as code: a node by the program's name for it (dynamo names an input ``z``
+    ``l_z_``, and an intermediate after the variable it was assigned to), a call by its
+    code, a constant by its repr."""
+    if isinstance(value, Call):
+        return value.code()
+    if isinstance(value, torch.fx.Node):
+        name = value.name
+        if value.op == "placeholder" and name.startswith("l_") and name.endswith("_"):
+            name = name[2:-1]
+        return name
+    if isinstance(value, (tuple, list)) and len(value) == 1:
+        return spelled(value[0]) if isinstance(value, list) else f"({spelled(value[0])},)"
+    return repr(value)
+
+
+@dataclass(frozen=True)
+class Match:
+    """Where a rewrite matched: ``root`` is the node the stable form replaces (every reader of
+    it reads the stable form instead), ``anchor`` the operator a finding names (the ``log`` of
+    ``log(softmax(x))``: where the NaN/inf first appears), ``nodes`` every node of the naive
+    formula (root included; those no other node reads are removed), ``form`` the stable
+    form."""
+
+    rewrite: str
+    root: torch.fx.Node
+    anchor: torch.fx.Node
+    nodes: tuple
+    form: Call
+
+    def code(self) -> str:
+        """The stable form as code (``F.log_softmax(z, 1)``)."""
+        return self.form.code()
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """One entry of the table: ``match(node) -> Match | None`` (pattern and precondition),
+    ``doc`` its documentation (the docstring), ``summary`` its first paragraph, ``needs`` its
+    precondition (the docstring's ``Needs:`` paragraph)."""
+
+    name: str
+    match: Callable[[torch.fx.Node], Optional[Match]]
+    naive: str  # the naive formula, as code
+    stable: str  # the stable form, as code
+    doc: str
+    summary: str
+    needs: str
+
+
+REWRITES: dict[str, Rewrite] = {}
+"""name -> its rewrite, in registration order (the order they are tried)."""
+
+
+def rewrite(name: str, naive: str, stable: str) -> Callable:
+    """Register the decorated ``match(node) -> Match | None`` as the rewrite ``name`` of
+    ``naive`` into ``stable`` (both as code, for the documentation and the CLI)."""
+    if name in REWRITES:
+        raise ValueError(f"a rewrite named {name!r} is already registered; pick another name")
+
+    def register(match: Callable[[torch.fx.Node], Optional[Match]]) -> Callable:
+        doc = (match.__doc__ or "").strip()
+        paragraphs = [" ".join(p.split()) for p in doc.split("\n\n")]
+        needs = next((p[len("Needs:"):].strip() for p in paragraphs if p.startswith("Needs:")),
+                     "")
+        REWRITES[name] = Rewrite(name, match, naive, stable, doc, paragraphs[0], needs)
+        return match
+
+    return register
+
+
+def describe(name: str) -> str:
+    """What the rewrite ``name`` replaces, with what, and what it needs."""
+    if name not in REWRITES:
+        raise KeyError(f"no rewrite named {name!r}; the table holds {', '.join(REWRITES)}")
+    r = REWRITES[name]
+    return f"{r.name}: {r.naive}  ->  {r.stable}\n{r.summary}" + \
+        (f"\nneeds: {r.needs}" if r.needs else "")
+
+
+def find_matches(graph: torch.fx.Graph, names: Optional[Any] = None) -> list[Match]:
+    """Every match of the rewrites ``names`` (default: the whole table) in ``graph``, in graph
+    order, each rewrite's in table order at one root."""
+    chosen = [REWRITES[n] for n in names] if names is not None else list(REWRITES.values())
+    out = []
+    for node in graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        for r in chosen:
+            m = r.match(node)
+            if m is not None:
+                out.append(m)
+    return out

@@ -1,0 +1,148 @@
+"""The stable rewrites (fxstab/fixes, docs/fixes.md): each one's pattern found in a captured
+graph and its stable form equal to the naive formula in fp64, on random and edge inputs; then
+:func:`fxstab.suggest_fixes` on small programs with the naive formula in their forward, run
+in fp16 or bf16 where it fails: a verified fix at the program's own line."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fxstab.fixes import REWRITES, apply_match, describe, find_matches
+
+# -------------------------------------------------------------------------------- equivalence
+# Each rewrite: the naive formula and its inputs in fp64, each a (label, inputs) pair. "huge"
+# and "tiny" are huge and tiny for the low formats (beyond fp16's 65504, below its 6e-8
+# subnormal), where fp64 still computes the naive formula.
+
+
+def _randn(*shape: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(sum(shape) + int(scale) % 97)
+    return torch.randn(*shape, generator=g, dtype=torch.float64) * scale + shift
+
+
+def _probs(*shape: int) -> torch.Tensor:
+    return F.softmax(_randn(*shape), -1)
+
+
+def _one_hot(n: int, c: int) -> torch.Tensor:
+    return F.one_hot(torch.arange(n) % c, c).to(torch.float64)
+
+
+def _labels(n: int) -> torch.Tensor:
+    return (torch.arange(n) % 2).to(torch.float64)
+
+
+def _edges(*shape: int, huge: float, tiny: float = 1e-30) -> list:
+    """Random, zeros, huge and tiny inputs of ``shape`` (each one tensor)."""
+    return [("random", (_randn(*shape),)), ("zeros", (torch.zeros(*shape, dtype=torch.float64),)),
+            ("huge", (_beyond(_randn(*shape), huge),)), ("tiny", (_randn(*shape, scale=tiny),))]
+
+
+def _beyond(r: torch.Tensor, bound: float) -> torch.Tensor:
+    """``r``'s signs with magnitudes at least ``bound``."""
+    return torch.sign(r) * bound * (1 + r.abs())
+
+
+CASES = {
+    "log_softmax": (lambda x: torch.log(F.softmax(x, 1)), _edges(4, 7, huge=1e3)),
+    "cross_entropy": (lambda z, t: -(t * torch.log(F.softmax(z, 1))).sum(1),
+                      [("random soft", (_randn(5, 6), _probs(5, 6))),
+                       ("zeros", (torch.zeros(5, 6, dtype=torch.float64), _one_hot(5, 6))),
+                       ("huge one-hot", (_randn(5, 6, scale=1e3), _one_hot(5, 6))),
+                       ("tiny", (_randn(5, 6, scale=1e-30), _probs(5, 6)))]),
+    "logsigmoid": (lambda x: torch.log(torch.sigmoid(x)), _edges(9, huge=1e3)),
+    "log1m_sigmoid": (lambda x: torch.log(1 - torch.sigmoid(x)), _edges(9, huge=1e3)),
+    "bce_with_logits": (lambda x, y: -(y * torch.log(torch.sigmoid(x))
+                                       + (1 - y) * torch.log(1 - torch.sigmoid(x))),
+                        [(label, (x, _labels(8))) for label, (x,) in _edges(8, huge=1e3)]),
+    "softplus": (lambda x: torch.log(1 + torch.exp(x)), _edges(9, huge=1e3)),
+    "log1p": (lambda x: torch.log(1 + x), [("random", (_randn(9).abs(),)),
+                                           ("zeros", (torch.zeros(9, dtype=torch.float64),)),
+                                           ("huge", (_beyond(_randn(9), 1e30).abs(),)),
+                                           ("tiny", (_randn(9, scale=1e-30),))]),
+    "logsumexp": (lambda x: torch.log(torch.exp(x).sum(-1)), _edges(4, 7, huge=1e3)),
+    "expm1": (lambda x: torch.exp(x) - 1, _edges(9, huge=1e2)),
+    "softmax": (lambda x: torch.exp(x) / torch.exp(x).sum(1, keepdim=True),
+                _edges(4, 7, huge=1e3)),
+    "sigmoid_neg": (lambda x: 1 - torch.sigmoid(x), _edges(9, huge=1e3)),
+    "variance": (lambda x: (x * x).mean(1) - x.mean(1) ** 2,
+                 _edges(4, 16, huge=1e4) + [("offset", (_randn(4, 16, shift=300.0),))]),
+    "vector_norm": (lambda x: torch.sqrt((x ** 2).sum(-1)), _edges(4, 7, huge=1e30)),
+    "normalize": (lambda x: x / torch.sqrt((x * x).sum(1, keepdim=True)),
+                  _edges(4, 7, huge=1e30, tiny=1e-9)),
+}
+
+
+def _rewritten(fn, name: str):
+    """``fn`` compiled with every match of the rewrite ``name`` applied; the matches found."""
+    found: list = []
+
+    def backend(gm, example_inputs):
+        matches = find_matches(gm.graph, [name])
+        found.extend(m.code() for m in matches)
+        for m in matches[:1]:
+            apply_match(gm, m)
+        return gm
+
+    torch._dynamo.reset()
+    return torch.compile(fn, backend=backend, dynamic=False), found
+
+
+def test_every_rewrite_has_an_equivalence_case():
+    assert sorted(CASES) == sorted(REWRITES)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_rewrite_equals_the_naive_formula_in_fp64(name):
+    """Where fp64 computes the naive formula finitely, the stable form equals it to rtol 1e-6
+    and an absolute 1e-12 (at least; relative to the largest value): what differs at the
+    edges is the naive form's own fp64 rounding, of terms of order 1 where ``1 + x`` or
+    ``exp(x) - 1`` cancel (``log(1 + 1e-30)`` is 0 in fp64, ``log1p`` 1e-30). Where the
+    naive form is NaN/inf, the stable form is finite (the values it stands for all are)."""
+    naive, cases = CASES[name]
+    fixed, found = _rewritten(naive, name)
+    for label, inputs in cases:
+        got = fixed(*inputs)
+        assert found, f"{name}: the pattern did not match the naive formula"
+        want = naive(*inputs)
+        ok = torch.isfinite(want)
+        assert torch.isfinite(got).all(), f"{name} on {label} inputs: {got}"
+        scale = float(want[ok].abs().max()) if ok.any() else 1.0
+        torch.testing.assert_close(got[ok], want[ok], rtol=1e-6, atol=1e-12 * max(scale, 1.0),
+                                   msg=f"{name} on {label} inputs")
+
+
+def test_a_pattern_matches_only_where_its_precondition_holds():
+    """A softmax over dim 0 summed over dim 1 is no cross entropy; ``log(2 + x)`` no log1p;
+    ``exp(x) / exp(y).sum()`` no softmax; means over different dims no variance."""
+    cases = [
+        (lambda z, t: -(t * torch.log(F.softmax(z, 0))).sum(1), (_randn(3, 4), _probs(3, 4)),
+         "cross_entropy"),
+        (lambda x: torch.log(2 + x), (_randn(5).abs(),), "log1p"),
+        (lambda x, y: torch.exp(x) / torch.exp(y).sum(1, keepdim=True),
+         (_randn(3, 4), _randn(3, 4)), "softmax"),
+        (lambda x: (x * x).mean(0) - x.mean(1) ** 2, (_randn(4, 4),), "variance"),
+        (lambda x: x / torch.sqrt((x * x).sum(1)), (_randn(4, 4),), "normalize"),
+    ]
+    for fn, inputs, name in cases:
+        compiled, found = _rewritten(fn, name)
+        compiled(*inputs)
+        assert not found, (name, found)
+
+
+def test_the_replacement_reads_as_code():
+    """The stable form is printed with the program's names: its inputs without dynamo's
+    ``l_..._``, its intermediates by the variable they were assigned to."""
+    def f(logits):
+        p = F.softmax(logits, 1)
+        return torch.log(p)
+
+    compiled, found = _rewritten(f, "log_softmax")
+    compiled(_randn(2, 3))
+    assert found == ["F.log_softmax(logits, 1)"]
+    assert "log_softmax" in describe("log_softmax") and "needs:" in describe("log_softmax")
+    assert all(r.summary and r.doc for r in REWRITES.values())
