@@ -16,14 +16,29 @@ from .operators import (
     digit_budget_findings,
     effective_digits,
     operand_findings,
+    source_code,
 )
 
-__all__ = ["findings", "zero_readers", "NO_FINDINGS", "ACCUMULATOR_HINT", "impact_or_0"]
+__all__ = ["findings", "zero_readers", "NO_FINDINGS", "ACCUMULATOR_HINT", "impact_or_0",
+           "at_line"]
 
 # what an empty :meth:`DigitMap.findings` means (MIN_FINDING of the cap: a quarter)
 NO_FINDINGS = "none (no NaN/inf origin, no operator losing a quarter of the cap or more)"
 ACCUMULATOR_HINT = ("accumulate in fp32, or promote the partial sums into fp32 every 128 "
                     "elements of K (accumulate='fp8-promoted')")
+
+
+def at_line(op: OperatorDigits, width: int = 60) -> str:
+    """Where the user wrote operator ``op``: ``, model.py:17 `y = torch.log(p)``` (the file's
+    name, the line and its code, cut to ``width``); "" where the map has no source."""
+    path, _, line = op.source.rpartition(":")
+    if not path or not line.isdigit():
+        return ""
+    code = op.code or source_code(op.source)
+    if len(code) > width:
+        code = code[:width - 3] + "..."
+    return f", {path.replace(chr(92), '/').rpartition('/')[2]}:{line}" + \
+        (f" `{code}`" if code else "")
 
 
 def impact_or_0(op: OperatorDigits) -> float:
@@ -45,8 +60,8 @@ def findings(dm: Any, top: int = 3, metric: Optional[str] = None) -> list[str]:
     for r in ranked:
         if r.nonfinite_origin:
             op = dm.operators[r.name]
-            out.append(f"NaN/inf first appear at {r.name} ({op.non_finite} of {op.numel} "
-                       f"elements): {hint(op, nonfinite=True)}")
+            out.append(f"NaN/inf first appear at {r.name}{at_line(op)} ({op.non_finite} of "
+                       f"{op.numel} elements): {hint(op, nonfinite=True)}")
     # an operator of exact inputs is compared with the cap, which its own rounding already
     # costs ~0.6 bf16 digits: a finding only when it keeps less than half the cap
     # a modelled GEMM whose accumulator keeps fewer digits than its samples' spread shows
@@ -88,12 +103,14 @@ def findings(dm: Any, top: int = 3, metric: Optional[str] = None) -> list[str]:
         src = f"{r.worst_input}" if r.worst_input else "the format's cap"
         cost_text = "" if impact is None else \
             f"; the outputs lose {cost[r.name]:.2f} digits to the rounding it amplifies"
-        out.append(f"digits are lost at {r.name}: {r.digits:.2f} {metric} digits against "
+        out.append(f"digits are lost at {r.name}{at_line(op)}: {r.digits:.2f} {metric} "
+                   f"digits against "
                    f"{r.reference:.2f} of {src} (local loss {r.local_loss:.2f}{cost_text}): "
                    f"{hint(op)}")
     for op in dm.operators.values():
         if op.numel and op.underflow >= MIN_UNDERFLOW * op.numel:
-            out.append(f"underflow at {op.name}: {op.underflow} of {op.numel} elements fell "
+            out.append(f"underflow at {op.name}{at_line(op)}: {op.underflow} of {op.numel} "
+                       f"elements fell "
                        f"below the format's smallest normal: {UNDERFLOW_HINT}")
             break
     for r in harmless[:top]:

@@ -276,16 +276,21 @@ class DigitMap:
                              "(fxstab.operator_impact), or sort by digits")
         ops = self.sorted_by_impact(metric) if sort == "impact" else \
             self.sorted_worst_first(metric)
+        # the operators that only carry an origin's NaN/inf (everything downstream of an
+        # overflow): one line naming the origin, not rows of zeros ahead of what matters
+        carried = self.carried_nonfinite()
+        ops = [op for op in ops if op.name not in carried]
+        shown = len(ops)
         ops = ops if top is None else ops[:max(0, top)]
         m = self.metadata
         order = f"{metric} digits" if sort == "digits" else "impact on the outputs"
         head = (f"digit map: {len(self)} operators, format {m.get('format', '?')}, "
                 f"N={m.get('n_samples', '?')}, cap {self.cap:.2f} digits, "
                 f"{m.get('analysed_calls', '?')} analysed call(s); sorted by {order}")
-        if not ops:
+        if not ops and not carried:
             return head + "\n(no operators)"
-        width = max(8, *(len(op.name) for op in ops))
-        kw = max(4, *(len(op.kind) for op in ops))
+        width = max([8, *(len(op.name) for op in ops)])
+        kw = max([4, *(len(op.kind) for op in ops)])
         cols = [c for c in METRICS]
         # a modelled GEMM's accumulator: a column only in a map that measured one
         acc = any(not math.isnan(op.accumulator_digits) for op in self.operators.values())
@@ -310,8 +315,15 @@ class DigitMap:
                 + (f"  {_impact_cell(op):>6}" if impact else "")
                 + f"  {100 * op.zero_fraction:>5.1f}%  {op.non_finite:>6}  {op.underflow:>6}  "
                 f"{' '.join(flags)}".rstrip())
-        if top is not None and top < len(self):
-            lines.append(f"... {len(self) - top} more operator(s)")
+        if top is not None and top < shown:
+            lines.append(f"... {shown - top} more operator(s)")
+        groups: dict = {}
+        for name, origins in carried.items():
+            groups.setdefault(origins, []).append(name)
+        for origins, names in groups.items():
+            lines.append(f"... {len(names)} operator(s) only carry the NaN/inf of "
+                         f"{', '.join(origins)}: {', '.join(names[:3])}"
+                         + (f" and {len(names) - 3} more" if len(names) > 3 else ""))
         lines.append(LEGEND.format(cap=self.cap) + (ACCUMULATOR_LEGEND if acc else "")
                      + ("; impact: the digits the outputs lose to the operator's own rounding "
                         "(an ablation, fxstab.operator_impact)" if impact else ""))
@@ -492,6 +504,25 @@ class DigitMap:
         """
         absorbed = self.absorbed_nonfinite()
         return [name for name in self._nonfinite_origins() if name not in absorbed]
+
+    def carried_nonfinite(self) -> dict[str, tuple]:
+        """Operators whose NaN/inf all come from upstream (an input holds them and the
+        operator is no origin) -> the origins (:meth:`_nonfinite_origins`) they carry, in graph
+        order: what the table folds into one line per origin."""
+        origins = set(self._nonfinite_origins())
+        out: dict[str, tuple] = {}
+        for op in self.operators.values():  # graph order: inputs first
+            if not op.non_finite or op.name in origins:
+                continue
+            up: dict = {}
+            for i in op.inputs:
+                if i in origins:
+                    up[i] = None
+                elif i in out:
+                    up.update(dict.fromkeys(out[i]))
+            if up:
+                out[op.name] = tuple(up)
+        return out
 
     def _nonfinite_origins(self) -> list[str]:
         """Every operator with NaN/inf in its output and none in its instrumented inputs."""
