@@ -358,6 +358,10 @@ def test_diff_page_with_one_lost_operator_in_chromium(browser, diff_maps, tmp_pa
         page.click(f'#graph g.op[data-name="{LOST}"]')
         assert page.locator("#table tr.selected td").first.inner_text() == LOST
         assert pg.visible_rows()[0] == LOST
+        # the order is the change column's, and its header says what it is (no bare "rank")
+        heads = dict(page.eval_on_selector_all(
+            "#table thead th", "ths => ths.map(t => [t.textContent.trim(), t.title])"))
+        assert "rank" not in heads and "fails the gate first" in heads["change"], heads
         page.select_option("#f-kind", "lost")
         assert pg.visible_rows() == [LOST]
         # colour by head digits: the digit scale instead
@@ -600,6 +604,14 @@ def test_a_training_history_says_steps_and_a_new_operator_says_new(browser, tmp_
             "#table-0 tbody tr", "trs => trs.map(t => [t.cells[0].textContent, "
                                  "t.cells[t.cells.length - 1].textContent])"))
         assert rows == {"a/linear#0": "-0.50", "a/exp#0": "new"}, rows
+        # every x-axis label whole inside its chart, the last one included
+        boxes = pg.page.eval_on_selector_all(
+            "svg.lines", "svgs => svgs.map(s => { const r = s.getBoundingClientRect(); "
+            "return [...s.querySelectorAll('text.xlabel')].map(t => { const b = "
+            "t.getBoundingClientRect(); return [t.textContent, b.left >= r.left - 0.5, "
+            "b.right <= r.right + 0.5]; }); })")
+        assert boxes and all(lbl[1] and lbl[2] for box in boxes for lbl in box), boxes
+        assert [lbl[0] for lbl in boxes[0]] == ["step 10", "step 20"]
     finally:
         pg.close()
 

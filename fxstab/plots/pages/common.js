@@ -398,10 +398,15 @@ const FX = (() => {
       out.push(`<line class="grid" x1="${L}" x2="${W - R}" y1="${y}" y2="${y}"/>`,
                `<text x="${L - 4}" y="${y + 4}" text-anchor="end">${lab}</text>`);
     }
+    // every label up to 14, then every k-th and always the last; the last ends at its tick
+    // (centred there it was cut by the plot's right edge: "step 2" for "step 20")
     const every = Math.max(1, Math.ceil(xLabels.length / 14));
+    const last = xLabels.length - 1;
     xLabels.forEach((l, x) => {
-      if (x % every === 0) {
-        out.push(`<text x="${X(x)}" y="${H - B + 16}" text-anchor="middle">${esc(l)}</text>`);
+      const shown = x === last || (x % every === 0 && last - x >= every);
+      if (shown) {
+        const anchor = x === last && last > 0 ? "end" : "middle";
+        out.push(`<text class="xlabel" x="${X(x)}" y="${H - B + 16}" text-anchor="${anchor}">${esc(l)}</text>`);
       }
     });
     out.push(`<line class="axis" x1="${L}" x2="${L}" y1="${T}" y2="${H - B}"/>`,

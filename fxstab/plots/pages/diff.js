@@ -76,7 +76,13 @@
     {label: "operator", get: r => r.o.name, html: r => `<code>${esc(r.o.name)}</code>`},
     {label: "module", get: r => r.o.module},
     {label: "kind", get: r => r.o.kind},
-    {label: "change", get: r => r.o.state, style: r => {
+    // sorted by what fails the gate first: lost (largest loss first), vanished, gone, new,
+    // gained, the rest (a separate "rank" column of bare numbers said it to nobody)
+    {label: "change", num: true,
+     title: "sorted by what fails the gate first: lost (largest loss first), vanished, gone, " +
+            "new, gained, same",
+     get: r => 100 * order[r.o.state] + (num(r.o.delta) || 0), html: r => esc(r.o.state),
+     style: r => {
       const [fill, ink] = STYLES[r.o.state];
       return `background:${fill};color:${ink}`;
     }},
@@ -85,14 +91,11 @@
     {label: "delta", num: true, get: r => r.o.delta},
     {label: "base NaN/inf", num: true, get: r => r.o.b ? r.o.b.nonfin : null, html: r => r.o.b ? String(r.o.b.nonfin) : ""},
     {label: "head NaN/inf", num: true, get: r => r.o.h ? r.o.h.nonfin : null, html: r => r.o.h ? String(r.o.h.nonfin) : ""},
-    // what fails first: lost (largest loss first), vanished, gone, new, gained, the rest
-    {label: "rank", num: true, title: "lost, vanished, gone, new, gained, same; then the change",
-     get: r => 100 * order[r.o.state] + (num(r.o.delta) || 0), html: r => String(order[r.o.state])},
   ];
   const table = FX.makeTable($("#table"), cols, rows, i => {
     graph.select(i === graph.selected ? -1 : i, true);
   });
-  table.sort(cols.length - 1, false);  // what failed first
+  table.sort(3, false);  // the change column: what failed first
 
   const states = Object.keys(STYLES).filter(k => ops.some(o => o.state === k));
   $("#f-kind").innerHTML = '<option value="">all</option>' +
