@@ -16,6 +16,7 @@ from .numerics.rounding import Rounding, quantize, round_samples
 from .eager.stochastic import AnalysisResult, StochasticTensor, analyze, stochastic
 from .plan import PrecisionPlan, apply_plan, check_plan, plan_precision
 from .impact import Impact, operator_impact
+from .fixes.verify import Fix, suggest_fixes
 from .plots.notebook import register_displays as _register_displays
 
 from ._version import __version__
@@ -30,6 +31,6 @@ __all__ = [
     "DiffResult", "diff", "instability_counters", "stochastic", "StochasticTensor", "analyze",
     "AnalysisResult", "StabilityMonitor", "MonitorConfig", "Mode", "inject", "operator",
     "Accumulation", "Alignment", "emulate_matmul", "plan_precision", "PrecisionPlan", "apply_plan",
-    "check_plan", "operator_impact", "Impact",
+    "check_plan", "operator_impact", "Impact", "suggest_fixes", "Fix",
     "__version__",
 ]

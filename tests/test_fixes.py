@@ -146,3 +146,175 @@ def test_the_replacement_reads_as_code():
     assert found == ["F.log_softmax(logits, 1)"]
     assert "log_softmax" in describe("log_softmax") and "needs:" in describe("log_softmax")
     assert all(r.summary and r.doc for r in REWRITES.values())
+
+
+# -------------------------------------------------------------------------------- bug programs
+# Small programs with a naive formula in their forward (the line marked "# naive"), each with
+# inputs in the regime where it fails in its format; suggest_fixes must verify the rewrite
+# named at that line.
+class SoftmaxCrossEntropy(torch.nn.Module):
+    """A classifier's loss written by hand on probabilities (one-hot targets)."""
+
+    def forward(self, z, t):
+        p = F.softmax(z, 1)
+        return -(t * torch.log(p)).sum(1).mean()  # naive
+
+
+class LogProbabilities(torch.nn.Module):
+    """Log-probabilities of a linear head, as the log of its softmax."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(8, 6)
+
+    def forward(self, x):
+        return torch.log(F.softmax(self.head(x), -1))  # naive
+
+
+class ProbabilityBCE(torch.nn.Module):
+    """Logistic regression's loss on the sigmoid's probabilities."""
+
+    def forward(self, x, y):
+        h = torch.sigmoid(x)
+        return -(y * torch.log(h) + (1 - y) * torch.log(1 - h))  # naive
+
+
+class LogSigmoid(torch.nn.Module):
+    def forward(self, x):
+        return torch.log(torch.sigmoid(x)) * 2  # naive
+
+
+class LogOneMinusSigmoid(torch.nn.Module):
+    def forward(self, x):
+        return torch.log(1 - torch.sigmoid(x)) + 1  # naive
+
+
+class SmallGrowth(torch.nn.Module):
+    """Log returns of small growth rates."""
+
+    def forward(self, r):
+        return torch.log(1 + r) * 100  # naive
+
+
+class ExpMinusOne(torch.nn.Module):
+    def forward(self, x):
+        return (torch.exp(x) - 1) * 1000  # naive
+
+
+class Softplus(torch.nn.Module):
+    def forward(self, x):
+        return torch.log(1 + torch.exp(x)) - x  # naive
+
+
+class LogPartition(torch.nn.Module):
+    """The log partition function of energies."""
+
+    def forward(self, e):
+        return torch.log(torch.exp(e).sum(-1))  # naive
+
+
+class HandSoftmax(torch.nn.Module):
+    """Attention weights normalised by hand."""
+
+    def forward(self, s):
+        w = torch.exp(s)
+        return w / w.sum(-1, keepdim=True)  # naive
+
+
+class OneMinusSigmoid(torch.nn.Module):
+    def forward(self, x):
+        return (1 - torch.sigmoid(x)) * 1000  # naive
+
+
+class PopulationVariance(torch.nn.Module):
+    def forward(self, x):
+        return (x * x).mean(-1) - x.mean(-1) ** 2  # naive
+
+
+class EuclideanNorm(torch.nn.Module):
+    def forward(self, x):
+        return torch.sqrt((x ** 2).sum(-1))  # naive
+
+
+class UnitVectors(torch.nn.Module):
+    def forward(self, x):
+        return x / torch.sqrt((x * x).sum(1, keepdim=True))  # naive
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _bug_inputs(name: str) -> tuple:
+    g = _gen(len(name))
+    if name == "SoftmaxCrossEntropy":
+        return (torch.randn(8, 10, generator=g) * 30,
+                F.one_hot(torch.arange(8) % 10, 10).float())
+    if name == "LogProbabilities":
+        return (torch.randn(4, 8, generator=g) * 40,)
+    if name == "ProbabilityBCE":
+        return (torch.randn(16, generator=g) * 20, (torch.arange(16) % 2).float())
+    if name in ("LogSigmoid", "Softplus"):
+        return (torch.randn(16, generator=g) * 20,)
+    if name in ("LogOneMinusSigmoid", "OneMinusSigmoid"):
+        return (torch.rand(16, generator=g) * 10 + 8,)
+    if name in ("SmallGrowth", "ExpMinusOne"):
+        return (torch.rand(16, generator=g) * 1e-3,)
+    if name == "LogPartition":
+        return (torch.randn(4, 8, generator=g) * 4 + 12,)
+    if name == "HandSoftmax":
+        return (torch.randn(4, 8, generator=g) * 3 + 12,)
+    if name == "PopulationVariance":
+        return (torch.randn(4, 32, generator=g) + 300,)
+    if name in ("EuclideanNorm", "UnitVectors"):
+        return (torch.randn(4, 16, generator=g) * 300,)
+    raise KeyError(name)
+
+
+BUGS = {  # program -> (its format, the rewrite that fixes it)
+    SoftmaxCrossEntropy: ("fp16", "cross_entropy"),
+    LogProbabilities: ("fp16", "log_softmax"),
+    ProbabilityBCE: ("fp16", "bce_with_logits"),
+    LogSigmoid: ("fp16", "logsigmoid"),
+    LogOneMinusSigmoid: ("bf16", "log1m_sigmoid"),
+    SmallGrowth: ("fp16", "log1p"),
+    ExpMinusOne: ("bf16", "expm1"),
+    Softplus: ("fp16", "softplus"),
+    LogPartition: ("fp16", "logsumexp"),
+    HandSoftmax: ("fp16", "softmax"),
+    OneMinusSigmoid: ("fp16", "sigmoid_neg"),
+    PopulationVariance: ("bf16", "variance"),
+    EuclideanNorm: ("fp16", "vector_norm"),
+    UnitVectors: ("fp16", "normalize"),
+}
+
+
+def _naive_line(cls) -> str:
+    """``file:LINE`` of the line marked ``# naive`` in ``cls.forward``."""
+    import inspect
+
+    lines, first = inspect.getsourcelines(cls.forward)
+    at = next(i for i, text in enumerate(lines) if text.rstrip().endswith("# naive"))
+    return f"{inspect.getsourcefile(cls)}:{first + at}"
+
+
+@pytest.mark.parametrize("cls", list(BUGS), ids=lambda c: c.__name__)
+def test_a_bug_program_gets_a_verified_fix_at_its_line(cls):
+    from fxstab import Fix, suggest_fixes
+
+    fmt, rewrite_name = BUGS[cls]
+    torch.manual_seed(0)
+    model = cls().eval()
+    fixes = suggest_fixes(model, _bug_inputs(cls.__name__), format=fmt)
+    assert fixes and all(isinstance(f, Fix) for f in fixes)
+    fix = next((f for f in fixes if f.rewrite == rewrite_name), None)
+    assert fix is not None, (rewrite_name, fixes)
+    assert fix.verified, fix
+    assert fix.source == _naive_line(cls), fix
+    assert fix.code.endswith("# naive") and fix.replacement
+    # what verified it: the real run in the format, against fp64
+    assert fix.nonfinite_after < fix.nonfinite_before or \
+        fix.real_after >= fix.real_before + 0.2, fix
+    assert fix.nonfinite_after == 0 and not math.isnan(fix.after), fix
+    assert fixes[0].verified  # the verified ones first
+    assert fix.source in repr(fix) and fix.replacement in repr(fix)

@@ -7,7 +7,9 @@
   rounds to 0 or 1), :mod:`.exps` (an exponential that over- or underflows or cancels),
   :mod:`.reductions` (statistics written with squares);
 * :mod:`.graph`: a rewrite applied to a captured graph, and the backend that applies them
-  (:class:`~.graph.RewriteBackend`).
+  (:class:`~.graph.RewriteBackend`);
+* :mod:`.verify`: :func:`~.verify.suggest_fixes`, each match near a finding applied, analysed
+  again and run for real in the format against fp64 (:class:`~.verify.Fix`).
 """
 
 # the rewrites join the table as their modules load (in this order: the order they are tried)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from .pattern import dims, floating, is_const, kind, one_dim, operand, shape
-from .registry import Call, Match, rewrite
+from .registry import Call, Match, keep, rewrite
 
 __all__ = ["log_softmax", "cross_entropy", "logsigmoid", "log1m_sigmoid", "bce_with_logits",
            "softplus", "log1p", "logsumexp"]
@@ -50,12 +50,16 @@ def cross_entropy(node: object) -> Match | None:
     ``0 * -inf`` is NaN where the target is 0: one underflowed class spoils the sample's loss.
 
     The minus sign may stand outside the sum (``-(t * log p).sum(1)``) or on the logarithm
-    (``(t * -log p).sum(1)``).
+    (``(t * -log p).sum(1)``); with the batch's ``mean()`` inside the minus, the stable form
+    takes the mean (``F.cross_entropy(z, t)``).
 
     Needs: the softmax and the sum over dimension 1 (the classes, as ``F.cross_entropy``
     takes them), the sum without ``keepdim``, ``t`` a floating tensor of the logits' shape."""
     outer = kind(node) == "neg"
     s = operand(node, 0) if outer else node
+    mean = None
+    if outer and kind(s) == "mean" and dims(s) == (None, False) and len(s.args) == 1:
+        mean, s = s, operand(s, 0)  # -(t * log p).sum(1).mean(): the batch's mean loss
     if kind(s) != "sum":
         return None
     dim, keepdim = dims(s)
@@ -75,9 +79,10 @@ def cross_entropy(node: object) -> Match | None:
         if zs is None or len(zs) < 2 or shape(t) != zs or not floating(t) or \
                 one_dim(dim) % len(zs) != 1 or sdim % len(zs) != 1:
             continue
-        nodes = tuple(n for n in (node, s, m, lg, log, operand(log, 0)) if n is not None)
+        nodes = tuple(n for n in (node, mean, s, m, lg, log, operand(log, 0)) if n is not None)
         return Match("cross_entropy", node, log, tuple(dict.fromkeys(nodes)),
-                     Call("F.cross_entropy", F.cross_entropy, z, t, reduction="none"))
+                     Call("F.cross_entropy", F.cross_entropy, z, t,
+                          reduction="mean" if mean is not None else "none"))
     return None
 
 
@@ -241,4 +246,4 @@ def logsumexp(node: object) -> Match | None:
             return None
         dim = tuple(range(len(xs)))
     return Match("logsumexp", node, e, (node, s, e),
-                 Call("torch.logsumexp", torch.logsumexp, x, dim, keepdim=keepdim))
+                 Call("torch.logsumexp", torch.logsumexp, x, dim, **keep(keepdim)))

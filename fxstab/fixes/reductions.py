@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .pattern import dims, is_const, kind, one_dim, operand, same_dim, shape, square_of
-from .registry import Call, Match, rewrite
+from .registry import Call, Match, keep, rewrite
 
 __all__ = ["variance", "vector_norm", "normalize"]
 
@@ -42,7 +42,7 @@ def variance(node: object) -> Match | None:
         return None
     args = (x,) if d1 is None else (x, d1)
     return Match("variance", node, node, tuple(dict.fromkeys((node, m2, sq, m, x2))),
-                 Call("torch.var", torch.var, *args, correction=0, keepdim=k1))
+                 Call("torch.var", torch.var, *args, correction=0, **keep(k1)))
 
 
 def _sum_of_squares(node: object) -> tuple | None:
@@ -81,7 +81,7 @@ def vector_norm(node: object) -> Match | None:
     x, dim, keepdim, nodes = found
     return Match("vector_norm", node, node, (node, *nodes),
                  Call("torch.linalg.vector_norm", torch.linalg.vector_norm, x, 2, dim,
-                      keepdim=keepdim))
+                      **keep(keepdim)))
 
 
 @rewrite("normalize", "x / torch.sqrt((x * x).sum(dim, keepdim=True))",

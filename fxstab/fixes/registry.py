@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 import torch.fx
 
 __all__ = ["Call", "Match", "Rewrite", "REWRITES", "rewrite", "describe", "find_matches",
-           "spelled"]
+           "spelled", "keep"]
 
 
 class Call:
@@ -57,6 +57,12 @@ def spelled(value: Any) -> str:
     if isinstance(value, (tuple, list)) and len(value) == 1:
         return spelled(value[0]) if isinstance(value, list) else f"({spelled(value[0])},)"
     return repr(value)
+
+
+def keep(keepdim: bool) -> dict:
+    """A reduction's ``keepdim=True`` as a stable form's keyword, nothing for the default
+    (``torch.logsumexp(x, -1)`` reads better than with ``keepdim=False``)."""
+    return {"keepdim": True} if keepdim else {}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,297 @@
+"""Fixes proposed and proven: :func:`suggest_fixes` analyses a program, tries the rewrites of
+the table (:mod:`fxstab.fixes.registry`) that match at or next to its findings, and keeps
+those that the real run in the format confirms (:class:`Fix`, ``verified``).
+
+For each candidate the program is compiled again with that one rewrite applied to its
+captured graph (:class:`~fxstab.fixes.graph.RewriteBackend`): once under the analysis (the
+same options and seed as the first analysis: common random numbers, so the two maps differ by
+the rewrite alone) and once for real in the format, against an fp64 run of the same weights
+and inputs, as :func:`fxstab.check_plan` measures a plan (a copy of the model cast to the
+format, the inputs too; true digits at the outputs, a NaN/inf counting 0 digits).
+"""
+
+from __future__ import annotations
+
+import copy
+import linecache
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..backend import backend as make_backend
+from ..capture.naming import source_location
+from ..capture.opsets import DEFAULT_KINDS, EXACT_KINDS, FAMILIES, known_kind, target_kind
+from ..digitmap.map import DigitMap
+from ..numerics.digits import cestac_digits
+from ..numerics.formats import Format, get_format, torch_dtype_of
+from ..plan.apply import output_non_finite, output_true_digits
+from ..plan.inputs import as_inputs
+from .graph import RewriteBackend, Site
+from .registry import Call, Match
+
+__all__ = ["Fix", "suggest_fixes", "MIN_GAIN", "MIN_LOCAL_LOSS"]
+
+# a rewrite that removes no NaN/inf must gain this many digits at the outputs of the real run
+# (a different but no better order of roundings moves the average by a few hundredths)
+MIN_GAIN = 0.2
+# an operator losing this many digits against its inputs is a finding whose neighbourhood is
+# searched (the plan search's threshold for promoting one)
+MIN_LOCAL_LOSS = 0.5
+
+
+@dataclass(frozen=True)
+class Fix:
+    """A rewrite tried at one place of the program, and what it did.
+
+    Attributes:
+        operator: the operator the finding names (the ``log`` of ``log(softmax(x))``).
+        rewrite: the table entry's name (:data:`fxstab.fixes.REWRITES`).
+        source: ``file.py:LINE`` in the user's code where the stable form is written (the
+            line of the formula's last operator, whose value it replaces).
+        code: that line's text.
+        replacement: the stable form as code (``F.log_softmax(z, 1)``).
+        before, after: the analysis's avg digits at the outputs without and with the rewrite
+            (a NaN/inf sample's element counts 0 digits).
+        real_before, real_after: the real run's avg true digits at the outputs, in the format
+            against fp64 (a NaN/inf element counts 0).
+        nonfinite_before, nonfinite_after: the real run's NaN/inf output elements, of
+            ``numel``.
+        verified: the real run confirms the rewrite: fewer NaN/inf outputs, or
+            :data:`MIN_GAIN` digits more, and neither run shows more NaN/inf than before.
+    """
+
+    operator: str
+    rewrite: str
+    source: str
+    code: str
+    replacement: str
+    before: float
+    after: float
+    real_before: float
+    real_after: float
+    nonfinite_before: int
+    nonfinite_after: int
+    verified: bool
+    numel: int = 0
+    format: str = ""
+
+    def __repr__(self) -> str:
+        where = f"{self.source}  {self.code}" if self.code else self.source or self.operator
+        bad = (f"NaN/inf {self.nonfinite_before}/{self.numel} -> {self.nonfinite_after}; "
+               if self.nonfinite_before or self.nonfinite_after else "")
+        return (f"Fix({where}  ->  {self.replacement}   {bad}outputs {self.real_before:.2f} -> "
+                f"{self.real_after:.2f} digits (real {self.format} run), analysis "
+                f"{self.before:.2f} -> {self.after:.2f}; {self.rewrite} at {self.operator}, "
+                f"{'verified' if self.verified else 'not verified'})")
+
+
+@dataclass
+class _Analysed:
+    dm: DigitMap
+    digits: float
+    nonfinite: int
+    rewriter: RewriteBackend
+    names: list  # per graph: node name -> operator name
+
+
+@dataclass
+class _Real:
+    digits: float
+    nonfinite: int
+    numel: int
+    rewriter: RewriteBackend
+
+
+def _sample_digits(outputs: Any, fmt: Format) -> tuple[float, int]:
+    """The avg CESTAC digits of a graph's floating output samples (``[N, *shape]``; an
+    element with a NaN/inf sample counts 0) and the number of such elements."""
+    total = numel = bad = 0
+    for leaf in pytree.tree_leaves(outputs):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dim() >= 1 \
+                and leaf.numel() > 0 and leaf.shape[0] >= 2:
+            s = leaf.detach().to(torch.float64)
+            finite = torch.isfinite(s).all(0)
+            d = torch.where(finite, cestac_digits(torch.nan_to_num(s), fmt), 0.0)
+            total += float(d.sum())
+            numel += d.numel()
+            bad += int((~finite).sum())
+    return (total / numel if numel else math.nan), bad
+
+
+def _analyse(model: Any, inputs: tuple, fmt: Format, options: dict,
+             sites: Sequence[Site]) -> _Analysed:
+    """The analysis of ``model`` with the rewrites at ``sites`` applied."""
+    torch._dynamo.reset()
+    with warnings.catch_warnings():  # the backend's notes: said by the first analysis alone
+        warnings.simplefilter("ignore", UserWarning)
+        be = make_backend(format=fmt, **options)
+        rewriter = RewriteBackend(sites, inner=be)
+        compiled = torch.compile(model, backend=rewriter)
+        with be.capture_samples() as cap, torch.no_grad():
+            compiled(*inputs)
+    if not be.reports:
+        raise RuntimeError("the analysis recorded no operator: nothing to fix (is the model a "
+                           "torch.nn.Module or function torch.compile can capture?)")
+    digits, bad = _sample_digits(cap.graphs[-1] if cap.graphs else (), fmt)
+    names = [{p.node.name: p.name for p in g.plans} for g in be.graphs]
+    return _Analysed(be.digit_map(), digits, bad, rewriter, names)
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    return pytree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor)
+                           and t.is_floating_point() else t, value)
+
+
+def _as(model: Any, dtype: torch.dtype) -> Any:
+    """A copy of ``model`` in ``dtype`` (a function: itself; its inputs are cast)."""
+    return copy.deepcopy(model).to(dtype) if isinstance(model, torch.nn.Module) else model
+
+
+def _real(model: Any, inputs: tuple, fmt: Format, sites: Sequence[Site]) -> _Real:
+    """The real run in the format with the rewrites at ``sites``, against fp64."""
+    low = torch_dtype_of(fmt.name)
+    lowered = _as(model, low)
+    xs = _cast(inputs, low)
+    with torch.no_grad():
+        ref = _as(lowered, torch.float64)(*_cast(xs, torch.float64))
+        torch._dynamo.reset()
+        rewriter = RewriteBackend(sites)
+        y = torch.compile(_as(lowered, low), backend=rewriter)(*xs)
+    bad, numel = output_non_finite(y)
+    return _Real(output_true_digits(y, ref, fmt.digit_cap), bad, numel, rewriter)
+
+
+def _kinds(call: Call) -> set:
+    """The operator kinds of a stable form (its calls, nested ones included)."""
+    out = {target_kind("call_function", call.fn)}
+    for a in (*call.args, *call.kwargs.values()):
+        if isinstance(a, Call):
+            out |= _kinds(a)
+    return out
+
+
+def _selecting(options: dict, match: Match) -> dict:
+    """The analysis options with the stable form's operators selected where the default
+    selection leaves them out (``torch.linalg.vector_norm``): a rewrite's digits are then
+    measured, not merely run. A selection the user gave is kept as it is."""
+    extra = sorted(_kinds(match.form) - DEFAULT_KINDS - EXACT_KINDS)
+    if not extra or options.get("select") is not None:
+        return options
+    # a kind the selection does not know by name (F.logsigmoid's "log_sigmoid") as globs
+    # over the operators' qualified names (module.path/kind, or kind at the root)
+    select: list = [*sorted(FAMILIES), "custom"]
+    for k in extra:
+        select += [k] if known_kind(k) else [f"*/{k}", f"{k}*"]
+    return {**options, "select": select}
+
+
+def _findings(dm: DigitMap) -> list[str]:
+    """The operators a fix is looked for around: the NaN/inf origins (those the program
+    absorbs before an output too: a norm that overflows to ``inf`` and divides a vector to 0),
+    the operators losing :data:`MIN_LOCAL_LOSS` digits against their inputs, those whose
+    output underflowed."""
+    out = list(dm.nonfinite_sources()) + list(dm.absorbed_nonfinite())
+    out += [loss.name for loss in dm.localize() if loss.local_loss >= MIN_LOCAL_LOSS]
+    out += [op.name for op in dm.operators.values() if op.underflow]
+    return list(dict.fromkeys(out))
+
+
+def _near(dm: DigitMap, names: Sequence[str]) -> set:
+    """The operators ``names``, their instrumented inputs and their readers."""
+    readers = dm.consumers()
+    out = set(names)
+    for name in names:
+        if name in dm:
+            out.update(dm[name].inputs)
+            out.update(readers.get(name, ()))
+    return out
+
+
+def _operator(match: Match, names: dict) -> str:
+    """The operator a match's finding names: its anchor's, else the first named node's."""
+    for node in (match.anchor, match.root, *match.nodes):
+        if node.name in names:
+            return names[node.name]
+    return match.anchor.name
+
+
+def _code(source: str) -> str:
+    """The text of the line ``file.py:LINE``, stripped ("" where it cannot be read)."""
+    path, _, line = source.rpartition(":")
+    return linecache.getline(path, int(line)).strip() if line.isdigit() else ""
+
+
+def suggest_fixes(model: Any, example_inputs: Any, format: Any = "bf16",
+                  **options: Any) -> list[Fix]:
+    """Stable rewrites for the findings of ``model``'s analysis, each proven on a real run.
+
+    The model is analysed at the operator level (``fxstab.backend(format=format,
+    **options)``); every rewrite of the table that matches at a finding's operator (a NaN/inf
+    origin, an operator losing digits against its inputs, an underflow), at its inputs or at
+    its readers, is applied to a copy of the captured graph, and the program is analysed
+    again (same seed) and run for real in ``format`` against fp64. Where the real run shows
+    NaN/inf the analysis names no origin of, every match is tried.
+
+    Args:
+        model: a ``torch.nn.Module`` (or a function) torch.compile can capture.
+        example_inputs: its inputs (one tensor, or a tuple of positional inputs), in the
+            regime to fix (large logits, say).
+        format: the format of the analysis and of the real run: one torch computes in
+            (``"fp16"``, ``"bf16"``).
+        **options: the analysis's options (``fxstab.backend``'s: ``seed``, ``n_samples``,
+            ``select``...).
+
+    Returns:
+        One :class:`Fix` per rewrite tried: the verified ones first, the largest gain of the
+        real run first (NaN/inf removed, then digits); an empty list where the analysis finds
+        nothing to fix or no rewrite matches.
+    """
+    fmt = get_format(format)
+    if torch_dtype_of(fmt.name) is None:
+        raise ValueError(f"format {fmt.name!r} is not a dtype torch computes in: the real run "
+                         f"that verifies a fix needs fp16, bf16 or fp32")
+    if options.get("granularity", "op") != "op":
+        raise ValueError("suggest_fixes rewrites the operator-level graph: leave granularity "
+                         f"at 'op' (got {options['granularity']!r})")
+    inputs = as_inputs(example_inputs)
+    base = _analyse(model, inputs, fmt, options, ())
+    real = _real(model, inputs, fmt, ())
+    near = _near(base.dm, _findings(base.dm))
+    tried: dict = {}
+    for gi, matches in enumerate(base.rewriter.matches):
+        names = base.names[gi] if gi < len(base.names) else {}
+        for m in matches:
+            ops = {names[n.name] for n in m.nodes if n.name in names}
+            if ops & near or (real.nonfinite and not base.dm.nonfinite_sources()):
+                tried.setdefault(Site(gi, m.rewrite, m.root.name), (m, names))
+    fixes = [_try(model, inputs, fmt, options, site, m, names, base, real)
+             for site, (m, names) in tried.items()]
+    return sorted(fixes, key=lambda f: (not f.verified, f.nonfinite_after - f.nonfinite_before,
+                                        f.real_before - f.real_after))
+
+
+def _try(model: Any, inputs: tuple, fmt: Format, options: dict, site: Site, match: Match,
+         names: dict, base: _Analysed, real: _Real) -> Fix:
+    """One candidate: analysed and run for real with its rewrite, judged against the base."""
+    after = _analyse(model, inputs, fmt, _selecting(options, match), [site])
+    real_after = _real(model, inputs, fmt, [site])
+    applied = site in after.rewriter.applied and site in real_after.rewriter.applied
+    operator = _operator(match, names)
+    # the line the stable form is written at: the root's (the finding's operator may stand
+    # on an earlier line, as the exp of ``w = exp(s)`` before ``w / w.sum(-1, keepdim=True)``)
+    root = names.get(match.root.name, "")
+    source = base.dm[root].source if root in base.dm else ""
+    source = source or source_location(match.root)
+    verified = applied and real_after.nonfinite <= real.nonfinite and \
+        after.nonfinite <= base.nonfinite and \
+        (real_after.nonfinite < real.nonfinite or
+         real_after.digits >= real.digits + MIN_GAIN)
+    return Fix(operator=operator, rewrite=site.rewrite, source=source, code=_code(source),
+               replacement=match.code(), before=base.digits, after=after.digits,
+               real_before=real.digits, real_after=real_after.digits,
+               nonfinite_before=real.nonfinite, nonfinite_after=real_after.nonfinite,
+               verified=bool(verified), numel=real.numel, format=fmt.name)
