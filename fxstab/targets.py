@@ -16,7 +16,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 
 class TargetError(ValueError):
@@ -180,7 +180,7 @@ class _DropRecords(logging.Filter):
 
 
 @contextlib.contextmanager
-def quiet_torch_logs(verbose: bool = False):
+def quiet_torch_logs(verbose: bool = False) -> Iterator[None]:
     """Silence torch's internal error logs of a failing model, unless ``verbose``."""
     if verbose:
         yield
