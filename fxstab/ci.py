@@ -444,17 +444,22 @@ def _commit(repo: Path, ref: str) -> str:
 def _record(worktree: Path, cfg_path: Path, out: Path) -> dict:
     """Record every configured target in ``worktree`` into ``out``/NAME.json; returns
     {name: error or None}."""
+    from .progress import Progress
+
     out.mkdir(parents=True, exist_ok=True)
     cfg = load(cfg_path)
     result = {}
-    for name in cfg.targets:
-        proc = subprocess.run([sys.executable, "-m", "fxstab", "record", name, "--config",
-                               str(cfg_path), "--output-dir", str(out)], cwd=worktree,
-                              capture_output=True, text=True)
-        sys.stdout.write(proc.stdout)
-        sys.stderr.write(proc.stderr)
-        result[name] = None if proc.returncode == 0 else (
-            (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1])
+    with Progress(f"fxstab ci: recording {out.name}", total=len(cfg.targets),
+                  unit="target") as bar:  # (quiet off a terminal: CI's logs)
+        for name in cfg.targets:
+            proc = subprocess.run([sys.executable, "-m", "fxstab", "record", name,
+                                   "--config", str(cfg_path), "--output-dir", str(out)],
+                                  cwd=worktree, capture_output=True, text=True)
+            sys.stdout.write(proc.stdout)
+            sys.stderr.write(proc.stderr)
+            result[name] = None if proc.returncode == 0 else (
+                (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1])
+            bar.update(note=name)
     return result
 
 

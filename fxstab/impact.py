@@ -27,6 +27,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .backend import backend
+from .progress import Progress
 from .numerics.digits import cestac_digits
 
 __all__ = ["Impact", "operator_impact"]
@@ -174,7 +175,8 @@ def _renamed(dm: Any) -> Any:
 
 def operator_impact(model: torch.nn.Module, inputs: Sequence, *, threshold: float = 0.1,
                     kwargs: Optional[dict] = None, bisect: bool = True,
-                    outputs: Any = None, **options: Any) -> Impact:
+                    outputs: Any = None, progress: Optional[bool] = None,
+                    **options: Any) -> Impact:
     """Each analysed operator's impact on ``model``'s outputs (see the module docstring).
 
     Args:
@@ -188,6 +190,8 @@ def operator_impact(model: torch.nn.Module, inputs: Sequence, *, threshold: floa
             (the loss's) are ablated too, named ``(outputs)/...``.
         bisect: False: every operator ablated alone (n + 1 analysed calls; the reference the
             bisection is validated against, ``benchmarks/bench_impact.py --validate``).
+        progress: a bar of the analysed calls on stderr (:class:`fxstab.progress.Progress`);
+            None: where stderr is a terminal.
         **options: :func:`fxstab.backend`'s options (format, n_samples, seed, select...);
             at ``granularity="aten"`` the ablated operators are the arithmetic primitives.
     """
@@ -198,6 +202,7 @@ def operator_impact(model: torch.nn.Module, inputs: Sequence, *, threshold: floa
     kwargs = kwargs or {}
     calls = 0
     target = model if outputs is None else _Selected(model, _selector(outputs))
+    bar = Progress("fxstab impact", enabled=progress)  # (quiet off a terminal)
     # the names the backend sees (model.fc/linear#0 under a selection) and the model's own
     own = (lambda n: n) if outputs is None else _model_name
 
@@ -210,9 +215,18 @@ def operator_impact(model: torch.nn.Module, inputs: Sequence, *, threshold: floa
             compiled(*inputs, **kwargs)
         calls += 1
         cfg = be.config
-        return _output_digits(cap.graphs[-1] if cap.graphs else None, cfg.format,
-                              cfg.confidence), be
+        digits = _output_digits(cap.graphs[-1] if cap.graphs else None, cfg.format,
+                                cfg.confidence)
+        bar.update(note=f"{len(unrounded)} unrounded: outputs {digits:.2f} digits")
+        return digits, be
 
+    with bar:
+        return _ablate(run, own, outputs, bisect, threshold, calls_of=lambda: calls)
+
+
+def _ablate(run: Any, own: Any, outputs: Any, bisect: bool, threshold: float,
+            calls_of: Any) -> Impact:
+    """operator_impact's ablations: ``run(unrounded)`` -> (output digits, backend)."""
     base, be = run(())
     names = [n for n, op in be.digit_map().operators.items() if op.direction == "forward"]
     result = Impact(output_digits=base, threshold=threshold)
@@ -233,7 +247,7 @@ def operator_impact(model: torch.nn.Module, inputs: Sequence, *, threshold: floa
             pending += [group[:half], group[half:]]
     result.by_operator = {own(n): gains.get(n, 0.0) for n in names}
     result.resolved = {own(n) for n in result.resolved}
-    result.calls = calls
+    result.calls = calls_of()
     dm = be.digit_map()
     result.digit_map = result.annotate(dm if outputs is None else _renamed(dm))
     torch._dynamo.reset()
