@@ -853,7 +853,7 @@ def test_a_diff_across_formats_compares_digits_below_each_cap_and_says_so_first(
     assert not any("format differs" in ln for ln in out)
     # the caps' difference (0.90) is no drop; the one real loss (1.00 digit) is
     assert "FAIL: 1 operator(s) lost more than 0.5" in out[0]
-    drop = next(ln for ln in out if "c/loss#0" in ln)
+    drop = next(ln for ln in out if ln.strip().startswith("c/loss#0"))
     assert "2.91 ->  1.01" in drop and "(-1.00)" in drop
     result = fxstab.diff(DigitMap.load(fp16), DigitMap.load(bf16))
     assert [c.name for c in result.drops] == ["c/loss#0"] and result.unchanged == 2

@@ -25,6 +25,14 @@ class OpChange:
     # head's cap - base's cap when the maps were analysed in different formats: the digits are
     # compared relative to each map's cap (digits below the cap), see diff()
     shift: float = 0.0
+    # its name in base where that differs (an operator inserted before it in its module moved
+    # its index: match_operators)
+    base_name: str = ""
+
+    @property
+    def label(self) -> str:
+        """Its name, and base's where that differs."""
+        return f"{self.name} (base: {self.base_name})" if self.base_name else self.name
 
     @property
     def delta(self) -> float:
@@ -92,8 +100,12 @@ class DiffResult:
     removed and added between matched ones) at its boundary (:class:`Rewrite`);
     ``rewrite_drops`` are those that lost more than ``max_drop``. ``failed`` is True when any
     of drops, rewrite drops, module drops, new NaN/inf origins or vanished operators is
-    non-empty; added and removed operators are listed but do not fail. ``origins`` ranks the dropped operators by their local loss in the head map
-    (:meth:`DigitMap.localize`): the first is where the lost digits start.
+    non-empty; added and removed operators are listed but do not fail. Operators are matched
+    across the maps by a stable identity (:func:`match_operators`), not by name: a row's
+    ``base_name`` is base's name where that differs. ``origins`` ranks, as
+    :meth:`DigitMap.localize` does in head, the operators that lose digits themselves
+    (a positive local loss) among those that dropped and those head added:
+    the first is where the lost digits start (the text and comment lead with it).
     """
 
     metric: str
@@ -170,12 +182,17 @@ class DiffResult:
         if self.new_origins:
             lines.append(f"NaN/inf now first appear at ({len(self.new_origins)}):")
             lines.extend(f"  {n}" for n in self.new_origins)
+        if self.origins:  # the cause first, then what it cost
+            o = self.origins[0]
+            lines.append(f"digits are lost first at {o.name} (local loss {o.local_loss:.2f}: "
+                         f"{o.digits:.2f} against {o.reference:.2f} "
+                         f"{'of ' + o.worst_input if o.worst_input else '(cap)'})")
 
         def changes(title: str, rows: list[OpChange]) -> None:
             if rows:
-                w = max(len(r.name) for r in rows)
+                w = max(len(r.label) for r in rows)
                 lines.append(f"{title} ({len(rows)}):")
-                lines.extend(f"  {r.name:<{w}}  {r.kind:<12} {r.base:5.2f} -> {r.head:5.2f}  "
+                lines.extend(f"  {r.label:<{w}}  {r.kind:<12} {r.base:5.2f} -> {r.head:5.2f}  "
                              f"({r.delta:+.2f})" + ("  its accumulator's digits" if
                                                     r.accumulator else "") for r in rows)
 
@@ -189,11 +206,6 @@ class DiffResult:
         changes("warning: drops that cost the outputs nothing (impact below the threshold; "
                 "--strict fails on them)", self.harmless)
         lines.extend(r.describe() for r in self.rewrite_drops)
-        if self.origins:
-            o = self.origins[0]
-            lines.append(f"digits are lost first at {o.name} (local loss {o.local_loss:.2f}: "
-                         f"{o.digits:.2f} against {o.reference:.2f} "
-                         f"{'of ' + o.worst_input if o.worst_input else '(cap)'})")
         changes("module drops (operators renamed inside)", self.module_drops)
         presence("no longer analysed (their module is still there)", self.vanished)
         changes("gains", self.gains)
@@ -217,10 +229,17 @@ class DiffResult:
         if self.new_origins:
             lines += ["**NaN/inf now first appear at** "
                       + ", ".join(_md(n) for n in self.new_origins), ""]
+        if self.origins:  # the cause first, then what it cost
+            o = self.origins[0]
+            ref = f"its least accurate input {_md(o.worst_input)}" if o.worst_input \
+                else "the format's cap"
+            lines += [f"Digits are lost first at {_md(o.name)}: {o.digits:.2f} digits against "
+                      f"{o.reference:.2f} of {ref} (local loss {o.local_loss:.2f}).", ""]
 
         def change_table(rows: list[OpChange]) -> list[str]:
             out = ["| operator | kind | base | head | change |", "|---|---|--:|--:|--:|"]
-            out += [f"| {_md(r.name)} | {_md_text(r.kind)} | {r.base:.2f} | {r.head:.2f} | "
+            out += [f"| {_md(r.name)}{' (base: ' + _md(r.base_name) + ')' if r.base_name else ''}"
+                    f" | {_md_text(r.kind)} | {r.base:.2f} | {r.head:.2f} | "
                     f"**{r.delta:+.2f}**{' (its accumulator)' if r.accumulator else ''} |"
                     for r in rows]
             return out
@@ -238,12 +257,6 @@ class DiffResult:
                                 ("No longer analysed", self.vanished, presence_table)):
             if rows:
                 lines += [f"**{title} ({len(rows)})**", ""] + fn(rows) + [""]
-        if self.origins:
-            o = self.origins[0]
-            ref = f"its least accurate input {_md(o.worst_input)}" if o.worst_input \
-                else "the format's cap"
-            lines += [f"Digits are lost first at {_md(o.name)}: {o.digits:.2f} digits against "
-                      f"{o.reference:.2f} of {ref} (local loss {o.local_loss:.2f}).", ""]
         for title, rows, fn in (("Gained digits", self.gains, change_table),
                                 ("Added operators", self.added, presence_table),
                                 ("Removed operators", self.removed, presence_table)):
@@ -257,7 +270,8 @@ class DiffResult:
     def as_dict(self) -> dict:
         def ch(r: OpChange) -> dict:
             return {"name": r.name, "kind": r.kind, "base": r.base, "head": r.head,
-                    "delta": r.delta, **({"accumulator": True} if r.accumulator else {})}
+                    "delta": r.delta, **({"accumulator": True} if r.accumulator else {}),
+                    **({"base_name": r.base_name} if r.base_name else {})}
 
         def pr(r: OpPresence) -> dict:
             return {"name": r.name, "kind": r.kind, "digits": r.digits}
@@ -299,7 +313,8 @@ _COMPARED_SETTINGS = ("format", "n_samples", "granularity", "confidence", "round
 def diff(base: DigitMap, head: DigitMap, max_drop: float = 0.5, metric: Optional[str] = None,
          base_label: Optional[str] = None, head_label: Optional[str] = None,
          strict: bool = False) -> DiffResult:
-    """The CI gate: match operators by name (and modules by path) and compare their digits.
+    """The CI gate: match operators by a stable identity (:func:`match_operators`; modules by
+    path) and compare their digits.
 
     Args:
         base: the reference map (e.g. the main branch).
@@ -328,7 +343,7 @@ def diff(base: DigitMap, head: DigitMap, max_drop: float = 0.5, metric: Optional
     Returns:
         A :class:`DiffResult` (see it for what fails); ``notes`` lists analysis settings that
         differ between the maps (a diff across formats or sample counts compares different
-        things); ``origins`` ranks the dropped operators by local loss in ``head``.
+        things); ``origins`` the operators where head's lost digits start (see DiffResult).
 
     Raises:
         DigitMapError: a map has no analysed operator (nothing to compare is no pass), or holds
@@ -347,13 +362,15 @@ def diff(base: DigitMap, head: DigitMap, max_drop: float = 0.5, metric: Optional
             raise DigitMapError(f"the {what} map has no {metric} digits (a schema version 1 "
                                 f"map): record it again, or compare with --metric avg", src)
     shift, cross = _cap_shift(base, head)
+    match = match_operators(base, head)
     drops, gains, unchanged = [], [], 0
     for name, b in base.operators.items():
-        if name not in head.operators:
+        if name not in match:
             continue
-        h = head.operators[name]
-        c = OpChange(name, h.kind, effective_digits(b, metric), effective_digits(h, metric),
-                     effective_digits(h, metric) < as_digits(h.digits(metric)), shift)
+        h = head.operators[match[name]]
+        c = OpChange(h.name, h.kind, effective_digits(b, metric), effective_digits(h, metric),
+                     effective_digits(h, metric) < as_digits(h.digits(metric)), shift,
+                     name if name != h.name else "")
         if -c.delta > max_drop:
             drops.append(c)
         elif c.delta > max_drop:
@@ -376,10 +393,11 @@ def diff(base: DigitMap, head: DigitMap, max_drop: float = 0.5, metric: Optional
     drops.sort(key=lambda c: (c.delta, c.name))
     gains.sort(key=lambda c: (-c.delta, c.name))
     harmless.sort(key=lambda c: (c.delta, c.name))
+    matched = set(match.values())
     added = [OpPresence(n, o.kind, effective_digits(o, metric))
-             for n, o in head.operators.items() if n not in base.operators]
+             for n, o in head.operators.items() if n not in matched]
     removed = [OpPresence(n, o.kind, effective_digits(o, metric))
-               for n, o in base.operators.items() if n not in head.operators]
+               for n, o in base.operators.items() if n not in match]
 
     # modules whose operators were renamed: compare their worst operators
     def by_module(dm: DigitMap) -> dict[str, list[OperatorDigits]]:
@@ -392,7 +410,7 @@ def diff(base: DigitMap, head: DigitMap, max_drop: float = 0.5, metric: Optional
     module_drops = []
     for path, bops in bm.items():
         hops = hm.get(path)
-        if not hops or {o.name for o in bops} == {o.name for o in hops}:
+        if not hops or {match.get(o.name) for o in bops} == {o.name for o in hops}:
             continue
         bd = min(effective_digits(o, metric) for o in bops)
         hd = min(effective_digits(o, metric) for o in hops)
@@ -425,12 +443,49 @@ def diff(base: DigitMap, head: DigitMap, max_drop: float = 0.5, metric: Optional
         commit = dm.metadata.get("git_commit")
         return f"{default} {commit[:10]}" if isinstance(commit, str) and commit else default
 
-    dropped = {c.name for c in drops}
-    origins = [x for x in head.localize(metric) if x.name in dropped]
+    regions = rewrites(base, head, metric, shift, match)
+    # where the lost digits start: among the operators that lost digits and those head added
+    # (a rewrite's own operators: the cause of a drop is often new), those that lose digits
+    # themselves (a positive local loss: a NaN/inf origin that only inherits the loss, rsqrt
+    # of a cancelled variance, is named as such in new_origins, not as the cause), ranked as
+    # localize ranks
+    suspects = {c.name for c in drops} | {r.name for r in added} | \
+        {n for r in regions if -r.delta > max_drop for n in r.added}
+    origins = [x for x in head.localize(metric) if x.name in suspects
+               and x.local_loss > 0] if drops or any(
+        -r.delta > max_drop for r in regions) else []
     return DiffResult(metric, float(max_drop), drops, gains, added, removed, unchanged, notes,
                       base_label or label(base, "base"), head_label or label(head, "head"),
-                      origins, new_origins, module_drops, vanished,
-                      rewrites(base, head, metric, shift), shift, harmless)
+                      origins, new_origins, module_drops, vanished, regions, shift, harmless)
+
+
+def match_operators(base: DigitMap, head: DigitMap) -> dict[str, str]:
+    """base's operators -> head's, by a stable identity: the same direction, module, kind and
+    source line (its text, ``OperatorDigits.code``), the k-th occurrence of that identity in
+    base's graph order the k-th in head's. An edit that inserts an operator into a module
+    moves the ``#k`` of those after it; it does not change their identity, and two operators
+    of different lines are never compared (``x * x`` in head is not base's ``xc * xc`` because
+    both were ``norm/mul#0``). An operator without source text on either side (a map recorded
+    before ``code`` was kept, a node without a stack trace) matches by name."""
+    def identity(op: OperatorDigits) -> tuple:
+        return (op.direction, op.module_path, op.kind, op.code)
+
+    queues: dict[tuple, list[str]] = {}
+    for n, op in head.operators.items():
+        if op.code:
+            queues.setdefault(identity(op), []).append(n)
+    match: dict[str, str] = {}
+    for n, op in base.operators.items():
+        queue = queues.get(identity(op)) if op.code else None
+        if queue:
+            match[n] = queue.pop(0)
+    taken = set(match.values())
+    for n, op in base.operators.items():
+        h = head.operators.get(n)
+        if n not in match and h is not None and n not in taken and not (op.code and h.code):
+            match[n] = n
+            taken.add(n)
+    return match
 
 
 def _cap_shift(base: DigitMap, head: DigitMap) -> tuple[float, str]:
@@ -446,19 +501,23 @@ def _cap_shift(base: DigitMap, head: DigitMap) -> tuple[float, str]:
 
 
 def rewrites(base: DigitMap, head: DigitMap, metric: Optional[str] = None,
-             shift: float = 0.0) -> list[Rewrite]:
+             shift: float = 0.0, match: Optional[dict] = None) -> list[Rewrite]:
     """The rewritten regions between two maps, compared at their boundary: for each operator
     of both maps that reads operators only base has (removed) and operators only head has
     (added), the digits of what it reads from the region, base producer against head producer;
     the region is those producers and the removed (added) operators they read, transitively.
-    One row per (region, consumer) pair; largest loss first."""
+    One row per (region, consumer) pair; largest loss first. ``match``: base's operators ->
+    head's (default :func:`match_operators`)."""
     metric = check_metric(metric)
+    if match is None:
+        match = match_operators(base, head)
+    in_both = {"base": set(match), "head": set(match.values())}
 
-    def region(dm: DigitMap, start: list[str], other: DigitMap) -> list[str]:
+    def region(dm: DigitMap, start: list[str], side: str) -> list[str]:
         seen, todo = set(start), list(start)
         while todo:
             for i in dm.operators[todo.pop()].inputs:
-                if i in dm.operators and i not in other.operators and i not in seen:
+                if i in dm.operators and i not in in_both[side] and i not in seen:
                     seen.add(i)
                     todo.append(i)
         return [n for n in dm.operators if n in seen]  # graph order
@@ -467,14 +526,12 @@ def rewrites(base: DigitMap, head: DigitMap, metric: Optional[str] = None,
         return min(effective_digits(dm.operators[n], metric) for n in names)
 
     out = []
-    for name, h in head.operators.items():
-        b = base.operators.get(name)
-        if b is None:
-            continue
-        gone = [i for i in b.inputs if i in base.operators and i not in head.operators]
-        new = [i for i in h.inputs if i in head.operators and i not in base.operators]
+    for bname, name in match.items():
+        b, h = base.operators[bname], head.operators[name]
+        gone = [i for i in b.inputs if i in base.operators and i not in in_both["base"]]
+        new = [i for i in h.inputs if i in head.operators and i not in in_both["head"]]
         if gone and new:
-            out.append(Rewrite(name, region(base, gone, head), region(head, new, base),
+            out.append(Rewrite(name, region(base, gone, "base"), region(head, new, "head"),
                                digits(base, gone), digits(head, new), shift))
     out.sort(key=lambda r: (r.delta, r.consumer))
     return out

@@ -86,6 +86,9 @@ class OperatorDigits(_Metrics):
     # the digits the model's outputs lose to this operator's own rounding (fxstab.impact, an
     # ablation); NaN where not measured (optional key of version 2)
     impact: float = math.nan
+    # the text of its source line (``source``), what matches it across commits where its name's
+    # index moved (compare.match_operators); "": unknown (a map recorded before it was kept)
+    code: str = ""
 
     def as_dict(self) -> dict:
         return {
@@ -101,7 +104,18 @@ class OperatorDigits(_Metrics):
             "surrogate": self.surrogate, "counters": dict(self.counters),
             "inputs": list(self.inputs), **accumulator_keys(self), **operand_keys(self),
             **({} if math.isnan(self.impact) else {"impact": self.impact}),
+            **({"code": self.code} if self.code else {}),
         }
+
+
+def source_code(source: str) -> str:
+    """The text of source line ``file.py:LINE`` (stripped), "" where it cannot be read."""
+    import linecache
+
+    path, _, line = source.rpartition(":")
+    if not path or not line.isdigit():
+        return ""
+    return linecache.getline(path, int(line)).strip()
 
 
 @dataclass

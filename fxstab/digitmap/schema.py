@@ -207,6 +207,7 @@ def _validate(doc: Any, source: str) -> tuple[list[OperatorDigits], dict, list[S
             surrogate=c.get(o, "surrogate", "a boolean", where, False, False),
             status=c.get(o, "status", "a string", where, False, ROUNDED),
             source=c.get(o, "source", "a string", where, False, ""),
+            code=c.get(o, "code", "a string", where, False, ""),
             direction=_direction(c, o, where),
             format=c.get(o, "format", "a string", where, False, ""),
             # its impact on the outputs (fxstab.impact; version 3, optional: NaN)
