@@ -20,7 +20,7 @@ from .operators import (
 )
 
 __all__ = ["findings", "zero_readers", "NO_FINDINGS", "ACCUMULATOR_HINT", "impact_or_0",
-           "at_line"]
+           "at_line", "gradient_hint", "ROOT_GRADIENT_HINT", "UNSELECTED_BRANCH_HINT"]
 
 # what an empty :meth:`DigitMap.findings` means (MIN_FINDING of the cap: a quarter)
 NO_FINDINGS = "none (no NaN/inf origin, no operator losing a quarter of the cap or more)"
@@ -39,6 +39,38 @@ def at_line(op: OperatorDigits, width: int = 60) -> str:
         code = code[:width - 3] + "..."
     return f", {path.replace(chr(92), '/').rpartition('/')[2]}:{line}" + \
         (f" `{code}`" if code else "")
+
+
+# forward kinds whose gradient is infinite where their argument is 0 (a root, a norm) and
+# overflows where it is large (a power above 1)
+_ROOT_KINDS = {"pow", "sqrt", "rsqrt", "norm", "vector_norm", "linalg_vector_norm", "normalize",
+               "float_power"}
+ROOT_GRADIENT_HINT = ("the gradient of a root or a norm is infinite where its argument is 0 (of "
+                      "a power above 1, it overflows where the argument is large): put an eps "
+                      "inside the root (sqrt(s + eps)), or use torch.linalg.vector_norm, whose "
+                      "gradient at 0 is 0")
+UNSELECTED_BRANCH_HINT = ("a gradient through the branch torch.where did not select: its "
+                          "function overflowed there in the forward ({forward} holds NaN/inf "
+                          "the where dropped), and 0 x inf is NaN in the backward: mask the "
+                          "argument before the function (torch.exp(torch.where(a <= 0, a, "
+                          "0)), not after it")
+
+
+def gradient_hint(dm: Any, op: OperatorDigits) -> Optional[str]:
+    """The remedy for NaN/inf first appearing in a gradient, from what its forward operator
+    (``X`` of ``X/grad/...``) did: a root or norm (:data:`ROOT_GRADIENT_HINT`), a function that
+    overflowed on a side a ``where`` dropped (its NaN/inf absorbed in the forward:
+    :data:`UNSELECTED_BRANCH_HINT`); None otherwise (the kind's hint applies)."""
+    if op.direction != "backward" or "/grad/" not in op.name:
+        return None
+    forward = dm.operators.get(op.name.split("/grad/")[0])
+    if forward is None:
+        return None
+    if forward.non_finite and forward.name in dm.absorbed_nonfinite():
+        return UNSELECTED_BRANCH_HINT.format(forward=forward.name)
+    if forward.kind in _ROOT_KINDS:
+        return ROOT_GRADIENT_HINT
+    return None
 
 
 def impact_or_0(op: OperatorDigits) -> float:
@@ -61,7 +93,8 @@ def findings(dm: Any, top: int = 3, metric: Optional[str] = None) -> list[str]:
         if r.nonfinite_origin:
             op = dm.operators[r.name]
             out.append(f"NaN/inf first appear at {r.name}{at_line(op)} ({op.non_finite} of "
-                       f"{op.numel} elements): {hint(op, nonfinite=True)}")
+                       f"{op.numel} elements): "
+                       f"{gradient_hint(dm, op) or hint(op, nonfinite=True)}")
     # an operator of exact inputs is compared with the cap, which its own rounding already
     # costs ~0.6 bf16 digits: a finding only when it keeps less than half the cap
     # a modelled GEMM whose accumulator keeps fewer digits than its samples' spread shows
@@ -131,7 +164,8 @@ def findings(dm: Any, top: int = 3, metric: Optional[str] = None) -> list[str]:
     for origin, (_, absorbers) in dm.absorbed_nonfinite().items():
         op = dm.operators[origin]
         by = f"absorbed by {', '.join(absorbers)} before any output (as an additive " \
-             f"mask of fp32's finfo.min is, rounded to -inf in bf16 or fp16)" if absorbers \
+             f"mask of fp32's finfo.min is, rounded to -inf in bf16 or fp16, or the side of " \
+             f"a torch.where it did not select)" if absorbers \
             else "absorbed: they reach only integer results, comparisons or masks (the " \
                  "log of a relative position 0 cast to an integer bucket)"
         out.append(f"note: NaN/inf appear at {origin} ({op.non_finite} of {op.numel} "
