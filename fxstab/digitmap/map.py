@@ -33,6 +33,7 @@ from .operators import (
     as_digits,
     check_metric,
     effective_digits,
+    source_code,
     nanmax,
     operand_keys,
 )
@@ -139,6 +140,7 @@ class DigitMap:
             status = max((r.status for r in rs), key=lambda s: STATUS_SEVERITY.get(s, 4))
             ops.append(OperatorDigits(
                 name=name, kind=first.kind, module_path=first.module_path, source=first.source,
+                code=source_code(first.source),
                 direction=getattr(first, "direction", "forward"),
                 format=first.format if auto or (planned and first.format != meta_in.get(
                     "format")) else "",
