@@ -729,6 +729,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = ci.add_parser(sub, _add_config_option)
     p.set_defaults(func=_cmd_ci)
+    from . import fix  # fxstab fix: its arguments and command in fix.py
+
+    fix.add_parser(sub).set_defaults(func=fix.command)
     return parser
 
 
@@ -745,7 +748,7 @@ def _default_metric() -> str:
 
 
 # the commands that run the user's model: its failures are one line, the trace with --verbose
-_RUNS_THE_MODEL = ("record", "plan")
+_RUNS_THE_MODEL = ("record", "plan", "fix")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -318,3 +318,82 @@ def test_a_bug_program_gets_a_verified_fix_at_its_line(cls):
     assert fix.nonfinite_after == 0 and not math.isnan(fix.after), fix
     assert fixes[0].verified  # the verified ones first
     assert fix.source in repr(fix) and fix.replacement in repr(fix)
+
+
+def test_a_healthy_program_has_nothing_to_fix():
+    """The stable forms themselves: no rewrite matches, nothing is proposed."""
+    from fxstab import suggest_fixes
+
+    class Stable(torch.nn.Module):
+        def forward(self, z, t):
+            return F.cross_entropy(z, t) + F.logsigmoid(z).mean()
+
+    fixes = suggest_fixes(Stable(), (torch.randn(8, 10) * 30, torch.arange(8)), format="fp16")
+    assert fixes == []
+
+
+def test_suggest_fixes_says_what_was_wrong_with_its_arguments():
+    from fxstab import suggest_fixes
+
+    with pytest.raises(ValueError, match="not a dtype torch computes in"):
+        suggest_fixes(LogSigmoid(), (torch.randn(4),), format="fp8_e4m3")
+    with pytest.raises(ValueError, match="granularity"):
+        suggest_fixes(LogSigmoid(), (torch.randn(4),), format="fp16", granularity="aten")
+
+
+# -------------------------------------------------------------------------------- fxstab fix
+_TARGET = '''
+import torch
+import torch.nn.functional as F
+
+
+class Loss(torch.nn.Module):
+    def forward(self, z, t):
+        return -(t * torch.log(F.softmax(z, 1))).sum(1)
+
+
+class Shifted(torch.nn.Module):
+    def forward(self, a):
+        return (a + 1000.0) - 1000.0
+
+
+def fixable():
+    return Loss(), (torch.randn(6, 10) * 30, F.one_hot(torch.arange(6), 10).float())
+
+
+def unfixable():
+    return Shifted(), (torch.rand(8) * 1e-2,)
+'''
+
+
+def test_fix_command_prints_a_verified_fix_at_the_line(tmp_path, capsys):
+    from fxstab.cli import main
+
+    path = tmp_path / "bugs.py"
+    path.write_text(_TARGET)
+    assert main(["fix", f"{path}:fixable", "--format", "fp16"]) == 0
+    out = capsys.readouterr().out
+    assert "(verified)" in out and "+ F.log_softmax(z, 1)" in out, out
+    assert "- return -(t * torch.log(F.softmax(z, 1))).sum(1)" in out, out
+    assert f"{path}:8  log#0: log_softmax (verified)" in out, out  # outside the cwd: absolute
+    assert "every finding has a verified fix" in out
+
+
+def test_fix_command_exits_1_on_a_finding_without_a_fix(tmp_path, capsys):
+    from fxstab.cli import main
+
+    path = tmp_path / "bugs.py"
+    path.write_text(_TARGET)
+    assert main(["fix", f"{path}:unfixable", "--format", "fp16"]) == 1
+    out = capsys.readouterr().out
+    assert "without a verified fix: sub#0" in out, out
+
+
+def test_fix_command_exits_2_on_bad_input(tmp_path, capsys):
+    from fxstab.cli import main
+
+    assert main(["fix", f"{tmp_path / 'missing.py'}:build"]) == 2
+    assert "fxstab fix: error" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # argparse: a format torch does not compute in
+        main(["fix", f"{tmp_path / 'missing.py'}:build", "--format", "fp8_e4m3"])
+    assert e.value.code == 2

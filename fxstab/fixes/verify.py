@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 from ..backend import backend as make_backend
 from ..capture.naming import source_location
 from ..capture.opsets import DEFAULT_KINDS, EXACT_KINDS, FAMILIES, known_kind, target_kind
+from ..digitmap.hints import MIN_FINDING, MIN_UNDERFLOW
 from ..digitmap.map import DigitMap
 from ..numerics.digits import cestac_digits
 from ..numerics.formats import Format, get_format, torch_dtype_of
@@ -33,14 +34,11 @@ from ..plan.inputs import as_inputs
 from .graph import RewriteBackend, Site
 from .registry import Call, Match
 
-__all__ = ["Fix", "suggest_fixes", "MIN_GAIN", "MIN_LOCAL_LOSS"]
+__all__ = ["Fix", "suggest_fixes", "search_fixes", "MIN_GAIN"]
 
 # a rewrite that removes no NaN/inf must gain this many digits at the outputs of the real run
 # (a different but no better order of roundings moves the average by a few hundredths)
 MIN_GAIN = 0.2
-# an operator losing this many digits against its inputs is a finding whose neighbourhood is
-# searched (the plan search's threshold for promoting one)
-MIN_LOCAL_LOSS = 0.5
 
 
 @dataclass(frozen=True)
@@ -62,6 +60,10 @@ class Fix:
             ``numel``.
         verified: the real run confirms the rewrite: fewer NaN/inf outputs, or
             :data:`MIN_GAIN` digits more, and neither run shows more NaN/inf than before.
+        numel: the real run's floating output elements.
+        format: the format of both runs.
+        findings: the findings of the analysis (operators) whose neighbourhood the rewrite
+            matched: a verified fix covers them.
     """
 
     operator: str
@@ -78,6 +80,7 @@ class Fix:
     verified: bool
     numel: int = 0
     format: str = ""
+    findings: tuple = ()
 
     def __repr__(self) -> str:
         where = f"{self.source}  {self.code}" if self.code else self.source or self.operator
@@ -126,19 +129,20 @@ def _analyse(model: Any, inputs: tuple, fmt: Format, options: dict,
              sites: Sequence[Site]) -> _Analysed:
     """The analysis of ``model`` with the rewrites at ``sites`` applied."""
     torch._dynamo.reset()
-    with warnings.catch_warnings():  # the backend's notes: said by the first analysis alone
+    with warnings.catch_warnings():  # the backend's notes (coverage): fixes are not about them
         warnings.simplefilter("ignore", UserWarning)
         be = make_backend(format=fmt, **options)
         rewriter = RewriteBackend(sites, inner=be)
         compiled = torch.compile(model, backend=rewriter)
         with be.capture_samples() as cap, torch.no_grad():
             compiled(*inputs)
+        dm = be.digit_map()
     if not be.reports:
         raise RuntimeError("the analysis recorded no operator: nothing to fix (is the model a "
                            "torch.nn.Module or function torch.compile can capture?)")
     digits, bad = _sample_digits(cap.graphs[-1] if cap.graphs else (), fmt)
     names = [{p.node.name: p.name for p in g.plans} for g in be.graphs]
-    return _Analysed(be.digit_map(), digits, bad, rewriter, names)
+    return _Analysed(dm, digits, bad, rewriter, names)
 
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:
@@ -190,13 +194,18 @@ def _selecting(options: dict, match: Match) -> dict:
 
 
 def _findings(dm: DigitMap) -> list[str]:
-    """The operators a fix is looked for around: the NaN/inf origins (those the program
-    absorbs before an output too: a norm that overflows to ``inf`` and divides a vector to 0),
-    the operators losing :data:`MIN_LOCAL_LOSS` digits against their inputs, those whose
-    output underflowed."""
-    out = list(dm.nonfinite_sources()) + list(dm.absorbed_nonfinite())
-    out += [loss.name for loss in dm.localize() if loss.local_loss >= MIN_LOCAL_LOSS]
-    out += [op.name for op in dm.operators.values() if op.underflow]
+    """The findings of the map (operators), as :meth:`DigitMap.findings` selects them: the
+    NaN/inf origins, the operators losing :data:`~fxstab.digitmap.hints.MIN_FINDING` of the
+    cap against their inputs (not a computational zero whose readers keep their digits),
+    those with :data:`~fxstab.digitmap.hints.MIN_UNDERFLOW` of their elements underflowed."""
+    out = list(dm.nonfinite_sources())
+    for r in dm.localize():
+        if not r.nonfinite_origin and r.local_loss >= MIN_FINDING * dm.cap and \
+                (r.worst_input is not None or r.digits < 0.5 * dm.cap) and \
+                not dm.zero_readers(r.name, r.reference):
+            out.append(r.name)
+    out += [op.name for op in dm.operators.values()
+            if op.numel and op.underflow >= MIN_UNDERFLOW * op.numel]
     return list(dict.fromkeys(out))
 
 
@@ -231,8 +240,8 @@ def suggest_fixes(model: Any, example_inputs: Any, format: Any = "bf16",
 
     The model is analysed at the operator level (``fxstab.backend(format=format,
     **options)``); every rewrite of the table that matches at a finding's operator (a NaN/inf
-    origin, an operator losing digits against its inputs, an underflow), at its inputs or at
-    its readers, is applied to a copy of the captured graph, and the program is analysed
+    origin, an absorbed one too, an operator losing digits against its inputs, an underflow:
+    the map's findings), at its inputs or at its readers, is applied to a copy of the captured graph, and the program is analysed
     again (same seed) and run for real in ``format`` against fp64. Where the real run shows
     NaN/inf the analysis names no origin of, every match is tried.
 
@@ -250,6 +259,14 @@ def suggest_fixes(model: Any, example_inputs: Any, format: Any = "bf16",
         real run first (NaN/inf removed, then digits); an empty list where the analysis finds
         nothing to fix or no rewrite matches.
     """
+    return search_fixes(model, example_inputs, format, **options)[1]
+
+
+def search_fixes(model: Any, example_inputs: Any, format: Any = "bf16",
+                 **options: Any) -> tuple[list[str], list[Fix]]:
+    """:func:`suggest_fixes`, with the findings it looked for fixes around (operator names,
+    in the map's order): what ``fxstab fix`` needs to say which findings no verified fix
+    covers (a fix covers the findings of its :attr:`Fix.findings`)."""
     fmt = get_format(format)
     if torch_dtype_of(fmt.name) is None:
         raise ValueError(f"format {fmt.name!r} is not a dtype torch computes in: the real run "
@@ -260,22 +277,28 @@ def suggest_fixes(model: Any, example_inputs: Any, format: Any = "bf16",
     inputs = as_inputs(example_inputs)
     base = _analyse(model, inputs, fmt, options, ())
     real = _real(model, inputs, fmt, ())
-    near = _near(base.dm, _findings(base.dm))
+    findings = _findings(base.dm)
+    # where the program absorbs a NaN/inf before an output (a norm that overflows to inf
+    # divides a vector to 0), a rewrite is looked for too: a note of the map, no finding
+    around = {f: _near(base.dm, [f]) for f in [*findings, *base.dm.absorbed_nonfinite()]}
+    unexplained = bool(real.nonfinite) and not base.dm.nonfinite_sources()
     tried: dict = {}
     for gi, matches in enumerate(base.rewriter.matches):
         names = base.names[gi] if gi < len(base.names) else {}
         for m in matches:
             ops = {names[n.name] for n in m.nodes if n.name in names}
-            if ops & near or (real.nonfinite and not base.dm.nonfinite_sources()):
-                tried.setdefault(Site(gi, m.rewrite, m.root.name), (m, names))
-    fixes = [_try(model, inputs, fmt, options, site, m, names, base, real)
-             for site, (m, names) in tried.items()]
-    return sorted(fixes, key=lambda f: (not f.verified, f.nonfinite_after - f.nonfinite_before,
-                                        f.real_before - f.real_after))
+            near = tuple(f for f in around if around[f] & ops)
+            if near or unexplained:
+                tried.setdefault(Site(gi, m.rewrite, m.root.name), (m, names, near))
+    fixes = [_try(model, inputs, fmt, options, site, m, names, base, real, near)
+             for site, (m, names, near) in tried.items()]
+    return findings, sorted(fixes, key=lambda f: (not f.verified,
+                                                  f.nonfinite_after - f.nonfinite_before,
+                                                  f.real_before - f.real_after))
 
 
 def _try(model: Any, inputs: tuple, fmt: Format, options: dict, site: Site, match: Match,
-         names: dict, base: _Analysed, real: _Real) -> Fix:
+         names: dict, base: _Analysed, real: _Real, findings: tuple) -> Fix:
     """One candidate: analysed and run for real with its rewrite, judged against the base."""
     after = _analyse(model, inputs, fmt, _selecting(options, match), [site])
     real_after = _real(model, inputs, fmt, [site])
@@ -294,4 +317,5 @@ def _try(model: Any, inputs: tuple, fmt: Format, options: dict, site: Site, matc
                replacement=match.code(), before=base.digits, after=after.digits,
                real_before=real.digits, real_after=real_after.digits,
                nonfinite_before=real.nonfinite, nonfinite_after=real_after.nonfinite,
-               verified=bool(verified), numel=real.numel, format=fmt.name)
+               verified=bool(verified), numel=real.numel, format=fmt.name,
+               findings=findings)
