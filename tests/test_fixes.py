@@ -54,6 +54,10 @@ CASES = {
                        ("zeros", (torch.zeros(5, 6, dtype=torch.float64), _one_hot(5, 6))),
                        ("huge one-hot", (_randn(5, 6, scale=1e3), _one_hot(5, 6))),
                        ("tiny", (_randn(5, 6, scale=1e-30), _probs(5, 6)))]),
+    "nll_by_hand": (lambda z, y: -torch.log(F.softmax(z, 1))[torch.arange(5), y],
+                    [(label, (z, torch.arange(5) % 3)) for label, (z,) in _edges(5, 6, huge=1e3)]),
+    "nll_loss": (lambda z, y: F.nll_loss(torch.log(F.softmax(z, 1)), y, reduction="none"),
+                 [(label, (z, torch.arange(5) % 3)) for label, (z,) in _edges(5, 6, huge=1e3)]),
     "logsigmoid": (lambda x: torch.log(torch.sigmoid(x)), _edges(9, huge=1e3)),
     "log1m_sigmoid": (lambda x: torch.log(1 - torch.sigmoid(x)), _edges(9, huge=1e3)),
     "bce_with_logits": (lambda x, y: -(y * torch.log(torch.sigmoid(x))
@@ -69,6 +73,12 @@ CASES = {
     "softmax": (lambda x: torch.exp(x) / torch.exp(x).sum(1, keepdim=True),
                 _edges(4, 7, huge=1e3)),
     "sigmoid_neg": (lambda x: 1 - torch.sigmoid(x), _edges(9, huge=1e3)),
+    "sigmoid_by_hand": (lambda x: torch.exp(x) / (1 + torch.exp(x)), _edges(9, huge=1e2)),
+    "tanh_by_hand": (lambda x: (torch.exp(x) - torch.exp(-x)) / (torch.exp(x) + torch.exp(-x)),
+                     _edges(9, huge=1e3)),
+    "add_sub": (lambda a, c: (a + c) - c,
+                [(label, (a, torch.full((9,), 3.0, dtype=torch.float64)))
+                 for label, (a,) in _edges(9, huge=1e3)]),
     "variance": (lambda x: (x * x).mean(1) - x.mean(1) ** 2,
                  _edges(4, 16, huge=1e4) + [("offset", (_randn(4, 16, shift=300.0),))]),
     "vector_norm": (lambda x: torch.sqrt((x ** 2).sum(-1)), _edges(4, 7, huge=1e30)),
@@ -116,6 +126,16 @@ def test_rewrite_equals_the_naive_formula_in_fp64(name):
                                    msg=f"{name} on {label} inputs")
 
 
+def test_docs_list_every_rewrite():
+    """docs/fixes.md has a row per rewrite of the table, with its stable form."""
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "docs" / "fixes.md").read_text()
+    for name, r in REWRITES.items():
+        assert f"| `{name}` |" in text, f"docs/fixes.md has no row for {name}"
+        assert f"`{r.stable.split('(')[0]}" in text, (name, r.stable)
+
+
 def test_a_pattern_matches_only_where_its_precondition_holds():
     """A softmax over dim 0 summed over dim 1 is no cross entropy; ``log(2 + x)`` no log1p;
     ``exp(x) / exp(y).sum()`` no softmax; means over different dims no variance."""
@@ -127,6 +147,10 @@ def test_a_pattern_matches_only_where_its_precondition_holds():
          (_randn(3, 4), _randn(3, 4)), "softmax"),
         (lambda x: (x * x).mean(0) - x.mean(1) ** 2, (_randn(4, 4),), "variance"),
         (lambda x: x / torch.sqrt((x * x).sum(1)), (_randn(4, 4),), "normalize"),
+        (lambda a, c, d: (a + c) - d, (_randn(4), _randn(4), _randn(4)), "add_sub"),
+        (lambda a, c: (a + c) - c, (_randn(4), _randn(3, 4)), "add_sub"),  # c broadcasts
+        (lambda z, y: -torch.log(F.softmax(z, 1))[torch.arange(3), y],
+         (_randn(5, 4), torch.arange(3)), "nll_by_hand"),  # not every row
     ]
     for fn, inputs, name in cases:
         compiled, found = _rewritten(fn, name)
@@ -241,6 +265,35 @@ class UnitVectors(torch.nn.Module):
         return x / torch.sqrt((x * x).sum(1, keepdim=True))  # naive
 
 
+class PickedLogLikelihood(torch.nn.Module):
+    """The negative log-likelihood of the labels, picked by hand."""
+
+    def forward(self, z, y):
+        return -torch.log(F.softmax(z, 1))[torch.arange(z.shape[0]), y].mean()  # naive
+
+
+class NllOfLogSoftmax(torch.nn.Module):
+    def forward(self, z, y):
+        return F.nll_loss(torch.log(F.softmax(z, 1)), y)  # naive
+
+
+class SigmoidByHand(torch.nn.Module):
+    def forward(self, x):
+        return torch.exp(x) / (1 + torch.exp(x))  # naive
+
+
+class TanhByHand(torch.nn.Module):
+    def forward(self, x):
+        return (torch.exp(x) - torch.exp(-x)) / (torch.exp(x) + torch.exp(-x))  # naive
+
+
+class ShiftedBack(torch.nn.Module):
+    """A value shifted by a large offset and back."""
+
+    def forward(self, a):
+        return (a + 1000.0) - 1000.0  # naive
+
+
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -264,6 +317,12 @@ def _bug_inputs(name: str) -> tuple:
         return (torch.randn(4, 8, generator=g) * 4 + 12,)
     if name == "HandSoftmax":
         return (torch.randn(4, 8, generator=g) * 3 + 12,)
+    if name in ("PickedLogLikelihood", "NllOfLogSoftmax"):
+        return (torch.randn(8, 10, generator=g) * 30, torch.arange(8) % 10)
+    if name in ("SigmoidByHand", "TanhByHand"):
+        return (torch.randn(16, generator=g) * 15,)
+    if name == "ShiftedBack":
+        return (torch.rand(16, generator=g) * 1e-2,)
     if name == "PopulationVariance":
         return (torch.randn(4, 32, generator=g) + 300,)
     if name in ("EuclideanNorm", "UnitVectors"):
@@ -286,6 +345,11 @@ BUGS = {  # program -> (its format, the rewrite that fixes it)
     PopulationVariance: ("bf16", "variance"),
     EuclideanNorm: ("fp16", "vector_norm"),
     UnitVectors: ("fp16", "normalize"),
+    PickedLogLikelihood: ("fp16", "nll_by_hand"),
+    NllOfLogSoftmax: ("fp16", "nll_loss"),
+    SigmoidByHand: ("fp16", "sigmoid_by_hand"),
+    TanhByHand: ("fp16", "tanh_by_hand"),
+    ShiftedBack: ("fp16", "add_sub"),
 }
 
 
@@ -352,9 +416,9 @@ class Loss(torch.nn.Module):
         return -(t * torch.log(F.softmax(z, 1))).sum(1)
 
 
-class Shifted(torch.nn.Module):
+class Scaled(torch.nn.Module):
     def forward(self, a):
-        return (a + 1000.0) - 1000.0
+        return (a * 1000.0) * 1000.0 / 1e6
 
 
 def fixable():
@@ -362,7 +426,7 @@ def fixable():
 
 
 def unfixable():
-    return Shifted(), (torch.rand(8) * 1e-2,)
+    return Scaled(), (torch.rand(8) + 1,)
 '''
 
 
@@ -386,7 +450,7 @@ def test_fix_command_exits_1_on_a_finding_without_a_fix(tmp_path, capsys):
     path.write_text(_TARGET)
     assert main(["fix", f"{path}:unfixable", "--format", "fp16"]) == 1
     out = capsys.readouterr().out
-    assert "without a verified fix: sub#0" in out, out
+    assert "without a verified fix: mul#1" in out, out  # (a * 1000) * 1000 overflows
 
 
 def test_fix_command_exits_2_on_bad_input(tmp_path, capsys):

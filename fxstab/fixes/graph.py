@@ -73,7 +73,7 @@ def apply_match(gm: torch.fx.GraphModule, match: Match) -> torch.fx.Node:
     remove the nodes of the naive formula no other node reads, and recompile. Returns the
     stable form's node."""
     graph = gm.graph
-    new = _emit(graph, match.form, match.root)
+    new = _emit(graph, match.form, match.root) if isinstance(match.form, Call) else match.form
     match.root.replace_all_uses_with(new)
     for node in reversed([n for n in graph.nodes if n in set(match.nodes)]):
         if not node.users and node.op in ("call_function", "call_method"):

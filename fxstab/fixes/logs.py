@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from .pattern import dims, floating, is_const, kind, one_dim, operand, shape
 from .registry import Call, Match, keep, rewrite
 
-__all__ = ["log_softmax", "cross_entropy", "logsigmoid", "log1m_sigmoid", "bce_with_logits",
-           "softplus", "log1p", "logsumexp"]
+__all__ = ["log_softmax", "cross_entropy", "nll_by_hand", "nll_loss", "logsigmoid",
+           "log1m_sigmoid", "bce_with_logits", "softplus", "log1p", "logsumexp"]
 
 
 def _softmax_operands(node: object) -> tuple:
@@ -84,6 +84,75 @@ def cross_entropy(node: object) -> Match | None:
                      Call("F.cross_entropy", F.cross_entropy, z, t,
                           reduction="mean" if mean is not None else "none"))
     return None
+
+
+def _log_softmax_classes(node: object) -> tuple | None:
+    """``(z, log, softmax)`` where ``node`` is ``log(softmax(z, 1))`` of 2-D logits (the
+    classes in dimension 1, as ``F.cross_entropy`` takes them), else None."""
+    if kind(node) != "log":
+        return None
+    s = operand(node, 0)
+    xd = _softmax_operands(s)
+    if xd is None:
+        return None
+    z, dim = xd
+    zs = shape(z)
+    if zs is None or len(zs) != 2 or dim % 2 != 1:
+        return None
+    return z, node, s
+
+
+@rewrite("nll_by_hand", "-torch.log(F.softmax(z, 1))[torch.arange(n), y]",
+         "F.cross_entropy(z, y, reduction='none')")
+def nll_by_hand(node: object) -> Match | None:
+    """The negative log-likelihood of class labels picked by hand from the log of a
+    softmax, as ``F.cross_entropy`` with class indices: the label's probability underflows to
+    0 once its logit is 17 below the largest (fp16), and the naive loss is ``inf``.
+
+    The minus may stand outside a ``.mean()`` (``-(...)[range, y].mean()``: the stable form
+    takes the mean).
+
+    Needs: 2-D logits with the classes in dimension 1, the rows picked by
+    ``torch.arange(n)`` over all ``n`` rows, ``y`` an integer tensor of ``n`` labels."""
+    if kind(node) != "neg":
+        return None
+    g, mean = operand(node, 0), None
+    if kind(g) == "mean" and dims(g) == (None, False) and len(g.args) == 1:
+        mean, g = g, operand(g, 0)
+    if kind(g) != "getitem" or not isinstance(g.args[1], tuple) or len(g.args[1]) != 2:
+        return None
+    found = _log_softmax_classes(g.args[0])
+    if found is None:
+        return None
+    z, log, s = found
+    rows, y = g.args[1]
+    n = shape(z)[0]
+    ys = shape(y)
+    if kind(rows) != "arange" or len(rows.args) != 1 or rows.args[0] != n or rows.kwargs or \
+            ys != (n,) or floating(y):
+        return None
+    nodes = tuple(x for x in (node, mean, g, rows, log, s) if x is not None)
+    return Match("nll_by_hand", node, log, nodes,
+                 Call("F.cross_entropy", F.cross_entropy, z, y,
+                      reduction="mean" if mean is not None else "none"))
+
+
+@rewrite("nll_loss", "F.nll_loss(torch.log(F.softmax(z, 1)), y)", "F.cross_entropy(z, y)")
+def nll_loss(node: object) -> Match | None:
+    """``F.nll_loss`` of the log of a softmax as ``F.cross_entropy`` of the logits (which
+    is ``nll_loss(log_softmax(z, 1), y)``): the naive form's ``log`` of an underflowed
+    probability is ``-inf``. The loss's other arguments (``weight``, ``ignore_index``,
+    ``reduction``...) pass through unchanged.
+
+    Needs: 2-D logits with the classes in dimension 1."""
+    if kind(node) != "nll_loss" or not node.args:
+        return None
+    found = _log_softmax_classes(node.args[0])
+    if found is None:
+        return None
+    z, log, s = found
+    return Match("nll_loss", node, log, (node, log, s),
+                 Call("F.cross_entropy", F.cross_entropy, z, *node.args[1:], **node.kwargs))
 
 
 def _sigmoid_operand(node: object) -> object:

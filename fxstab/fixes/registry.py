@@ -71,17 +71,17 @@ class Match:
     it reads the stable form instead), ``anchor`` the operator a finding names (the ``log`` of
     ``log(softmax(x))``: where the NaN/inf first appears), ``nodes`` every node of the naive
     formula (root included; those no other node reads are removed), ``form`` the stable
-    form."""
+    form (a :class:`Call`, or an operand of the formula itself: ``(a + c) - c`` is ``a``)."""
 
     rewrite: str
     root: torch.fx.Node
     anchor: torch.fx.Node
     nodes: tuple
-    form: Call
+    form: Any
 
     def code(self) -> str:
         """The stable form as code (``F.log_softmax(z, 1)``)."""
-        return self.form.code()
+        return spelled(self.form)
 
 
 @dataclass(frozen=True)

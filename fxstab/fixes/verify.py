@@ -137,10 +137,13 @@ def _analyse(model: Any, inputs: tuple, fmt: Format, options: dict,
         with be.capture_samples() as cap, torch.no_grad():
             compiled(*inputs)
         dm = be.digit_map()
-    if not be.reports:
+    if not be.reports and not sites:
         raise RuntimeError("the analysis recorded no operator: nothing to fix (is the model a "
                            "torch.nn.Module or function torch.compile can capture?)")
-    digits, bad = _sample_digits(cap.graphs[-1] if cap.graphs else (), fmt)
+    if be.reports:
+        digits, bad = _sample_digits(cap.graphs[-1] if cap.graphs else (), fmt)
+    else:  # the rewrite left no operator that rounds ((a + c) - c is a): the outputs are exact
+        digits, bad = fmt.digit_cap, 0
     names = [{p.node.name: p.name for p in g.plans} for g in be.graphs]
     return _Analysed(dm, digits, bad, rewriter, names)
 
@@ -169,8 +172,10 @@ def _real(model: Any, inputs: tuple, fmt: Format, sites: Sequence[Site]) -> _Rea
     return _Real(output_true_digits(y, ref, fmt.digit_cap), bad, numel, rewriter)
 
 
-def _kinds(call: Call) -> set:
+def _kinds(call: Any) -> set:
     """The operator kinds of a stable form (its calls, nested ones included)."""
+    if not isinstance(call, Call):  # an operand of the formula itself
+        return set()
     out = {target_kind("call_function", call.fn)}
     for a in (*call.args, *call.kwargs.values()):
         if isinstance(a, Call):
