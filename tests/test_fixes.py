@@ -461,3 +461,63 @@ def test_fix_command_exits_2_on_bad_input(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:  # argparse: a format torch does not compute in
         main(["fix", f"{tmp_path / 'missing.py'}:build", "--format", "fp8_e4m3"])
     assert e.value.code == 2
+
+
+# -------------------------------------------------------------------------------- the graph
+def test_a_rewrite_replaces_the_formula_in_the_graph():
+    """The stable form's node takes the root's place, with the root's line and an example
+    value; the naive formula's nodes no other node reads are gone; the site's backend applies
+    that site alone."""
+    from fxstab.fixes import RewriteBackend, Site
+
+    def f(z, w):
+        a = torch.log(F.softmax(z, 1))  # rewritten
+        return a + torch.log(F.softmax(w, 1))  # left alone
+
+    seen = {}
+
+    def inspect_graph(gm, example_inputs):
+        seen["graph"] = gm.graph
+        return gm
+
+    torch._dynamo.reset()
+    probe = RewriteBackend()
+    torch.compile(f, backend=probe)(_randn(2, 3), _randn(2, 3))
+    matches = [m for m in probe.matches[0] if m.rewrite == "log_softmax"]
+    assert [m.code() for m in matches] == ["F.log_softmax(z, 1)", "F.log_softmax(w, 1)"]
+    torch._dynamo.reset()
+    rb = RewriteBackend([Site(0, "log_softmax", matches[0].root.name)], inner=inspect_graph)
+    z, w = _randn(2, 3), _randn(2, 3, scale=2.0)
+    out = torch.compile(f, backend=rb)(z, w)
+    assert rb.applied == [Site(0, "log_softmax", matches[0].root.name)]
+    calls = [n for n in seen["graph"].nodes if n.op == "call_function"]
+    targets = [n.target for n in calls]
+    assert targets.count(F.log_softmax) == 1 and targets.count(F.softmax) == 1
+    assert targets.count(torch.log) == 1
+    new = next(n for n in calls if n.target is F.log_softmax)
+    assert "# rewritten" in new.meta["stack_trace"]  # the root's line: the operator's source
+    assert tuple(new.meta["example_value"].shape) == (2, 3)
+    torch.testing.assert_close(out, F.log_softmax(z, 1) + torch.log(F.softmax(w, 1)),
+                               rtol=0, atol=0)
+
+
+def test_suggest_fixes_leaves_the_model_and_its_map_as_they_were():
+    """The model's parameters and output are untouched, and the first analysis (under the
+    rewriting backend, no site) gives the map a plain fxstab backend gives."""
+    import fxstab
+    from fxstab.fixes import verify
+
+    torch.manual_seed(0)
+    model = LogProbabilities().eval()
+    x, = _bug_inputs("LogProbabilities")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    y = model(x)
+    base = verify._analyse(model, (x,), fxstab.get_format("fp16"), {}, ())
+    torch._dynamo.reset()
+    be = fxstab.backend(format="fp16")
+    with torch.no_grad():
+        torch.compile(model, backend=be)(x)
+    assert base.dm.as_dict()["operators"] == be.digit_map().as_dict()["operators"]
+    fxstab.suggest_fixes(model, (x,), format="fp16")
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    assert torch.equal(model(x), y)
