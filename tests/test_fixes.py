@@ -79,6 +79,13 @@ CASES = {
     "add_sub": (lambda a, c: (a + c) - c,
                 [(label, (a, torch.full((9,), 3.0, dtype=torch.float64)))
                  for label, (a,) in _edges(9, huge=1e3)]),
+    "xlogy": (lambda y, x: y * torch.log(x),
+              [(label, (x, x.abs().flip(-1))) for label, (x,) in _edges(9, huge=1e30)]),
+    "hypot": (lambda x, y: torch.sqrt(x * x + y * y),
+              [(label, (x, x.flip(-1))) for label, (x,) in _edges(9, huge=1e30)]),
+    "cosine_similarity": (lambda a, b: (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1)),
+                          [(label, (a, a.flip(-1) + 0.5 * a)) for label, (a,)
+                           in _edges(4, 7, huge=1e30, tiny=1e-3)]),
     "variance": (lambda x: (x * x).mean(1) - x.mean(1) ** 2,
                  _edges(4, 16, huge=1e4) + [("offset", (_randn(4, 16, shift=300.0),))]),
     "vector_norm": (lambda x: torch.sqrt((x ** 2).sum(-1)), _edges(4, 7, huge=1e30)),
@@ -147,6 +154,10 @@ def test_a_pattern_matches_only_where_its_precondition_holds():
          (_randn(3, 4), _randn(3, 4)), "softmax"),
         (lambda x: (x * x).mean(0) - x.mean(1) ** 2, (_randn(4, 4),), "variance"),
         (lambda x: x / torch.sqrt((x * x).sum(1)), (_randn(4, 4),), "normalize"),
+        (lambda a, b: (a * b).sum(0) / (a.norm(dim=1) * b.norm(dim=1)),
+         (_randn(4, 4), _randn(4, 4)), "cosine_similarity"),
+        (lambda a, b: (a * b).sum(1) / (a.norm(dim=1) * a.norm(dim=1)),
+         (_randn(4, 4), _randn(4, 4)), "cosine_similarity"),
         (lambda a, c, d: (a + c) - d, (_randn(4), _randn(4), _randn(4)), "add_sub"),
         (lambda a, c: (a + c) - c, (_randn(4), _randn(3, 4)), "add_sub"),  # c broadcasts
         (lambda z, y: -torch.log(F.softmax(z, 1))[torch.arange(3), y],
@@ -287,6 +298,24 @@ class TanhByHand(torch.nn.Module):
         return (torch.exp(x) - torch.exp(-x)) / (torch.exp(x) + torch.exp(-x))  # naive
 
 
+class Entropy(torch.nn.Module):
+    """The entropy of a confident classifier's distribution."""
+
+    def forward(self, z):
+        p = F.softmax(z, -1)
+        return -(p * torch.log(p)).sum(-1)  # naive
+
+
+class Distance(torch.nn.Module):
+    def forward(self, x, y):
+        return torch.sqrt(x * x + y * y)  # naive
+
+
+class CosineByHand(torch.nn.Module):
+    def forward(self, a, b):
+        return (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1))  # naive
+
+
 class ShiftedBack(torch.nn.Module):
     """A value shifted by a large offset and back."""
 
@@ -321,6 +350,10 @@ def _bug_inputs(name: str) -> tuple:
         return (torch.randn(8, 10, generator=g) * 30, torch.arange(8) % 10)
     if name in ("SigmoidByHand", "TanhByHand"):
         return (torch.randn(16, generator=g) * 15,)
+    if name == "Entropy":
+        return (torch.randn(4, 10, generator=g) * 30,)
+    if name in ("Distance", "CosineByHand"):
+        return (torch.randn(4, 16, generator=g) * 300, torch.randn(4, 16, generator=g) * 300)
     if name == "ShiftedBack":
         return (torch.rand(16, generator=g) * 1e-2,)
     if name == "PopulationVariance":
@@ -350,6 +383,9 @@ BUGS = {  # program -> (its format, the rewrite that fixes it)
     SigmoidByHand: ("fp16", "sigmoid_by_hand"),
     TanhByHand: ("fp16", "tanh_by_hand"),
     ShiftedBack: ("fp16", "add_sub"),
+    Entropy: ("fp16", "xlogy"),
+    Distance: ("fp16", "hypot"),
+    CosineByHand: ("fp16", "cosine_similarity"),
 }
 
 

@@ -13,7 +13,7 @@ from .pattern import dims, floating, is_const, kind, one_dim, operand, shape
 from .registry import Call, Match, keep, rewrite
 
 __all__ = ["log_softmax", "cross_entropy", "nll_by_hand", "nll_loss", "logsigmoid",
-           "log1m_sigmoid", "bce_with_logits", "softplus", "log1p", "logsumexp"]
+           "log1m_sigmoid", "bce_with_logits", "softplus", "log1p", "logsumexp", "xlogy"]
 
 
 def _softmax_operands(node: object) -> tuple:
@@ -316,3 +316,20 @@ def logsumexp(node: object) -> Match | None:
         dim = tuple(range(len(xs)))
     return Match("logsumexp", node, e, (node, s, e),
                  Call("torch.logsumexp", torch.logsumexp, x, dim, **keep(keepdim)))
+
+
+@rewrite("xlogy", "y * torch.log(x)", "torch.xlogy(y, x)")
+def xlogy(node: object) -> Match | None:
+    """``y * log(x)`` as ``torch.xlogy(y, x)``, which is 0 where ``y`` is 0: an entropy
+    ``-(p * log(p)).sum()`` or a divergence over probabilities some of which underflow to 0
+    (a logit 17 below the largest, fp16) multiplies 0 by ``-inf``, NaN, where the term is 0.
+
+    Needs: ``x`` and ``y`` tensors (``x`` of the product's shape: ``y`` may broadcast)."""
+    if kind(node) != "mul" or len(node.args) != 2 or node.kwargs:
+        return None
+    for y, lg in (node.args, node.args[::-1]):
+        if kind(lg) == "log" and hasattr(y, "op") and floating(y):
+            x = operand(lg, 0)
+            if shape(x) is not None and shape(x) == shape(node):
+                return Match("xlogy", node, lg, (node, lg), Call("torch.xlogy", torch.xlogy, y, x))
+    return None

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from .pattern import dims, is_const, kind, one_dim, operand, same_dim, shape, square_of
 from .registry import Call, Match, keep, rewrite
 
-__all__ = ["variance", "vector_norm", "normalize"]
+__all__ = ["variance", "vector_norm", "normalize", "hypot", "cosine_similarity"]
 
 
 @rewrite("variance", "(x * x).mean(dim) - x.mean(dim) ** 2",
@@ -84,6 +84,24 @@ def vector_norm(node: object) -> Match | None:
                       **keep(keepdim)))
 
 
+def _norm_of(node: object) -> tuple | None:
+    """``(x, dim, keepdim, nodes)`` where ``node`` is the Euclidean norm of ``x``: a root of a
+    sum of squares, ``x.norm(dim=...)``/``torch.norm`` (2 or Frobenius) or
+    ``torch.linalg.vector_norm`` (order 2), else None."""
+    found = _sum_of_squares(_root(node))
+    if found is not None:
+        x, dim, keepdim, nodes = found
+        return x, dim, keepdim, (node, *nodes)
+    k = kind(node)
+    if k in ("norm", "linalg_vector_norm"):
+        p = operand(node, 1, "p", operand(node, 1, "ord", 2))
+        if not is_const(p, 2) and p != "fro":
+            return None
+        return (operand(node, 0), operand(node, 2, "dim", None),
+                bool(operand(node, 3, "keepdim", False)), (node,))
+    return None
+
+
 @rewrite("normalize", "x / torch.sqrt((x * x).sum(dim, keepdim=True))",
          "F.normalize(x, dim=dim)")
 def normalize(node: object) -> Match | None:
@@ -97,19 +115,61 @@ def normalize(node: object) -> Match | None:
     if kind(node) != "div" or len(node.args) != 2:
         return None
     x, n = node.args
-    found = _sum_of_squares(_root(n))
-    if found is not None:
-        y, dim, keepdim, nodes = found
-        nodes = (n, *nodes)
-    elif kind(n) in ("norm", "linalg_vector_norm"):
-        y, p = operand(n, 0), operand(n, 1, "p", operand(n, 1, "ord", 2))
-        dim, keepdim = operand(n, 2, "dim", None), bool(operand(n, 3, "keepdim", False))
-        if not is_const(p, 2) and p != "fro":
-            return None
-        nodes = (n,)
-    else:
+    found = _norm_of(n)
+    if found is None:
         return None
+    y, dim, keepdim, nodes = found
     if y is not x or one_dim(dim) is None or not keepdim:
         return None
     return Match("normalize", node, n, (node, *nodes),
                  Call("F.normalize", F.normalize, x, dim=one_dim(dim)))
+
+
+@rewrite("hypot", "torch.sqrt(x * x + y * y)", "torch.hypot(x, y)")
+def hypot(node: object) -> Match | None:
+    """The length ``sqrt(x^2 + y^2)`` as ``torch.hypot(x, y)``, which scales before it squares:
+    in fp16 a square overflows for ``|x|`` above 256 (the length is ``inf`` where it is
+    finite) and underflows to 0 below ``2^-12``.
+
+    Needs: nothing (the squares in either order)."""
+    s = _root(node)
+    if kind(s) != "add" or len(s.args) != 2 or s.kwargs:
+        return None
+    a, b = (square_of(v) for v in s.args)
+    if a is None or b is None:
+        return None
+    return Match("hypot", node, node, (node, s, *s.args), Call("torch.hypot", torch.hypot, a, b))
+
+
+@rewrite("cosine_similarity", "(a * b).sum(dim) / (a.norm(dim=dim) * b.norm(dim=dim))",
+         "F.cosine_similarity(a, b, dim)")
+def cosine_similarity(node: object) -> Match | None:
+    """A cosine similarity written by hand, as ``F.cosine_similarity``: the naive norms
+    square the elements (``inf`` above 256 in fp16: the quotient is 0 or NaN), and a zero
+    vector divides 0 by 0; the library's bounds the norms below by ``eps=1e-8``.
+
+    Needs: the dot product and both norms over the same single ``dim`` without ``keepdim``;
+    equal to the naive form wherever that is finite and the norms' product is above
+    ``1e-8``."""
+    if kind(node) != "div" or len(node.args) != 2:
+        return None
+    dot, den = node.args
+    if kind(dot) != "sum" or kind(den) != "mul" or len(den.args) != 2:
+        return None
+    prod = operand(dot, 0)
+    ddim, dkeep = dims(dot)
+    if kind(prod) != "mul" or len(prod.args) != 2 or dkeep or one_dim(ddim) is None:
+        return None
+    na, nb = (_norm_of(v) for v in den.args)
+    if na is None or nb is None:
+        return None
+    a, b = prod.args
+    if {id(na[0]), id(nb[0])} != {id(a), id(b)} or na[2] or nb[2]:
+        return None
+    xs = shape(a)
+    nd = len(xs) if xs is not None else None
+    if not (same_dim(na[1], ddim, nd) and same_dim(nb[1], ddim, nd)) or shape(b) != xs:
+        return None
+    nodes = tuple(dict.fromkeys((node, dot, prod, den, *na[3], *nb[3])))
+    return Match("cosine_similarity", node, den, nodes,
+                 Call("F.cosine_similarity", F.cosine_similarity, a, b, one_dim(ddim)))
