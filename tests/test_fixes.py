@@ -179,6 +179,10 @@ def test_the_replacement_reads_as_code():
     compiled, found = _rewritten(f, "log_softmax")
     compiled(_randn(2, 3))
     assert found == ["F.log_softmax(logits, 1)"]
+    compiled, found = _rewritten(lambda h, y: torch.log(1 - torch.sigmoid(h * 20 + y)),
+                                 "log1m_sigmoid")
+    compiled(_randn(3), _randn(3))
+    assert found == ["F.logsigmoid(-(h * 20 + y))"]  # an unnamed operation by its expression
     assert "log_softmax" in describe("log_softmax") and "needs:" in describe("log_softmax")
     assert all(r.summary and r.doc for r in REWRITES.values())
 

@@ -15,6 +15,8 @@ graph and one printer writes it as code (``F.log_softmax(z, 1)``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+import operator
+import re
 from typing import Any, Callable, Optional
 
 import torch.fx
@@ -37,19 +39,42 @@ class Call:
     def code(self) -> str:
         """The call as a user would write it (operands by their names in the program)."""
         if self.text == "-":  # a negation reads as the operator
-            return "-" + spelled(self.args[0])
+            return "-" + spelled(self.args[0], _NEG)
         parts = [spelled(a) for a in self.args]
         parts += [f"{k}={spelled(v)}" for k, v in self.kwargs.items()]
         return f"{self.text}({', '.join(parts)})"
 
 
-def spelled(value: Any) -> str:
+# Python's operators as dynamo records them, spelled back as the program wrote them, with
+# their precedence (a unary minus binds between ``*`` and ``**``)
+_INFIX = {operator.add: ("+", 1), operator.sub: ("-", 1), operator.mul: ("*", 2),
+          operator.truediv: ("/", 2), operator.matmul: ("@", 2), operator.pow: ("**", 4)}
+_NEG = 3
+
+
+def _unnamed(node: torch.fx.Node) -> bool:
+    """Whether dynamo named ``node`` after its operator (``mul``, ``truediv_1``), not after a
+    variable of the program (``p = softmax(z)`` names it ``p``)."""
+    base = re.sub(r"_\d+$", "", node.name)
+    return base == getattr(node.target, "__name__", None)
+
+
+def spelled(value: Any, outer: float = 0, right: bool = False, depth: int = 2) -> str:
     """An operand as code: a node by the program's name for it (dynamo names an input ``z``
-    ``l_z_``, and an intermediate after the variable it was assigned to), a call by its
-    code, a constant by its repr."""
+    ``l_z_``, and an intermediate after the variable it was assigned to), or an unnamed
+    arithmetic operation by its expression (``h * 20``, ``depth`` operators deep; in
+    parentheses where the operator it is an operand of, of precedence ``outer``, binds
+    tighter, or as tight on its ``right``); a call by its code, a constant by its repr."""
     if isinstance(value, Call):
         return value.code()
     if isinstance(value, torch.fx.Node):
+        if depth and value.op == "call_function" and value.target in _INFIX and \
+                len(value.args) == 2 and not value.kwargs and _unnamed(value):
+            sym, prec = _INFIX[value.target]
+            a = spelled(value.args[0], prec, False, depth - 1)
+            b = spelled(value.args[1], prec, True, depth - 1)
+            text = f"{a} {sym} {b}"
+            return f"({text})" if prec < outer or (prec == outer and right) else text
         name = value.name
         if value.op == "placeholder" and name.startswith("l_") and name.endswith("_"):
             name = name[2:-1]
