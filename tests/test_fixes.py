@@ -86,6 +86,9 @@ CASES = {
     "cosine_similarity": (lambda a, b: (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1)),
                           [(label, (a, a.flip(-1) + 0.5 * a)) for label, (a,)
                            in _edges(4, 7, huge=1e30, tiny=1e-3)]),
+    "attention": (lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1) / 4.0, -1) @ v,
+                  [(label, (q, q.flip(-1), q.flip(-2))) for label, (q,) in
+                   _edges(2, 3, 5, 4, huge=1e2)]),
     "variance": (lambda x: (x * x).mean(1) - x.mean(1) ** 2,
                  _edges(4, 16, huge=1e4) + [("offset", (_randn(4, 16, shift=300.0),))]),
     "vector_norm": (lambda x: torch.sqrt((x ** 2).sum(-1)), _edges(4, 7, huge=1e30)),
@@ -143,6 +146,21 @@ def test_docs_list_every_rewrite():
         assert f"`{r.stable.split('(')[0]}" in text, (name, r.stable)
 
 
+def test_the_attention_rewrite_keeps_a_mask_and_the_scale():
+    """A causal ``masked_fill(mask, -inf)`` becomes ``attn_mask=~mask``, a ``* c`` scale
+    ``scale=c``: equal in fp64, masked before or after the scale."""
+    mask = torch.ones(5, 5, dtype=torch.bool).triu(1)
+    q, k, v = _randn(2, 5, 4), _randn(2, 5, 4, scale=3.0), _randn(2, 5, 4, scale=2.0)
+    for naive in (lambda q, k, v, m: torch.softmax(
+                      (q @ k.transpose(-1, -2) * 0.5).masked_fill(m, float("-inf")), -1) @ v,
+                  lambda q, k, v, m: torch.softmax(
+                      0.5 * (q @ k.transpose(-2, -1)).masked_fill(m, float("-inf")), -1) @ v):
+        fixed, found = _rewritten(naive, "attention")
+        got = fixed(q, k, v, mask)
+        assert found == ["F.scaled_dot_product_attention(q, k, v, attn_mask=~m, scale=0.5)"]
+        torch.testing.assert_close(got, naive(q, k, v, mask), rtol=1e-12, atol=1e-12)
+
+
 def test_a_pattern_matches_only_where_its_precondition_holds():
     """A softmax over dim 0 summed over dim 1 is no cross entropy; ``log(2 + x)`` no log1p;
     ``exp(x) / exp(y).sum()`` no softmax; means over different dims no variance."""
@@ -158,6 +176,10 @@ def test_a_pattern_matches_only_where_its_precondition_holds():
          (_randn(4, 4), _randn(4, 4)), "cosine_similarity"),
         (lambda a, b: (a * b).sum(1) / (a.norm(dim=1) * a.norm(dim=1)),
          (_randn(4, 4), _randn(4, 4)), "cosine_similarity"),
+        (lambda q, k, v: torch.softmax(q @ k.transpose(-3, -1), -1) @ v,
+         (_randn(2, 3, 4), _randn(3, 4, 2), _randn(2, 3, 4)), "attention"),
+        (lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1), 1) @ v,
+         (_randn(2, 3, 4), _randn(2, 3, 4), _randn(2, 3, 4)), "attention"),  # not the last dim
         (lambda a, c, d: (a + c) - d, (_randn(4), _randn(4), _randn(4)), "add_sub"),
         (lambda a, c: (a + c) - c, (_randn(4), _randn(3, 4)), "add_sub"),  # c broadcasts
         (lambda z, y: -torch.log(F.softmax(z, 1))[torch.arange(3), y],
@@ -320,6 +342,14 @@ class CosineByHand(torch.nn.Module):
         return (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1))  # naive
 
 
+class UnscaledAttention(torch.nn.Module):
+    """Causal attention written by hand, the 1/sqrt(d) forgotten."""
+
+    def forward(self, q, k, v, mask):
+        s = (q @ k.transpose(-2, -1)).masked_fill(mask, float("-inf"))
+        return torch.softmax(s, -1) @ v  # naive
+
+
 class ShiftedBack(torch.nn.Module):
     """A value shifted by a large offset and back."""
 
@@ -358,6 +388,9 @@ def _bug_inputs(name: str) -> tuple:
         return (torch.randn(4, 10, generator=g) * 30,)
     if name in ("Distance", "CosineByHand"):
         return (torch.randn(4, 16, generator=g) * 300, torch.randn(4, 16, generator=g) * 300)
+    if name == "UnscaledAttention":
+        q, k, v = (torch.randn(2, 2, 8, 16, generator=g) * s for s in (100, 100, 1))
+        return q, k, v, torch.ones(8, 8, dtype=torch.bool).triu(1)
     if name == "ShiftedBack":
         return (torch.rand(16, generator=g) * 1e-2,)
     if name == "PopulationVariance":
@@ -390,6 +423,7 @@ BUGS = {  # program -> (its format, the rewrite that fixes it)
     Entropy: ("fp16", "xlogy"),
     Distance: ("fp16", "hypot"),
     CosineByHand: ("fp16", "cosine_similarity"),
+    UnscaledAttention: ("fp16", "attention"),
 }
 
 

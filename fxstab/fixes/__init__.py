@@ -6,7 +6,7 @@
 * the rewrites, by what the naive formula does: :mod:`.logs` (a logarithm of a value that
   rounds to 0 or 1), :mod:`.exps` (an exponential that over- or underflows or cancels),
   :mod:`.reductions` (statistics written with squares), :mod:`.cancellation` (a value
-  added and subtracted again);
+  added and subtracted again), :mod:`.attention` (an attention written by hand);
 * :mod:`.graph`: a rewrite applied to a captured graph, and the backend that applies them
   (:class:`~.graph.RewriteBackend`);
 * :mod:`.verify`: :func:`~.verify.suggest_fixes`, each match near a finding applied, analysed
@@ -14,7 +14,7 @@
 """
 
 # the rewrites join the table as their modules load (in this order: the order they are tried)
-from . import logs, exps, reductions, cancellation  # noqa: F401,I001
+from . import logs, exps, reductions, cancellation, attention  # noqa: F401,I001
 from .graph import RewriteBackend, Site, apply_match
 from .registry import REWRITES, Call, Match, Rewrite, describe, find_matches, rewrite
 

@@ -9,19 +9,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .pattern import dims, floating, is_const, kind, one_dim, operand, shape
+from .pattern import dims, floating, is_const, kind, one_dim, operand, shape, softmax_operands
 from .registry import Call, Match, keep, rewrite
 
 __all__ = ["log_softmax", "cross_entropy", "nll_by_hand", "nll_loss", "logsigmoid",
            "log1m_sigmoid", "bce_with_logits", "softplus", "log1p", "logsumexp", "xlogy"]
-
-
-def _softmax_operands(node: object) -> tuple:
-    """``(x, dim)`` of ``softmax(x, dim)`` (no ``dtype=``), else None."""
-    if kind(node) != "softmax" or len(node.args) > 2 or node.kwargs.get("dtype") is not None:
-        return None
-    dim = operand(node, 1, "dim", None)
-    return (operand(node, 0, "input"), dim) if isinstance(dim, int) else None
 
 
 @rewrite("log_softmax", "torch.log(F.softmax(x, dim))", "F.log_softmax(x, dim)")
@@ -34,7 +26,7 @@ def log_softmax(node: object) -> Match | None:
 
     Needs: the softmax's ``dim`` given, no ``dtype=``."""
     s = operand(node, 0) if kind(node) == "log" else None
-    xd = _softmax_operands(s)
+    xd = softmax_operands(s)
     if xd is None:
         return None
     x, dim = xd
@@ -71,7 +63,7 @@ def cross_entropy(node: object) -> Match | None:
         log = operand(lg, 0) if inner else lg
         if outer == inner or kind(log) != "log":
             continue
-        xd = _softmax_operands(operand(log, 0))
+        xd = softmax_operands(operand(log, 0))
         if xd is None:
             continue
         z, sdim = xd
@@ -92,7 +84,7 @@ def _log_softmax_classes(node: object) -> tuple | None:
     if kind(node) != "log":
         return None
     s = operand(node, 0)
-    xd = _softmax_operands(s)
+    xd = softmax_operands(s)
     if xd is None:
         return None
     z, dim = xd

@@ -13,7 +13,7 @@ import torch.fx
 from ..capture.opsets import node_kind
 
 __all__ = ["kind", "operand", "is_const", "shape", "floating", "dims", "one_dim", "square_of",
-           "same_dim", "MISSING"]
+           "same_dim", "softmax_operands", "MISSING"]
 
 MISSING = object()
 
@@ -92,3 +92,12 @@ def same_dim(a: Any, b: Any, ndim: Optional[int]) -> bool:
             return tuple(ds)
         return tuple(sorted(int(x) % ndim for x in ds)) if ndim else tuple(ds)
     return norm(a) == norm(b)
+
+
+def softmax_operands(node: Any) -> Optional[tuple]:
+    """``(x, dim)`` of ``softmax(x, dim)`` (``F.softmax``, ``torch.softmax``,
+    ``x.softmax``; no ``dtype=``), else None."""
+    if kind(node) != "softmax" or len(node.args) > 2 or node.kwargs.get("dtype") is not None:
+        return None
+    dim = operand(node, 1, "dim", None)
+    return (operand(node, 0, "input"), dim) if isinstance(dim, int) else None

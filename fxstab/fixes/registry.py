@@ -38,8 +38,8 @@ class Call:
 
     def code(self) -> str:
         """The call as a user would write it (operands by their names in the program)."""
-        if self.text == "-":  # a negation reads as the operator
-            return "-" + spelled(self.args[0], _NEG)
+        if self.text in ("-", "~"):  # a negation reads as the operator
+            return self.text + spelled(self.args[0], _NEG)
         parts = [spelled(a) for a in self.args]
         parts += [f"{k}={spelled(v)}" for k, v in self.kwargs.items()]
         return f"{self.text}({', '.join(parts)})"
