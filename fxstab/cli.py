@@ -1,8 +1,8 @@
-"""The ``fxstab`` command line: demo, formats, record, plan, diff, show.
+"""The ``fxstab`` command line: demo, formats, record, plan, diff, show (and ci, history, fix).
 
 Exit codes: 0 success; 1 ``diff``'s gate failed (an operator or module lost more than
-``--max-drop`` digits, a new NaN/inf origin, an operator no longer analysed) or ``plan``'s plan
-does not meet ``--keep``; 2 unusable input
+``--max-drop`` digits, a new NaN/inf origin, an operator no longer analysed), ``plan``'s plan
+does not meet ``--keep`` or ``fix`` leaves findings without a verified fix; 2 unusable input
 (missing or corrupt digit map, schema mismatch, a map with no analysed operator, bad target,
 bad arguments, a target whose model fails).
 """

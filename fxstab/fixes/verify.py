@@ -250,6 +250,9 @@ def suggest_fixes(model: Any, example_inputs: Any, format: Any = "bf16",
     again (same seed) and run for real in ``format`` against fp64. Where the real run shows
     NaN/inf the analysis names no origin of, every match is tried.
 
+    The real runs are compared with fp64 element by element: a model in training mode
+    draws its dropout differently in each run; pass it in eval mode.
+
     Args:
         model: a ``torch.nn.Module`` (or a function) torch.compile can capture.
         example_inputs: its inputs (one tensor, or a tuple of positional inputs), in the
