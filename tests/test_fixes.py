@@ -427,6 +427,10 @@ BUGS = {  # program -> (its format, the rewrite that fixes it)
 }
 
 
+def test_every_rewrite_fixes_a_bug_program():
+    assert sorted(r for _, r in BUGS.values()) == sorted(REWRITES)
+
+
 def _naive_line(cls) -> str:
     """``file:LINE`` of the line marked ``# naive`` in ``cls.forward``."""
     import inspect
