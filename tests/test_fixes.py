@@ -86,6 +86,11 @@ CASES = {
     "cosine_similarity": (lambda a, b: (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1)),
                           [(label, (a, a.flip(-1) + 0.5 * a)) for label, (a,)
                            in _edges(4, 7, huge=1e30, tiny=1e-3)]),
+    "layer_norm": (lambda x: (x - x.mean(-1, keepdim=True)) / torch.sqrt(
+                       ((x - x.mean(-1, keepdim=True)) ** 2).mean(-1, keepdim=True) + 1e-5),
+                   _edges(4, 16, huge=1e4) + [("offset", (_randn(4, 16, shift=300.0),))]),
+    "rms_norm": (lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6),
+                 _edges(4, 16, huge=1e30)),
     "attention": (lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1) / 4.0, -1) @ v,
                   [(label, (q, q.flip(-1), q.flip(-2))) for label, (q,) in
                    _edges(2, 3, 5, 4, huge=1e2)]),
@@ -180,6 +185,10 @@ def test_a_pattern_matches_only_where_its_precondition_holds():
          (_randn(2, 3, 4), _randn(3, 4, 2), _randn(2, 3, 4)), "attention"),
         (lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1), 1) @ v,
          (_randn(2, 3, 4), _randn(2, 3, 4), _randn(2, 3, 4)), "attention"),  # not the last dim
+        (lambda x: (x - x.mean(-1, keepdim=True)) / torch.sqrt(x.var(-1, keepdim=True) + 1e-5),
+         (_randn(4, 8),), "layer_norm"),  # the unbiased variance
+        (lambda x: x * torch.rsqrt(x.pow(2).mean(0, keepdim=True) + 1e-6), (_randn(4, 8),),
+         "rms_norm"),  # not the last dimension
         (lambda a, c, d: (a + c) - d, (_randn(4), _randn(4), _randn(4)), "add_sub"),
         (lambda a, c: (a + c) - c, (_randn(4), _randn(3, 4)), "add_sub"),  # c broadcasts
         (lambda z, y: -torch.log(F.softmax(z, 1))[torch.arange(3), y],
@@ -350,6 +359,21 @@ class UnscaledAttention(torch.nn.Module):
         return torch.softmax(s, -1) @ v  # naive
 
 
+class HandLayerNorm(torch.nn.Module):
+    def forward(self, x):
+        mu = x.mean(-1, keepdim=True)
+        return (x - mu) / torch.sqrt(x.var(-1, keepdim=True, unbiased=False) + 1e-5)  # naive
+
+
+class HandRMSNorm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(64))
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))  # naive
+
+
 class ShiftedBack(torch.nn.Module):
     """A value shifted by a large offset and back."""
 
@@ -391,6 +415,8 @@ def _bug_inputs(name: str) -> tuple:
     if name == "UnscaledAttention":
         q, k, v = (torch.randn(2, 2, 8, 16, generator=g) * s for s in (100, 100, 1))
         return q, k, v, torch.ones(8, 8, dtype=torch.bool).triu(1)
+    if name in ("HandLayerNorm", "HandRMSNorm"):
+        return (torch.randn(4, 64, generator=g) * 300 + 1000,)
     if name == "ShiftedBack":
         return (torch.rand(16, generator=g) * 1e-2,)
     if name == "PopulationVariance":
@@ -424,6 +450,8 @@ BUGS = {  # program -> (its format, the rewrite that fixes it)
     Distance: ("fp16", "hypot"),
     CosineByHand: ("fp16", "cosine_similarity"),
     UnscaledAttention: ("fp16", "attention"),
+    HandLayerNorm: ("fp16", "layer_norm"),
+    HandRMSNorm: ("fp16", "rms_norm"),
 }
 
 

@@ -5,7 +5,8 @@
   ``describe(name)``;
 * the rewrites, by what the naive formula does: :mod:`.logs` (a logarithm of a value that
   rounds to 0 or 1), :mod:`.exps` (an exponential that over- or underflows or cancels),
-  :mod:`.reductions` (statistics written with squares), :mod:`.cancellation` (a value
+  :mod:`.reductions` (statistics written with squares), :mod:`.normalization` (a layer or
+  RMS normalization written by hand), :mod:`.cancellation` (a value
   added and subtracted again), :mod:`.attention` (an attention written by hand);
 * :mod:`.graph`: a rewrite applied to a captured graph, and the backend that applies them
   (:class:`~.graph.RewriteBackend`);
@@ -14,7 +15,7 @@
 """
 
 # the rewrites join the table as their modules load (in this order: the order they are tried)
-from . import logs, exps, reductions, cancellation, attention  # noqa: F401,I001
+from . import logs, exps, reductions, normalization, cancellation, attention  # noqa: F401,I001
 from .graph import RewriteBackend, Site, apply_match
 from .registry import REWRITES, Call, Match, Rewrite, describe, find_matches, rewrite
 
