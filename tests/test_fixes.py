@@ -94,6 +94,7 @@ CASES = {
     "attention": (lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1) / 4.0, -1) @ v,
                   [(label, (q, q.flip(-1), q.flip(-2))) for label, (q,) in
                    _edges(2, 3, 5, 4, huge=1e2)]),
+    "where_masked": (lambda a: torch.where(a <= 0, torch.exp(a), 1 + a), _edges(9, huge=1e3)),
     "variance": (lambda x: (x * x).mean(1) - x.mean(1) ** 2,
                  _edges(4, 16, huge=1e4) + [("offset", (_randn(4, 16, shift=300.0),))]),
     "vector_norm": (lambda x: torch.sqrt((x ** 2).sum(-1)), _edges(4, 7, huge=1e30)),
@@ -164,6 +165,20 @@ def test_the_attention_rewrite_keeps_a_mask_and_the_scale():
         got = fixed(q, k, v, mask)
         assert found == ["F.scaled_dot_product_attention(q, k, v, attn_mask=~m, scale=0.5)"]
         torch.testing.assert_close(got, naive(q, k, v, mask), rtol=1e-12, atol=1e-12)
+
+
+def test_where_masked_keeps_the_gradient_finite():
+    """The gradient too equals the naive form's wherever that is finite (fp64), and is
+    finite where the naive one is NaN (exp(1000) on the branch not taken)."""
+    naive = lambda a: torch.where(a <= 0, torch.exp(a), 1 + a)  # noqa: E731
+    fixed, found = _rewritten(naive, "where_masked")
+    a = torch.tensor([-3.0, -1e-3, 0.0, 2.0, 1e3], dtype=torch.float64, requires_grad=True)
+    g_naive, = torch.autograd.grad(naive(a).sum(), a)
+    g_fixed, = torch.autograd.grad(fixed(a).sum(), a)
+    assert found == ["torch.where(a <= 0, torch.exp(torch.where(a <= 0, a, 0.0)), 1 + a)"]
+    assert torch.isnan(g_naive[-1]) and torch.isfinite(g_fixed).all()
+    ok = torch.isfinite(g_naive)
+    torch.testing.assert_close(g_fixed[ok], g_naive[ok], rtol=0, atol=0)
 
 
 def test_a_pattern_matches_only_where_its_precondition_holds():
@@ -455,8 +470,45 @@ BUGS = {  # program -> (its format, the rewrite that fixes it)
 }
 
 
+class BranchGradient(torch.nn.Module):
+    """A piecewise activation whose exp branch overflows where it is not selected."""
+
+    def forward(self, a):
+        return torch.where(a <= 0, torch.exp(a), 1 + a)  # naive
+
+
+class ZeroNormGradient(torch.nn.Module):
+    """A norm taken of rows some of which are 0 (padding): its gradient there."""
+
+    def forward(self, x):
+        return torch.sqrt((x * x).sum(-1))  # naive
+
+
+BACKWARD_BUGS = {  # programs whose real run fails in the backward alone (backward=True)
+    BranchGradient: ("fp16", "where_masked",
+                     (torch.linspace(-4, 20, 16),)),
+    ZeroNormGradient: ("bf16", "vector_norm",
+                       (torch.cat([torch.randn(3, 8, generator=_gen(1)), torch.zeros(1, 8)]),)),
+}
+
+
+@pytest.mark.parametrize("cls", list(BACKWARD_BUGS), ids=lambda c: c.__name__)
+def test_a_backward_bug_gets_a_verified_fix_with_backward(cls):
+    from fxstab import suggest_fixes
+
+    fmt, rewrite_name, inputs = BACKWARD_BUGS[cls]
+    fixes = suggest_fixes(cls(), inputs, format=fmt, backward=True)
+    fix = next((f for f in fixes if f.rewrite == rewrite_name), None)
+    assert fix is not None and fix.verified, fixes
+    assert fix.source == _naive_line(cls) and fix.nonfinite_before > 0 == fix.nonfinite_after
+    # the forward alone is fine: without backward=True nothing is verified for it
+    forward = [f for f in suggest_fixes(cls(), inputs, format=fmt) if f.rewrite == rewrite_name]
+    assert not any(f.verified for f in forward), forward
+
+
 def test_every_rewrite_fixes_a_bug_program():
-    assert sorted(r for _, r in BUGS.values()) == sorted(REWRITES)
+    fixed = [r for _, r in BUGS.values()] + [r for _, r, _ in BACKWARD_BUGS.values()]
+    assert set(fixed) == set(REWRITES)
 
 
 def _naive_line(cls) -> str:

@@ -7,7 +7,8 @@
   rounds to 0 or 1), :mod:`.exps` (an exponential that over- or underflows or cancels),
   :mod:`.reductions` (statistics written with squares), :mod:`.normalization` (a layer or
   RMS normalization written by hand), :mod:`.cancellation` (a value
-  added and subtracted again), :mod:`.attention` (an attention written by hand);
+  added and subtracted again), :mod:`.attention` (an attention written by hand),
+  :mod:`.branches` (a ``where`` whose unselected branch overflows in the backward);
 * :mod:`.graph`: a rewrite applied to a captured graph, and the backend that applies them
   (:class:`~.graph.RewriteBackend`);
 * :mod:`.verify`: :func:`~.verify.suggest_fixes`, each match near a finding applied, analysed
@@ -15,7 +16,9 @@
 """
 
 # the rewrites join the table as their modules load (in this order: the order they are tried)
-from . import logs, exps, reductions, normalization, cancellation, attention  # noqa: F401,I001
+from . import (  # noqa: F401,I001
+    logs, exps, reductions, normalization, cancellation, attention, branches,
+)
 from .graph import RewriteBackend, Site, apply_match
 from .registry import REWRITES, Call, Match, Rewrite, describe, find_matches, rewrite
 

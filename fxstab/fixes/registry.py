@@ -47,7 +47,9 @@ class Call:
 
 # Python's operators as dynamo records them, spelled back as the program wrote them, with
 # their precedence (a unary minus binds between ``*`` and ``**``)
-_INFIX = {operator.add: ("+", 1), operator.sub: ("-", 1), operator.mul: ("*", 2),
+_INFIX = {operator.lt: ("<", 0.5), operator.le: ("<=", 0.5), operator.gt: (">", 0.5),
+          operator.ge: (">=", 0.5), operator.eq: ("==", 0.5), operator.ne: ("!=", 0.5),
+          operator.add: ("+", 1), operator.sub: ("-", 1), operator.mul: ("*", 2),
           operator.truediv: ("/", 2), operator.matmul: ("@", 2), operator.pow: ("**", 4)}
 _NEG = 3
 

@@ -17,7 +17,7 @@ import linecache
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
@@ -57,7 +57,9 @@ class Fix:
         real_before, real_after: the real run's avg true digits at the outputs, in the format
             against fp64 (a NaN/inf element counts 0).
         nonfinite_before, nonfinite_after: the real run's NaN/inf output elements, of
-            ``numel``.
+            ``numel`` (with ``backward=True``, the gradients' elements are counted too: the
+            gradients of the outputs' sum with respect to the floating inputs and the
+            parameters).
         verified: the real run confirms the rewrite: fewer NaN/inf outputs, or
             :data:`MIN_GAIN` digits more, and neither run shows more NaN/inf than before.
         numel: the real run's floating output elements.
@@ -125,17 +127,44 @@ def _sample_digits(outputs: Any, fmt: Format) -> tuple[float, int]:
     return (total / numel if numel else math.nan), bad
 
 
+def _params(model: Any) -> list:
+    return list(model.parameters()) if isinstance(model, torch.nn.Module) else []
+
+
+def _with_gradients(fn: Callable, inputs: tuple, params: list) -> tuple:
+    """``(outputs, gradients)``: ``fn``'s outputs, and the gradients of their sum with
+    respect to the floating inputs and ``params`` (0 where unused), taken with
+    ``torch.autograd.grad`` (no ``.grad`` of the model is written)."""
+    ins = tuple(t.detach().requires_grad_() if isinstance(t, torch.Tensor) and
+                t.is_floating_point() else t for t in inputs)
+    wrt = [t for t in ins if isinstance(t, torch.Tensor) and t.requires_grad] + \
+        [p for p in params if p.requires_grad]
+    with torch.enable_grad():
+        y = fn(*ins)
+        outs = [t for t in pytree.tree_leaves(y) if isinstance(t, torch.Tensor) and
+                t.is_floating_point() and t.requires_grad]
+        grads = torch.autograd.grad(outs, wrt, [torch.ones_like(t) for t in outs],
+                                    allow_unused=True) if outs and wrt else ()
+    grads = tuple(torch.zeros_like(w) if g is None else g for g, w in zip(grads, wrt))
+    return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y), grads
+
+
 def _analyse(model: Any, inputs: tuple, fmt: Format, options: dict,
              sites: Sequence[Site]) -> _Analysed:
-    """The analysis of ``model`` with the rewrites at ``sites`` applied."""
+    """The analysis of ``model`` with the rewrites at ``sites`` applied (with
+    ``backward=True``, of its backward too: the gradients of the outputs' sum)."""
     torch._dynamo.reset()
     with warnings.catch_warnings():  # the backend's notes (coverage): fixes are not about them
         warnings.simplefilter("ignore", UserWarning)
         be = make_backend(format=fmt, **options)
         rewriter = RewriteBackend(sites, inner=be)
         compiled = torch.compile(model, backend=rewriter)
-        with be.capture_samples() as cap, torch.no_grad():
-            compiled(*inputs)
+        with be.capture_samples() as cap:
+            if options.get("backward"):
+                _with_gradients(compiled, inputs, _params(model))
+            else:
+                with torch.no_grad():
+                    compiled(*inputs)
         dm = be.digit_map()
     if not be.reports and not sites:
         raise RuntimeError("the analysis recorded no operator: nothing to fix (is the model a "
@@ -158,16 +187,24 @@ def _as(model: Any, dtype: torch.dtype) -> Any:
     return copy.deepcopy(model).to(dtype) if isinstance(model, torch.nn.Module) else model
 
 
-def _real(model: Any, inputs: tuple, fmt: Format, sites: Sequence[Site]) -> _Real:
-    """The real run in the format with the rewrites at ``sites``, against fp64."""
+def _real(model: Any, inputs: tuple, fmt: Format, sites: Sequence[Site],
+          backward: bool = False) -> _Real:
+    """The real run in the format with the rewrites at ``sites``, against fp64: its outputs
+    (with ``backward``, and the gradients of their sum: :func:`_with_gradients`)."""
     low = torch_dtype_of(fmt.name)
     lowered = _as(model, low)
     xs = _cast(inputs, low)
-    with torch.no_grad():
-        ref = _as(lowered, torch.float64)(*_cast(xs, torch.float64))
-        torch._dynamo.reset()
-        rewriter = RewriteBackend(sites)
-        y = torch.compile(_as(lowered, low), backend=rewriter)(*xs)
+    ref_model, run_model = _as(lowered, torch.float64), _as(lowered, low)
+    torch._dynamo.reset()
+    rewriter = RewriteBackend(sites)
+    compiled = torch.compile(run_model, backend=rewriter)
+    if backward:
+        ref = _with_gradients(ref_model, _cast(xs, torch.float64), _params(ref_model))
+        y = _with_gradients(compiled, xs, _params(run_model))
+    else:
+        with torch.no_grad():
+            ref = ref_model(*_cast(xs, torch.float64))
+            y = compiled(*xs)
     bad, numel = output_non_finite(y)
     return _Real(output_true_digits(y, ref, fmt.digit_cap), bad, numel, rewriter)
 
@@ -215,13 +252,19 @@ def _findings(dm: DigitMap) -> list[str]:
 
 
 def _near(dm: DigitMap, names: Sequence[str]) -> set:
-    """The operators ``names``, their instrumented inputs and their readers."""
+    """The operators ``names``, their instrumented inputs and their readers; for a backward
+    operator (``exp#0/grad/mul#0``) its forward operator's too (``exp#0``: the rewrite
+    changes the backward through the forward graph)."""
     readers = dm.consumers()
-    out = set(names)
+    out = set()
     for name in names:
-        if name in dm:
-            out.update(dm[name].inputs)
-            out.update(readers.get(name, ()))
+        forward = name.split("/grad/")[0] if "/grad/" in name else None
+        for n in (name, forward):
+            if n is not None:
+                out.add(n)
+                if n in dm:
+                    out.update(dm[n].inputs)
+                    out.update(readers.get(n, ()))
     return out
 
 
@@ -260,7 +303,10 @@ def suggest_fixes(model: Any, example_inputs: Any, format: Any = "bf16",
         format: the format of the analysis and of the real run: one torch computes in
             (``"fp16"``, ``"bf16"``).
         **options: the analysis's options (``fxstab.backend``'s: ``seed``, ``n_samples``,
-            ``select``...).
+            ``select``...). ``backward=True`` analyses the backward too (the gradients of
+            the outputs' sum), and the real run measures those gradients beside the
+            outputs: a rewrite that removes a NaN of the backward alone (a ``where`` over
+            an overflowing branch, a root at 0) is verified there.
 
     Returns:
         One :class:`Fix` per rewrite tried: the verified ones first, the largest gain of the
@@ -283,8 +329,9 @@ def search_fixes(model: Any, example_inputs: Any, format: Any = "bf16",
         raise ValueError("suggest_fixes rewrites the operator-level graph: leave granularity "
                          f"at 'op' (got {options['granularity']!r})")
     inputs = as_inputs(example_inputs)
+    backward = bool(options.get("backward"))
     base = _analyse(model, inputs, fmt, options, ())
-    real = _real(model, inputs, fmt, ())
+    real = _real(model, inputs, fmt, (), backward)
     findings = _findings(base.dm)
     # where the program absorbs a NaN/inf before an output (a norm that overflows to inf
     # divides a vector to 0), a rewrite is looked for too: a note of the map, no finding
@@ -298,7 +345,7 @@ def search_fixes(model: Any, example_inputs: Any, format: Any = "bf16",
             near = tuple(f for f in around if around[f] & ops)
             if near or unexplained:
                 tried.setdefault(Site(gi, m.rewrite, m.root.name), (m, names, near))
-    fixes = [_try(model, inputs, fmt, options, site, m, names, base, real, near)
+    fixes = [_try(model, inputs, fmt, options, site, m, names, base, real, near, backward)
              for site, (m, names, near) in tried.items()]
     return findings, sorted(fixes, key=lambda f: (not f.verified,
                                                   f.nonfinite_after - f.nonfinite_before,
@@ -306,10 +353,10 @@ def search_fixes(model: Any, example_inputs: Any, format: Any = "bf16",
 
 
 def _try(model: Any, inputs: tuple, fmt: Format, options: dict, site: Site, match: Match,
-         names: dict, base: _Analysed, real: _Real, findings: tuple) -> Fix:
+         names: dict, base: _Analysed, real: _Real, findings: tuple, backward: bool) -> Fix:
     """One candidate: analysed and run for real with its rewrite, judged against the base."""
     after = _analyse(model, inputs, fmt, _selecting(options, match), [site])
-    real_after = _real(model, inputs, fmt, [site])
+    real_after = _real(model, inputs, fmt, [site], backward)
     applied = site in after.rewriter.applied and site in real_after.rewriter.applied
     operator = _operator(match, names)
     # the line the stable form is written at: the root's (the finding's operator may stand
