@@ -119,7 +119,46 @@ def _rewritten(fn, name: str):
 
 
 def test_every_rewrite_has_an_equivalence_case():
-    assert sorted(CASES) == sorted(REWRITES)
+    """The format-aware rewrites change the value by design: their own test below."""
+    assert sorted(CASES) == sorted(n for n, r in REWRITES.items() if not r.format_aware)
+    assert [n for n, r in REWRITES.items() if r.format_aware] == ["eps"]
+
+
+def test_eps_raises_a_guard_the_format_erases_to_its_smallest_normal():
+    """In fp16, ``log(x + 1e-8)`` becomes ``log(x + 2^-14)``: in fp64 exactly that formula;
+    in bf16 (fp32's range) nothing matches, nor does a guard the format holds, nor an
+    addition no guarded function reads."""
+    import fxstab
+
+    fp16, bf16 = fxstab.get_format("fp16"), fxstab.get_format("bf16")
+    x = torch.cat([torch.zeros(2, dtype=torch.float64), _randn(6).abs(), _randn(3, scale=1e-9).abs()])
+
+    def compiled(fn, fmt):
+        found: list = []
+
+        def backend(gm, example_inputs):
+            matches = find_matches(gm.graph, ["eps"], fmt)
+            found.extend(m.code() for m in matches)
+            for m in matches[:1]:
+                apply_match(gm, m)
+            return gm
+
+        torch._dynamo.reset()
+        return torch.compile(fn, backend=backend, dynamic=False), found
+
+    for naive, meant in ((lambda x: torch.log(x + 1e-8), lambda x: torch.log(x + 2.0 ** -14)),
+                         (lambda x: 1.0 / (1e-10 + x), lambda x: 1.0 / (2.0 ** -14 + x)),
+                         (lambda x: torch.sqrt(x + 1e-12), lambda x: torch.sqrt(x + 2.0 ** -14))):
+        fixed, found = compiled(naive, fp16)
+        torch.testing.assert_close(fixed(x), meant(x), rtol=0, atol=0)
+        assert found and found[0].endswith("+ 6.103515625e-05"), found
+        _, found = compiled(naive, bf16)
+        _(x)
+        assert found == []
+    for fn in (lambda x: torch.log(x + 1e-3), lambda x: torch.exp(x + 1e-8)):
+        f, found = compiled(fn, fp16)
+        f(x)
+        assert found == [], found
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -389,6 +428,14 @@ class HandRMSNorm(torch.nn.Module):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))  # naive
 
 
+class GuardedLog(torch.nn.Module):
+    """A log-likelihood guarded by an eps fp16 cannot hold."""
+
+    def forward(self, z):
+        p = F.softmax(z, -1)
+        return torch.log(p + 1e-8)  # naive
+
+
 class ShiftedBack(torch.nn.Module):
     """A value shifted by a large offset and back."""
 
@@ -432,6 +479,8 @@ def _bug_inputs(name: str) -> tuple:
         return q, k, v, torch.ones(8, 8, dtype=torch.bool).triu(1)
     if name in ("HandLayerNorm", "HandRMSNorm"):
         return (torch.randn(4, 64, generator=g) * 300 + 1000,)
+    if name == "GuardedLog":
+        return (torch.randn(4, 10, generator=g) * 30,)
     if name == "ShiftedBack":
         return (torch.rand(16, generator=g) * 1e-2,)
     if name == "PopulationVariance":
@@ -467,6 +516,7 @@ BUGS = {  # program -> (its format, the rewrite that fixes it)
     UnscaledAttention: ("fp16", "attention"),
     HandLayerNorm: ("fp16", "layer_norm"),
     HandRMSNorm: ("fp16", "rms_norm"),
+    GuardedLog: ("fp16", "eps"),
 }
 
 

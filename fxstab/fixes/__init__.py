@@ -8,7 +8,8 @@
   :mod:`.reductions` (statistics written with squares), :mod:`.normalization` (a layer or
   RMS normalization written by hand), :mod:`.cancellation` (a value
   added and subtracted again), :mod:`.attention` (an attention written by hand),
-  :mod:`.branches` (a ``where`` whose unselected branch overflows in the backward);
+  :mod:`.branches` (a ``where`` whose unselected branch overflows in the backward),
+  :mod:`.guards` (an ``eps`` the format erases: the one rewrite that sees the format);
 * :mod:`.graph`: a rewrite applied to a captured graph, and the backend that applies them
   (:class:`~.graph.RewriteBackend`);
 * :mod:`.verify`: :func:`~.verify.suggest_fixes`, each match near a finding applied, analysed
@@ -17,7 +18,7 @@
 
 # the rewrites join the table as their modules load (in this order: the order they are tried)
 from . import (  # noqa: F401,I001
-    logs, exps, reductions, normalization, cancellation, attention, branches,
+    logs, exps, reductions, normalization, cancellation, attention, branches, guards,
 )
 from .graph import RewriteBackend, Site, apply_match
 from .registry import REWRITES, Call, Match, Rewrite, describe, find_matches, rewrite

@@ -85,7 +85,8 @@ def apply_match(gm: torch.fx.GraphModule, match: Match) -> torch.fx.Node:
 
 class RewriteBackend:
     """A ``torch.compile`` backend that applies the rewrites at ``sites`` to each graph, then
-    hands it to ``inner`` (another backend; None: the graph runs as it is).
+    hands it to ``inner`` (another backend; None: the graph runs as it is). ``format``: the
+    format the program runs in (the format-aware rewrites match only where it is given).
 
     Attributes:
         matches: per graph compiled, every match of the table found before rewriting (what a
@@ -93,19 +94,21 @@ class RewriteBackend:
         applied: the sites applied.
     """
 
-    def __init__(self, sites: Iterable[Site] = (), inner: Optional[Callable] = None) -> None:
+    def __init__(self, sites: Iterable[Site] = (), inner: Optional[Callable] = None,
+                 format: Optional[Any] = None) -> None:
         self.sites = list(sites)
         self.inner = inner
+        self.format = format  # the format the program runs in: the format-aware rewrites
         self.matches: list[list[Match]] = []
         self.applied: list[Site] = []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         index = len(self.matches)
-        self.matches.append(find_matches(gm.graph))
+        self.matches.append(find_matches(gm.graph, format=self.format))
         for site in [s for s in self.sites if s.graph == index]:
             # matched again on the graph as rewritten so far: an earlier rewrite may have
             # removed the nodes of an overlapping one (then the site is skipped)
-            found = [m for m in find_matches(gm.graph, [site.rewrite])
+            found = [m for m in find_matches(gm.graph, [site.rewrite], self.format)
                      if m.root.name == site.root]
             if found:
                 apply_match(gm, found[0])

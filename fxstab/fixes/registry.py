@@ -40,6 +40,8 @@ class Call:
         """The call as a user would write it (operands by their names in the program)."""
         if self.text in ("-", "~"):  # a negation reads as the operator
             return self.text + spelled(self.args[0], _NEG)
+        if self.text == "+":  # so does a sum
+            return f"{spelled(self.args[0], 1)} + {spelled(self.args[1], 1, True)}"
         parts = [spelled(a) for a in self.args]
         parts += [f"{k}={spelled(v)}" for k, v in self.kwargs.items()]
         return f"{self.text}({', '.join(parts)})"
@@ -113,26 +115,29 @@ class Match:
 
 @dataclass(frozen=True)
 class Rewrite:
-    """One entry of the table: ``match(node) -> Match | None`` (pattern and precondition),
-    ``doc`` its documentation (the docstring), ``summary`` its first paragraph, ``needs`` its
+    """One entry of the table: ``match(node) -> Match | None`` (pattern and precondition;
+    ``match(node, format)`` where ``format_aware``: a guard the format erases), ``doc`` its
+    documentation (the docstring), ``summary`` its first paragraph, ``needs`` its
     precondition (the docstring's ``Needs:`` paragraph)."""
 
     name: str
-    match: Callable[[torch.fx.Node], Optional[Match]]
+    match: Callable[..., Optional[Match]]
     naive: str  # the naive formula, as code
     stable: str  # the stable form, as code
     doc: str
     summary: str
     needs: str
+    format_aware: bool = False  # match(node, format): the pattern depends on the format
 
 
 REWRITES: dict[str, Rewrite] = {}
 """name -> its rewrite, in registration order (the order they are tried)."""
 
 
-def rewrite(name: str, naive: str, stable: str) -> Callable:
+def rewrite(name: str, naive: str, stable: str, format_aware: bool = False) -> Callable:
     """Register the decorated ``match(node) -> Match | None`` as the rewrite ``name`` of
-    ``naive`` into ``stable`` (both as code, for the documentation and the CLI)."""
+    ``naive`` into ``stable`` (both as code, for the documentation and the CLI);
+    ``format_aware``: it is ``match(node, format)``, asked only where the format is known."""
     if name in REWRITES:
         raise ValueError(f"a rewrite named {name!r} is already registered; pick another name")
 
@@ -141,7 +146,8 @@ def rewrite(name: str, naive: str, stable: str) -> Callable:
         paragraphs = [" ".join(p.split()) for p in doc.split("\n\n")]
         needs = next((p[len("Needs:"):].strip() for p in paragraphs if p.startswith("Needs:")),
                      "")
-        REWRITES[name] = Rewrite(name, match, naive, stable, doc, paragraphs[0], needs)
+        REWRITES[name] = Rewrite(name, match, naive, stable, doc, paragraphs[0], needs,
+                                 format_aware)
         return match
 
     return register
@@ -156,16 +162,19 @@ def describe(name: str) -> str:
         (f"\nneeds: {r.needs}" if r.needs else "")
 
 
-def find_matches(graph: torch.fx.Graph, names: Optional[Any] = None) -> list[Match]:
+def find_matches(graph: torch.fx.Graph, names: Optional[Any] = None,
+                 format: Optional[Any] = None) -> list[Match]:
     """Every match of the rewrites ``names`` (default: the whole table) in ``graph``, in graph
-    order, each rewrite's in table order at one root."""
+    order, each rewrite's in table order at one root; the format-aware ones only where
+    ``format`` (a :class:`fxstab.Format`) is given."""
     chosen = [REWRITES[n] for n in names] if names is not None else list(REWRITES.values())
+    chosen = [r for r in chosen if format is not None or not r.format_aware]
     out = []
     for node in graph.nodes:
         if node.op not in ("call_function", "call_method"):
             continue
         for r in chosen:
-            m = r.match(node)
+            m = r.match(node, format) if r.format_aware else r.match(node)
             if m is not None:
                 out.append(m)
     return out

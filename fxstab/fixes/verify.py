@@ -157,7 +157,7 @@ def _analyse(model: Any, inputs: tuple, fmt: Format, options: dict,
     with warnings.catch_warnings():  # the backend's notes (coverage): fixes are not about them
         warnings.simplefilter("ignore", UserWarning)
         be = make_backend(format=fmt, **options)
-        rewriter = RewriteBackend(sites, inner=be)
+        rewriter = RewriteBackend(sites, inner=be, format=fmt)
         compiled = torch.compile(model, backend=rewriter)
         with be.capture_samples() as cap:
             if options.get("backward"):
@@ -196,7 +196,7 @@ def _real(model: Any, inputs: tuple, fmt: Format, sites: Sequence[Site],
     xs = _cast(inputs, low)
     ref_model, run_model = _as(lowered, torch.float64), _as(lowered, low)
     torch._dynamo.reset()
-    rewriter = RewriteBackend(sites)
+    rewriter = RewriteBackend(sites, format=fmt)
     compiled = torch.compile(run_model, backend=rewriter)
     if backward:
         ref = _with_gradients(ref_model, _cast(xs, torch.float64), _params(ref_model))
