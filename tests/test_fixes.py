@@ -661,6 +661,14 @@ def test_fix_command_exits_1_on_a_finding_without_a_fix(tmp_path, capsys):
     assert "without a verified fix: mul#1" in out, out  # (a * 1000) * 1000 overflows
 
 
+def test_fix_command_has_its_help(capsys):
+    from fxstab.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["fix", "--help"])
+    assert e.value.code == 0 and "usage: fxstab fix" in capsys.readouterr().out
+
+
 def test_fix_command_exits_2_on_bad_input(tmp_path, capsys):
     from fxstab.cli import main
 

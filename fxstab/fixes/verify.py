@@ -288,10 +288,11 @@ def suggest_fixes(model: Any, example_inputs: Any, format: Any = "bf16",
 
     The model is analysed at the operator level (``fxstab.backend(format=format,
     **options)``); every rewrite of the table that matches at a finding's operator (a NaN/inf
-    origin, an absorbed one too, an operator losing digits against its inputs, an underflow:
-    the map's findings), at its inputs or at its readers, is applied to a copy of the captured graph, and the program is analysed
-    again (same seed) and run for real in ``format`` against fp64. Where the real run shows
-    NaN/inf the analysis names no origin of, every match is tried.
+    origin, an operator losing digits against its inputs, an underflow: the map's findings;
+    and a NaN/inf the program absorbs), at its inputs or at its readers, is applied to a copy
+    of the captured graph, and the program is analysed again (same seed) and run for real in
+    ``format`` against fp64. Where the real run shows NaN/inf the analysis names no origin
+    of, every match is tried.
 
     The real runs are compared with fp64 element by element: a model in training mode
     draws its dropout differently in each run; pass it in eval mode.
