@@ -604,6 +604,26 @@ def test_a_healthy_program_has_nothing_to_fix():
     assert fixes == []
 
 
+def test_a_rewrite_that_fails_to_run_is_skipped_with_a_warning(monkeypatch):
+    """A stable form the program refuses (here: made to raise) costs that candidate alone."""
+    from fxstab import suggest_fixes
+    from fxstab.fixes import verify
+
+    real = verify._try
+
+    def failing(model, inputs, fmt, options, site, *rest):
+        if site.rewrite == "log_softmax":
+            raise RuntimeError("refused")
+        return real(model, inputs, fmt, options, site, *rest)
+
+    monkeypatch.setattr(verify, "_try", failing)
+    with pytest.warns(UserWarning, match="log_softmax .* failed to run .* refused"):
+        fixes = suggest_fixes(SoftmaxCrossEntropy(), _bug_inputs("SoftmaxCrossEntropy"),
+                              format="fp16")
+    assert "log_softmax" not in [f.rewrite for f in fixes]
+    assert fixes[0].rewrite == "cross_entropy" and fixes[0].verified, fixes
+
+
 def test_suggest_fixes_says_what_was_wrong_with_its_arguments():
     from fxstab import suggest_fixes
 

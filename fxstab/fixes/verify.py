@@ -346,8 +346,15 @@ def search_fixes(model: Any, example_inputs: Any, format: Any = "bf16",
             near = tuple(f for f in around if around[f] & ops)
             if near or unexplained:
                 tried.setdefault(Site(gi, m.rewrite, m.root.name), (m, names, near))
-    fixes = [_try(model, inputs, fmt, options, site, m, names, base, real, near, backward)
-             for site, (m, names, near) in tried.items()]
+    fixes = []
+    for site, (m, names, near) in tried.items():
+        try:
+            fixes.append(_try(model, inputs, fmt, options, site, m, names, base, real, near,
+                              backward))
+        except Exception as e:  # a stable form the program's shapes or dtypes refuse
+            warnings.warn(f"fxstab: the rewrite {site.rewrite} ({m.code()}) failed to run in "
+                          f"the program and was skipped: {type(e).__name__}: {e}",
+                          UserWarning, stacklevel=2)
     return findings, sorted(fixes, key=lambda f: (not f.verified,
                                                   f.nonfinite_after - f.nonfinite_before,
                                                   f.real_before - f.real_after))
