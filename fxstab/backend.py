@@ -331,6 +331,12 @@ class FxstabBackend:
         no_output = sorted(set().union(*(g.info.no_output for g in self.graphs)))
         if no_output:  # operators whose values reach only integer results (DigitMap's notes)
             meta["no_output"] = no_output
+        # operators whose values are the graphs' outputs: read by other operators too, their
+        # NaN/inf is no one's to absorb (DigitMap.absorbed_nonfinite)
+        outputs = set().union(*(getattr(g.info, "outputs", set()) for g in self.graphs))
+        read = {i for r in self.reports for i in r.inputs}
+        if outputs & read:
+            meta["outputs"] = sorted(outputs & read)
         if c.formats:  # per-operator formats (a precision plan): pattern -> format
             meta["formats"] = {p: f.name for p, f in c.formats}
         # the GEMMs whose low-precision recipe the program names (torchao's

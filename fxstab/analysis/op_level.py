@@ -70,6 +70,9 @@ class GraphInfo:
     # instrumented operators whose values reach no floating output but through instrumented
     # operators (a NaN/inf there is absorbed: GraphAnalysis._reaching_no_output)
     no_output: set = field(default_factory=set)
+    # instrumented operators whose values are outputs of the graph (through no instrumented
+    # operator), read by other operators or not: a NaN/inf there reaches the caller
+    outputs: set = field(default_factory=set)
 
 
 class GraphAnalysis:
@@ -200,7 +203,7 @@ class GraphAnalysis:
             self.plans.append(plan)
         self.frontier = frontier
         self.plan_of = {plan.node: plan for plan in self.plans}  # the tracer's lookup
-        self.info.no_output = self._reaching_no_output()
+        self.info.no_output, self.info.outputs = self._reaching_no_output()
         # placeholders read with .item() (dynamo passes a module's float as a 0-d tensor):
         # their values are part of a trace's signature
         self._item_inputs = [i for i, n in enumerate(self._placeholders())
@@ -260,11 +263,13 @@ class GraphAnalysis:
                     low[node] = fmts.pop() if fmts else None
         return low
 
-    def _reaching_no_output(self) -> set:
+    def _reaching_no_output(self) -> tuple[set, set]:
         """The instrumented operators that no instrumented operator reads and whose values
         reach no floating output of the graph: only integer results (a cast to int, a
         comparison, a mask) or nothing. A NaN/inf they hold is absorbed there (a T5
-        relative-position bucket's ``log(0)`` feeds an integer cast)."""
+        relative-position bucket's ``log(0)`` feeds an integer cast). And the instrumented
+        operators whose values reach an output of the graph (a NaN/inf there is no one's to
+        absorb, even where another operator reads them too)."""
         plans = self.plan_of
         reaches: dict = {}
 
@@ -287,14 +292,18 @@ class GraphAnalysis:
         # read by an instrumented operator with a floating output (one the map will hold)
         read = {i for p in self.plans if p.name is not None and _maybe_floating(p.node)
                 for i in p.inputs}
-        out = set()
+        out, outputs = set(), set()
         for node in reversed(list(self.sgraph.nodes)):  # users first: shallow recursion
             plan = plans.get(node)
-            # (one that instrumented operators read is the map's edges' business)
-            if plan is not None and plan.name is not None and plan.name not in read and \
-                    not reaches_output(node):
+            if plan is None or plan.name is None:
+                continue
+            if reaches_output(node):
+                if _maybe_floating(node):
+                    outputs.add(plan.name)
+            elif plan.name not in read:
+                # (one that instrumented operators read is the map's edges' business)
                 out.add(plan.name)
-        return out
+        return out, outputs
 
     def _plan_fusion(self) -> None:
         """Mark the rounded outputs whose only consumer is an instrumented GEMM that reads them

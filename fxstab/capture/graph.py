@@ -15,7 +15,15 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx
 
-from .opsets import DEFAULT_KINDS, DROPOUT_KINDS, FAMILIES, METADATA_KINDS, is_custom, node_kind
+from .opsets import (
+    DEFAULT_KINDS,
+    DROPOUT_KINDS,
+    FAMILIES,
+    METADATA_KINDS,
+    does_arithmetic,
+    is_custom,
+    node_kind,
+)
 
 __all__ = ["is_metadata", "selector", "is_inplace", "mutated_placeholders", "identity_dropout",
            "reads_item", "fetch_attr", "node_callable", "floating_dtype", "names_weight"]
@@ -35,17 +43,32 @@ _VIEW_KINDS = frozenset({"view", "reshape", "transpose", "permute", "getitem", "
                          "squeeze", "flatten", "expand", "narrow", "select", "t", "contiguous"})
 
 
+def _floating_value(node: torch.fx.Node) -> bool:
+    """Whether a node's recorded value (dynamo's ``example_value``) may hold a floating tensor
+    (True where none is recorded): an in-place count of integers (BatchNorm's
+    ``num_batches_tracked.add_(1)``) is no arithmetic to analyse."""
+    value = node.meta.get("example_value", node.meta.get("val"))
+    return value is None or any(isinstance(v, torch.Tensor) and (v.is_floating_point() or
+                                                                 v.is_complex())
+                                for v in torch.utils._pytree.tree_leaves(value))
+
+
 def selector(select: Any) -> Callable[[torch.fx.Node, str, str], bool]:
     """Build ``pred(node, kind, qualified_name)`` from the ``select`` option.
 
-    ``None``: the default families and custom operators. A string or a list of strings: each a
+    ``None``: every operator that may do floating arithmetic (the families, custom operators,
+    and any kind :func:`~fxstab.capture.opsets.does_arithmetic` admits: ``F.normalize``,
+    ``torch.erf``, ``cos``...; not data movement, selections, comparisons, random draws or
+    metadata reads). A string or a list of strings: each a
     family (:data:`FAMILIES`), ``"custom"`` (custom operators), ``"all"`` (the same as ``"*"``:
     every operator), a glob over ``module.path/kind`` (any string with one of ``*?[/.``; a
     default-family operator also matches by its module path alone: ``"blocks.*"``) or else an
     operator kind (:class:`fxstab.config.AnalysisConfig` has rejected names that are none of
     these). A callable: ``(node, qualified_name) -> bool``."""
-    if select is None:  # the default families, and custom operators (docs/design.md §3)
-        return lambda node, kind, qn: kind in DEFAULT_KINDS or is_custom(node)
+    if select is None:  # every operator that does floating arithmetic, custom ones included
+        # (docs/design.md §3)
+        return lambda node, kind, qn: kind in DEFAULT_KINDS or is_custom(node) or \
+            (does_arithmetic(kind) and _floating_value(node))
     if callable(select) and not isinstance(select, str):
         return lambda node, kind, qn: bool(select(node, qn))
     items = [select] if isinstance(select, str) else list(select)

@@ -103,6 +103,12 @@ EXACT_KINDS = frozenset({
     "hardtanh",
 })
 
+# selections that write a Python scalar argument into their output (clamp's bounds,
+# masked_fill's value, where's other side): the real run holds it in the tensor's format
+SCALAR_WRITING_KINDS = frozenset({"clamp", "clamp_min", "clamp_max", "clip", "hardtanh",
+                                  "threshold", "masked_fill", "where"})
+
+
 def nothing_to_lose(kind: str) -> str | None:
     """Why an operator of ``kind`` cannot lose digits, if it cannot: ``"exact (data movement
     or selection)"`` (:data:`EXACT_KINDS`), ``"random draws"`` (a random operator that is no
@@ -202,6 +208,29 @@ METADATA_KINDS = frozenset({"size", "dim", "numel", "stride", "is_floating_point
 _OTHER_KINDS = frozenset({"apply", "item"})
 
 
+# kinds that compare, test or index: no floating arithmetic of their own (an integer or
+# boolean result, or an index), so nothing the default selection need round
+_NO_ARITHMETIC_KINDS = frozenset({
+    "lt", "le", "gt", "ge", "eq", "ne", "isnan", "isinf", "isfinite", "isneginf", "isposinf",
+    "logical_and", "logical_or", "logical_not", "logical_xor", "bitwise_and", "bitwise_or",
+    "bitwise_not", "bitwise_xor", "argmax", "argmin", "argsort", "nonzero", "any", "all",
+    "floordiv", "mod", "remainder", "fmod", "bucketize", "searchsorted", "one_hot", "long",
+    "int", "bool", "short", "byte", "char", "signbit", "isclose", "allclose", "equal",
+    "count_nonzero", "bincount", "histc", "unique", "unique_consecutive",
+})
+
+
+def does_arithmetic(kind: str) -> bool:
+    """Whether an operator of ``kind`` may do floating arithmetic the default selection must
+    analyse: any kind but data movement and selections (:data:`EXACT_KINDS`), random draws,
+    metadata reads, comparisons and index computations, and the fused calls whose composite is
+    analysed instead (a default that listed families left ``F.normalize``, ``torch.erf``,
+    ``cos``... unanalysed: issue 54)."""
+    return not (kind in EXACT_KINDS or kind in METADATA_KINDS or kind in _OTHER_KINDS or
+                kind in COMPOSITE_KINDS or kind in _NO_ARITHMETIC_KINDS or
+                (kind in RANDOM_KINDS and kind not in DROPOUT_KINDS))
+
+
 def known_kind(name: str) -> bool:
     """Whether ``name`` is an operator kind a selection (``select=``) can mean: a kind fxstab
     knows (the tables of this module, fxstab's names for Python operators and aliases), or one
@@ -246,7 +275,7 @@ def family_of(kind: str) -> str | None:
     return KIND_TO_FAMILY.get(kind)
 
 
-__all__ = ["FAMILIES", "METADATA_KINDS", "DEFAULT_FAMILIES", "GEMM_KINDS", "DEFAULT_KINDS", "RANDOM_KINDS",
+__all__ = ["does_arithmetic", "SCALAR_WRITING_KINDS", "FAMILIES", "METADATA_KINDS", "DEFAULT_FAMILIES", "GEMM_KINDS", "DEFAULT_KINDS", "RANDOM_KINDS",
            "DROPOUT_KINDS", "RNN_KINDS", "EXACT_KINDS", "COMPOSITE_KINDS", "target_kind",
            "node_kind", "is_gemm", "family_of", "custom_namespace", "is_custom", "nothing_to_lose", "qualified_op_name", "known_kind",
            "F"]

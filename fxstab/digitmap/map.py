@@ -569,14 +569,16 @@ class DigitMap:
         # operators whose values reach no output but through instrumented ones (past them:
         # integer casts, comparisons, masks); recorded by the analysis (metadata)
         sinks = set(self.metadata.get("no_output", ()))
+        # operators that are outputs and read by operators too (recorded by the analysis)
+        outputs = set(self.metadata.get("outputs", ()))
         out = {}
         for origin in self._nonfinite_origins():
             region, todo, absorbers, closed = {origin}, [origin], set(), True
             while todo and closed:
                 name = todo.pop()
                 readers = consumers[name]
-                if not readers and name not in sinks:  # an output, or read by no operator
-                    closed = False
+                if (not readers and name not in sinks) or name in outputs:  # an output (or
+                    closed = False  # read by no operator)
                 for r in readers:
                     if not self.operators[r].non_finite:
                         absorbers.add(r)

@@ -23,7 +23,7 @@ from ...capture.graph import (
     fetch_attr, identity_dropout, is_inplace, names_weight, node_callable,
 )
 from ...capture.naming import qualified_name
-from ...capture.opsets import nothing_to_lose
+from ...capture.opsets import SCALAR_WRITING_KINDS, nothing_to_lose
 from ... import executors
 from ...cpu import alloc, bindings as native
 from ...numerics import lowp_gemm, randbits
@@ -40,8 +40,24 @@ from .lifted import isolated, lifted
 from .registry import ONCE, OpCall, rules_for
 from .structural import in_vmap_region, on_samples, rebatched, unbatched
 
-__all__ = ["SampleTracer", "Pending", "RoundedOutput"]
+__all__ = ["SampleTracer", "Pending", "RoundedOutput", "held_scalars"]
 
+
+def held_scalars(kind: str, leaves: list, fmt: Any) -> list:
+    """The Python floats among the arguments of a selection that writes them into its output
+    (:data:`~fxstab.capture.opsets.SCALAR_WRITING_KINDS`: clamp's bounds, masked_fill's value;
+    other kinds' leaves as they are) as the real run in the format holds them: rounded to
+    nearest, saturating (a mask's fp32
+    ``finfo.min`` is the format's lowest). Issue 54: ``clamp(p, 1e-4, 1 - 1e-4)`` is
+    ``clamp(p, 1e-4, 1.0)`` in fp16, and the ``log(1 - p)`` after it ``-inf`` where the
+    samples, clamped at the fp32 bound, stayed finite."""
+    from ...numerics.rounding import quantize
+
+    if kind not in SCALAR_WRITING_KINDS:
+        return leaves
+    return [float(quantize(torch.tensor(v, dtype=torch.float64), fmt, "nearest",
+                           saturate=True))
+            if type(v) is float and v == v and abs(v) != float("inf") else v for v in leaves]
 
 class Pending(NamedTuple):
     """What a round step of one call notes for :meth:`SampleTracer.finish`: the operator's
@@ -275,6 +291,7 @@ class SampleTracer(torch.fx.Interpreter):
         kind = plan.kind
         if stacked:
             fn = on_samples(kind, fn, leaves)
+            leaves = held_scalars(kind, leaves, plan.format or self.fmt)
 
         if stacked and is_inplace(node) and isinstance(args[0], torch.Tensor):
             # x += f(samples) into a plain tensor (a T5-style relative bias): the target
