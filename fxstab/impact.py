@@ -94,9 +94,15 @@ class Impact:
                  f"operator rounded; {self.calls} analysed calls; below {self.threshold:g}: "
                  f"harmless here)",
                  f"{'operator':<{width}}  {'impact':>7}"]
+        bound = False
         for name, gain in rows:
             mark = "" if name in self.resolved else "  (group bound)"
+            bound = bound or bool(mark)
             lines.append(f"{name:<{width}}  {gain:7.2f}{mark}")
+        if bound:  # (issue 56, item 11: the words were explained nowhere)
+            lines.append(f"group bound: left unrounded with its group, which gained less than "
+                         f"{self.threshold:g} and was not split further; each operator in it is "
+                         f"given the group's gain, a bound on its own")
         return "\n".join(lines)
 
 

@@ -42,6 +42,10 @@ def test_impact_names_the_hazard_and_clears_the_computational_zero(tmp_path):
     assert not imp.matters("mean#1"), imp.table()  # the computational zero: harmless
     assert imp.calls <= 1 + 2 * 2 * 4  # bisection: well under one call per operator + 1
     assert "impact on the outputs" in imp.table()
+    # a group bound says what it is (issue 56, item 11)
+    table = imp.table(top=None).splitlines()
+    assert any(ln.endswith("(group bound)") for ln in table), table
+    assert table[-1].startswith("group bound: left unrounded with its group, which gained less")
     # the map's findings lead with what costs the outputs; a harmless local loss is a note
     findings = imp.digit_map.findings()
     assert findings[0].startswith("digits are lost at sub#2") and "of add#0" in findings[0] \
