@@ -121,7 +121,7 @@ def _rewritten(fn, name: str):
 def test_every_rewrite_has_an_equivalence_case():
     """The format-aware rewrites change the value by design: their own test below."""
     assert sorted(CASES) == sorted(n for n, r in REWRITES.items() if not r.format_aware)
-    assert [n for n, r in REWRITES.items() if r.format_aware] == ["eps"]
+    assert [n for n, r in REWRITES.items() if r.format_aware] == ["eps", "clamp_bounds"]
 
 
 def test_eps_raises_a_guard_the_format_erases_to_its_smallest_normal():
@@ -218,6 +218,39 @@ def test_where_masked_keeps_the_gradient_finite():
     assert torch.isnan(g_naive[-1]) and torch.isfinite(g_fixed).all()
     ok = torch.isfinite(g_naive)
     torch.testing.assert_close(g_fixed[ok], g_naive[ok], rtol=0, atol=0)
+
+
+def test_clamp_bounds_raises_the_bounds_the_format_erases():
+    """fp16 erases both bounds of ``clamp(1e-8, 1 - 1e-4)``, bf16 the upper one (``1 - 2^-8``
+    is its largest number below 1), fp32 neither; the rewritten formula is exactly the naive
+    one with the format's bounds (fp64)."""
+    import fxstab
+
+    x = torch.linspace(-0.5, 1.5, 11, dtype=torch.float64)
+
+    def found_in(fn, fmt):
+        found: list = []
+
+        def backend(gm, example_inputs):
+            matches = find_matches(gm.graph, ["clamp_bounds"], fxstab.get_format(fmt))
+            found.extend(m.code() for m in matches)
+            for m in matches[:1]:
+                apply_match(gm, m)
+            return gm
+
+        torch._dynamo.reset()
+        return torch.compile(fn, backend=backend, dynamic=False)(x), found
+
+    naive = lambda p: torch.log(1 - p.clamp(1e-8, 1 - 1e-4))  # noqa: E731
+    got, found = found_in(naive, "fp16")
+    assert found == ["torch.clamp(p, min=6.103515625e-05, max=0.99951171875)"]
+    torch.testing.assert_close(got, torch.log(1 - x.clamp(2.0 ** -14, 1 - 2.0 ** -11)),
+                               rtol=0, atol=0)
+    assert found_in(naive, "bf16")[1] == ["torch.clamp(p, min=1e-08, max=0.99609375)"]
+    assert found_in(naive, "fp32")[1] == []
+    assert found_in(lambda p: torch.log(p.clamp_min(1e-8)), "fp16")[1] == \
+        ["torch.clamp(p, min=6.103515625e-05)"]
+    assert found_in(lambda p: torch.log(torch.clamp(p, min=1e-3)), "fp16")[1] == []
 
 
 def test_a_pattern_matches_only_where_its_precondition_holds():
@@ -436,6 +469,14 @@ class GuardedLog(torch.nn.Module):
         return torch.log(p + 1e-8)  # naive
 
 
+class ClampedProbability(torch.nn.Module):
+    """The complement's log, guarded by a clamp whose upper bound fp16 rounds to 1."""
+
+    def forward(self, x):
+        p = torch.sigmoid(x)
+        return torch.log(1 - p.clamp(1e-6, 1 - 1e-4))  # naive
+
+
 class ShiftedBack(torch.nn.Module):
     """A value shifted by a large offset and back."""
 
@@ -481,6 +522,8 @@ def _bug_inputs(name: str) -> tuple:
         return (torch.randn(4, 64, generator=g) * 300 + 1000,)
     if name == "GuardedLog":
         return (torch.randn(4, 10, generator=g) * 30,)
+    if name == "ClampedProbability":
+        return (torch.randn(16, generator=g) * 20,)
     if name == "ShiftedBack":
         return (torch.rand(16, generator=g) * 1e-2,)
     if name == "PopulationVariance":
@@ -517,6 +560,7 @@ BUGS = {  # program -> (its format, the rewrite that fixes it)
     HandLayerNorm: ("fp16", "layer_norm"),
     HandRMSNorm: ("fp16", "rms_norm"),
     GuardedLog: ("fp16", "eps"),
+    ClampedProbability: ("fp16", "clamp_bounds"),
 }
 
 

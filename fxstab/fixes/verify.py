@@ -268,10 +268,25 @@ def _near(dm: DigitMap, names: Sequence[str]) -> set:
     return out
 
 
+def _operators(match: Match, names: dict) -> set:
+    """The operators of a match's nodes; for a node the analysis does not instrument (a
+    clamp is exact: it selects values), those of its inputs and readers in the graph."""
+    out = set()
+    for node in match.nodes:
+        if node.name in names and names[node.name]:
+            out.add(names[node.name])
+        else:
+            out.update(names[n.name] for n in (*node.all_input_nodes, *node.users)
+                       if names.get(n.name))
+    return out
+
+
 def _operator(match: Match, names: dict) -> str:
-    """The operator a match's finding names: its anchor's, else the first named node's."""
-    for node in (match.anchor, match.root, *match.nodes):
-        if node.name in names:
+    """The operator a match's finding names: its anchor's, else the first named node's, else
+    a reader's or an input's (an exact clamp has no operator of its own)."""
+    for node in (match.anchor, match.root, *match.nodes, *match.anchor.users,
+                 *match.anchor.all_input_nodes):  # a reader first: where the guard acts
+        if names.get(node.name):
             return names[node.name]
     return match.anchor.name
 
@@ -342,8 +357,7 @@ def search_fixes(model: Any, example_inputs: Any, format: Any = "bf16",
     for gi, matches in enumerate(base.rewriter.matches):
         names = base.names[gi] if gi < len(base.names) else {}
         for m in matches:
-            ops = {names[n.name] for n in m.nodes if n.name in names}
-            near = tuple(f for f in around if around[f] & ops)
+            near = tuple(f for f in around if around[f] & _operators(m, names))
             if near or unexplained:
                 tried.setdefault(Site(gi, m.rewrite, m.root.name), (m, names, near))
     fixes = []
@@ -369,7 +383,7 @@ def _try(model: Any, inputs: tuple, fmt: Format, options: dict, site: Site, matc
     operator = _operator(match, names)
     # the line the stable form is written at: the root's (the finding's operator may stand
     # on an earlier line, as the exp of ``w = exp(s)`` before ``w / w.sum(-1, keepdim=True)``)
-    root = names.get(match.root.name, "")
+    root = names.get(match.root.name) or ""
     source = base.dm[root].source if root in base.dm else ""
     source = source or source_location(match.root)
     verified = applied and real_after.nonfinite <= real.nonfinite and \
