@@ -301,6 +301,12 @@ def test_the_replacement_reads_as_code():
                                  "log1m_sigmoid")
     compiled(_randn(3), _randn(3))
     assert found == ["F.logsigmoid(-(h * 20 + y))"]  # an unnamed operation by its expression
+    compiled, found = _rewritten(lambda t, z: t * torch.log(F.softmax(z, 1)), "xlogy")
+    compiled(_probs(2, 3), _randn(2, 3))
+    assert found == ["torch.xlogy(t, F.softmax(z, 1))"]  # an unnamed call, as written
+    compiled, found = _rewritten(lambda x: torch.log(1 + x.sum(-1)), "log1p")
+    compiled(_randn(2, 3).abs())
+    assert found == ["torch.log1p(x.sum(-1))"]
     assert "log_softmax" in describe("log_softmax") and "needs:" in describe("log_softmax")
     assert all(r.summary and r.doc for r in REWRITES.values())
 

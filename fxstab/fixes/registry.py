@@ -14,11 +14,12 @@ graph and one printer writes it as code (``F.log_softmax(z, 1)``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import operator
 import re
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import torch
 import torch.fx
 
 __all__ = ["Call", "Match", "Rewrite", "REWRITES", "rewrite", "describe", "find_matches",
@@ -60,7 +61,30 @@ def _unnamed(node: torch.fx.Node) -> bool:
     """Whether dynamo named ``node`` after its operator (``mul``, ``truediv_1``), not after a
     variable of the program (``p = softmax(z)`` names it ``p``)."""
     base = re.sub(r"_\d+$", "", node.name)
-    return base == getattr(node.target, "__name__", None)
+    target = node.target if isinstance(node.target, str) else \
+        getattr(node.target, "__name__", None)
+    return base == target
+
+
+def _callee(fn: Any) -> Optional[str]:
+    """How a program names a torch function: ``F.softmax``, ``torch.log``; None for others."""
+    name = getattr(fn, "__name__", "")
+    if getattr(fn, "__module__", "") == "torch.nn.functional":
+        return f"F.{name}"
+    if name and getattr(torch, name, None) is fn:
+        return f"torch.{name}"
+    return None
+
+
+def _call_text(node: torch.fx.Node, depth: int) -> Optional[str]:
+    """An unnamed call of a torch function or a tensor method, as the program wrote it
+    (``F.softmax(z, 1)``, ``x.sum(-1)``), else None."""
+    args = [spelled(a, 0, False, depth - 1) for a in node.args]
+    args += [f"{k}={spelled(v, 0, False, depth - 1)}" for k, v in node.kwargs.items()]
+    if node.op == "call_method" and node.args:
+        return f"{spelled(node.args[0], 5, False, depth - 1)}.{node.target}({', '.join(args[1:])})"
+    text = _callee(node.target) if node.op == "call_function" else None
+    return f"{text}({', '.join(args)})" if text else None
 
 
 def spelled(value: Any, outer: float = 0, right: bool = False, depth: int = 2) -> str:
@@ -79,6 +103,10 @@ def spelled(value: Any, outer: float = 0, right: bool = False, depth: int = 2) -
             b = spelled(value.args[1], prec, True, depth - 1)
             text = f"{a} {sym} {b}"
             return f"({text})" if prec < outer or (prec == outer and right) else text
+        if depth and value.op in ("call_function", "call_method") and _unnamed(value):
+            text = _call_text(value, depth)
+            if text is not None:
+                return text
         name = value.name
         if value.op == "placeholder" and name.startswith("l_") and name.endswith("_"):
             name = name[2:-1]
