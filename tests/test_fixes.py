@@ -679,6 +679,8 @@ def test_suggest_fixes_says_what_was_wrong_with_its_arguments():
 
     with pytest.raises(ValueError, match="not a dtype torch computes in"):
         suggest_fixes(LogSigmoid(), (torch.randn(4),), format="fp8_e4m3")
+    with pytest.raises(ValueError, match="positional inputs"):
+        suggest_fixes(LogSigmoid(), {"x": torch.randn(4)}, format="fp16")
     with pytest.raises(ValueError, match="granularity"):
         suggest_fixes(LogSigmoid(), (torch.randn(4),), format="fp16", granularity="aten")
 

@@ -344,6 +344,10 @@ def search_fixes(model: Any, example_inputs: Any, format: Any = "bf16",
     if options.get("granularity", "op") != "op":
         raise ValueError("suggest_fixes rewrites the operator-level graph: leave granularity "
                          f"at 'op' (got {options['granularity']!r})")
+    if isinstance(example_inputs, dict):
+        raise ValueError("suggest_fixes takes positional inputs (a tensor or a tuple), got a "
+                         "dict of keyword inputs: wrap the model in a module whose forward "
+                         "takes them in order")
     inputs = as_inputs(example_inputs)
     backward = bool(options.get("backward"))
     base = _analyse(model, inputs, fmt, options, ())
