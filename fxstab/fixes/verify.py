@@ -394,7 +394,9 @@ def _try(model: Any, inputs: tuple, fmt: Format, options: dict, site: Site, matc
         after.nonfinite <= base.nonfinite and \
         (real_after.nonfinite < real.nonfinite or
          real_after.digits >= real.digits + MIN_GAIN)
-    return Fix(operator=operator, rewrite=site.rewrite, source=source, code=_code(source),
+    # the map's own record of the line's text where it has one, else the file's line
+    code = (getattr(base.dm[root], "code", "") if root in base.dm else "") or _code(source)
+    return Fix(operator=operator, rewrite=site.rewrite, source=source, code=code,
                replacement=match.code(), before=base.digits, after=after.digits,
                real_before=real.digits, real_after=real_after.digits,
                nonfinite_before=real.nonfinite, nonfinite_after=real_after.nonfinite,
