@@ -659,19 +659,40 @@ def test_a_rewrite_that_fails_to_run_is_skipped_with_a_warning(monkeypatch):
     from fxstab import suggest_fixes
     from fxstab.fixes import verify
 
-    real = verify._try
+    real = verify._real
 
-    def failing(model, inputs, fmt, options, site, *rest):
-        if site.rewrite == "log_softmax":
+    def failing(model, inputs, fmt, sites, *rest):
+        if any(site.rewrite == "log_softmax" for site in sites):
             raise RuntimeError("refused")
-        return real(model, inputs, fmt, options, site, *rest)
+        return real(model, inputs, fmt, sites, *rest)
 
-    monkeypatch.setattr(verify, "_try", failing)
+    monkeypatch.setattr(verify, "_real", failing)
     with pytest.warns(UserWarning, match="log_softmax .* failed to run .* refused"):
         fixes = suggest_fixes(SoftmaxCrossEntropy(), _bug_inputs("SoftmaxCrossEntropy"),
                               format="fp16")
     assert "log_softmax" not in [f.rewrite for f in fixes]
     assert fixes[0].rewrite == "cross_entropy" and fixes[0].verified, fixes
+
+
+class TwoNaiveHeads(torch.nn.Module):
+    """The same naive formula twice: either one alone keeps the sum's output -inf."""
+
+    def forward(self, z, w):
+        a = torch.log(F.softmax(z, -1))
+        b = torch.log(F.softmax(w, -1))
+        return a + b
+
+
+def test_one_rewrite_at_several_places_is_verified_together():
+    from fxstab import suggest_fixes
+
+    g = _gen(3)
+    z, w = torch.randn(4, 10, generator=g) * 30, torch.randn(4, 10, generator=g) * 30
+    fixes = [f for f in suggest_fixes(TwoNaiveHeads(), (z, w), format="fp16")
+             if f.rewrite == "log_softmax"]
+    lines = sorted(int(f.source.rpartition(":")[2]) for f in fixes)
+    assert len(fixes) == 2 and all(f.verified and f.nonfinite_after == 0 for f in fixes), fixes
+    assert lines[1] == lines[0] + 1 and fixes[0].replacement != fixes[1].replacement
 
 
 def test_suggest_fixes_says_what_was_wrong_with_its_arguments():

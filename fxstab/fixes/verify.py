@@ -62,6 +62,9 @@ class Fix:
             parameters).
         verified: the real run confirms the rewrite: fewer NaN/inf outputs, or
             :data:`MIN_GAIN` digits more, and neither run shows more NaN/inf than before.
+            Where one rewrite matches at several places none of which alone removes every
+            NaN/inf, they are also run together, and each place's fix reports that run
+            where it does better.
         numel: the real run's floating output elements.
         format: the format of both runs.
         findings: the findings of the analysis (operators) whose neighbourhood the rewrite
@@ -364,26 +367,52 @@ def search_fixes(model: Any, example_inputs: Any, format: Any = "bf16",
             near = tuple(f for f in around if around[f] & _operators(m, names))
             if near or unexplained:
                 tried.setdefault(Site(gi, m.rewrite, m.root.name), (m, names, near))
-    fixes = []
+    fixes: dict = {}
     for site, (m, names, near) in tried.items():
-        try:
-            fixes.append(_try(model, inputs, fmt, options, site, m, names, base, real, near,
+        fixes.update(_attempt(model, inputs, fmt, options, {site: tried[site]}, base, real,
                               backward))
-        except Exception as e:  # a stable form the program's shapes or dtypes refuse
-            warnings.warn(f"fxstab: the rewrite {site.rewrite} ({m.code()}) failed to run in "
-                          f"the program and was skipped: {type(e).__name__}: {e}",
-                          UserWarning, stacklevel=2)
-    return findings, sorted(fixes, key=lambda f: (not f.verified,
-                                                  f.nonfinite_after - f.nonfinite_before,
-                                                  f.real_before - f.real_after))
+    # one rewrite at several places, none of which alone removes every NaN/inf (a naive
+    # softmax in every layer): tried together, each place's Fix then the run with all of
+    # them where that run does better than the best place alone
+    for name in dict.fromkeys(site.rewrite for site in tried):
+        group = {site: c for site, c in tried.items() if site.rewrite == name}
+        alone = [fixes[s] for s in group if s in fixes]
+        if len(group) < 2 or not alone or min(f.nonfinite_after for f in alone) == 0:
+            continue
+        together = _attempt(model, inputs, fmt, options, group, base, real, backward)
+        best = min(alone, key=lambda f: (f.nonfinite_after, -f.real_after))
+        if together and all(f.verified for f in together.values()) and (
+                next(iter(together.values())).nonfinite_after < best.nonfinite_after):
+            fixes.update(together)
+    return findings, sorted(fixes.values(), key=lambda f: (not f.verified,
+                                                           f.nonfinite_after - f.nonfinite_before,
+                                                           f.real_before - f.real_after))
 
 
-def _try(model: Any, inputs: tuple, fmt: Format, options: dict, site: Site, match: Match,
-         names: dict, base: _Analysed, real: _Real, findings: tuple, backward: bool) -> Fix:
-    """One candidate: analysed and run for real with its rewrite, judged against the base."""
-    after = _analyse(model, inputs, fmt, _selecting(options, match), [site])
-    real_after = _real(model, inputs, fmt, [site], backward)
-    applied = site in after.rewriter.applied and site in real_after.rewriter.applied
+def _attempt(model: Any, inputs: tuple, fmt: Format, options: dict, group: dict,
+             base: _Analysed, real: _Real, backward: bool) -> dict:
+    """The rewrites at the sites of ``group`` (site -> (match, names, findings)), applied
+    together: site -> its :class:`Fix`; none where the stable form fails to run (a warning
+    names it)."""
+    sites = list(group)
+    match = group[sites[0]][0]
+    try:
+        after = _analyse(model, inputs, fmt, _selecting(options, match), sites)
+        real_after = _real(model, inputs, fmt, sites, backward)
+    except Exception as e:  # a stable form the program's shapes or dtypes refuse
+        warnings.warn(f"fxstab: the rewrite {sites[0].rewrite} ({match.code()}) failed to run "
+                      f"in the program and was skipped: {type(e).__name__}: {e}",
+                      UserWarning, stacklevel=3)
+        return {}
+    applied = all(s in after.rewriter.applied and s in real_after.rewriter.applied
+                  for s in sites)
+    return {site: _fix(site, *group[site], base, real, after, real_after, applied, fmt)
+            for site in sites}
+
+
+def _fix(site: Site, match: Match, names: dict, findings: tuple, base: _Analysed,
+         real: _Real, after: _Analysed, real_after: _Real, applied: bool, fmt: Format) -> Fix:
+    """One place's :class:`Fix`: judged by the runs with its rewrite against the base."""
     operator = _operator(match, names)
     # the line the stable form is written at: the root's (the finding's operator may stand
     # on an earlier line, as the exp of ``w = exp(s)`` before ``w / w.sum(-1, keepdim=True)``)
