@@ -163,10 +163,9 @@ def kind_chains(source: str) -> list:
     return found
 
 
-# Modules of rules/ whose chains over operator kinds are still there (issue 53: the fp64
-# side of add/sub/mul/div/sqrt in aten/rounding.py, to be its rows' ``fp64``; the operator
+# Modules of rules/ whose chains over operator kinds are still there (issue 53: the operator
 # level's GEMM helpers): the count may only fall.
-_LEFT = {"aten/rounding.py": 8, "lifting.py": 3, "accumulation.py": 1, "op/gemm.py": 2}
+_LEFT = {"lifting.py": 3, "accumulation.py": 1, "op/gemm.py": 2}
 
 
 def test_kind_chains_finds_chains():

@@ -578,7 +578,7 @@ class _Rule:
                     seed_j = ctx.rounding_seed(seed, j)
                     j += 1
                     if ctx.eft:
-                        v = round_fp64(kind, op, args, kwargs, v, seed_j, ctx)
+                        v = round_fp64(info.rule.fp64, op, args, kwargs, v, seed_j, ctx)
                         seed_j = None  # rounded: measure only
                     if is_first:
                         v, st, an = round_measure(v, ctx, seed_j, want_record or counting,

@@ -18,6 +18,8 @@ One frozen :class:`PrimitiveRule` per kind says everything the rules decide from
   per-element digits, the zero mask), and whether they read the output's own digits;
 * its **batcher** (:mod:`.batching`: the primitive on all samples at once, without vmap), a
   random draw's ``draw`` (how it runs on the samples), a prims op's replacements;
+* its **fp64** side (:mod:`.rounding`): the sign of (exact result - y) of its result y rounded
+  to nearest in the fp64 format, by an error-free transformation (add, mul, div...);
 * a one-line **doc** (:func:`describe_primitive`).
 
 A family of kinds is registered once, beside its code, with :func:`primitive` (as a decorator
@@ -104,6 +106,9 @@ class PrimitiveRule:
     carriers: tuple = ()
     relation: Any = None  # compare: its relation (fxstab.rules.aten.kinds.Relation)
     lookup: bool = False  # arithmetic: bf16 lookup tables of its results exist
+    # the fp64 format: the sign of (exact result - y) of its rounded-to-nearest result y,
+    # fp64(op, args, kwargs, y), or None where unknown (fxstab.rules.aten.rounding)
+    fp64: Optional[Callable] = None
     prims_aten: Any = None  # the aten overload its prims op runs as (prims.div: aten.div.Tensor)
     prims_plain: Optional[Callable] = None  # a faster equivalent of its prims op on plain values
     # random: how the draw runs on the samples, draw(op, args, kwargs) (rules/aten/kinds.py)

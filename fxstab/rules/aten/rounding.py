@@ -12,7 +12,7 @@ part by part (:func:`round_complex`); :func:`perturb_operand` is the GEMM surrog
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -24,6 +24,7 @@ from ...numerics.rounding import Rounding, round_samples
 from .batching import aligned
 from .context import AtenContext
 from .measure import Analysis
+from .primitives import primitive
 
 __all__ = ["round_stacked", "round_measure", "round_fp64", "round_complex", "perturb_operand"]
 
@@ -123,47 +124,68 @@ def _two_prod_err(a: torch.Tensor, b: torch.Tensor, p: torch.Tensor) -> torch.Te
     return al * bl - (((p - ah * bh) - al * bh) - ah * bl)
 
 
-def _fp64_side(kind: str, op, args: tuple, kwargs: dict, y: torch.Tensor) -> Optional[torch.Tensor]:
-    """Sign of (exact result - y) for add/sub/mul/div/sqrt in fp64, or None if unknown."""
-    name = getattr(op, "_overloadname", "")
-    if kind in ("add", "sub", "rsub"):
+def _operands(args: tuple, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return tuple(torch.as_tensor(v, dtype=y.dtype, device=y.device)
+                 for v in aligned(args[:2], y.dim() - 1))
+
+
+def _sum_side(order: Callable) -> Callable:
+    """The side of a sum ``order(a, b)`` (a + b, a - b, b - a) of the two operands: TwoSum's
+    error term (none where alpha is not 1)."""
+    def side(op, args: tuple, kwargs: dict, y: torch.Tensor) -> Optional[torch.Tensor]:
         if kwargs.get("alpha", args[2] if len(args) > 2 else 1) != 1:
             return None
-        a, b = aligned(args[:2], y.dim() - 1)
-        a = torch.as_tensor(a, dtype=y.dtype, device=y.device)
-        b = torch.as_tensor(b, dtype=y.dtype, device=y.device)
-        if kind == "sub":
-            b = -b
-        elif kind == "rsub":
-            a, b = b, -a
+        a, b = order(*_operands(args, y))
         bb = y - a
-        err = (a - (y - bb)) + (b - bb)
-        return torch.sign(err)
-    if kind == "mul":
-        a, b = (torch.as_tensor(v, dtype=y.dtype, device=y.device)
-                for v in aligned(args[:2], y.dim() - 1))
-        return torch.sign(_two_prod_err(a, b, y))
-    if kind == "div" and name in ("Tensor", "Scalar") and not kwargs.get("rounding_mode"):
-        a, b = (torch.as_tensor(v, dtype=y.dtype, device=y.device)
-                for v in aligned(args[:2], y.dim() - 1))
-        ph = y * b
-        r = (a - ph) - _two_prod_err(y, b, ph)
-        return torch.sign(r) * torch.sign(b)
-    if kind == "reciprocal":
-        b = args[0].samples
-        ph = y * b
-        return torch.sign((1.0 - ph) - _two_prod_err(y, b, ph)) * torch.sign(b)
-    if kind == "sqrt":
-        a = args[0].samples
-        ph = y * y
-        return torch.sign((a - ph) - _two_prod_err(y, y, ph))
-    return None
+        return torch.sign((a - (y - bb)) + (b - bb))
+    return side
 
 
-def round_fp64(kind: str, op, args: tuple, kwargs: dict, y: torch.Tensor, seed: int,
-                ctx: AtenContext) -> torch.Tensor:
+def _product_side(op, args: tuple, kwargs: dict, y: torch.Tensor) -> Optional[torch.Tensor]:
+    """a * b: TwoProd's error term."""
+    a, b = _operands(args, y)
+    return torch.sign(_two_prod_err(a, b, y))
+
+
+def _quotient_side(op, args: tuple, kwargs: dict, y: torch.Tensor) -> Optional[torch.Tensor]:
+    """a / b (true division): the sign of the remainder a - y * b, times b's."""
+    if getattr(op, "_overloadname", "") not in ("Tensor", "Scalar") or \
+            kwargs.get("rounding_mode"):
+        return None
+    a, b = _operands(args, y)
+    ph = y * b
+    return torch.sign((a - ph) - _two_prod_err(y, b, ph)) * torch.sign(b)
+
+
+def _reciprocal_side(op, args: tuple, kwargs: dict, y: torch.Tensor) -> Optional[torch.Tensor]:
+    """1 / b: the sign of 1 - y * b, times b's."""
+    b = args[0].samples
+    ph = y * b
+    return torch.sign((1.0 - ph) - _two_prod_err(y, b, ph)) * torch.sign(b)
+
+
+def _sqrt_side(op, args: tuple, kwargs: dict, y: torch.Tensor) -> Optional[torch.Tensor]:
+    """sqrt(a): the sign of a - y * y."""
+    a = args[0].samples
+    ph = y * y
+    return torch.sign((a - ph) - _two_prod_err(y, y, ph))
+
+
+# the exact result's side in the fp64 format, in the primitives' rows
+primitive("add", fp64=_sum_side(lambda a, b: (a, b)))
+primitive("sub", fp64=_sum_side(lambda a, b: (a, -b)))
+primitive("rsub", fp64=_sum_side(lambda a, b: (b, -a)))
+primitive("mul", fp64=_product_side)
+primitive("div", fp64=_quotient_side)
+primitive("reciprocal", fp64=_reciprocal_side)
+primitive("sqrt", fp64=_sqrt_side)
+
+
+def round_fp64(side_of: Optional[Callable], op, args: tuple, kwargs: dict, y: torch.Tensor,
+               seed: int, ctx: AtenContext) -> torch.Tensor:
     """Random rounding in the fp64 format on fp64 results (already rounded to nearest).
 
+    ``side_of(op, args, kwargs, y)`` is the primitive's row's ``fp64`` (None: no row gives it).
     With the exact side known (TwoSum/TwoProd), a sample keeps y or moves to the neighbour on the
     exact result's side, each with probability 1/2 (exactly CESTAC's random rounding). For other
     primitives the side is unknown: one shared random side per element stands in for it, so a
@@ -174,7 +196,7 @@ def round_fp64(kind: str, op, args: tuple, kwargs: dict, y: torch.Tensor, seed: 
     numel = y[0].numel()
     if numel == 0:
         return y
-    side = _fp64_side(kind, op, args, kwargs, y)
+    side = side_of(op, args, kwargs, y) if side_of is not None else None
     up = _random_up(n, numel, seed, ctx, y).reshape(y.shape)
     if side is None:
         shared = _random_up(1, numel, randbits.derive_seed(seed, 1), ctx, y)
@@ -201,7 +223,7 @@ def round_complex(v: torch.Tensor, ctx: AtenContext, seed: Optional[int], want_s
     own = own and r.is_contiguous() and not v.is_conj() and not v.is_neg()
     r = r.contiguous()
     if seed is not None and ctx.eft:  # the fp64 format: one shared random side per part
-        r = round_fp64("complex", None, (), {}, r, seed, ctx)
+        r = round_fp64(None, None, (), {}, r, seed, ctx)
         seed = None
     out, st, _ = round_measure(r, ctx, seed, want_stats, False, False, own)
     return torch.view_as_complex(out.contiguous()), st
