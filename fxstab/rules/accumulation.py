@@ -43,20 +43,40 @@ __all__ = ["gemm_operands", "accumulable", "accumulated_product", "modelled_gemm
 BIASED_KINDS = {"addmm": ("mat1", "mat2"), "baddbmm": ("batch1", "batch2")}
 
 
-def gemm_operands(a: tuple, kw: dict, kind: str) -> tuple:
-    """(left, right, bias) of a modelled GEMM's arguments: right is ``weight.T`` for linear."""
-    if kind == "linear":
-        w = a[1] if len(a) > 1 else kw["weight"]
-        bias = a[2] if len(a) > 2 else kw.get("bias")
-        return a[0], w.transpose(-1, -2), bias
-    if kind in BIASED_KINDS:  # addmm(input, mat1, mat2): input + mat1 @ mat2 (HF's Conv1D)
-        first, second = BIASED_KINDS[kind]
+def _linear_operands(a: tuple, kw: dict) -> tuple:
+    """linear(x, weight, bias): right is ``weight.T``."""
+    w = a[1] if len(a) > 1 else kw["weight"]
+    bias = a[2] if len(a) > 2 else kw.get("bias")
+    return a[0], w.transpose(-1, -2), bias
+
+
+def _biased_operands(first: str, second: str) -> Callable[[tuple, dict], tuple]:
+    """addmm(input, mat1, mat2): input + mat1 @ mat2 (HF's Conv1D), baddbmm alike."""
+    def operands(a: tuple, kw: dict) -> tuple:
         bias = a[0] if a else kw["input"]
         left = a[1] if len(a) > 1 else kw[first]
         right = a[2] if len(a) > 2 else kw[second]
         return left, right, bias
+
+    return operands
+
+
+def _product_operands(a: tuple, kw: dict) -> tuple:
+    """matmul, mm, bmm: the two factors, no bias."""
     other = a[1] if len(a) > 1 else kw.get("other", kw.get("mat2"))
     return a[0], other, None
+
+
+# kind -> its (left, right, bias) from (args, kwargs); a kind without an entry: the product of
+# its first two operands (_product_operands)
+_OPERANDS: dict[str, Callable[[tuple, dict], tuple]] = {
+    "linear": _linear_operands,
+    **{kind: _biased_operands(*factors) for kind, factors in BIASED_KINDS.items()}}
+
+
+def gemm_operands(a: tuple, kw: dict, kind: str) -> tuple:
+    """(left, right, bias) of a modelled GEMM's arguments: right is ``weight.T`` for linear."""
+    return _OPERANDS.get(kind, _product_operands)(a, kw)
 
 
 def _logical_dim(v: Any) -> int:

@@ -41,26 +41,44 @@ LOW_READERS = {"linear": ((1, "weight"), 0), "addmm": ((2, "mat2"), 1),
                "matmul": ((1, "other"), 0), "embedding": ((1, "weight"), None)}
 
 
+def _arg(args: list, kwargs: dict, i: int, name: str) -> Any:
+    return args[i] if len(args) > i else kwargs.get(name)
+
+
+def _linear_of_linear(args: list, kwargs: dict) -> tuple:
+    """F.linear(x, w, b): as it is."""
+    return _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight"), \
+        _arg(args, kwargs, 2, "bias")
+
+
+def _linear_of_addmm(args: list, kwargs: dict) -> Optional[tuple]:
+    """addmm(b, x, W) = F.linear(x, W^T, b), unless it scales (beta, alpha)."""
+    if kwargs.get("beta", 1) != 1 or kwargs.get("alpha", 1) != 1 or len(args) > 3:
+        return None
+    w = _arg(args, kwargs, 2, "mat2")
+    return (_arg(args, kwargs, 1, "mat1"), w.t(), _arg(args, kwargs, 0, "input")) \
+        if isinstance(w, torch.Tensor) and w.dim() == 2 else None
+
+
+def _linear_of_matmul(args: list, kwargs: dict) -> Optional[tuple]:
+    """x @ W = F.linear(x, W^T) of a 2-D W."""
+    w = _arg(args, kwargs, 1, "other")
+    return (_arg(args, kwargs, 0, "input"), w.t(), None) \
+        if isinstance(w, torch.Tensor) and w.dim() == 2 else None
+
+
+# the GEMMs of LOW_READERS read as F.linear reads its operands: kind -> (args, kwargs) ->
+# (x, w, b) or None (an embedding, a lookup, has none)
+_AS_LINEAR: dict[str, Callable[[list, dict], Optional[tuple]]] = {
+    "linear": _linear_of_linear, "addmm": _linear_of_addmm, "matmul": _linear_of_matmul}
+
+
 def as_linear(kind: str, args: list, kwargs: dict) -> Optional[tuple]:
     """``(x, w, b)`` with ``w`` as F.linear reads it (``[out, in]``; ``b`` or None) of a GEMM
     of :data:`LOW_READERS`, or None where the call is not that product (an addmm that scales,
     a matmul of a weight that is not 2-D)."""
-    def arg(i: int, name: str) -> Any:
-        return args[i] if len(args) > i else kwargs.get(name)
-
-    if kind == "linear":
-        return arg(0, "input"), arg(1, "weight"), arg(2, "bias")
-    if kind == "addmm":
-        if kwargs.get("beta", 1) != 1 or kwargs.get("alpha", 1) != 1 or len(args) > 3:
-            return None
-        w = arg(2, "mat2")
-        return (arg(1, "mat1"), w.t(), arg(0, "input")) if isinstance(w, torch.Tensor) and \
-            w.dim() == 2 else None
-    if kind == "matmul":
-        w = arg(1, "other")
-        return (arg(0, "input"), w.t(), None) if isinstance(w, torch.Tensor) and \
-            w.dim() == 2 else None
-    return None
+    form = _AS_LINEAR.get(kind)
+    return None if form is None else form(args, kwargs)
 
 
 # Decisions (docs/design.md §3): operators whose integer outputs choose positions of the data

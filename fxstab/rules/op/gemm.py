@@ -13,7 +13,7 @@ and keeps them in the working dtype, and ``_scaled_mm`` of such samples is their
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -31,9 +31,6 @@ from .registry import OpCall, Outcome, op_rule
 from .structural import in_vmap_region
 
 __all__ = ["BATCHED_KINDS"]
-
-# Operators that take stacked samples directly in their leading arguments (count)
-BATCHED_KINDS = {"scaled_dot_product_attention": 3, "linear": 1}
 
 
 @op_rule(*sorted(ACCUMULATED_KINDS))
@@ -110,26 +107,6 @@ def scaled_product(call: OpCall) -> Optional[Outcome]:
     return Outcome(Stacked(out), ROUNDED, "scaled matmul of the float8 samples")
 
 
-@op_rule(*sorted(BATCHED_KINDS))
-def batched(call: OpCall) -> Optional[Outcome]:
-    """Once on the stacked samples (plain leading operands as N identical samples)."""
-    kind = call.plan.kind
-    k = BATCHED_KINDS[kind]
-    if not all(i < k for i in call.stacked):
-        return None
-    t = call.tracer
-    a, kw = unflatten_call(call.leaves, call.spec)
-    if kind == "linear":
-        low = lowp(call)
-        if low is not None:
-            return low
-    a = [t.stack(v) if i < k and isinstance(v, (Stacked, torch.Tensor)) else v
-         for i, v in enumerate(a)]
-    out = attention_folded(call.fn, a, kw) if kind == "scaled_dot_product_attention" else \
-        call.fn(*a, **kw)
-    return Outcome(Stacked(t.to_working(out)), ROUNDED, "batched over the samples")
-
-
 @op_rule("addmm", "matmul")
 def lowp(call: OpCall) -> Optional[Outcome]:
     """A product of the samples and a plain weight (a linear, a Conv1D's ``addmm(b, x, W)`` or
@@ -159,3 +136,38 @@ def lowp(call: OpCall) -> Optional[Outcome]:
     x = call.leaves[call.stacked[0]]
     return Outcome(t.step("gemm", plan, product, call.leaves), ROUNDED,
                    f"batched over the samples ({lowp_gemm.path_name(x.samples.device)})")
+
+
+def _called(fn: Callable, a: list, kw: dict) -> Any:
+    return fn(*a, **kw)
+
+
+class _Batched(NamedTuple):
+    leading: int  # its leading operands, which take the stacked samples directly
+    run: Callable[[Callable, list, dict], Any]  # how it runs on them: run(fn, args, kwargs)
+    # a rule asked first, on the same operands (a linear's plain weight: the format's GEMMs)
+    first: Optional[Callable[[OpCall], Optional[Outcome]]] = None
+
+
+# Operators that take stacked samples directly in their leading arguments
+BATCHED_KINDS: dict[str, _Batched] = {
+    "scaled_dot_product_attention": _Batched(3, attention_folded),
+    "linear": _Batched(1, _called, first=lowp)}
+
+
+@op_rule(*sorted(BATCHED_KINDS))
+def batched(call: OpCall) -> Optional[Outcome]:
+    """Once on the stacked samples (plain leading operands as N identical samples)."""
+    k, run, first = BATCHED_KINDS[call.plan.kind]
+    if not all(i < k for i in call.stacked):
+        return None
+    if first is not None:
+        done = first(call)
+        if done is not None:
+            return done
+    t = call.tracer
+    a, kw = unflatten_call(call.leaves, call.spec)
+    a = [t.stack(v) if i < k and isinstance(v, (Stacked, torch.Tensor)) else v
+         for i, v in enumerate(a)]
+    return Outcome(Stacked(t.to_working(run(call.fn, a, kw))), ROUNDED,
+                   "batched over the samples")
