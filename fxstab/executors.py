@@ -19,9 +19,10 @@ call: the option orders the names, and the first whose checker accepts the tenso
 ==========  ===============================
 
 A function without a Triton implementation takes ``triton`` as ``auto`` (the arithmetic
-level's). A fused step (:data:`PREPARED_ROUND`, :data:`ROUND_PERTURB`) follows the choice of the
-function it fuses (:data:`ROUND`): it is that implementation's own, or None where that one has
-none (the steps then run apart). Every implementation of a function draws the same Philox
+level's). A fused step (:data:`PREPARED_ROUND`, :data:`ROUND_PERTURB`; the arithmetic level's
+:data:`ATEN_PREPARED`, :data:`ATEN_BINARY`) follows the choice of the function it fuses
+(:data:`ROUND`, :data:`ATEN_ROUND`): it is that implementation's own, or None where that one
+has none (the steps then run apart). Every implementation of a function draws the same Philox
 bits: the rounded samples are the same, the statistics agree to the last few ulps.
 
 The functions, and who calls them:
@@ -37,9 +38,12 @@ The functions, and who calls them:
   around it (:mod:`fxstab.numerics.lowp_gemm`);
 * the arithmetic level's (:mod:`fxstab.rules.aten`): :data:`ATEN_ROUND` (round and measure a
   primitive's result, registered in :mod:`fxstab.rules.aten.rounding`, whose implementations
-  read the context), :data:`ATEN_DIGITS` (per-element digits of samples, registered in
-  :mod:`fxstab.rules.aten.measure`), :data:`ATEN_PERTURB`, :data:`ROUND_ONLY` (rounding without
-  statistics) and :data:`RANDOM_UP` (the directions of ``random`` rounding).
+  read the context) with its fused steps :data:`ATEN_PREPARED` (its kernel bound to one output
+  of a sampled graph) and :data:`ATEN_BINARY` (an add, sub, mul or div computed inside its
+  rounding), registered there too; :data:`ATEN_DIGITS` (per-element digits of samples,
+  registered in :mod:`fxstab.rules.aten.measure`), :data:`ATEN_PERTURB`, :data:`ROUND_ONLY`
+  (rounding without statistics), :data:`RANDOM_UP` (the directions of ``random`` rounding) and
+  :data:`ATEN_LOOKUP` (unary math on bf16 values by a table of the op's own results).
 
 Adding a kernel is one entry: ``@implements(FUNCTION, NAME, checker)`` on the callable, beside
 its code (the adapters of the kernels below this layer are here; the arithmetic level's, which
@@ -67,7 +71,8 @@ from .numerics.surrogate import perturb_samples
 
 __all__ = ["CPU", "TRITON", "TORCH", "ROUND", "PREPARED_ROUND", "ROUND_PERTURB", "PERTURB",
            "ACCUMULATE", "LOWP_CONVERT", "ATEN_ROUND", "ATEN_DIGITS", "ATEN_PERTURB",
-           "ROUND_ONLY", "RANDOM_UP", "Implementation", "implements", "choose", "reference",
+           "ATEN_PREPARED", "ATEN_BINARY", "ATEN_LOOKUP", "ROUND_ONLY", "RANDOM_UP",
+           "Implementation", "implements", "choose", "reference",
            "native_possible", "NATIVE_DTYPES", "fused_cpu", "fused_gpu", "anywhere",
            "fused_rounder", "samples_rounder"]
 
@@ -76,6 +81,8 @@ ROUND, PERTURB, ACCUMULATE = "round", "perturb", "accumulate"
 PREPARED_ROUND, ROUND_PERTURB = "prepared_round", "round_perturb"  # ROUND's fused steps
 LOWP_CONVERT = "lowp_convert"  # the bf16 GEMM path's conversions (split, join)
 ATEN_ROUND, ATEN_DIGITS, ATEN_PERTURB = "aten_round", "aten_digits", "aten_perturb"
+ATEN_PREPARED, ATEN_BINARY = "aten_prepared", "aten_binary"  # ATEN_ROUND's fused steps
+ATEN_LOOKUP = "aten_lookup"
 ROUND_ONLY, RANDOM_UP = "round_only", "random_up"
 
 # the dtypes the fused kernels (C and Triton) read and write
@@ -84,7 +91,8 @@ NATIVE_DTYPES = (torch.float32, torch.float64)
 _ORDER = {Kernels.AUTO.value: (CPU, TRITON, TORCH), Kernels.CPU.value: (CPU, TORCH),
           Kernels.TRITON.value: (TRITON,), Kernels.TORCH.value: (TORCH,)}
 # a fused step -> the function whose choice it follows
-_FOLLOWS = {PREPARED_ROUND: ROUND, ROUND_PERTURB: ROUND}
+_FOLLOWS = {PREPARED_ROUND: ROUND, ROUND_PERTURB: ROUND, ATEN_PREPARED: ATEN_ROUND,
+            ATEN_BINARY: ATEN_ROUND}
 
 
 @dataclass(frozen=True)
@@ -200,6 +208,11 @@ def _accumulator_cpu(t: torch.Tensor, n: int) -> bool:
 
 def _accumulator_gpu(t: torch.Tensor, n: int) -> bool:
     return t.is_cuda and _triton_installed()
+
+
+def _fp32_cpu(t: torch.Tensor, n: int) -> bool:
+    # the tables read fp32 values, any number of samples
+    return t.is_cpu and t.dtype == torch.float32 and bindings.available()
 
 
 # -- ROUND: round N samples and measure them, one pass ----------------------------------------
@@ -382,6 +395,20 @@ def _round_only_cpu(samples: torch.Tensor, fmt: Any, mode: Rounding, seed: int,
 def _round_only_torch(samples: torch.Tensor, fmt: Any, mode: Rounding, seed: int,
                       saturate: bool) -> torch.Tensor:
     return round_samples(samples, fmt, mode, seed, saturate=saturate)
+
+
+# (fn, x: fp32 samples whose values are all bf16 values) -> fn(x), or None where a value is not
+# one (the caller runs the primitive its own way)
+@implements(ATEN_LOOKUP, CPU, _fp32_cpu)
+def _lookup_cpu(fn: Callable, x: torch.Tensor) -> Optional[torch.Tensor]:
+    """One lookup per element in a table of ``fn``'s own results on every bf16 value (the same
+    bits as ``fn``, for the functions of :data:`fxstab.cpu.bindings.LOOKUP_OPS`)."""
+    return bindings.lookup_bf16(fn, x)
+
+
+@implements(ATEN_LOOKUP, TORCH)
+def _lookup_torch(fn: Callable, x: torch.Tensor) -> Optional[torch.Tensor]:
+    return fn(x)
 
 
 _PROBE = 1.0 + 2.0 ** -9  # between bf16's neighbours 1 and 1 + 2**-7

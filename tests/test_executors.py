@@ -25,12 +25,10 @@ KERNEL_CALLS = {"round_stats", "round_perturb", "perturb", "rounder", "Prepared"
 OPTION_CHECKS = {("backend.py", "cfg.kernels == 'triton'"), ("backend.py", "cfg.kernels == 'cpu'")}
 # calls of the C kernels outside an implementation, each with its reason
 KERNEL_CALLERS = {
-    # the prepared kernels of ATEN_ROUND's CPU implementation, bound once per context (the
-    # arithmetic level's fast paths read them too)
+    # the C kernel with the context's settings, bound once per context and dtype (the cache
+    # of bindings.rounder would hash the settings on every primitive): state of the context,
+    # read only by the CPU implementations of ATEN_ROUND and its fused steps (checked below)
     ("rules/aten/context.py", "AtenContext.rounder"),
-    # issue 53, item 1: the primitives' table is being rewritten by its owner; its fused steps
-    # (prepared one-output rounding, binary operators, bf16 lookups) join the registry then
-    ("rules/aten/apply.py", "*"),
 }
 
 
@@ -66,7 +64,8 @@ def test_one_kernel_choice_for_every_function():
         return executors.choose(kernels, fn, t, n).name
 
     for fn in (executors.ROUND, executors.PERTURB, executors.ACCUMULATE, executors.ATEN_ROUND,
-               executors.ATEN_PERTURB, executors.ATEN_DIGITS, executors.LOWP_CONVERT):
+               executors.ATEN_PERTURB, executors.ATEN_DIGITS, executors.LOWP_CONVERT,
+               executors.ATEN_LOOKUP):
         assert chosen("auto", fn, x) == cpu
         assert chosen("cpu", fn, x) == cpu
         assert chosen("torch", fn, x) == executors.TORCH
@@ -84,6 +83,10 @@ def test_one_kernel_choice_for_every_function():
     assert executors.choose("triton", executors.PREPARED_ROUND, x, 3) is None
     assert (executors.choose("auto", executors.PREPARED_ROUND, x, 3) is None) == \
         (cpu == executors.TORCH)
+    for fused in (executors.ATEN_PREPARED, executors.ATEN_BINARY):  # ATEN_ROUND's
+        assert executors.choose("torch", fused, x, 3) is None
+        assert executors.choose("auto", fused, x.half(), 3) is None
+        assert (executors.choose("triton", fused, x, 3) is None) == (cpu == executors.TORCH)
     assert fxstab.backend(kernels="torch").kernels_for(x) == executors.TORCH
     with pytest.raises(ValueError, match="kernels must be one of"):
         executors.choose("fast", executors.ROUND, x, 3)
@@ -130,6 +133,13 @@ def test_no_call_site_names_an_implementation():
                     node not in registered and \
                     (rel, _owner(node, parents)) not in KERNEL_CALLERS and \
                     (rel, "*") not in KERNEL_CALLERS:
+                found.append(f"{rel}:{node.lineno}: calls {ast.unparse(node.func)} outside a "
+                             f"registered implementation ({_owner(node, parents)})")
+            # the context's bound C kernel (AtenContext.rounder): the implementations' alone
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    node.func.attr == "rounder" and node not in registered and \
+                    not (isinstance(node.func.value, ast.Name) and
+                         node.func.value.id in bindings_names):
                 found.append(f"{rel}:{node.lineno}: calls {ast.unparse(node.func)} outside a "
                              f"registered implementation ({_owner(node, parents)})")
     assert not found, "\n".join(found)
@@ -196,3 +206,37 @@ def test_a_kernel_is_one_registry_entry(monkeypatch):
 def test_an_implementation_has_a_known_name():
     with pytest.raises(ValueError, match="'cpu', 'triton' or 'torch'"):
         executors.implements(executors.ROUND, "metal")
+
+
+def test_the_arithmetic_levels_fused_steps_run_as_chosen(monkeypatch):
+    """The binary operators computed inside their rounding, the bf16 lookups and a sampled
+    graph's prepared rounding run what the registry chose for them: a spy registered in the
+    C kernels' place is what runs, and nothing of it under ``kernels="torch"``."""
+    if not fxstab.cpu.bindings.available():
+        pytest.skip("the fused CPU kernels did not build here (no C compiler)")
+    from fxstab.rules.aten import Stacked, apply, apply_primitive
+
+    calls = []
+    for fn in (executors.ATEN_BINARY, executors.ATEN_LOOKUP, executors.ATEN_PREPARED):
+        monkeypatch.setitem(executors._TABLE, fn, dict(executors._TABLE[fn]))
+        real = executors._TABLE[fn][executors.CPU]
+
+        def spy(*args, _fn=fn, _real=real.fn):
+            calls.append(_fn)
+            return _real(*args)
+        executors.implements(fn, executors.CPU, real.checker)(spy)
+    monkeypatch.setattr(apply, "_BINARY_MIN_BYTES", 0)  # small operands take the step too
+    x = Stacked(torch.randn(3, 8).bfloat16().float())  # bf16 values: the tables read them
+    for kernels, want in (("torch", []), ("auto", [executors.ATEN_BINARY, executors.ATEN_LOOKUP])):
+        ctx = AtenContext.of(format="bf16", n_samples=3, kernels=kernels)
+        calls.clear()
+        apply_primitive(torch.ops.aten.add.Tensor, (x, x), {}, ctx)
+        apply_primitive(torch.ops.aten.exp.default, (x,), {}, ctx)
+        assert calls == want
+    calls.clear()
+    torch._dynamo.reset()
+    f = torch.compile(torch.nn.Linear(8, 8), backend=fxstab.backend(granularity="aten"))
+    with torch.no_grad():
+        for _ in range(3):  # untraced, traced, replayed: the replay's steps are prepared
+            f(torch.randn(4, 8))
+    assert executors.ATEN_PREPARED in calls

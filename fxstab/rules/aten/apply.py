@@ -22,8 +22,9 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 from torch.utils import _pytree as pytree
 
+from ... import executors
 from ...capture.torchao import float8_format
-from ...cpu import bindings as native
+from ...cpu.bindings import LOOKUP_OPS
 from ...numerics import randbits
 from ...numerics.rounding import round_samples
 from ...records.report import OBSERVED, PER_SAMPLE, ROUNDED, UNLIFTED, OpReport, empty_counters
@@ -285,20 +286,30 @@ def _lookup(rule: "_Rule", ctx: AtenContext, args: tuple, kwargs: dict) -> Any:
     """exp, log, ... (a row with ``lookup``) of values in the format: a table of the op's own
     results (unless a value is not one of the format's), then rounded."""
     if rule.rounds and ctx.use_lookup and rule.info.rule.lookup and len(args) == 1 \
-            and not kwargs \
-            and type(args[0]) is Stacked and args[0].samples.dtype == torch.float32 \
-            and args[0].samples.is_cpu and args[0].samples.is_contiguous():
-        return ctx.emit("lookup", rule.name, rule.lookup, (), args, kwargs, rule.op)
+            and not kwargs and type(args[0]) is Stacked and args[0].samples.is_contiguous():
+        tables = ctx.kernel(executors.ATEN_LOOKUP, args[0].samples)
+        if tables.fused:  # (the reference has no tables: the general path runs the op)
+            rule.kernel = tables
+            return ctx.emit("lookup", rule.name, rule.lookup, (), args, kwargs, rule.op)
     return _NOT_FUSED
 
 
 def _binary(rule: "_Rule", ctx: AtenContext, args: tuple, kwargs: dict) -> Any:
     """add, sub, mul, div: computed by the kernel inside its rounding (one step, no pass of
-    the operator's own)."""
-    if rule.rounds and rule.info.binary and not kwargs and _fusable(args, ctx):
-        return ctx.emit("binary", rule.name, rule.binary, (), args, kwargs,
-                        _batched_call(rule.info, args))
-    return _NOT_FUSED
+    the operator's own), where the kernel chosen for it has that step
+    (:data:`fxstab.executors.ATEN_BINARY`)."""
+    if not (rule.rounds and rule.info.binary and not kwargs and _fusable(args, ctx)):
+        return _NOT_FUSED
+    stacked = [a.samples for a in args if type(a) is Stacked]
+    make = ctx.kernel(executors.ATEN_BINARY, stacked[0]) if stacked else None
+    if make is None:  # the reference rounds: the operator, then its rounding
+        return _NOT_FUSED
+    rule.kernel = make(ctx, rule.info.binary)
+    # whether a stacked operand's rank needs aligning (the same on every call)
+    nd = logical_ndim(args) + 1
+    rule.realign = any(type(v) is Stacked and v.samples.dim() != nd for v in args)
+    return ctx.emit("binary", rule.name, rule.binary, (), args, kwargs,
+                    _batched_call(rule.info, args))
 
 
 def _finish(rule: "_Rule", ctx: AtenContext, raw: Any, args: tuple, kwargs: dict) -> Any:
@@ -319,8 +330,8 @@ _PATHS: dict[str, Callable] = {
     ARITHMETIC: functools.partial(_general, fused=_lookup),
     BINARY: functools.partial(_general, fused=_binary),
 }
-# the primitives whose bf16 results have lookup tables (the fused kernels', cpu/bindings.py)
-primitive(*sorted(native.LOOKUP_OPS), lookup=True)
+# the primitives whose bf16 results have lookup tables (executors.ATEN_LOOKUP's, cpu/bindings.py)
+primitive(*sorted(LOOKUP_OPS), lookup=True)
 
 
 def _decision_counter(op: Any, name: Optional[str]) -> Any:
@@ -346,10 +357,10 @@ _BINARY_MIN_BYTES = 1 << 19
 
 
 def _fusable(args: tuple, ctx: AtenContext) -> bool:
-    """Whether :meth:`_Rule.binary` reads these two operands (samples or plain tensors in the
-    working dtype on the CPU, or Python numbers, with the fused kernels running) and their
-    output is large enough for it to pay."""
-    if len(args) != 2 or ctx.eft or not ctx.use_native:
+    """Whether :meth:`_Rule.binary` may read these two operands (samples or plain tensors in
+    the working dtype on the CPU, or Python numbers) and their output is large enough for it to
+    pay (whether a kernel computes it is the registry's choice: :func:`_binary`)."""
+    if len(args) != 2 or ctx.eft:
         return False
     wd = ctx.working_dtype
     shapes = []
@@ -405,10 +416,12 @@ class _Rule:
         self.spec = None  # the raw outputs' structure (None: one tensor)
         self.reused = reused  # a step of a sampled graph: its functions run on every call
         # the prepared kernel of the usual one-output rounding (decided on the first call):
-        # (native.Prepared, digits wanted when counting, zero mask wanted when counting,
-        # the output's logical shape)
+        # (executors.ATEN_PREPARED's kernel, digits wanted when counting, zero mask wanted
+        # when counting, a tensor of the output's logical shape to allocate the mask like)
         self.fast: Any = None
-        self.kernel: Any = None  # binary: its native.Binary (made on the first call)
+        # the fused kernel of its path: binary, ATEN_BINARY's bound to its op; lookup,
+        # ATEN_LOOKUP's implementation (both chosen when the path is)
+        self.kernel: Any = None
         self.numbers: dict = {}  # binary: Python numbers as 0-d tensors of the working dtype
         self.realign = True  # binary: whether its stacked operands' ranks need aligning
         self.rounds = True  # False: measured, not rounded (unrounded=, an ablation)
@@ -435,17 +448,12 @@ class _Rule:
         return digits, zeros
 
     def binary(self, ctx: AtenContext, raw: list, args: tuple, kwargs: dict) -> Any:
-        """An add, sub, mul or div computed by the kernel inside its rounding
-        (:class:`fxstab.cpu.bindings.Binary`): the same samples, statistics, counters and
+        """An add, sub, mul or div computed by the kernel inside its rounding (``kernel``,
+        :data:`fxstab.executors.ATEN_BINARY`'s): the same samples, statistics, counters and
         record as the operator followed by :meth:`finish`, which runs instead where the kernel
         does not read the operands (a broadcast over more than three collapsed dims)."""
         a, b = args
         k = self.kernel
-        if k is None:
-            k = self.kernel = native.Binary(ctx.rounder(ctx.working_dtype, True), self.info.binary)
-            # whether a stacked operand's rank needs aligning (the same on every call)
-            nd = logical_ndim(args) + 1
-            self.realign = any(type(v) is Stacked and v.samples.dim() != nd for v in args)
         if self.realign:
             a, b = aligned(args)
         else:
@@ -504,7 +512,7 @@ class _Rule:
         return tuple(new_args)
 
     def lookup(self, ctx: AtenContext, raw: list, args: tuple, kwargs: dict) -> Any:
-        out = native.lookup_bf16(self.op, args[0].samples)
+        out = self.kernel(self.op, args[0].samples)  # ATEN_LOOKUP's chosen implementation
         if out is None:
             out, self.lifted = run_batched(self.op, self.info, args, kwargs, ctx.n_samples, ctx)
         return self.finish(ctx, [out], args, kwargs)
@@ -549,13 +557,16 @@ class _Rule:
             # rounding gets the prepared kernel (the same bits, one C call with one argument)
             v = flat[0]
             self.fast = False
-            if self.spec is None and do_round and want_record and not ctx.eft and \
-                    isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() and \
-                    v.shape[0] == n and v[0].numel() and ctx.native_for(v):
+            prepare = ctx.kernel(executors.ATEN_PREPARED, v) \
+                if self.spec is None and do_round and want_record and not ctx.eft and \
+                isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() and \
+                v.shape[0] == n and v[0].numel() else None
+            if prepare is not None:  # (None: the reference rounds, through round_measure)
                 # in place where the output is memory of its own: the graph's structure
                 # decides that (a view, an operand), the same on every call
-                self.fast = (native.Prepared(ctx.rounder(v.dtype, True), owned(v, args)),
-                             digits_if_counting, zeros_if_counting, tuple(v.shape[1:]))
+                self.fast = (prepare(ctx, v.dtype, owned(v, args)), digits_if_counting,
+                             zeros_if_counting,
+                             torch.empty((), dtype=torch.bool).expand(v.shape[1:]))
         outs = []
         first = None
         first_stats = None
@@ -613,10 +624,12 @@ class _Rule:
         """:meth:`finish`'s rounding of the one output through the prepared kernel: (its
         samples, the statistics); None for a layout it does not read (the general path then
         runs)."""
-        prepared, _digits, zeros_if_counting, shape = fast
+        prepared, _digits, zeros_if_counting, like = fast
         z = None
         if counting and zeros_if_counting:
-            z = native.empty(shape, torch.bool)  # the trace's shape: the graph's signature
+            # the trace's shape: the graph's signature (empty_like parses its arguments in
+            # half the time of torch.empty(shape, dtype=...))
+            z = torch.empty_like(like, memory_format=torch.contiguous_format)
         prepared.write_zeros(z)
         out = prepared(v, ctx.rounding_seed(seed, 0))
         if out is None:

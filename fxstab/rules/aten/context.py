@@ -71,16 +71,17 @@ class AtenContext:
             (docs/design.md §3); ``False`` (the eager driver) leaves them unrounded (status
             ``unlifted``).
 
-    Derived once (read by the rules' modules): ``working_dtype``, ``complex_dtype``, ``eft``
-    (the fp64 format's error-free rounding), ``cap`` (the format's digit cap), ``t``
-    (Student's t of the digits), ``digits_offset`` (the digits' additive constant,
-    ``log10(sqrt(N (N - 1)) / t)``), ``use_native`` (the fused CPU kernels run: the
-    ``kernels`` option, :mod:`fxstab.executors`), ``use_lookup`` (unary math through the bf16
-    tables). Running state: ``seed`` (the base seed of the call: call ``k`` of the context
-    rounds with ``derive_seed(seed, k)`` unless the caller passes its own ``salt``; the
-    config's until :meth:`for_call` gives one), ``counters``, ``calls``, ``last_events`` (the
-    counter events of the last primitive), ``gemm_pending`` (the seed and surrogate of the
-    GEMM between its perturbation and its rounding).
+    Derived once (read by the rules' modules): ``working_dtype``, ``complex_dtype``, ``eft`` (the
+    fp64 format's error-free rounding), ``cap`` (the format's digit cap), ``t`` (Student's t of the
+    digits), ``digits_offset`` (the digits' additive constant, ``log10(sqrt(N (N - 1)) / t)``),
+    ``use_native`` (the fused CPU kernels may run: the ``kernels`` option,
+    :func:`fxstab.executors.native_possible`), ``use_lookup`` (every value of the format is a bf16
+    value: unary math may go through the bf16 tables where :data:`fxstab.executors.ATEN_LOOKUP`'s
+    kernel runs). Running state: ``seed`` (the base seed of the call: call ``k`` of the context
+    rounds with ``derive_seed(seed, k)`` unless the caller passes its own ``salt``; the config's
+    until :meth:`for_call` gives one), ``counters``, ``calls``, ``last_events`` (the counter events
+    of the last primitive), ``gemm_pending`` (the seed and surrogate of the GEMM between its
+    perturbation and its rounding).
     """
 
     config: AnalysisConfig
@@ -126,9 +127,8 @@ class AtenContext:
         self._rounders: dict = {}
         self.gemm_pending: Optional[tuple] = None  # (seed, surrogate fired) of the GEMM being run
         # unary math on rounded values of a format with at most bf16's significand (bf16, fp8:
-        # every such value is a bf16 value) through native.lookup_bf16
-        self.use_lookup = (self.use_native and self.working_dtype == torch.float32
-                           and config.format.man_bits <= 7)
+        # every such value is a bf16 value) through the tables (executors.ATEN_LOOKUP)
+        self.use_lookup = self.working_dtype == torch.float32 and config.format.man_bits <= 7
         self.last_events: list = []
 
     # -- the settings, read from the config ---------------------------------------------------
@@ -213,13 +213,11 @@ class AtenContext:
         (:func:`fxstab.executors.choose`)."""
         return executors.choose(self.config.kernels, function, samples, self.config.n_samples)
 
-    def native_for(self, samples: torch.Tensor) -> bool:
-        """Whether ``samples`` ([N, ...]) go through the fused CPU kernels (the kernels chosen
-        for :data:`fxstab.executors.ATEN_ROUND` are fused: the arithmetic level's are C)."""
-        return self.use_native and self.kernel(executors.ATEN_ROUND, samples).fused
-
     def rounder(self, dtype: torch.dtype, rounded: bool) -> "native.Rounder":
-        """The fused kernel with this context's settings, rounding (or only measuring)."""
+        """The fused kernel with this context's settings, rounding (or only measuring): bound
+        once per context and dtype (``bindings.rounder``'s cache would hash the settings on
+        every primitive), for the CPU implementations of :data:`fxstab.executors.ATEN_ROUND`
+        and its fused steps (:mod:`fxstab.rules.aten.rounding`), their only callers."""
         key = (dtype, rounded)
         r = self._rounders.get(key)
         if r is None:

@@ -3,7 +3,9 @@
 :func:`round_measure` rounds stacked samples and measures their digits in one pass of the fused
 CPU kernel (or the references: :func:`fxstab.numerics.rounding.round_samples` and torch digits:
 the two implementations of :data:`fxstab.executors.ATEN_ROUND`, registered here, which
-:func:`fxstab.executors.choose` picks between);
+:func:`fxstab.executors.choose` picks between; its fused steps, the kernel bound to one output
+(:data:`~fxstab.executors.ATEN_PREPARED`) and an add, sub, mul or div computed inside the
+rounding (:data:`~fxstab.executors.ATEN_BINARY`), are registered here too);
 the fp64 format rounds through error-free transformations (:func:`round_fp64`), complex values
 part by part (:func:`round_complex`); :func:`perturb_operand` is the GEMM surrogate
 (docs/design.md §4).
@@ -17,6 +19,7 @@ from typing import Callable, Optional
 import torch
 
 from ... import executors
+from ...cpu import bindings as native
 from ...numerics import randbits
 from ...numerics.digits import empty_stats, extra_stats, underflow_count
 from ...numerics.formats import Format
@@ -98,6 +101,23 @@ def _round_measure_reference(v: torch.Tensor, ctx: AtenContext, seed: Optional[i
     elif want_stats:
         st = empty_stats(ctx.cap)
     return v, st, an
+
+
+# ATEN_ROUND's fused steps: the CPU implementation's kernel made for one use, with this
+# context's settings (none where the reference rounds: the caller then rounds through
+# round_measure)
+@executors.implements(executors.ATEN_PREPARED, executors.CPU)
+def _prepared_cpu(ctx: AtenContext, dtype: torch.dtype, in_place: bool) -> "native.Prepared":
+    """The fused kernel bound to one output of a sampled graph: a call sets the seed and runs
+    it (in place with ``in_place``; None for a layout it does not read)."""
+    return native.Prepared(ctx.rounder(dtype, True), in_place)
+
+
+@executors.implements(executors.ATEN_BINARY, executors.CPU)
+def _binary_cpu(ctx: AtenContext, op: str) -> "native.Binary":
+    """The fused kernel computing ``op`` (add, sub, mul, div) of two operands in the working
+    dtype inside its rounding (:class:`fxstab.cpu.bindings.Binary`)."""
+    return native.Binary(ctx.rounder(ctx.working_dtype, True), op)
 
 
 def _random_up(n: int, numel: int, seed: int, ctx: AtenContext, y: torch.Tensor) -> torch.Tensor:
