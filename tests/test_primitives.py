@@ -163,11 +163,6 @@ def kind_chains(source: str) -> list:
     return found
 
 
-# Modules of rules/ whose chains over operator kinds are still there (issue 53: the operator
-# level's GEMM helpers): the count may only fall.
-_LEFT = {"lifting.py": 3, "accumulation.py": 1, "op/gemm.py": 2}
-
-
 def test_kind_chains_finds_chains():
     assert kind_chains('if kind == "mul":\n    pass\n')
     assert kind_chains('x = 1 if op.kind in ("a", "b") else 2\n')
@@ -183,6 +178,4 @@ def test_no_chain_over_kinds_remains_in_the_rules():
         chains = kind_chains(path.read_text())
         if chains:
             found[path.relative_to(root).as_posix()] = chains
-    counts = {k: len(v) for k, v in found.items()}
-    assert set(counts) <= set(_LEFT), found
-    assert all(counts[k] <= _LEFT[k] for k in counts), found
+    assert not found, found
