@@ -265,15 +265,6 @@ class ReportRow:
     counters: Optional[dict] = None
     gemm: Optional[tuple] = None
 
-    @classmethod
-    def from_tuple(cls, row: tuple) -> "ReportRow":
-        """The row of a tracer that still hands ``(fixed, cap, surrogate, counters, stats)``
-        and a sixth item for a modelled GEMM's figures (the operator and arithmetic levels'
-        tracers, until they build :class:`ReportRow` by keyword)."""
-        fixed, cap, surrogate, counters, stats = row[:5]
-        return cls(fixed=fixed, cap=cap, surrogate=surrogate, stats=stats, counters=counters,
-                   gemm=row[5] if len(row) > 5 else None)
-
 
 def report_builder(phase: str, step: Optional[int], call: int, n: int,
                    t: float) -> Callable[[ReportRow], OpReport]:
@@ -282,8 +273,6 @@ def report_builder(phase: str, step: Optional[int], call: int, n: int,
     from_stats = OpReport.from_stats
 
     def build(row: ReportRow) -> OpReport:
-        if type(row) is not ReportRow:
-            row = ReportRow.from_tuple(row)
         counters = row.counters
         r = from_stats(row.fixed, phase, step, call, row.surrogate,
                        empty_counters() if counters is None else counters,

@@ -24,8 +24,10 @@ from ...capture.flat import flatten_call, unflatten_call
 from ...capture.graph import fetch_attr, node_callable
 from ...numerics import randbits
 from ...passes import steps
-from ...records.report import OpReport, report_builder, stats_row
+from ...records.report import OpReport, ReportRow, report_builder, stats_row
+from ...records.run import RunState
 from .apply import apply_primitive, observe
+from .context import AtenContext, PrimitiveRecord
 from .kinds import op_info
 from ..lifting import Stacked
 
@@ -44,9 +46,9 @@ class AtenGraph:
     phase, step); per placeholder, whether the graph writes into it. The tracer hands back the
     outputs' samples and, per operator, the statuses of its primitives (``statuses``)."""
 
-    context: Any  # the AtenContext of the analysis's settings (fxstab.rules.aten.context)
+    context: AtenContext  # the analysis's settings
     index: int
-    state: Any  # the backend's RunState (fxstab.records.run)
+    state: RunState  # the backend's
     mutated_inputs: list  # per placeholder of the captured graph: the graph writes into it
 
 
@@ -103,7 +105,7 @@ class AtenTracer(torch.fx.Interpreter):
         self._build = report_builder(owner.phase, owner.step, call, ctx.n_samples, ctx.t)
         self._defer = owner.reports.defer()
 
-    def _record(self, rec: Any) -> None:
+    def _record(self, rec: PrimitiveRecord) -> None:
         """A primitive's record becomes its report, from the fields its reports share (built
         once per name, status and shape)."""
         self.noted.append(rec)
@@ -119,9 +121,9 @@ class AtenTracer(torch.fx.Interpreter):
                  "format": ctx.fmt.name, "n_samples": ctx.n_samples, "status": rec.status,
                  "shape": rec.shape, "inputs": meta[1]})
         counters = rec.counters  # none counted (the usual case): nothing kept until read
-        self._defer((self._build, (fixed, ctx.cap, rec.surrogate,
-                                   counters if any(counters.values()) else None,
-                                   stats_row(rec.values))))
+        self._defer((self._build, ReportRow(
+            fixed=fixed, cap=ctx.cap, surrogate=rec.surrogate, stats=stats_row(rec.values),
+            counters=counters if any(counters.values()) else None)))
 
     def seal(self) -> None:
         """After the trace: when each slot is read last, and which ones are read at all."""

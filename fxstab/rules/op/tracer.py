@@ -32,7 +32,7 @@ from ...numerics.formats import working_dtype_for
 from ...passes import steps
 from ...records.coverage import ANALYSED, SKIPPED, UNROUNDED, CoverageEntry
 from ...records.report import (
-    ROUNDED, UNLIFTED, OpReport, block_builder, report_builder, stats_row,
+    ROUNDED, UNLIFTED, OpReport, ReportRow, block_builder, report_builder, stats_row,
 )
 from ..lifting import LOW_READERS, NodePlan, OpGraph, Stacked, has_floating
 from . import decisions, draws, elementwise, gemm, per_sample, structural  # noqa: F401 - rules
@@ -675,7 +675,8 @@ class SampleTracer(torch.fx.Interpreter):
             v = stats_row(stats[0] if len(stats) == 1 else merge_stats([r[:] for r in stats]))
             tpl = self._template_of(plan, status, shape)
             acc = self.acc_errors.get(plan.index)  # an accumulator's own digits (avg, min)
-            defer((build, (tpl[0], tpl[1], fired, None, v) + ((acc,) if acc else ())))
+            defer((build, ReportRow(fixed=tpl[0], cap=tpl[1], surrogate=fired, stats=v,
+                                    gemm=acc)))
         self._learn_block(pending)
 
     def _learn_block(self, pending: list) -> None:
