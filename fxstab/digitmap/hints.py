@@ -1,4 +1,10 @@
-"""Hints: the findings' thresholds, the table legend and a one-line remedy per operator kind."""
+"""Hints: the findings' thresholds, the table legend and a one-line remedy per operator kind.
+
+An operator's kinds are the operator level's names (the sets below) and, at the arithmetic
+level, its primitives', whose rows (:func:`fxstab.rules.aten.primitives.rule_of`) say what they
+are: a GEMM (its path), a cancellation (its counters read the output's digits), a division
+(its family).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ from typing import Optional
 
 from ..capture.opsets import GEMM_KINDS
 from ..rules.aten.kinds import GEMM_PRIMITIVES
+from ..rules.aten.primitives import rule_of
 from .operators import OperatorDigits
 
 # A local loss below this fraction of the cap is the cost of a rounding or two (a bf16 GEMM of
@@ -18,8 +25,6 @@ LEGEND = ("legend: digits are the CESTAC estimate of the reliable significant di
           "quantiles of the elements' digits; zero%: computational zeros (samples disagree on "
           "every digit); under: elements rounded below the smallest normal; surrogate: the "
           "GEMM's inputs were perturbed (their samples were too close to expose it)")
-_OVERFLOW_KINDS = {"exp", "exp2", "expm1", "softmax", "log_softmax", "logsumexp", "pow", "sinh",
-                   "cosh", "mul", "matmul", "mm", "bmm", "linear", "sum", "cumsum", "square"}
 _INVALID_KINDS = {"div", "reciprocal", "rsqrt", "sqrt", "log", "log2", "log10", "log1p",
                   "true_divide", "floor_divide", "atanh", "acos", "asin"}
 # normalizations that centre their input (x - mean): their rounding error is amplified by
@@ -35,8 +40,12 @@ _SCALE_NORM_KINDS = {"rms_norm", "rsqrt", "norm", "normalize"}
 # at least this fraction of computational zeros: the operator's exact value is (nearly) zero
 # against its terms, whatever its kind
 ZERO_FINDING = 0.5
+# operators that subtract or sum (a primitive: its row's counters read the output's digits)
 _CANCEL_KINDS = {"add", "sub", "rsub", "iadd", "isub", "addmm", "sum", "mean", "cumsum"}
-_GEMM_KINDS = GEMM_KINDS | GEMM_PRIMITIVES  # an operator's kinds, a primitive's
+# operators that divide (a primitive: its row's family)
+_DIVISION_KINDS = {"div", "reciprocal", "true_divide"}
+_DIVISION_FAMILIES = {"division", "reciprocal"}
+_GEMM_KINDS = GEMM_KINDS | GEMM_PRIMITIVES  # an operator's kinds, a primitive's (its row's path)
 ZERO_HINT = ("computational zero (its exact value is nearly 0 against its terms, as the mean of "
              "a centred input is): harmless unless a reader divides by it, takes its log or "
              "scales it up; compute it in fp32 or reformulate where one does")
@@ -99,13 +108,13 @@ def hint(op: "OperatorDigits", nonfinite: bool = False) -> str:
                 "compute the statistics in fp32")
     if kinds & {"exp", "softmax", "log_softmax", "logsumexp", "exp2", "expm1"}:
         return "exponential of large values: subtract the max first and accumulate in fp32"
-    if kinds & {"div", "reciprocal", "true_divide"}:
+    if kinds & _DIVISION_KINDS or any(rule_of(k).family in _DIVISION_FAMILIES for k in kinds):
         return ("division by a value with few reliable digits: guard or reformulate the "
                 "denominator, or compute it in fp32")
     if kinds & _GEMM_KINDS:
         return ("ill-conditioned or cancelling product: accumulate in fp32, or check for "
                 "cancelling weights and near-tied scores")
-    if kinds & _CANCEL_KINDS:
+    if kinds & _CANCEL_KINDS or any(rule_of(k).output_digits for k in kinds):
         return ("cancellation (nearly equal values subtracted): reformulate the expression "
                 "or raise its precision")
     if op.underflow:
