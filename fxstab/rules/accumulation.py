@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -140,7 +140,7 @@ def sdpa_args(a: tuple, kw: dict) -> tuple:
     return (q, k, v, *rest)
 
 
-def _sdpa_accumulable(a: tuple, kw: dict) -> bool:
+def _sdpa_accumulable(a: tuple, kw: dict, kind: str) -> bool:
     try:
         q, k, v, mask, dropout_p, is_causal, scale, gqa = sdpa_args(a, kw)
     except (IndexError, KeyError):
@@ -160,10 +160,10 @@ def accumulable(a: tuple, kw: dict, kind: str) -> bool:
     numeric stride, padding and dilation."""
     if "out" in kw or kw.get("beta", 1) != 1 or kw.get("alpha", 1) != 1:
         return False
-    if kind in CONV_KINDS:
-        return _conv_accumulable(a, kw, kind)
-    if kind == SDPA:
-        return _sdpa_accumulable(a, kw)
+    return _FORMS.get(kind, _MATMUL).accumulable(a, kw, kind)
+
+
+def _matmul_accumulable(a: tuple, kw: dict, kind: str) -> bool:
     try:
         x, w, _ = gemm_operands(a, kw, kind)
     except (IndexError, KeyError):
@@ -191,12 +191,16 @@ def accumulated_product(a: tuple, kw: dict, kind: str, acc: Any, seed: int,
     picks the implementation (:data:`fxstab.executors.ACCUMULATE`). With ``inputs`` and a ``stats`` list,
     the operands' statistics in that recipe (:func:`~fxstab.numerics.accumulation.
     operand_stats`, of every product's two operands, the first sample's) are appended to it."""
-    if kind in CONV_KINDS:
-        return _conv_product(a, kw, kind, acc, seed, to_working, inputs, scaling, mode, kernels,
-                             stats)
-    if kind == SDPA:
-        return _sdpa_product(a, kw, acc, seed, to_working, inputs, scaling, mode, kernels,
-                             stats)
+    form = _FORMS.get(kind, _MATMUL)
+    return form.product(a, kw, kind, acc, seed, to_working, inputs, scaling, mode, kernels, stats)
+
+
+def _matmul_product(a: tuple, kw: dict, kind: str, acc: Any, seed: int,
+                  to_working: Callable[[torch.Tensor], torch.Tensor], inputs: Any,
+                  scaling: str, mode: Any, kernels: str,
+                  stats: Optional[list] = None) -> Stacked:
+    """A product of two operands (:func:`gemm_operands`: linear, matmul, mm, bmm; addmm and
+    baddbmm with their bias added after it), their batch dims aligned."""
     x, w, bias = gemm_operands(a, kw, kind)
     rank = max(_logical_dim(x), _logical_dim(w))
 
@@ -443,7 +447,7 @@ def _conv_product(a: tuple, kw: dict, kind: str, acc: Any, seed: int,
     return Stacked(to_working(y))
 
 
-def _sdpa_product(a: tuple, kw: dict, acc: Any, seed: int,
+def _sdpa_product(a: tuple, kw: dict, kind: str, acc: Any, seed: int,
                   to_working: Callable[[torch.Tensor], torch.Tensor], inputs: Any,
                   scaling: str, mode: Any, kernels: str,
                   stats: Optional[list] = None) -> Stacked:
@@ -481,3 +485,19 @@ def _sdpa_product(a: tuple, kw: dict, acc: Any, seed: int,
     out = _samples_product(p, vs, acc, derive_seed(seed, 4), inputs, scaling, mode, kernels,
                            stats)
     return Stacked(to_working(out))
+
+
+class _Form(NamedTuple):
+    """How a modelled GEMM of one kind runs: ``accumulable(a, kw, kind)``, whether its
+    arguments suit the model, and ``product(a, kw, kind, acc, seed, to_working, inputs,
+    scaling, mode, kernels, stats)``, its samples (:func:`accumulated_product`'s arguments)."""
+
+    accumulable: Callable[[tuple, dict, str], bool]
+    product: Callable[..., Stacked]
+
+
+_MATMUL = _Form(_matmul_accumulable, _matmul_product)
+# kind -> its form; a kind without an entry: a product of two operands (_MATMUL)
+_FORMS: dict[str, _Form] = {**{kind: _Form(_conv_accumulable, _conv_product)
+                               for kind in CONV_KINDS},
+                            SDPA: _Form(_sdpa_accumulable, _sdpa_product)}
