@@ -656,7 +656,7 @@ def test_the_accumulators_figure_is_its_output_against_the_exact_sum_of_the_same
     w = torch.randn(16, 256, dtype=torch.float64, generator=g)
     b = torch.randn(16, dtype=torch.float64, generator=g)
     acc = Accumulation.parse("fp8-fast")
-    plan = SimpleNamespace(kind="linear", accumulate=acc, gemm_inputs=None)
+    plan = SimpleNamespace(kind="linear", accumulate=acc, gemm_inputs=None, gemm_scaling=None)
     cfg = SimpleNamespace(gemm_scaling="tensor", rounding="random", kernels="torch")
     out, (avg, mn) = modelled_gemm((Stacked(x), w, b), {}, plan, cfg, 5, lambda t: t.double(),
                                    cap=7.0)
@@ -687,7 +687,7 @@ def test_the_accumulators_figure_is_its_output_against_the_exact_sum_of_the_same
                                 lambda t: t.double(), e4m3, "tensor", "random", "torch").samples
     assert torch.equal(one[0], three[0]) and not torch.equal(three[0], three[1])
     fine = SimpleNamespace(kind="linear", accumulate=Accumulation((11, 52), 1),
-                           gemm_inputs=e4m3)
+                           gemm_inputs=e4m3, gemm_scaling=None)
     assert tuple(modelled_gemm((Stacked(x), w, b), {}, fine, cfg, 5, lambda t: t.double(),
                                7.0)[1]) == (7.0, 7.0)
     fine.accumulate = acc

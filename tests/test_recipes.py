@@ -376,7 +376,7 @@ def test_where_a_gemms_digits_go_operands_against_accumulator():
     got = {}
     for fmt in ("fp8_e4m3", "fp4_e2m1"):
         plan = SimpleNamespace(kind="linear", accumulate=Accumulation.parse("fp8-promoted"),
-                               gemm_inputs=get_format(fmt))
+                               gemm_inputs=get_format(fmt), gemm_scaling=None)
         _, fig = modelled_gemm((Stacked(x), w), {}, plan, cfg, 9, lambda t: t.double(), 7.0)
         rounded = accumulated_product((Stacked(x[:1]), w), {}, "linear", None, 9,
                                       lambda t: t.double(), get_format(fmt), "mx32", "random",
