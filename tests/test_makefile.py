@@ -4,6 +4,7 @@ package of that extra."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -17,8 +18,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _dry_run(target: str, venv: Path) -> list:
     """The commands ``make TARGET`` would run for a new environment at ``venv``."""
-    proc = subprocess.run(["make", "-n", target, f"VENV={venv}"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    # (under `make test` the outer make's MAKELEVEL/MAKEFLAGS make the inner one print its
+    # directory: "make[1]: Leaving directory ..." as the last line)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    proc = subprocess.run(["make", "--no-print-directory", "-n", target, f"VENV={venv}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.splitlines()
 
