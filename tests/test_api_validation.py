@@ -213,3 +213,12 @@ def test_one_accumulator_for_every_gemm_is_never_warned_about():
     be = analyse(MLP(), torch.randn(4, 16),
                  accumulate=fxstab.Accumulation("fp16", 16, rounding="random"))
     assert caught(be.digit_map) == []
+
+
+def test_the_activation_family_holds_logsigmoid_as_dynamo_names_it():
+    class LogSigmoid(nn.Module):  # F.logsigmoid is captured as kind "log_sigmoid"
+        def forward(self, x):
+            return torch.nn.functional.logsigmoid(x)
+
+    be = analyse(LogSigmoid(), torch.randn(4, 8), select="activation")
+    assert [r.kind for r in be.reports] == ["log_sigmoid"]

@@ -32,7 +32,8 @@ FAMILIES: dict[str, frozenset[str]] = {
     "norm": frozenset({"layer_norm", "rms_norm", "group_norm", "batch_norm", "instance_norm"}),
     "activation": frozenset({
         "relu", "relu6", "gelu", "silu", "tanh", "sigmoid", "elu", "selu", "celu", "leaky_relu",
-        "softplus", "mish", "hardswish", "hardsigmoid", "hardtanh", "logsigmoid", "softsign",
+        "softplus", "mish", "hardswish", "hardsigmoid", "hardtanh", "logsigmoid", "log_sigmoid",
+        "softsign",
         "glu", "prelu", "tanhshrink",
     }),
     "embedding": frozenset({"embedding", "embedding_bag"}),
