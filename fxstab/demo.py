@@ -145,14 +145,27 @@ def run_demo(seed: int = 0, format: str = "fp16", output: Optional[str] = None) 
         first = ranked[0]
         what = "NaN/inf first appear" if first.nonfinite_origin else "digits are lost first"
         print(f"\n=> {what} at {first.name}: {hint(dm[first.name], first.nonfinite_origin)}.")
+        _say_line(dm[first.name])
         lost = next((r for r in ranked if not r.nonfinite_origin and r.local_loss > 0), None)
         if lost is not None and first.nonfinite_origin:
             print(f"=> then {lost.name} loses {lost.local_loss:.2f} {DEFAULT_METRIC} digits "
                   f"against its input: {hint(dm[lost.name])}.")
+            _say_line(dm[lost.name])
     print(f"\nThe model's own output was unchanged; {DEFAULT_METRIC} digits rank the operators "
           f"[{time.perf_counter() - t0:.1f}s].")
     if torch_dtype_of(name) is None:  # a format torch does not compute in: no real run
         return 0
-    print(f"Next: `fxstab plan fxstab.demo:build --format {name} --keep 1.2 --apply-check` finds "
-          f"a cheap set of operators to keep in fp32 and checks the fix in a real {name} run.")
+    print(f"Next: `fxstab fix fxstab.demo:build --format {name}` rewrites the code at those "
+          f"lines into its stable form where one is known (the exp: a softmax) and checks it in "
+          f"a real {name} run; `fxstab plan fxstab.demo:build --format {name} --keep 1.2 "
+          f"--apply-check` finds a cheap set of operators to keep in fp32 and checks that.")
     return 0
+
+
+def _say_line(op: object) -> None:
+    """The user's line of operator ``op`` under a verdict (``   demo.py:50  e = ...``)."""
+    from .digitmap.findings import at_line
+
+    line = at_line(op, width=72)
+    if line:
+        print("   " + line.removeprefix(", ").replace(" `", "  ", 1).rstrip("`"))

@@ -714,6 +714,9 @@ def test_demo_ends_with_what_to_fix_first(tmp_path, capsys):
     assert verdict[0].startswith("=> NaN/inf first appear at blocks.1.attn/exp#0: overflow")
     assert verdict[1].startswith("=> then blocks.0.ln1/layer_norm#0 loses")
     assert "near-constant normalization" in verdict[1]
+    # each verdict names the user's line, and the next step names the rewrite command
+    assert lines[lines.index(verdict[0]) + 1] == "   demo.py:50  e = torch.exp(scores)"
+    assert lines[-1].startswith("Next: `fxstab fix fxstab.demo:build --format fp16`")
     assert DigitMap.load(out).metadata["format"] == "fp16"
 
 
