@@ -193,6 +193,14 @@ class AnalysisConfig:
 
 
     @property
+    def run_shift(self) -> float:
+        """The shift of the expected digits of a real run (:func:`fxstab.numerics.digits.run_shift`)
+        for this analysis's samples and rounding."""
+        from .numerics.digits import run_shift
+
+        return run_shift(self.n_samples, self.rounding)
+
+    @property
     def widest_format(self) -> Format:
         """The widest format an operator rounds into: it sets the samples' working dtype."""
         return max([self.format, *(f for _, f in self.formats)], key=lambda f: f.precision)

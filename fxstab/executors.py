@@ -221,20 +221,21 @@ def _fp32_cpu(t: torch.Tensor, n: int) -> bool:
 @implements(ROUND, CPU, fused_cpu)
 def _round_cpu(samples: torch.Tensor, fmt: Any, mode: Optional[Rounding], seed: int, *,
                saturate: bool, confidence: float, zero_threshold: float,
-               in_place: bool) -> tuple:
+               in_place: bool, run_shift: Optional[float] = None) -> tuple:
     out, vec, _ = bindings.round_stats(samples, fmt, mode, seed, saturate=saturate,
                                        confidence=confidence, zero_threshold=zero_threshold,
-                                       in_place=in_place, as_list=True)
+                                       in_place=in_place, as_list=True, run_shift=run_shift)
     return out, vec
 
 
 @implements(ROUND, TRITON, fused_gpu)
 def _round_triton(samples: torch.Tensor, fmt: Any, mode: Optional[Rounding], seed: int, *,
                   saturate: bool, confidence: float, zero_threshold: float,
-                  in_place: bool) -> tuple:
+                  in_place: bool, run_shift: Optional[float] = None) -> tuple:
     if mode is None:  # measuring alone has no kernel of its own: the reference
         return _round_torch(samples, fmt, mode, seed, saturate=saturate, confidence=confidence,
-                            zero_threshold=zero_threshold, in_place=in_place)
+                            zero_threshold=zero_threshold, in_place=in_place,
+                            run_shift=run_shift)
     from .kernels.dispatch import round_and_stats
 
     n, numel = samples.shape[0], samples[0].numel()
@@ -245,40 +246,42 @@ def _round_triton(samples: torch.Tensor, fmt: Any, mode: Optional[Rounding], see
                               kernels=TRITON)
     # the extras (norms, underflow, quantiles) with torch operations on the device
     return out, [st.avg * numel, st.min, st.max, st.zero_fraction * numel,
-                 float(st.non_finite), float(numel)] + extra_stats(out, t, cap, under)
+                 float(st.non_finite), float(numel)] + extra_stats(out, t, cap, under, run_shift)
 
 
 @implements(ROUND, TORCH)
 def _round_torch(samples: torch.Tensor, fmt: Any, mode: Optional[Rounding], seed: int, *,
                  saturate: bool, confidence: float, zero_threshold: float,
-                 in_place: bool) -> tuple:
+                 in_place: bool, run_shift: Optional[float] = None) -> tuple:
     t, cap = student_t(samples.shape[0], confidence), digits_cap(fmt, samples.dtype)
     under = underflow_count(samples, fmt) if mode is not None else 0
     if mode is not None:
         samples = round_samples(samples, fmt, mode, seed=seed, saturate=saturate)
-    return samples, stats_vector(samples, t, cap, zero_threshold, under)
+    return samples, stats_vector(samples, t, cap, zero_threshold, under, run_shift)
 
 
 @implements(PREPARED_ROUND, CPU)
 def _prepared_cpu(fmt: Any, mode: Optional[Rounding], dtype: torch.dtype, n: int, *,
                   saturate: bool, confidence: float, zero_threshold: float, in_place: bool,
-                  eta: Optional[float]) -> "bindings.Prepared":
+                  eta: Optional[float], run_shift: Optional[float] = None) -> "bindings.Prepared":
     """The kernel with its settings bound once (a call sets the seed(s) and runs it); with
     ``eta``, its consumer GEMM's surrogate in the same pass."""
     return bindings.Prepared(bindings.rounder(fmt, mode, dtype, n, saturate=saturate,
                                               confidence=confidence,
-                                              zero_threshold=zero_threshold), in_place, eta)
+                                              zero_threshold=zero_threshold,
+                                              run_shift=run_shift), in_place, eta)
 
 
 @implements(ROUND_PERTURB, CPU)
 def _round_perturb_cpu(samples: torch.Tensor, fmt: Any, mode: Rounding, seed: int, eta: float,
                        perturb_seed: int, *, saturate: bool, confidence: float,
-                       zero_threshold: float, in_place: bool) -> tuple:
+                       zero_threshold: float, in_place: bool,
+                       run_shift: Optional[float] = None) -> tuple:
     """(rounded and perturbed samples, statistics row of the rounded ones, perturbed count)."""
     return bindings.round_perturb(samples, fmt, mode, seed, eta, perturb_seed,
                                   saturate=saturate, confidence=confidence,
                                   zero_threshold=zero_threshold, in_place=in_place,
-                                  as_list=True)
+                                  as_list=True, run_shift=run_shift)
 
 
 # -- PERTURB: the GEMM surrogate ---------------------------------------------------------------

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 STEPS, EVERY = 20, 10
 TAGS = {"fxstab/worst_forward_digits", "fxstab/worst_grad_digits", "fxstab/nan_origins",
-        "fxstab/findings"}
+        "fxstab/findings", "fxstab/worst_forward_run_digits", "fxstab/worst_grad_run_digits"}
 
 
 def tiny_gpt2() -> torch.nn.Module:

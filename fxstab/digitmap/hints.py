@@ -22,7 +22,9 @@ MIN_FINDING = 0.25
 MIN_UNDERFLOW = 0.01
 LEGEND = ("legend: digits are the CESTAC estimate of the reliable significant digits of an "
           "output, at most the cap ({cap:.2f}); normwise: the tensor as a whole; p10/p50: "
-          "quantiles of the elements' digits; zero%: computational zeros (samples disagree on "
+          "quantiles of the elements' digits; run: the avg digits a round-to-nearest run is "
+          "expected to keep (an estimate to compare with a real run, not a bound); "
+          "zero%: computational zeros (samples disagree on "
           "every digit); under: elements rounded below the smallest normal; surrogate: the "
           "GEMM's inputs were perturbed (their samples were too close to expose it)")
 _INVALID_KINDS = {"div", "reciprocal", "rsqrt", "sqrt", "log", "log2", "log10", "log1p",

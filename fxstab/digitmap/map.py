@@ -29,6 +29,7 @@ from .operators import (
     StepDigits,
     accumulator_digits,
     accumulator_keys,
+    run_keys,
     aggregate,
     as_digits,
     check_metric,
@@ -71,6 +72,11 @@ def _unique(values: Iterable[Any], what: str) -> Any:
     if len(seen) > 1:
         raise ValueError(f"reports mix {what} values {seen}; build one digit map per {what}")
     return seen[0] if seen else None
+
+
+def _digits_cell(v: float) -> str:
+    """A table's digits column: the figure, or ``-`` where the map does not hold it."""
+    return f"{'-':>8}" if math.isnan(v) else f"{v:>8.2f}"
 
 
 # --------------------------------------------------------------------------- the map
@@ -189,7 +195,8 @@ class DigitMap:
         return self.to_json() == other.to_json()
 
     _COMPARED_STATS = ("avg_digits", "min_digits", "max_digits", "normwise_digits",
-                       "p10_digits", "p50_digits", "zero_fraction", "non_finite", "underflow",
+                       "p10_digits", "p50_digits", "run_digits", "zero_fraction", "non_finite",
+                       "underflow",
                        "accumulator_digits", "accumulator_min_digits")
 
     def difference(self, other: "DigitMap") -> float:
@@ -312,7 +319,7 @@ class DigitMap:
             flags += [f"{k}={v}" for k, v in op.counters.items() if v]
             lines.append(
                 f"{op.name:<{width}}  {op.kind:<{kw}}  {op.calls:>5}  {op.numel:>9}  "
-                + "  ".join(f"{op.digits(c):>8.2f}" for c in cols)
+                + "  ".join(_digits_cell(op.digits(c)) for c in cols)
                 + (f"  {_acc_cell(op, metric):>6}" if acc else "")
                 + (f"  {_impact_cell(op):>6}" if impact else "")
                 + f"  {100 * op.zero_fraction:>5.1f}%  {op.non_finite:>6}  {op.underflow:>6}  "
@@ -631,7 +638,7 @@ class DigitMap:
                 "calls": s.calls, "numel": s.numel, "avg_digits": s.avg_digits,
                 "min_digits": s.min_digits, "max_digits": s.max_digits,
                 "normwise_digits": s.normwise_digits, "p10_digits": s.p10_digits,
-                "p50_digits": s.p50_digits,
+                "p50_digits": s.p50_digits, **run_keys(s),
                 "zero_fraction": s.zero_fraction, "non_finite": s.non_finite,
                 "underflow": s.underflow, **accumulator_keys(s), **operand_keys(s),
             }

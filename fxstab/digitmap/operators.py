@@ -20,7 +20,7 @@ from ..records.report import COUNTER_KEYS, OBSERVED, PER_SAMPLE, ROUNDED, UNLIFT
 STATUS_SEVERITY = {ROUNDED: 0, PER_SAMPLE: 1, OBSERVED: 2, UNLIFTED: 3}
 # Per-operator statistics a metric can name, and the OperatorDigits/StepDigits field of each.
 _METRIC_FIELDS = {"normwise": "normwise_digits", "p10": "p10_digits", "p50": "p50_digits",
-                  "avg": "avg_digits", "min": "min_digits"}
+                  "avg": "avg_digits", "run": "run_digits", "min": "min_digits"}
 METRICS = tuple(_METRIC_FIELDS)
 # The metric of tables, rankings, plots and the CI gate (docs/digit-maps.md says why).
 DEFAULT_METRIC = "avg"
@@ -65,6 +65,9 @@ class OperatorDigits(_Metrics):
     p10_digits: float = math.nan
     p50_digits: float = math.nan
     underflow: int = 0
+    # the avg digits a round-to-nearest run is expected to keep (metric "run"; NaN: a map
+    # written before it was kept). An estimate to compare with a real run, not a bound
+    run_digits: float = math.nan
     direction: str = "forward"  # or "backward": an operator of the backward graph, a gradient
     format: str = ""  # the format its output rounded into (format="auto"); "": the map's
     # a modelled GEMM's accumulator (docs/accumulation.md): the digits its output shares with
@@ -98,7 +101,7 @@ class OperatorDigits(_Metrics):
             "calls": self.calls, "numel": self.numel, "avg_digits": self.avg_digits,
             "min_digits": self.min_digits, "max_digits": self.max_digits,
             "normwise_digits": self.normwise_digits, "p10_digits": self.p10_digits,
-            "p50_digits": self.p50_digits,
+            "p50_digits": self.p50_digits, **run_keys(self),
             "zero_fraction": self.zero_fraction, "non_finite": self.non_finite,
             "underflow": self.underflow,
             "surrogate": self.surrogate, "counters": dict(self.counters),
@@ -106,6 +109,12 @@ class OperatorDigits(_Metrics):
             **({} if math.isnan(self.impact) else {"impact": self.impact}),
             **({"code": self.code} if self.code else {}),
         }
+
+
+def run_keys(record: object) -> dict:
+    """The optional ``run_digits`` key of a record (absent where it was not measured)."""
+    v = getattr(record, "run_digits", math.nan)
+    return {} if math.isnan(v) else {"run_digits": v}
 
 
 def source_code(source: str) -> str:
@@ -136,6 +145,7 @@ class StepDigits(_Metrics):
     p10_digits: float = math.nan
     p50_digits: float = math.nan
     underflow: int = 0
+    run_digits: float = math.nan  # as OperatorDigits'
     accumulator_digits: float = math.nan  # as OperatorDigits'
     accumulator_min_digits: float = math.nan
     operand_elements: int = 0  # as OperatorDigits'
@@ -214,6 +224,8 @@ def aggregate(reports: Sequence[OpReport]) -> dict:
         "normwise_digits": _weighted([float(r.normwise_digits) for r in reports], numels),
         "p10_digits": _weighted([float(r.p10_digits) for r in reports], numels),
         "p50_digits": _weighted([float(r.p50_digits) for r in reports], numels),
+        "run_digits": _weighted([float(getattr(r, "run_digits", math.nan)) for r in reports],
+                                numels),
         "underflow": sum(int(r.underflow) for r in reports),
         **_accumulator(reports, numels),
         **_operands(reports),

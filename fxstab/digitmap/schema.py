@@ -254,7 +254,7 @@ def _extras(c: "_Checker", o: dict, where: str) -> dict:
     """The statistics schema version 2 added (absent from version 1: NaN digits, 0 underflow),
     and the accumulator's digits (optional)."""
     out = {f: c.get(o, f, "a number", where, False, math.nan)
-           for f in ("normwise_digits", "p10_digits", "p50_digits")}
+           for f in ("normwise_digits", "p10_digits", "p50_digits", "run_digits")}
     out["underflow"] = c.get(o, "underflow", "a non-negative integer", where, False, 0)
     # a modelled GEMM's accumulator (optional in version 2: absent, NaN, as in every map
     # written before it and every operator without an accumulator)

@@ -25,25 +25,33 @@ PREFIX = "fxstab/"
 
 def headline(dm: Any) -> dict:
     """The figures logged per analysed step: the worst forward operator's and the worst
-    gradient's digits (the default metric), how many operators NaN/inf first appear at, and
-    how many findings the map has."""
+    gradient's digits (the default metric, CESTAC's bound) and the same operators' expected
+    digits in a real run (``..._run_digits``: what to set beside a real run), how many
+    operators NaN/inf first appear at, and how many findings the map has."""
     from ..digitmap import DEFAULT_METRIC
 
-    fwd = [op.digits(DEFAULT_METRIC) for op in dm.operators.values()
-           if op.direction != "backward"]
-    grads = [op.digits(DEFAULT_METRIC) for op in dm.operators.values()
-             if op.kind == "param_grad"]
+    fwd = [op for op in dm.operators.values() if op.direction != "backward"]
+    grads = [op for op in dm.operators.values() if op.kind == "param_grad"]
 
-    def lowest(values: list) -> float:
-        vals = [0.0 if math.isnan(v) else v for v in values]
-        return min(vals) if vals else math.nan
+    def lowest(ops: list) -> tuple:
+        """(the lowest bound, that operator's run digits) of ``ops``."""
+        if not ops:
+            return math.nan, math.nan
+        op = min(ops, key=lambda o: _or0(o.digits(DEFAULT_METRIC)))
+        return _or0(op.digits(DEFAULT_METRIC)), op.run_digits
 
-    out = {f"{PREFIX}worst_forward_digits": lowest(fwd),
-           f"{PREFIX}nan_origins": float(len(dm.nonfinite_sources())),
+    out = {f"{PREFIX}nan_origins": float(len(dm.nonfinite_sources())),
            f"{PREFIX}findings": float(len(dm.findings()))}
-    if grads:
-        out[f"{PREFIX}worst_grad_digits"] = lowest(grads)
+    for key, ops in (("forward", fwd), ("grad", grads)):
+        if ops or key == "forward":
+            bound, run = lowest(ops)
+            out[f"{PREFIX}worst_{key}_digits"] = bound
+            out[f"{PREFIX}worst_{key}_run_digits"] = run
     return out
+
+
+def _or0(v: float) -> float:
+    return 0.0 if math.isnan(v) else v
 
 
 def monitor_headline(mon: Any) -> dict:

@@ -9,8 +9,8 @@ Every ``every`` optimizer steps the step's batch runs the module's ``training_st
 and backward through fxstab on the side (its ``self.log`` calls silenced; the training itself
 is unchanged, bit for bit) and the digit map is saved as ``ROOT/fxstab/step-NNNNNN.json``
 (``ROOT``: the trainer's ``log_dir``, else its ``default_root_dir``); its headline figures
-(``fxstab/worst_forward_digits``, ``fxstab/worst_grad_digits``, ``fxstab/nan_origins``,
-``fxstab/findings``) go to every logger of the trainer (TensorBoard, CSV, W&B...); when
+(``fxstab/worst_forward_digits``, ``fxstab/worst_grad_digits``, their ``..._run_digits``,
+``fxstab/nan_origins``, ``fxstab/findings``) go to every logger of the trainer (TensorBoard, CSV, W&B...); when
 training ends the last map's page and ``steps.html`` are written beside the maps. With
 ``monitor=StabilityMonitor(...)`` (the network inside the module wrapped by
 ``monitor.wrap``) the callback steps the monitor and logs its scores and promotions instead.

@@ -11,8 +11,8 @@
 Every ``every`` optimizer steps the step's batch runs forward and backward through fxstab on
 the side (the training itself is unchanged, bit for bit) and the digit map is saved as
 ``OUTPUT_DIR/fxstab/step-NNNNNN.json``; its headline figures (``fxstab/worst_forward_digits``,
-``fxstab/worst_grad_digits``, ``fxstab/nan_origins``, ``fxstab/findings``) go to the trainer's
-own loggers (``report_to``: TensorBoard, W&B, CSV...) with the step's loss; when training ends
+``fxstab/worst_grad_digits``, their ``..._run_digits``, ``fxstab/nan_origins``,
+``fxstab/findings``) go to the trainer's own loggers (``report_to``: TensorBoard, W&B, CSV...) with the step's loss; when training ends
 the last map's page and ``steps.html`` (digits over the analysed steps) are written beside the
 maps. With ``monitor=StabilityMonitor(...)`` (the model wrapped by ``monitor.wrap``) the
 callback steps the monitor and logs its scores and promotions instead.

@@ -33,7 +33,8 @@ __all__ = [
     "student_t", "cestac_digits", "computational_zero", "digit_stats", "DigitStats",
     "format_stochastic", "digits_cap", "stats_vector", "stats_from_list", "empty_stats",
     "normwise_digits", "underflow_count", "true_digits", "extra_stats", "merge_stats",
-    "STATS_LEN", "EXTRA_STATS", "StatsRow", "MIN", "ZEROS", "NON_FINITE",
+    "STATS_LEN", "EXTRA_STATS", "StatsRow", "MIN", "ZEROS", "NON_FINITE", "run_shift",
+    "run_digits", "ERROR_RATIO",
 ]
 
 ZERO_THRESHOLD = 0.5
@@ -53,6 +54,7 @@ class StatsRow(NamedTuple):
     underflow: float  # elements the rounding took to zero or a subnormal (docs/design.md §2)
     p10: float  # the 10% and 50% quantiles of the digits
     p50: float
+    sum_run: float  # the expected digits of a round-to-nearest run (run_digits), summed
 
 
 # the positions of a row that the rules read by name (a row is a list or a kernel's buffer)
@@ -72,7 +74,73 @@ _QGROUPS = 8
 
 def empty_stats(cap: float) -> list:
     """The statistics of a tensor without elements: nothing lost, every digit the cap."""
-    return [0.0, cap, cap, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, cap, cap]
+    return [0.0, cap, cap, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, cap, cap, 0.0]
+
+
+# ------------------------------------------------------------ expected digits of a real run
+# How much wider one operation's rounding error is in a mode than in round-to-nearest (the
+# standard deviations, a value uniform within its ulp): random rounding (up or down with
+# probability 1/2) u/sqrt(3) against u/sqrt(12); stochastic rounding u/sqrt(6). The other
+# modes leave the samples identical (their digits are the cap).
+ERROR_RATIO = {"random": 2.0, "stochastic": math.sqrt(2.0)}
+_EULER_GAMMA = 0.5772156649015329
+
+
+def _digamma(x: float) -> float:
+    """psi(x) for x > 0: the recurrence up to x >= 6, then the asymptotic series."""
+    acc = 0.0
+    while x < 6.0:
+        acc -= 1.0 / x
+        x += 1.0
+    f = 1.0 / (x * x)
+    return acc + math.log(x) - 0.5 / x - f * (1 / 12 - f * (1 / 120 - f * (1 / 252 - f / 240)))
+
+
+@functools.lru_cache(maxsize=64)
+def run_shift(n_samples: int, rounding: str = "random") -> float:
+    """The digits a round-to-nearest run keeps beyond ``-log10(s / |mean|)`` of ``n_samples``
+    samples in ``rounding`` (docs/digit-maps.md, "Expected digits of a real run").
+
+    Three known terms: the sample spread of N normal samples under-reads sigma on a log scale
+    (``E[-log10(s / sigma)] = -(psi((N-1)/2) + ln(2/(N-1))) / (2 ln 10)``, 0.125 for N = 3: it is
+    taken off); the run's error is sigma_RN |Z| with Z standard normal, whose
+    ``E[-log10|Z|] = (gamma + ln 2) / (2 ln 10) = 0.276`` is added; and sigma_RN is the samples'
+    sigma divided by :data:`ERROR_RATIO` (log10 2 = 0.301 added for random rounding). For
+    N = 3, random rounding: 0.452 (CESTAC's own constant ``log10(sqrt(N) / t)`` is -0.395).
+    """
+    if n_samples < 2:
+        raise ValueError(f"the expected digits need N >= 2 samples, got {n_samples}")
+    k = n_samples - 1
+    spread_bias = -(_digamma(k / 2.0) + math.log(2.0 / k)) / (2.0 * math.log(10.0))
+    gauss = (_EULER_GAMMA + math.log(2.0)) / (2.0 * math.log(10.0))
+    ratio = ERROR_RATIO.get(str(getattr(rounding, "value", rounding)), 1.0)
+    return -spread_bias + gauss + math.log10(ratio)
+
+
+def _run_columns(ss: torch.Tensor, m2: torch.Tensor, finite: torch.Tensor, same: torch.Tensor,
+                 shift: float, cap: float) -> torch.Tensor:
+    """Per element, the expected digits of a round-to-nearest run from the moments of its
+    samples (:func:`_moments2`): ``shift - log10(s^2 / mean^2) / 2`` clipped to [0, cap];
+    identical finite samples the cap, a zero mean with spread or a non-finite sample 0 (the
+    conventions of the CESTAC digits)."""
+    r = (torch.log10(ss / m2) * -0.5 + shift).clamp_(0.0, cap)
+    r = torch.where(m2 == 0, torch.zeros_like(r), r.nan_to_num(nan=0.0))
+    r = torch.where(same, torch.full_like(r, cap), r)
+    return torch.where(finite, r, torch.zeros_like(r))
+
+
+def run_digits(samples: torch.Tensor, format: Optional[FormatLike] = None,
+               rounding: str = "random") -> torch.Tensor:
+    """Per element of ``samples`` ([N, ...], N >= 2), the digits a round-to-nearest run in
+    ``format`` is expected to keep (:func:`run_shift`): an estimate to compare with a real run,
+    not a bound (CESTAC's :func:`cestac_digits` is the bound); returns shape ``[...]``."""
+    _check_samples(samples)
+    n = samples.shape[0]
+    shift, cap = run_shift(n, rounding), digits_cap(format, samples.dtype)
+    flat = samples.reshape(n, -1)
+    ss, m2, finite, same = _moments2(flat, n)
+    return _run_columns(ss, m2, finite, same, shift, cap).to(samples.dtype).reshape(
+        samples.shape[1:])
 
 
 # --------------------------------------------------------------------------- Student t
@@ -247,6 +315,7 @@ class DigitStats:
     p10: float = math.nan  # quantiles of the per-element digits
     p50: float = math.nan
     underflow: int = 0  # elements a rounding took below the smallest normal (to 0 or subnormal)
+    run: float = math.nan  # the avg digits a round-to-nearest run is expected to keep
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -276,11 +345,12 @@ def normwise_digits(mean_sq: float, var_sq: float, non_finite: int, n: int, t: f
 def stats_from_list(v: "torch.Tensor | list", n: int, t: float, cap: float) -> DigitStats:
     """A :class:`DigitStats` from a statistics vector (tensor or list; empty: the cap)."""
     v = v.tolist() if isinstance(v, torch.Tensor) else v
-    total, mn, mx, zeros, nf, numel, msq, vsq, under, p10, p50 = v
+    total, mn, mx, zeros, nf, numel, msq, vsq, under, p10, p50, run = v
     if numel == 0:
-        return DigitStats(cap, cap, cap, 0, 0.0, 0, cap, cap, cap, 0)
+        return DigitStats(cap, cap, cap, 0, 0.0, 0, cap, cap, cap, 0, cap)
     return DigitStats(total / numel, mn, mx, int(numel), zeros / numel, int(nf),
-                      normwise_digits(msq, vsq, nf, n, t, cap), p10, p50, int(under))
+                      normwise_digits(msq, vsq, nf, n, t, cap), p10, p50, int(under),
+                      run / numel)
 
 
 def digit_stats(
@@ -288,8 +358,10 @@ def digit_stats(
     format: Optional[FormatLike] = None,
     confidence: float = 0.95,
     zero_threshold: float = ZERO_THRESHOLD,
+    rounding: str = "random",
 ) -> DigitStats:
-    """avg/min/max digits, numel, fraction of computational zeros and non-finite count.
+    """avg/min/max digits, numel, fraction of computational zeros and non-finite count; ``run``
+    the avg digits a round-to-nearest run is expected to keep (the samples in ``rounding``).
 
     An empty tensor has no element that lost digits: its avg/min/max are the cap.
     """
@@ -297,17 +369,22 @@ def digit_stats(
     n = samples.shape[0]
     t = student_t(n, confidence)  # validates N and the confidence even for empty tensors
     cap = digits_cap(format, samples.dtype)
-    return stats_from_list(stats_vector(samples, t, cap, zero_threshold), n, t, cap)
+    return stats_from_list(stats_vector(samples, t, cap, zero_threshold,
+                                        shift=run_shift(n, rounding)), n, t, cap)
 
 
 def stats_vector(samples: torch.Tensor, t: float, cap: float,
-                 zero_threshold: float = ZERO_THRESHOLD, underflow: int = 0) -> list:
+                 zero_threshold: float = ZERO_THRESHOLD, underflow: int = 0,
+                 shift: Optional[float] = None) -> list:
     """The statistics of :func:`digit_stats` as a list of :data:`STATS_LEN` floats: [sum of
     digits, min, max, computational zeros, non-finite elements, numel, squared norm of the
-    means, squared norm of the standard deviations, underflowed elements, p10, p50].
+    means, squared norm of the standard deviations, underflowed elements, p10, p50, sum of the
+    expected digits of a real run].
 
     ``samples`` is [N, ...]; ``underflow`` is the count of :func:`underflow_count` on the
-    samples before they were rounded (the caller has them). The quantiles are the "lower" ones
+    samples before they were rounded (the caller has them); ``shift`` the
+    :func:`run_shift` of the analysis (default: N samples of random rounding). The quantiles
+    are the "lower" ones
     (the element of rank floor(q (numel - 1)) in ascending digits) at the resolution of the
     bins (16 per octave of the relative variance, at most 0.013 digits; the fused kernels use
     the same bins).
@@ -321,15 +398,17 @@ def stats_vector(samples: torch.Tensor, t: float, cap: float,
                          for a, step in _chunks(flat)])
     head = torch.stack([parts[:, 0].sum(), parts[:, 1].min(), parts[:, 2].max(),
                         parts[:, 3].sum(), parts[:, 4].sum(), parts[:, 5].sum()]).tolist()
-    return head + extra_stats(flat, t, cap, underflow)
+    return head + extra_stats(flat, t, cap, underflow, shift)
 
 
-def extra_stats(samples: torch.Tensor, t: float, cap: float, underflow: int = 0) -> list:
+def extra_stats(samples: torch.Tensor, t: float, cap: float, underflow: int = 0,
+                shift: Optional[float] = None) -> list:
     """The extras of a statistics vector (:data:`EXTRA_STATS`) of ``samples`` [N, ...]: what
     the fused kernels compute beside the six digit reductions (the Triton path and the
-    references call this).
+    references call this); ``shift``: the :func:`run_shift` of the expected digits of a real
+    run (default: N samples of random rounding).
 
-    The norms cover every element. The quantiles sample the elements in groups of 128
+    The norms and the expected digits cover every element. The quantiles sample the elements in groups of 128
     consecutive ones, every ``ceil(groups / 8)``-th group (all of them up to 8 groups, 1024
     elements), as the kernels do: the histogram costs an increment per element it holds.
     """
@@ -339,11 +418,13 @@ def extra_stats(samples: torch.Tensor, t: float, cap: float, underflow: int = 0)
     if numel == 0:
         return empty_stats(cap)[6:]
     consts = _extras_constants(n, t, cap)
+    shift = run_shift(n) if shift is None else shift
     sums = None
-    for a, step in _chunks(flat):  # norms over every element
-        ss, m2, finite, _ = _moments2(flat[:, a:a + step], n)
+    for a, step in _chunks(flat):  # norms and expected digits over every element
+        ss, m2, finite, same = _moments2(flat[:, a:a + step], n)
         zero = torch.zeros((), dtype=torch.float64, device=flat.device)
-        part = torch.stack([torch.where(finite, m2, zero).sum(), torch.where(finite, ss, zero).sum()])
+        part = torch.stack([torch.where(finite, m2, zero).sum(), torch.where(finite, ss, zero).sum(),
+                            _run_columns(ss, m2, finite, same, shift, cap).sum()])
         sums = part if sums is None else sums + part
     groups = -(-numel // _GROUP)
     stride = -(-groups // _QGROUPS) if groups > _QGROUPS else 1
@@ -354,8 +435,9 @@ def extra_stats(samples: torch.Tensor, t: float, cap: float, underflow: int = 0)
     else:
         sampled = flat
     counts = _bins(sampled, n, consts).tolist()
-    return sums.tolist() + [float(underflow)] + [
-        _hist_quantile(counts, consts, sampled.shape[1], q, cap) for q in QUANTILES]
+    msq, vsq, run = sums.tolist()
+    return [msq, vsq, float(underflow)] + [
+        _hist_quantile(counts, consts, sampled.shape[1], q, cap) for q in QUANTILES] + [run]
 
 
 def _chunks(flat: torch.Tensor) -> list:
@@ -373,6 +455,7 @@ def merge_stats(parts: Sequence[Sequence[float]]) -> list:
            sum(p[6] for p in parts), sum(p[7] for p in parts), sum(p[8] for p in parts)]
     for j in (9, 10):
         out.append(sum(p[j] * p[5] for p in parts) / numel if numel else parts[0][j])
+    out.append(sum(p[11] for p in parts))
     return out
 
 

@@ -67,6 +67,9 @@ class OpReport:
     p10_digits: float = 0.0
     p50_digits: float = 0.0
     underflow: int = 0
+    # the avg digits a round-to-nearest run in the format is expected to keep (an estimate to
+    # compare with a real run; avg_digits is CESTAC's bound: fxstab.numerics.digits.run_shift)
+    run_digits: float = math.nan
     surrogate: bool = False
     status: str = ROUNDED
     shape: tuple = ()
@@ -111,20 +114,22 @@ class OpReport:
         (:func:`fxstab.numerics.digits.stats_vector`'s layout; empty: the cap), with the digits of
         :func:`fxstab.numerics.digits.stats_from_list`: how the backends build their reports."""
         name, kind, module_path, source, fmt, n_samples, status, shape, inputs, direction = fixed
-        total, mn, mx, zeros, nf, numel, msq, vsq, under, p10, p50 = v
+        total, mn, mx, zeros, nf, numel, msq, vsq, under, p10, p50, run = v
         if numel == 0:  # nothing measured: every digit figure the cap
             return cls(name=name, kind=kind, module_path=module_path, source=source,
                        phase=phase, step=step, format=fmt, n_samples=n_samples,
                        avg_digits=cap, min_digits=cap, max_digits=cap, numel=0,
                        zero_fraction=0.0, non_finite=0, normwise_digits=cap, p10_digits=cap,
-                       p50_digits=cap, underflow=0, surrogate=surrogate, status=status,
+                       p50_digits=cap, underflow=0, run_digits=cap, surrogate=surrogate,
+                       status=status,
                        shape=shape, counters=counters, inputs=inputs, call=call,
                        direction=direction)
         return cls(name=name, kind=kind, module_path=module_path, source=source, phase=phase,
                    step=step, format=fmt, n_samples=n_samples, avg_digits=total / numel,
                    min_digits=mn, max_digits=mx, numel=int(numel), zero_fraction=zeros / numel,
                    non_finite=int(nf), normwise_digits=normwise_digits(msq, vsq, nf, n, t, cap),
-                   p10_digits=p10, p50_digits=p50, underflow=int(under), surrogate=surrogate,
+                   p10_digits=p10, p50_digits=p50, underflow=int(under),
+                   run_digits=run / numel, surrogate=surrogate,
                    status=status, shape=shape, counters=counters, inputs=inputs, call=call,
                    direction=direction)
 
@@ -230,7 +235,7 @@ class ReportLog(MutableSequence):
 
 def stats_row(v: Any) -> bytes:
     """A statistics row (:func:`fxstab.numerics.digits.stats_vector`'s layout) kept past its call as
-    bytes: a CPU kernel's own buffer (reused by its next call) copied, a list packed (88 bytes
+    bytes: a CPU kernel's own buffer (reused by its next call) copied, a list packed (96 bytes
     instead of ~400 for a list of floats)."""
     return v if type(v) is bytes else _ROW.pack(*v) if isinstance(v, (list, tuple)) else bytes(v)
 

@@ -3,7 +3,8 @@
   const {DATA, $, $$, esc, fmt, num, digitColour, inkFor} = FX;
   const ops = DATA.ops, cap = DATA.cap, metric = DATA.metric, STYLES = DATA.styles;
   const preds = ops.map(o => o.inputs), succs = ops.map(o => o.consumers);
-  const STATS = [["avg", "avg digits"], ["normwise", "normwise digits"], ["p10", "p10 digits"],
+  const STATS = [["avg", "avg digits (CESTAC bound)"], ["run", "expected in a real run (estimate)"],
+                 ["normwise", "normwise digits"], ["p10", "p10 digits"],
                  ["p50", "p50 digits"], ["min", "min digits"], ["max", "max digits"]];
 
   function delta(a, b) {

@@ -5,7 +5,8 @@
   const origins = new Set(DATA.origins);
   let metric = DATA.metric;
   const preds = ops.map(o => o.inputs), succs = ops.map(o => o.consumers);
-  const STAT_ROWS = [["avg", "avg digits"], ["normwise", "normwise digits"],
+  const STAT_ROWS = [["avg", "avg digits (CESTAC bound)"],
+                     ["run", "expected in a real run (estimate)"], ["normwise", "normwise digits"],
                      ["p10", "p10 digits"], ["p50", "p50 digits"], ["min", "min digits"],
                      ["max", "max digits"]];
 

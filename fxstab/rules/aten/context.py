@@ -225,7 +225,7 @@ class AtenContext:
             r = self._rounders[key] = native.rounder(
                 cfg.format, cfg.rounding if rounded else None, dtype, cfg.n_samples,
                 saturate=cfg.saturate, confidence=cfg.confidence,
-                zero_threshold=cfg.zero_threshold)
+                zero_threshold=cfg.zero_threshold, run_shift=cfg.run_shift)
         return r
 
     def next_seed(self, salt: Optional[int] = None) -> int:

@@ -169,6 +169,7 @@ def _fused_digits(s: torch.Tensor, ctx: "AtenContext", an: Analysis) -> tuple:
     the fused kernel measuring without rounding."""
     _, st, d = native.round_stats(s, ctx.fmt, None, confidence=ctx.confidence,
                                   zero_threshold=ctx.zero_threshold, want_digits=True,
+                                  run_shift=ctx.config.run_shift,
                                   as_list=True)
     return d, st
 

@@ -94,7 +94,7 @@ def _round_measure_reference(v: torch.Tensor, ctx: AtenContext, seed: Optional[i
                           an.zero.sum().double(), (~an.finite).sum().double()]).tolist()
         st.append(float(numel))
         if v.is_floating_point():  # the extras: norms, underflow, quantiles
-            st += extra_stats(v, ctx.t, ctx.cap, under)
+            st += extra_stats(v, ctx.t, ctx.cap, under, ctx.config.run_shift)
         else:
             st += empty_stats(ctx.cap)[6:]
         an.set_stats(st)

@@ -500,6 +500,7 @@ class SampleTracer(torch.fx.Interpreter):
                                    samples.dtype, self.n, saturate=cfg.saturate,
                                    confidence=cfg.confidence,
                                    zero_threshold=cfg.zero_threshold, in_place=own,
+                                   run_shift=cfg.run_shift,
                                    eta=self._eta(fuse[0]) if fused is not None else None)
             to_round.append(RoundedOutput(j, stacked, own, t.is_complex(), fused, prepared))
         if not to_round:
@@ -595,7 +596,8 @@ class SampleTracer(torch.fx.Interpreter):
                     samples, plan.format or self.fmt, cfg.rounding, self.seed(plan, j),
                     self._eta(user), self.seed(user, 1000 + leaf),
                     saturate=cfg.saturate, confidence=cfg.confidence,
-                    zero_threshold=cfg.zero_threshold, in_place=o.in_place)
+                    zero_threshold=cfg.zero_threshold, in_place=o.in_place,
+                    run_shift=cfg.run_shift)
                 if count:
                     self.fired[user.index] = True
                 outs.append(samples)
@@ -625,7 +627,8 @@ class SampleTracer(torch.fx.Interpreter):
             return samples, empty_stats(digits_cap(fmt, samples.dtype))
         return self.state.kernel(executors.ROUND, samples)(
             samples, fmt, cfg.rounding if rounded else None, seed, saturate=cfg.saturate,
-            confidence=cfg.confidence, zero_threshold=cfg.zero_threshold, in_place=in_place)
+            confidence=cfg.confidence, zero_threshold=cfg.zero_threshold, in_place=in_place,
+            run_shift=cfg.run_shift)
 
     def measure(self, samples: torch.Tensor, fmt: Any) -> Any:
         """The statistics row of ``samples`` ([N, ...]) measured, not rounded: a value no rule
