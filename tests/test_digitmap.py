@@ -720,3 +720,87 @@ def test_the_diff_counts_a_drop_of_the_accumulators_digits_as_a_drop():
         ("l1/linear#0", 2.3, 1.0, True)]
     assert d.as_dict()["drops"][0]["accumulator"] is True
     assert not diff(head, base).drops and diff(head, base).gains[0].name == "l1/linear#0"
+
+
+# --------------------------------------------------------------------------- fixes kept
+def _fix(**kw):
+    from fxstab.digitmap.fixrecord import Fix
+
+    d = dict(operator="head/softmax#0", rewrite="log_softmax", source="/src/model.py:17",
+             code="return torch.log(p) if x < 1 else p", replacement="F.log_softmax(z, 1)",
+             before=0.0, after=2.5, real_before=0.0, real_after=3.25, nonfinite_before=6,
+             nonfinite_after=0, verified=True, numel=6, format="fp16",
+             findings=("head/softmax#0", "act/gelu#0"))
+    d.update(kw)
+    return Fix(**d)
+
+
+def _with_fixes(fixes) -> DigitMap:
+    dm = chain_map()
+    return DigitMap(dm.operators.values(), dm.metadata, dm.steps, fixes)
+
+
+def test_a_fix_round_trips_through_json():
+    from fxstab.digitmap.fixrecord import Fix
+
+    fix = _fix()
+    d = fix.as_dict()
+    assert d["findings"] == ["head/softmax#0", "act/gelu#0"] and d["verified"] is True
+    assert Fix.from_dict(json.loads(json.dumps(d))) == fix
+    # the optional keys take their defaults; a NaN digit (an analysis without a value) stays
+    short = {k: v for k, v in d.items() if k not in ("numel", "format", "findings")}
+    assert Fix.from_dict(short) == _fix(numel=0, format="", findings=())
+    nan = Fix.from_dict({**d, "after": "NaN"})
+    assert math.isnan(nan.after)
+    with pytest.raises(DigitMapError, match="fix: key 'verified': must be a boolean"):
+        Fix.from_dict({**d, "verified": "yes"})
+    with pytest.raises(DigitMapError, match="missing") as e:
+        Fix.from_dict({k: v for k, v in d.items() if k != "replacement"})
+    assert e.value.key == "replacement"
+
+
+def test_a_map_keeps_its_fixes_through_save_and_load(tmp_path):
+    fixes = [_fix(), _fix(rewrite="xlogy", verified=False, nonfinite_after=5, real_after=0.55,
+                          findings=())]
+    dm = _with_fixes(fixes)
+    assert dm.fixes() == fixes and chain_map().fixes() == []
+    back = DigitMap.load(dm.save(tmp_path / "fixed.json"))
+    assert back.fixes() == fixes and back == dm
+    assert back != chain_map()  # the fixes are part of the map
+    doc = json.loads(back.to_json())
+    assert doc["fixes"][0]["code"] == "return torch.log(p) if x < 1 else p"
+    assert doc["schema_version"] == SCHEMA_VERSION  # an optional key: no new version
+    # a map made without fixes writes no key (its JSON is what it was before fixes)
+    assert "fixes" not in json.loads(chain_map().to_json())
+
+
+def test_a_map_without_the_fixes_key_loads_with_no_fixes():
+    doc = _doc()
+    assert "fixes" not in doc
+    assert DigitMap.from_json(json.dumps(doc)).fixes() == []
+    doc["schema_version"] = 2  # an older map too
+    assert DigitMap.from_json(json.dumps(doc)).fixes() == []
+
+
+@pytest.mark.parametrize("entry,message,key", [
+    ({"nonfinite_after": -1}, "fixes[1]: key 'nonfinite_after': must be a non-negative "
+                              "integer", "nonfinite_after"),
+    ({"real_after": "high"}, "fixes[1]: key 'real_after': must be a number", "real_after"),
+    ({"findings": ["log#0", 3]}, "fixes[1]: key 'findings': must be a string", "findings"),
+    ({"code": None}, "fixes[1]: key 'code': must be a string", "code"),
+], ids=["negative count", "digits text", "finding not a name", "code null"])
+def test_a_malformed_fix_fails_with_the_schemas_error(tmp_path, entry, message, key):
+    doc = json.loads(_with_fixes([_fix(), _fix()]).to_json())
+    doc["fixes"][1].update(entry)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(DigitMapError) as e:
+        DigitMap.load(path)
+    assert str(e.value).startswith(f"{path}: {message}"), str(e.value)
+    assert e.value.key == key
+    doc["fixes"] = {"log#0": "log_softmax"}
+    with pytest.raises(DigitMapError, match="key 'fixes': must be a list"):
+        DigitMap.from_json(json.dumps(doc))
+    doc["fixes"] = ["log_softmax"]
+    with pytest.raises(DigitMapError, match=r"fixes\[0\]: must be an object"):
+        DigitMap.from_json(json.dumps(doc))

@@ -23,6 +23,8 @@ The package, in the order its modules build on each other:
 - :mod:`~fxstab.digitmap.hints`: the findings' thresholds, the legend, :func:`hint`;
 - :mod:`~fxstab.digitmap.schema`: the JSON schema, its versions and validation,
   :class:`DigitMapError`;
+- :mod:`~fxstab.digitmap.fixrecord`: :class:`~fxstab.digitmap.fixrecord.Fix`, a stable
+  rewrite tried on the program and what it did (``fxstab fix``), as a map keeps it;
 - :mod:`~fxstab.digitmap.map`: :class:`DigitMap` (aggregation, tables, time series,
   localization, save and load);
 - :mod:`~fxstab.digitmap.compare`: :func:`diff`, the CI gate, and :class:`DiffResult`.

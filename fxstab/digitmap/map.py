@@ -20,6 +20,7 @@ from typing import Any, Iterable, Optional, Union
 
 from ..records.report import COUNTER_KEYS, OBSERVED, ROUNDED, OpReport
 from .findings import NO_FINDINGS, findings, impact_or_0, zero_readers
+from .fixrecord import Fix
 from .hints import LEGEND, MIN_FINDING
 from .operators import (
     METRICS,
@@ -38,7 +39,7 @@ from .operators import (
     nanmax,
     operand_keys,
 )
-from .schema import SCHEMA_NAME, SCHEMA_VERSION, DigitMapError, decode, encode
+from .schema import SCHEMA_NAME, SCHEMA_VERSION, DigitMapError, decode_map, encode
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -88,10 +89,13 @@ class DigitMap:
             confidence, rounding, target, analysed_calls, fxstab/torch versions, git commit...).
         operators: name -> :class:`OperatorDigits`, in graph order (first appearance).
         steps: :class:`StepDigits` per (phase, step, operator), in order of appearance.
+
+    A map made with fixes (``fxstab fix``, :func:`fxstab.fixes.verify.analyse_fixes`) holds
+    them: :meth:`fixes`.
     """
 
     def __init__(self, operators: Iterable[OperatorDigits] = (), metadata: Optional[dict] = None,
-                 steps: Iterable[StepDigits] = ()) -> None:
+                 steps: Iterable[StepDigits] = (), fixes: Iterable[Fix] = ()) -> None:
         self.metadata: dict[str, Any] = dict(metadata or {})
         self.operators: dict[str, OperatorDigits] = {}
         for op in operators:
@@ -99,6 +103,12 @@ class DigitMap:
                 raise ValueError(f"duplicate operator name {op.name!r} in a digit map")
             self.operators[op.name] = op
         self.steps: list[StepDigits] = list(steps)
+        self._fixes: list[Fix] = list(fixes)
+
+    def fixes(self) -> list[Fix]:
+        """The stable rewrites tried on the program, as ``fxstab fix`` made the map with them
+        (:class:`~fxstab.digitmap.fixrecord.Fix`, verified first); [] for a map made without."""
+        return list(self._fixes)
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -642,13 +652,16 @@ class DigitMap:
                 "zero_fraction": s.zero_fraction, "non_finite": s.non_finite,
                 "underflow": s.underflow, **accumulator_keys(s), **operand_keys(s),
             }
-        return {
+        doc = {
             "schema": SCHEMA_NAME,
             "schema_version": SCHEMA_VERSION,
             "metadata": dict(self.metadata),
             "operators": [op.as_dict() for op in self.operators.values()],
             "steps": steps,
         }
+        if self._fixes:  # optional: a map made without fixes has no key
+            doc["fixes"] = [f.as_dict() for f in self._fixes]
+        return doc
 
     def to_json(self, indent: Optional[int] = 1) -> str:
         """Serialize to JSON text; NaN/±inf become the strings "NaN"/"Infinity"/"-Infinity".
@@ -670,8 +683,8 @@ class DigitMap:
             DigitMapError: not JSON, not a digit map, wrong schema version, a missing key or a
                 value of the wrong type; the message names the source, location and key.
         """
-        operators, metadata, steps = decode(text, source)
-        return cls(operators, metadata, steps)
+        operators, metadata, steps, fixes = decode_map(text, source)
+        return cls(operators, metadata, steps, [Fix(**f) for f in fixes])
 
     def save(self, path: PathLike) -> Path:
         """Write the digit map as JSON atomically (temp file in the same folder + os.replace).

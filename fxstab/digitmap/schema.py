@@ -25,6 +25,9 @@ SCHEMA_VERSION = 3
 # that ignored them would gate as failures the drops the map says are harmless. Versions 1 and 2
 # still load (no impact measured: NaN).
 _READABLE_VERSIONS = (1, 2, 3)
+# The stable rewrites a map was made with (``fxstab fix``: :class:`fxstab.digitmap.fixrecord.Fix`)
+# are an optional top-level ``fixes`` list (no bump: a map without them is a map made without
+# them, and a reader that predates them ignores them).
 
 # JSON has no NaN/Infinity literals (Python's json writes invalid tokens for them); a digit map
 # writes non-finite numbers as these strings and reads them back as floats.
@@ -131,6 +134,17 @@ _META_TYPES = {
     "impact_output_digits": "a number",
 }
 _META_REQUIRED = ("fxstab_version", "torch_version")
+# a ``fixes`` entry's keys (:class:`fxstab.digitmap.fixrecord.Fix`'s fields): the required ones,
+# then the optional ones with their defaults
+_FIX_TYPES = {
+    "operator": "a string", "rewrite": "a string", "source": "a string", "code": "a string",
+    "replacement": "a string", "before": "a number", "after": "a number",
+    "real_before": "a number", "real_after": "a number",
+    "nonfinite_before": "a non-negative integer", "nonfinite_after": "a non-negative integer",
+    "verified": "a boolean",
+}
+_FIX_OPTIONAL = {"numel": ("a non-negative integer", 0), "format": ("a string", ""),
+                 "findings": ("a list", [])}
 
 
 def decode(text: Union[str, bytes], source: str = "<string>"
@@ -141,11 +155,40 @@ def decode(text: Union[str, bytes], source: str = "<string>"
         DigitMapError: not JSON, not a digit map, wrong schema version, a missing key or a
             value of the wrong type; the message names the source, location and key.
     """
+    return decode_map(text, source)[:3]
+
+
+def decode_map(text: Union[str, bytes], source: str = "<string>"
+               ) -> tuple[list[OperatorDigits], dict, list[StepDigits], list[dict]]:
+    """:func:`decode`, with the map's fixes: each ``fixes`` entry validated
+    (:func:`check_fix`) as the keyword arguments of a
+    :class:`~fxstab.digitmap.fixrecord.Fix` (none where the map has no ``fixes`` key)."""
     try:
         doc = json.loads(text, parse_constant=lambda c: _STR_TO_NONFINITE[c])
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DigitMapError(f"not valid JSON ({e})", source) from None
-    return _validate(doc, source)
+    ops, meta, steps = _validate(doc, source)
+    fixes = _Checker(source).get(doc, "fixes", "a list", "", required=False, default=[])
+    return ops, meta, steps, [check_fix(f, source, f"fixes[{i}]") for i, f in enumerate(fixes)]
+
+
+def check_fix(d: Any, source: str = "<string>", where: str = "fix") -> dict:
+    """A ``fixes`` entry of a digit map, validated: the keyword arguments of its
+    :class:`~fxstab.digitmap.fixrecord.Fix` (its findings a tuple of operator names).
+
+    Raises:
+        DigitMapError: not an object, a required key missing, or a value of the wrong type;
+            the message names ``source``, ``where`` and the key.
+    """
+    c = _Checker(source)
+    d = c.check(d, "an object", where, None)
+    out = {k: c.get(d, k, kind, where) for k, kind in _FIX_TYPES.items()}
+    for k, (kind, default) in _FIX_OPTIONAL.items():
+        out[k] = c.get(d, k, kind, where, required=False, default=default)
+    for x in out["findings"]:
+        c.check(x, "a string", where, "findings")
+    out["findings"] = tuple(out["findings"])
+    return out
 
 
 def _validate(doc: Any, source: str) -> tuple[list[OperatorDigits], dict, list[StepDigits]]:

@@ -1,6 +1,8 @@
 """Fixes proposed and proven: :func:`suggest_fixes` analyses a program, tries the rewrites of
 the table (:mod:`fxstab.fixes.registry`) that match at or next to its findings, and keeps
-those that the real run in the format confirms (:class:`Fix`, ``verified``).
+those that the real run in the format confirms (:class:`Fix`, ``verified``; the record is
+:mod:`fxstab.digitmap.fixrecord`'s, so that a digit map can keep it: :func:`analyse_fixes`
+returns the analysis's map with its fixes, ``dm.fixes()``).
 
 For each candidate the program is compiled again with that one rewrite applied to its
 captured graph (:class:`~fxstab.fixes.graph.RewriteBackend`): once under the analysis (the
@@ -17,7 +19,7 @@ import linecache
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
@@ -25,6 +27,7 @@ from torch.utils import _pytree as pytree
 from ..backend import backend as make_backend
 from ..capture.naming import source_location
 from ..capture.opsets import DEFAULT_KINDS, EXACT_KINDS, FAMILIES, known_kind, target_kind
+from ..digitmap.fixrecord import Fix
 from ..digitmap.hints import MIN_FINDING, MIN_UNDERFLOW
 from ..digitmap.map import DigitMap
 from ..numerics.digits import cestac_digits
@@ -34,67 +37,11 @@ from ..plan.inputs import as_inputs
 from .graph import RewriteBackend, Site
 from .registry import Call, Match
 
-__all__ = ["Fix", "suggest_fixes", "search_fixes", "MIN_GAIN"]
+__all__ = ["Fix", "FixSearch", "suggest_fixes", "search_fixes", "analyse_fixes", "MIN_GAIN"]
 
 # a rewrite that removes no NaN/inf must gain this many digits at the outputs of the real run
 # (a different but no better order of roundings moves the average by a few hundredths)
 MIN_GAIN = 0.2
-
-
-@dataclass(frozen=True)
-class Fix:
-    """A rewrite tried at one place of the program, and what it did.
-
-    Attributes:
-        operator: the operator the finding names (the ``log`` of ``log(softmax(x))``).
-        rewrite: the table entry's name (:data:`fxstab.fixes.REWRITES`).
-        source: ``file.py:LINE`` in the user's code where the stable form is written (the
-            line of the formula's last operator, whose value it replaces).
-        code: that line's text.
-        replacement: the stable form as code (``F.log_softmax(z, 1)``).
-        before, after: the analysis's avg digits at the outputs without and with the rewrite
-            (a NaN/inf sample's element counts 0 digits).
-        real_before, real_after: the real run's avg true digits at the outputs, in the format
-            against fp64 (a NaN/inf element counts 0).
-        nonfinite_before, nonfinite_after: the real run's NaN/inf output elements, of
-            ``numel`` (with ``backward=True``, the gradients' elements are counted too: the
-            gradients of the outputs' sum with respect to the floating inputs and the
-            parameters).
-        verified: the real run confirms the rewrite: fewer NaN/inf outputs, or
-            :data:`MIN_GAIN` digits more, and neither run shows more NaN/inf than before.
-            Where one rewrite matches at several places none of which alone removes every
-            NaN/inf, they are also run together, and each place's fix reports that run
-            where it does better.
-        numel: the real run's floating output elements.
-        format: the format of both runs.
-        findings: the findings of the analysis (operators) whose neighbourhood the rewrite
-            matched: a verified fix covers them.
-    """
-
-    operator: str
-    rewrite: str
-    source: str
-    code: str
-    replacement: str
-    before: float
-    after: float
-    real_before: float
-    real_after: float
-    nonfinite_before: int
-    nonfinite_after: int
-    verified: bool
-    numel: int = 0
-    format: str = ""
-    findings: tuple = ()
-
-    def __repr__(self) -> str:
-        where = f"{self.source}  {self.code}" if self.code else self.source or self.operator
-        bad = (f"NaN/inf {self.nonfinite_before}/{self.numel} -> {self.nonfinite_after}; "
-               if self.nonfinite_before or self.nonfinite_after else "")
-        return (f"Fix({where}  ->  {self.replacement}   {bad}outputs {self.real_before:.2f} -> "
-                f"{self.real_after:.2f} digits (real {self.format} run), analysis "
-                f"{self.before:.2f} -> {self.after:.2f}; {self.rewrite} at {self.operator}, "
-                f"{'verified' if self.verified else 'not verified'})")
 
 
 @dataclass
@@ -340,6 +287,23 @@ def search_fixes(model: Any, example_inputs: Any, format: Any = "bf16",
     """:func:`suggest_fixes`, with the findings it looked for fixes around (operator names,
     in the map's order): what ``fxstab fix`` needs to say which findings no verified fix
     covers (a fix covers the findings of its :attr:`Fix.findings`)."""
+    return analyse_fixes(model, example_inputs, format, **options)[1:]
+
+
+class FixSearch(NamedTuple):
+    """What :func:`analyse_fixes` found: the analysis's digit map, holding the fixes
+    (``map.fixes()``), the findings looked for fixes around, and the fixes."""
+
+    map: DigitMap
+    findings: list
+    fixes: list
+
+
+def analyse_fixes(model: Any, example_inputs: Any, format: Any = "bf16",
+                  **options: Any) -> FixSearch:
+    """:func:`search_fixes`, with the analysis's digit map (the program as written) carrying
+    the fixes: ``map.fixes()``, saved with the map and shown on its page
+    (:func:`fxstab.plots.html.map_page`); what ``fxstab fix --html/--save`` writes."""
     fmt = get_format(format)
     if torch_dtype_of(fmt.name) is None:
         raise ValueError(f"format {fmt.name!r} is not a dtype torch computes in: the real run "
@@ -384,9 +348,12 @@ def search_fixes(model: Any, example_inputs: Any, format: Any = "bf16",
         if together and all(f.verified for f in together.values()) and (
                 next(iter(together.values())).nonfinite_after < best.nonfinite_after):
             fixes.update(together)
-    return findings, sorted(fixes.values(), key=lambda f: (not f.verified,
-                                                           f.nonfinite_after - f.nonfinite_before,
-                                                           f.real_before - f.real_after))
+    ranked = sorted(fixes.values(), key=lambda f: (not f.verified,
+                                                   f.nonfinite_after - f.nonfinite_before,
+                                                   f.real_before - f.real_after))
+    dm = base.dm
+    return FixSearch(DigitMap(dm.operators.values(), dm.metadata, dm.steps, ranked),
+                     findings, ranked)
 
 
 def _attempt(model: Any, inputs: tuple, fmt: Format, options: dict, group: dict,
