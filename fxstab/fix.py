@@ -1,6 +1,7 @@
 """``fxstab fix TARGET``: the stable rewrites that fix a target's findings, each verified on
 a real run in the format (:func:`fxstab.fixes.verify.search_fixes`), printed as small diffs
-at the user's lines.
+at the user's lines; ``--html OUT.html`` writes the map's page with the fixes on it, ``--save
+MAP.json`` the map with them (``DigitMap.load(MAP.json).fixes()``).
 
 Exit codes: 0, every finding has a verified fix (or there is nothing to fix); 1, findings
 without one; 2, unusable input (a target that cannot be loaded, a format torch does not
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 __all__ = ["add_parser", "command", "diff_lines"]
@@ -36,6 +38,12 @@ def add_parser(sub: Any) -> Any:
                    help="seed of torch's generator before the target is built, and of the "
                         "analysis (default 0)")
     p.add_argument("--n-samples", type=int, default=3, help="CESTAC samples (default 3)")
+    p.add_argument("--html", metavar="OUT",
+                   help="also write the map's page (OUT.html): the findings, the fixes at "
+                        "their lines (code, stable form, what the runs measured), the graph")
+    p.add_argument("--save", metavar="MAP",
+                   help="also save the digit map with its fixes (MAP.json; "
+                        "DigitMap.load(MAP).fixes())")
     p.add_argument("--verbose", action="store_true",
                    help="print the whole traceback when the target's model fails")
     return p
@@ -69,11 +77,16 @@ def command(args: Any) -> int:
     """``fxstab fix`` (the CLI's parsed arguments): prints the fixes; the exit code."""
     import torch
 
-    from .fixes.verify import search_fixes
+    from .fixes.verify import analyse_fixes
     from .targets import TargetBuildError, TargetError, load_target
 
     if args.n_samples < 2:
         print(f"fxstab fix: error: --n-samples must be >= 2, got {args.n_samples}",
+              file=sys.stderr)
+        return EXIT_USAGE
+    html_out, save_out = getattr(args, "html", None), getattr(args, "save", None)
+    if html_out and Path(html_out).suffix.lower() not in (".html", ".htm"):
+        print(f"fxstab fix: error: --html: the page's file must end in .html, got {html_out!r}",
               file=sys.stderr)
         return EXIT_USAGE
     torch.manual_seed(args.seed)  # the target's parameters and inputs are part of the result
@@ -88,17 +101,39 @@ def command(args: Any) -> int:
         print("fxstab fix: error: the target's inputs are keyword inputs (a dict); fix takes "
               "positional ones (a tuple)", file=sys.stderr)
         return EXIT_USAGE
-    findings, fixes = search_fixes(model, inputs, args.format, seed=args.seed,
-                                   n_samples=args.n_samples)
+    dm, findings, fixes = analyse_fixes(model, inputs, args.format, seed=args.seed,
+                                        n_samples=args.n_samples)
+    dm.metadata["target"] = args.target
     if not findings:
         print(f"nothing to fix: the analysis in {args.format} names no finding")
-        return EXIT_OK
-    for fix in fixes:
-        print("\n".join(diff_lines(fix)))
-    covered = {f for fix in fixes if fix.verified for f in fix.findings}
-    unfixed = [f for f in findings if f not in covered]
-    verified = sum(fix.verified for fix in fixes)
-    print(f"{len(findings)} finding(s), {verified} verified fix(es) of {len(fixes)} tried"
-          + (f"; without a verified fix: {', '.join(unfixed)}" if unfixed else
-             "; every finding has a verified fix"))
-    return EXIT_UNFIXED if unfixed else EXIT_OK
+        code = EXIT_OK
+    else:
+        for fix in fixes:
+            print("\n".join(diff_lines(fix)))
+        covered = {f for fix in fixes if fix.verified for f in fix.findings}
+        unfixed = [f for f in findings if f not in covered]
+        verified = sum(fix.verified for fix in fixes)
+        print(f"{len(findings)} finding(s), {verified} verified fix(es) of {len(fixes)} tried"
+              + (f"; without a verified fix: {', '.join(unfixed)}" if unfixed else
+                 "; every finding has a verified fix"))
+        code = EXIT_UNFIXED if unfixed else EXIT_OK
+    return EXIT_USAGE if _write(dm, html_out, save_out) else code
+
+
+def _write(dm: Any, html_out: Any, save_out: Any) -> bool:
+    """Write the map's page (``--html``) and the map (``--save``), each with the fixes, and
+    say so; True (an error printed) where a file cannot be written."""
+    from .plots import html
+
+    try:
+        if save_out:
+            dm.save(save_out)
+            print(f"wrote {save_out}")
+        if html_out:
+            html.write_page(html.map_page(dm), html_out)
+            print(f"wrote {html_out}")
+    except OSError as e:
+        print(f"fxstab fix: error: cannot write {e.filename or ''}: {e.strerror or e}",
+              file=sys.stderr)
+        return True
+    return False

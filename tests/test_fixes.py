@@ -6,6 +6,7 @@ in fp16 or bf16 where it fails: a verified fix at the program's own line."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -744,6 +745,61 @@ def test_fix_command_prints_a_verified_fix_at_the_line(tmp_path, capsys):
     assert "every finding has a verified fix" in out
 
 
+def test_fix_command_writes_the_page_and_the_map_with_the_fixes(tmp_path, capsys):
+    """--html: the map's page with a Fixes section (the line, its code, the stable form,
+    verified, the runs' figures; the covered finding linked to its operator); --save: the map,
+    whose fixes() are those printed. The exit code is the one without them."""
+    from html.parser import HTMLParser
+
+    from fxstab.cli import main
+    from fxstab.digitmap import DigitMap
+
+    path = tmp_path / "bugs.py"
+    path.write_text(_TARGET)
+    page, saved = tmp_path / "out" / "fix.html", tmp_path / "fix.json"
+    assert main(["fix", f"{path}:fixable", "--format", "fp16", "--html", str(page),
+                 "--save", str(saved)]) == 0
+    out = capsys.readouterr().out
+    assert f"wrote {page}" in out and f"wrote {saved}" in out
+    dm = DigitMap.load(saved)
+    fixes = dm.fixes()
+    assert fixes and fixes[0].rewrite == "log_softmax" and fixes[0].verified, fixes
+    assert fixes[0].source == f"{path}:8" and "log#0" in fixes[0].findings
+    assert dm.metadata["target"] == f"{path}:fixable"
+
+    class Section(HTMLParser):  # the text of the Fixes section, and its operator links
+        def __init__(self):
+            super().__init__()
+            self.depth, self.text, self.links = 0, [], []
+
+        def handle_starttag(self, tag, attrs):
+            a = dict(attrs)
+            if tag == "section":
+                self.depth += 1 if (self.depth or a.get("id") == "fixes-section") else 0
+            if self.depth and tag == "a" and "data-op" in a:
+                self.links.append(int(a["data-op"]))
+
+        def handle_endtag(self, tag):
+            if tag == "section" and self.depth:
+                self.depth -= 1
+
+        def handle_data(self, data):
+            if self.depth:
+                self.text.append(data)
+
+    text = page.read_text()
+    parser = Section()
+    parser.feed(text)
+    section = "".join(parser.text)
+    assert section.startswith("Fixes"), section
+    assert "bugs.py:8" in section and "log_softmax" in section and "verified" in section
+    assert "- return -(t * torch.log(F.softmax(z, 1))).sum(1)" in section, section
+    assert "+ F.log_softmax(z, 1)" in section, section
+    assert "NaN/inf 6/6 -> 0" in section and "(real fp16 run against fp64)" in section
+    assert list(dm.operators).index("log#0") in parser.links  # the covered finding, linked
+    assert len(re.findall(r'<div class="fix( verified)?" ', text)) == len(fixes)
+
+
 def test_fix_command_exits_1_on_a_finding_without_a_fix(tmp_path, capsys):
     from fxstab.cli import main
 
@@ -767,6 +823,8 @@ def test_fix_command_exits_2_on_bad_input(tmp_path, capsys):
 
     assert main(["fix", f"{tmp_path / 'missing.py'}:build"]) == 2
     assert "fxstab fix: error" in capsys.readouterr().err
+    assert main(["fix", f"{tmp_path / 'missing.py'}:build", "--html", "page.png"]) == 2
+    assert "--html: the page's file must end in .html" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:  # argparse: a format torch does not compute in
         main(["fix", f"{tmp_path / 'missing.py'}:build", "--format", "fp8_e4m3"])
     assert e.value.code == 2

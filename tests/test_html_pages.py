@@ -730,3 +730,74 @@ def test_plan_page_shows_the_frontier_and_the_promoted_operators_in_chromium(bro
         pg.close()
     with pytest.raises(ValueError, match="not a precision plan"):
         html.plan_page(object())
+
+
+_FIX_TARGET = '''
+import torch
+import torch.nn.functional as F
+
+
+class Loss(torch.nn.Module):
+    def forward(self, z, t):
+        return -(t * torch.log(F.softmax(z, 1))).sum(1)
+
+
+def build():
+    return Loss(), (torch.randn(6, 10) * 30, F.one_hot(torch.arange(6), 10).float())
+'''
+
+
+def test_fix_page_shows_the_fixes_at_their_lines_in_chromium(browser, tmp_path, capsys):
+    """fxstab fix --html: a Fixes section beside the findings, each fix at its line with its
+    code and stable form; a covered finding's name selects its operator; the graph's hover
+    names the verified fix. Code is text, never markup; a map without fixes has no section."""
+    from fxstab.digitmap.fixrecord import Fix
+
+    target = tmp_path / "loss.py"
+    target.write_text(_FIX_TARGET)
+    out = tmp_path / "fix.html"
+    assert main(["fix", f"{target}:build", "--format", "fp16", "--html", str(out)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    torch._dynamo.reset()
+    pg = Opened(browser, out)
+    page = pg.page
+    try:
+        assert pg.errors == [] and pg.requests == [out.resolve().as_uri()]
+        # the section follows the findings, and the findings name what a fix covers
+        ids = page.eval_on_selector_all("main > section", "ss => ss.map(s => s.id)")
+        assert ids[:2] == ["findings-section", "fixes-section"], ids
+        assert "A verified fix covers log#0" in page.locator("#findings-section").inner_text()
+        first = page.locator("#fixes-section div.fix").first
+        text = first.inner_text()
+        assert "loss.py:8" in text and "log_softmax" in text and "verified" in text, text
+        assert "- return -(t * torch.log(F.softmax(z, 1))).sum(1)" in text, text
+        assert "+ F.log_softmax(z, 1)" in text, text
+        assert "NaN/inf 6/6 -> 0" in text and "digits (real fp16 run against fp64)" in text
+        assert first.locator("code.fix-src").get_attribute("title") == f"{target}:8"
+        # a covered finding's name selects its operator in the graph and the table
+        first.locator(".fix-covers a.op-link", has_text="log#0").click()
+        assert pg.names("#graph g.op.sel") == ["log#0"]
+        assert page.locator("#table tr.selected").count() == 1
+        page.hover('#graph g.op[data-name="log#0"]')
+        assert "verified fix: log_softmax at loss.py:8" in page.locator("#tip").inner_text()
+        assert pg.errors == []
+    finally:
+        pg.close()
+
+    # code holding markup is shown as text; a map without fixes has no section
+    dm = DigitMap.from_reports([_rep("m/exp#0", 1.0), _rep("m/log#0", 0.2, ["m/exp#0"],
+                                                            bad=True)])
+    assert "fixes-section" not in html.map_page(dm) and "fix-src" not in html.map_page(dm)
+    code = "y = torch.log(p) if n < 3 else '<b>bold</b>' </script>"
+    fix = Fix("m/log#0", "log_softmax", "/w/m.py:3", code, "F.log_softmax(x, -1) & <i>",
+              0.0, 1.0, 0.0, 2.0, 1, 0, True, 4, "bf16", ("m/log#0",))
+    fixed = DigitMap(dm.operators.values(), dm.metadata, dm.steps, [fix])
+    path = html.write_page(html.map_page(fixed), tmp_path / "markup.html")
+    pg = Opened(browser, path)
+    try:
+        assert pg.errors == []
+        text = pg.page.locator("#fixes-section pre.fix-diff").inner_text()
+        assert text == f"- {code}\n+ F.log_softmax(x, -1) & <i>", text
+        assert pg.page.locator("#fixes-section b:has-text('bold'), #fixes-section i").count() == 0
+    finally:
+        pg.close()

@@ -35,6 +35,7 @@ from typing import Any, Mapping, Optional
 
 from ..digitmap import METRICS, DiffResult, DigitMap, PathLike, operators
 from ..digitmap.findings import NO_FINDINGS
+from .fix_section import fixed_operators, fixes_html, fixes_note
 from .layout import layout_graph
 from .svg import BoxStyle, graph_svg
 
@@ -337,6 +338,9 @@ def map_page(dm: DigitMap, metric: Optional[str] = None, title: Optional[str] = 
     data = {"page": "map", "metric": metric, "metrics": list(METRICS), "cap": cap, "ops": ops,
             "loss": loss, "origins": [index[n] for n in dm.nonfinite_sources()],
             "steps": steps, "format": meta.get("format"), "impact": dm.impact_threshold()}
+    fixes = dm.fixes()  # fxstab fix: a section beside the findings (none without fixes)
+    if fixes:
+        data["fixed"] = fixed_operators(fixes, index)
     origin_line = ""
     if sources:
         origin_line = (f'<p class="muted">NaN/inf first appear at '
@@ -348,7 +352,8 @@ def map_page(dm: DigitMap, metric: Optional[str] = None, title: Optional[str] = 
 {cap:.2f} digits, {len(dm.step_keys())} (phase, step) point(s)</div>
 {settings_html(meta)}</header>
 <main>
-<section id="findings-section"><h2>Findings</h2>{_findings_html(dm, metric)}</section>
+<section id="findings-section"><h2>Findings</h2>{_findings_html(dm, metric)}\
+{fixes_note(fixes, index)}</section>{fixes_html(fixes, index)}
 <section id="graph-section"><h2>Operator graph</h2>
 {_graph_controls(_metric_select(metric))}
 {origin_line}

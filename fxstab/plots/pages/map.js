@@ -3,6 +3,7 @@
   const {DATA, $, $$, esc, fmt, num, digitColour, inkFor} = FX;
   const ops = DATA.ops, cap = DATA.cap;
   const origins = new Set(DATA.origins);
+  const fixed = DATA.fixed || {};  // operator index -> the verified fixes covering it (fxstab fix)
   let metric = DATA.metric;
   const preds = ops.map(o => o.inputs), succs = ops.map(o => o.consumers);
   const STAT_ROWS = [["avg", "avg digits (CESTAC bound)"],
@@ -36,6 +37,7 @@
       <div>counters: ${cnt}</div>
       <div>coverage: ${o.cov ? esc(o.cov[0] + ": " + o.cov[1]) : "n/a"}</div>
       ${o.src ? `<div class="muted">${esc(o.src)}</div>` : ""}
+      ${fixed[i] ? `<div class="fixed">verified fix: ${fixed[i].map(esc).join("; ")}</div>` : ""}
       <div class="muted">${o.inputs.length} input(s), ${o.consumers.length} consumer(s)</div>`;
   }
 
@@ -93,6 +95,11 @@
     graph.select(i === graph.selected ? -1 : i, true);
   });
   if (impactCol >= 0) table.sort(impactCol, false, true);
+  // the Fixes section's operator names (fxstab fix --html): a click selects the operator
+  $$("a.op-link").forEach(a => a.addEventListener("click", ev => {
+    ev.preventDefault();
+    graph.select(+a.dataset.op, true);
+  }));
 
   // ------------------------------------------------------------------ filters
   const kinds = Array.from(new Set(ops.map(o => o.kind))).sort();
