@@ -125,15 +125,14 @@ def _write(dm: Any, html_out: Any, save_out: Any) -> bool:
     say so; True (an error printed) where a file cannot be written."""
     from .plots import html
 
-    try:
-        if save_out:
-            dm.save(save_out)
-            print(f"wrote {save_out}")
-        if html_out:
-            html.write_page(html.map_page(dm), html_out)
-            print(f"wrote {html_out}")
-    except OSError as e:
-        print(f"fxstab fix: error: cannot write {e.filename or ''}: {e.strerror or e}",
-              file=sys.stderr)
-        return True
+    writes = [(save_out, dm.save), (html_out, lambda p: html.write_page(html.map_page(dm), p))]
+    for path, write in writes:
+        if path:
+            try:
+                write(path)
+            except OSError as e:
+                print(f"fxstab fix: error: cannot write {path!r}: {e.strerror or e}",
+                      file=sys.stderr)
+                return True
+            print(f"wrote {path}")
     return False

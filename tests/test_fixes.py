@@ -825,6 +825,11 @@ def test_fix_command_exits_2_on_bad_input(tmp_path, capsys):
     assert "fxstab fix: error" in capsys.readouterr().err
     assert main(["fix", f"{tmp_path / 'missing.py'}:build", "--html", "page.png"]) == 2
     assert "--html: the page's file must end in .html" in capsys.readouterr().err
+    path = tmp_path / "bugs.py"  # a map that cannot be written (its folder is a file)
+    path.write_text(_TARGET)
+    assert main(["fix", f"{path}:fixable", "--format", "fp16", "--save",
+                 str(path / "map.json")]) == 2
+    assert f"cannot write {str(path / 'map.json')!r}" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:  # argparse: a format torch does not compute in
         main(["fix", f"{tmp_path / 'missing.py'}:build", "--format", "fp8_e4m3"])
     assert e.value.code == 2
