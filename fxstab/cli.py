@@ -267,7 +267,8 @@ def _record_one(args: argparse.Namespace, spec: str, t: Any, output: str, plain:
         torch.manual_seed(plain["seed"])
         target = load_target(spec, t.kwargs if t is not None else None, root)
         options = {**plain, **extra}
-        imp = operator_impact(target.model, target.args, kwargs=target.kwargs, **options)
+        imp = operator_impact(target.model, target.args, kwargs=target.kwargs,
+                              method=args.impact_method, **options)
         imp.annotate(dm)
         print(imp.table(top=args.top))
     dm.save(output)
@@ -633,6 +634,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--impact", action="store_true",
                    help="also measure each operator's impact on the outputs (ablation: a few "
                         "analysed calls more) and rank the findings by it (operator level)")
+    p.add_argument("--impact-method", choices=("ablation", "first_order"), default="ablation",
+                   help="how --impact measures: ablation (analysed calls with operators left "
+                        "unrounded; default) or first_order (one analysed call and fp64 "
+                        "Jacobian products: for models where ablation's calls are too many)")
     p.add_argument("--granularity", default=None, choices=("op", "aten"),
                    help="operator level or aten arithmetic level (default op)")
     p.add_argument("--format", default=None,

@@ -15,6 +15,16 @@ matter cost about ``1 + 2 k log2(n)`` analysed calls, not ``n``; an operator in 
 gains less than ``threshold`` has an impact below it (recorded as the group's gain, an upper
 bound of its own in practice). The output digits are CESTAC's over the samples of the graph's
 outputs (``capture_samples``).
+
+For models where ablation's calls are too many, ``method="first_order"`` linearizes instead
+(:func:`_first_order`): one analysed call (the outputs' samples), then in fp64 2P
+Jacobian-vector products with the operators' rounding noise as tangents (each output element's
+variance, sigma_i^2) and P vector-Jacobian products with random signs r_i / sigma_i at the outputs, which give
+every operator's share of the outputs' relative variance at once:
+F_k = mean_i S_ik / sigma_i^2 with S_ik = sum_j J_ik,j^2 v_k,j (Hutchinson's estimator; v_k,j the
+variance of the random rounding of the operator's element j into the format). Removing the
+operator's rounding leaves the others' shares, T - F_k of T = sum_k F_k: its impact is
+-log10((T - F_k) / T) / 2.
 """
 
 from __future__ import annotations
@@ -51,6 +61,11 @@ class Impact:
     # the digit map of the analysis with every operator rounded, its operators' impacts set
     # (annotate): its findings lead with what costs the outputs
     digit_map: Any = None
+    # "ablation" (measured) or "first_order" (linearized, _first_order); for the latter the
+    # share of the outputs' variance the operators' modelled roundings explain (about 1 where
+    # the linear model holds)
+    method: str = "ablation"
+    explained: float = math.nan
 
     def annotate(self, dm: Any) -> Any:
         """Set each of ``dm``'s operators' ``impact`` (and the map's threshold): its findings
@@ -75,8 +90,10 @@ class Impact:
 
     def __repr__(self) -> str:
         top = self.ranked()[:1]
-        return (f"Impact({len(self.by_operator)} operators, {len(self.resolved)} measured "
-                f"alone; outputs {self.output_digits:.2f} avg digits with every operator "
+        return (f"Impact({len(self.by_operator)} operators, "
+                + (f"{len(self.resolved)} measured alone" if self.method == "ablation" else
+                   f"first order, {self.explained:.2f} of the variance explained")
+                + f"; outputs {self.output_digits:.2f} avg digits with every operator "
                 f"rounded; {self.calls} analysed calls"
                 + (f"; largest: {top[0][0]} {top[0][1]:.2f}" if top else "") + ")")
 
@@ -182,7 +199,7 @@ def _renamed(dm: Any) -> Any:
 def operator_impact(model: torch.nn.Module, inputs: Sequence, *, threshold: float = 0.1,
                     kwargs: Optional[dict] = None, bisect: bool = True,
                     outputs: Any = None, progress: Optional[bool] = None,
-                    **options: Any) -> Impact:
+                    method: str = "ablation", probes: int = 2, **options: Any) -> Impact:
     """Each analysed operator's impact on ``model``'s outputs (see the module docstring).
 
     Args:
@@ -196,6 +213,11 @@ def operator_impact(model: torch.nn.Module, inputs: Sequence, *, threshold: floa
             (the loss's) are ablated too, named ``(outputs)/...``.
         bisect: False: every operator ablated alone (n + 1 analysed calls; the reference the
             bisection is validated against, ``benchmarks/bench_impact.py --validate``).
+        method: ``"ablation"`` (default: measured) or ``"first_order"`` (one analysed call,
+            2 ``probes`` fp64 forward passes and ``probes`` vector-Jacobian products: the module
+            docstring;
+            the model must be one captured graph at the operator level).
+        probes: the first-order route's random probes.
         progress: a bar of the analysed calls on stderr (:class:`fxstab.progress.Progress`);
             None: where stderr is a terminal.
         **options: :func:`fxstab.backend`'s options (format, n_samples, seed, select...);
@@ -205,6 +227,10 @@ def operator_impact(model: torch.nn.Module, inputs: Sequence, *, threshold: floa
         raise ValueError(f"threshold must be a positive number of digits, got {threshold!r}")
     if "unrounded" in options:
         raise ValueError("operator_impact sets unrounded= itself")
+    if method not in ("ablation", "first_order"):
+        raise ValueError(f"method must be 'ablation' or 'first_order', got {method!r}")
+    if isinstance(probes, bool) or not isinstance(probes, int) or probes < 1:
+        raise ValueError(f"probes must be an integer >= 1, got {probes!r}")
     kwargs = kwargs or {}
     calls = 0
     target = model if outputs is None else _Selected(model, _selector(outputs))
@@ -226,6 +252,8 @@ def operator_impact(model: torch.nn.Module, inputs: Sequence, *, threshold: floa
         bar.update(note=f"{len(unrounded)} unrounded: outputs {digits:.2f} digits")
         return digits, be
 
+    if method == "first_order":
+        return _first_order(target, inputs, kwargs, own, outputs, threshold, probes, options)
     with bar:
         return _ablate(run, own, outputs, bisect, threshold, calls_of=lambda: calls)
 
@@ -258,3 +286,217 @@ def _ablate(run: Any, own: Any, outputs: Any, bisect: bool, threshold: float,
     result.digit_map = result.annotate(dm if outputs is None else _renamed(dm))
     torch._dynamo.reset()
     return result
+
+
+# ------------------------------------------------------------------ the first-order route
+def _first_order(target: Any, inputs: Sequence, kwargs: dict, own: Any, outputs: Any,
+                 threshold: float, probes: int, options: dict) -> Impact:
+    """operator_impact's first-order route (the module docstring)."""
+    if options.get("granularity", "op") != "op":
+        raise ValueError("method='first_order' works at the operator level (granularity='op'); "
+                         "use method='ablation' at the arithmetic level")
+    torch._dynamo.reset()
+    be = backend(**options)
+    graphs: list = []
+
+    def capture(gm: torch.fx.GraphModule, example: list) -> Any:
+        compiled = be(gm, example)
+
+        def run(*args: Any) -> Any:
+            graphs.append((gm, args))
+            return compiled(*args)
+        return run
+
+    with torch.no_grad(), be.capture_samples() as cap:
+        torch.compile(target, backend=capture)(*inputs, **kwargs)
+    if len({id(g) for g, _ in graphs}) != 1:
+        raise ValueError(f"method='first_order' needs the model as one captured graph; dynamo "
+                         f"captured {len({id(g) for g, _ in graphs})} (graph breaks): use "
+                         f"method='ablation'")
+    cfg = be.config
+    base = _output_digits(cap.graphs[-1] if cap.graphs else None, cfg.format, cfg.confidence)
+    dm = be.digit_map()
+    gm, args = graphs[-1]
+    names = {p.node.name: p.name for g in be.graphs for p in g.plans
+             if p.name in dm.operators and dm.operators[p.name].status == "rounded"
+             and dm.operators[p.name].direction == "forward"}
+    shares, dominant = _variance_shares(gm, args, names, cfg, probes)
+    explained = sum(shares.values())
+    result = Impact(output_digits=base, threshold=threshold, calls=1, method="first_order",
+                    explained=explained)
+    # the variance left without operator k is the others' shares: its impact
+    # -log10((T - F_k) / T) / 2 reads the small remainder directly (better conditioned than
+    # 1 - F_k where one operator dominates), at most what the cap leaves the outputs
+    room = max(cfg.format.digit_cap - base, 0.0) if math.isfinite(base) else 0.0
+
+    def impact(name: str) -> float:
+        f = shares.get(name, 0.0)
+        if explained <= 0 or f <= 0:
+            return 0.0
+        rest = explained - f
+        return room if rest <= 0 else min(room, -0.5 * math.log10(rest / explained))
+
+    result.by_operator = {own(n): impact(n) for n, op in dm.operators.items()
+                          if op.direction == "forward"}
+    if dominant is not None:  # measured element by element (_variance_shares)
+        result.by_operator[own(dominant[0])] = min(room, max(dominant[1], 0.0))
+    result.resolved = set(result.by_operator)
+    result.digit_map = result.annotate(dm if outputs is None else _renamed(dm))
+    result.digit_map.metadata["impact_method"] = "first_order"
+    torch._dynamo.reset()
+    return result
+
+
+class _Linearized(torch.fx.Interpreter):
+    """The captured graph in fp64 (floating arguments widened, dtype arguments of 16- and
+    32-bit floats read as fp64), with ``noise[name]`` added to the output of each analysed
+    node (by the operator's name) and every such output kept."""
+
+    def __init__(self, gm: torch.fx.GraphModule, names: dict, noise: dict) -> None:
+        super().__init__(gm)
+        self.names, self.noise, self.values = names, noise, {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        def widen(v: Any) -> Any:
+            if isinstance(v, torch.dtype) and v in (torch.float16, torch.bfloat16, torch.float32):
+                return torch.float64
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != torch.float64:
+                return v.double()
+            return v
+
+        with self._set_current_node(n):
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            args, kwargs = pytree.tree_map(widen, (args, kwargs))
+            out = getattr(self, n.op)(n.target, args, kwargs)
+        name = self.names.get(n.name)
+        if name is not None and isinstance(out, torch.Tensor) and out.is_floating_point():
+            self.values[name] = out.detach()
+            if name in self.noise:
+                out = out + self.noise[name]
+        return out
+
+
+def _rounding_variance(y: torch.Tensor, fmt: Any, mode: Any) -> torch.Tensor:
+    """Per element, the variance of ``y``'s rounding into ``fmt`` in ``mode`` (0 on the grid):
+    between the neighbours lo <= y <= hi, a = y - lo, u = hi - lo: random rounding (up or down
+    with probability 1/2) u^2 / 4, stochastic rounding a (u - a)."""
+    from .numerics.rounding import Rounding, quantize
+
+    lo = quantize(y, fmt, "down", saturate=True)
+    hi = quantize(y, fmt, "up", saturate=True)
+    a, u = (y - lo), (hi - lo)
+    v = a * (u - a) if Rounding.parse(mode) is Rounding.STOCHASTIC else u * u / 4
+    return torch.where(torch.isfinite(v), v, torch.zeros_like(v))
+
+
+def _output_variance(gm: torch.fx.GraphModule, args: tuple, names: dict, var: dict,
+                     seed: int, passes: int, without: Optional[str] = None) -> list:
+    """Per output element, the variance sigma_i^2 of the linear model (the module docstring):
+    ``passes`` Jacobian-vector products (forward-mode AD) whose tangents are the operators'
+    rounding noise (random signs times its standard deviation), the outputs' tangents squared
+    and averaged; ``without``: that operator's noise left out (the same signs for the others:
+    common random numbers)."""
+    import torch.autograd.forward_ad as fwad
+
+    gen = torch.Generator().manual_seed(seed)
+    acc: Optional[list] = None
+    with torch.no_grad():
+        for _ in range(passes):
+            signs = {n: _signs(v.shape, gen) for n, v in var.items()}
+            with fwad.dual_level():
+                noise = {n: fwad.make_dual(torch.zeros_like(v), signs[n] * v.sqrt())
+                         for n, v in var.items() if n != without}
+                y = _float_leaves(_Linearized(gm, names, noise).run(*args))
+                tangents = [fwad.unpack_dual(t).tangent for t in y]
+            squares = [torch.zeros_like(t) if g is None else g.square() / passes
+                       for t, g in zip(y, tangents)]
+            acc = squares if acc is None else [a + q for a, q in zip(acc, squares)]
+    return acc or []
+
+
+def _variance_shares(gm: torch.fx.GraphModule, args: tuple, names: dict, cfg: Any,
+                     probes: int) -> tuple:
+    """(each analysed operator's share F_k of the outputs' relative variance to first order,
+    the dominant operator's impact measured per element or None): sigma_i^2 from 2 ``probes``
+    Jacobian-vector products (:func:`_output_variance`), then ``probes`` vector-Jacobian
+    products with Rademacher signs r_i / sigma_i at the outputs. Both are the linear model's:
+    the shares sum to about 1. An operator with more than half of the variance is measured
+    element by element (sigma_i^2 without it, the digits of both clipped to [0, cap] as the
+    samples' are): where one operator dominates, the outputs' elements differ in how much it
+    dominates them, and a ratio of averages would overstate its impact."""
+    with torch.no_grad():
+        clean = _Linearized(gm, names, {})
+        y0 = _float_leaves(clean.run(*args))
+    var = {name: _rounding_variance(v, cfg.format_for(name), cfg.rounding)
+           for name, v in clean.values.items()}
+    count = sum(t.numel() for t in y0)
+    if not count or not var:
+        return {}, None
+    passes = 2 * probes
+    acc = _output_variance(gm, args, names, var, cfg.seed, passes)
+    # floored at the cap's variance: no element gains digits past the cap
+    cap = cfg.format.digit_cap
+    floor = [(t0.abs() * 10.0 ** -cap) ** 2 for t0 in y0]
+    sigma = [torch.maximum(a, f).sqrt() for a, f in zip(acc, floor)]
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    shares = dict.fromkeys(var, 0.0)
+    zeros = {n: torch.zeros_like(v, requires_grad=True) for n, v in var.items()}
+    with torch.enable_grad():
+        y = _float_leaves(_Linearized(gm, names, zeros).run(*args))
+        wrt = list(zeros.values())
+        for p in range(probes):
+            f = sum((_signs(t.shape, gen) * t / torch.where(s > 0, s, torch.ones_like(s))
+                     * (s > 0)).sum() for t, s in zip(y, sigma))
+            grads = torch.autograd.grad(f, wrt, retain_graph=p + 1 < probes, allow_unused=True)
+            for (name, v), g in zip(var.items(), grads):
+                if g is not None:
+                    shares[name] += float((g * g * v).sum()) / (probes * count)
+    total = sum(shares.values())
+    top = max(shares, key=shares.get)
+    if total <= 0 or shares[top] <= total / 2:
+        return shares, None
+    rest = _output_variance(gm, args, names, var, cfg.seed, passes, without=top)
+
+    # the samples' digits of an element of variance v: CESTAC's estimate of N samples, whose
+    # s^2 reads v through a chi^2 of N - 1 degrees of freedom, clipped to [0, cap] as the
+    # ablation's are (the expectation over 256 fixed draws of the chi^2)
+    n = cfg.n_samples
+    from .numerics.digits import student_t
+
+    chi = torch.distributions.Chi2(torch.tensor(float(n - 1), dtype=torch.float64))
+    with _fixed_rng(cfg.seed):
+        noise = -0.5 * torch.log10(chi.sample((256,)) / (n - 1))
+    k0 = math.log10(math.sqrt(n) / student_t(n, cfg.confidence))
+
+    def digits(v: torch.Tensor, f: torch.Tensor, t0: torch.Tensor) -> torch.Tensor:
+        d = (-0.5 * torch.log10(torch.maximum(v, f) / t0.square())).nan_to_num(
+            nan=cap, posinf=cap)
+        return sum(((d + k0 + e).clamp(0.0, cap) for e in noise.tolist()),
+                   torch.zeros_like(d)) / len(noise)
+
+    gain = sum(float((digits(r, f, t0) - digits(a, f, t0)).sum())
+               for r, a, f, t0 in zip(rest, acc, floor, y0))
+    return shares, (top, gain / count)
+
+
+class _fixed_rng:
+    """torch's global generator seeded inside the block and restored after it."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def __enter__(self) -> None:
+        self.state = torch.random.get_rng_state()
+        torch.manual_seed(self.seed)
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.random.set_rng_state(self.state)
+
+
+def _signs(shape: Any, gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 2, tuple(shape), generator=gen, dtype=torch.float64) * 2 - 1
+
+
+def _float_leaves(out: Any) -> list:
+    return [t for t in pytree.tree_leaves(out)
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
