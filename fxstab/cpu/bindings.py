@@ -23,7 +23,8 @@ from typing import Optional
 
 import torch
 
-from ..numerics.digits import STATS_LEN, digits_cap, empty_stats, student_t
+from ..numerics.digits import STATS_LEN, digits_cap, empty_stats, run_shift as _run_shift, \
+    student_t
 from ..numerics.formats import WORKING_DTYPES, Format, float_bits
 from ..numerics.randbits import M64
 from ..numerics.rounding import MODE_CODES, Rounding
@@ -43,11 +44,12 @@ class _Params(ctypes.Structure):
         ("min_sub_bits", ctypes.c_int64), ("finite_only", ctypes.c_int64),
         ("mode", ctypes.c_int64), ("saturate", ctypes.c_int64), ("seed", ctypes.c_uint64),
         ("t", ctypes.c_double), ("cap", ctypes.c_double), ("zero_threshold", ctypes.c_double),
-        ("nthreads", ctypes.c_int64), ("zmask", ctypes.c_uint64),
+        ("nthreads", ctypes.c_int64), ("zmask", ctypes.c_uint64), ("run_shift", ctypes.c_double),
         # derived by the kernel at entry
         ("kd", ctypes.c_double), ("vcap", ctypes.c_double), ("vzero", ctypes.c_double),
         ("vthr", ctypes.c_double), ("k0", ctypes.c_double), ("rv_cap", ctypes.c_double),
         ("rv_zero", ctypes.c_double), ("b_cap", ctypes.c_int64), ("nbins", ctypes.c_int64),
+        ("rkd", ctypes.c_double), ("rvcap", ctypes.c_double), ("rvzero", ctypes.c_double),
     ]
 
 
@@ -165,10 +167,29 @@ def _layout(x: torch.Tensor, n_samples: Optional[int]) -> tuple[torch.Tensor, in
     return x, n_samples, 0, tuple(x.shape)
 
 
+# The run shifts the kernels take: the clamps of the expected run digits stay normal floats
+# (fxstab.numerics.digits.run_shift lies in [0, 0.6] for every N and mode)
+_RUN_SHIFT_RANGE = (-4.0, 4.0)
+
+
+def _check_run_shift(run_shift: Optional[float], n: int) -> float:
+    """``run_shift``, or ``run_shift(n)`` of the digits (N samples of random rounding) when
+    None; a ValueError outside :data:`_RUN_SHIFT_RANGE`."""
+    if run_shift is None:
+        return _run_shift(n) if n >= 2 else 0.0
+    shift = float(run_shift)
+    lo, hi = _RUN_SHIFT_RANGE
+    if not lo <= shift <= hi:  # NaN too
+        raise ValueError(f"fxstab.cpu.bindings: run_shift must lie in [{lo}, {hi}], got "
+                         f"{run_shift!r}")
+    return shift
+
+
 def _base_params(fmt: Format, mode: Optional[Rounding], dtype: torch.dtype, saturate: bool,
-                 n: int, confidence: float, zero_threshold: float) -> _Params:
+                 n: int, confidence: float, zero_threshold: float,
+                 run_shift: Optional[float] = None) -> _Params:
     """The constants of round_stats for these settings (a :class:`Rounder` sets the seed, the
-    threads and the mask's address per call)."""
+    threads and the mask's address per call); ``run_shift`` None: ``run_shift(n)``."""
     if not fmt.fits_in(dtype):
         raise ValueError(f"format {fmt.name} does not fit in {dtype}")
     wbias = WORKING_DTYPES[dtype].bias
@@ -177,7 +198,7 @@ def _base_params(fmt: Format, mode: Optional[Rounding], dtype: torch.dtype, satu
         min_sub_bits=float_bits(fmt.min_subnormal, dtype), finite_only=int(fmt.finite_only),
         mode=-1 if mode is None else MODE_CODES[mode], saturate=int(saturate),
         t=student_t(n, confidence) if n >= 2 else 1.0, cap=digits_cap(fmt, dtype),
-        zero_threshold=zero_threshold)
+        zero_threshold=zero_threshold, run_shift=_check_run_shift(run_shift, n))
 
 
 def round_stats(
@@ -195,6 +216,7 @@ def round_stats(
     in_place: bool = False,
     as_list: bool = False,
     want_zero_mask: bool = False,
+    run_shift: Optional[float] = None,
 ) -> tuple:
     """Round samples into ``fmt`` and measure their digits, in one pass.
 
@@ -215,6 +237,9 @@ def round_stats(
         want_zero_mask: Also return the computational-zero mask (bool ``[...]``: finite, not
             all samples 0, fewer digits than ``zero_threshold``), a byte per element: what the
             counters read of an operand, without its digits.
+        run_shift: The :func:`fxstab.numerics.digits.run_shift` of the expected digits of a
+            round-to-nearest run (the statistics' last entry, ``sum_run``); None: N samples of
+            random rounding, ``run_shift(N)``.
 
     Returns:
         ``(rounded [N, ...], stats or None, digits or None)``, and the zero mask last with
@@ -223,7 +248,8 @@ def round_stats(
     """
     out, stats, digits, _, zeros = _round_stats(samples, fmt, mode, seed, saturate, confidence,
                                                 zero_threshold, want_stats, want_digits,
-                                                n_samples, in_place, None, want_zero_mask)
+                                                n_samples, in_place, None, want_zero_mask,
+                                                run_shift)
     if stats is not None and not as_list:
         stats = torch.tensor(stats, dtype=torch.float64)
     return (out, stats, digits, zeros) if want_zero_mask else (out, stats, digits)
@@ -232,7 +258,8 @@ def round_stats(
 def round_perturb(samples: torch.Tensor, fmt: Format, mode: Rounding, seed: int, eta: float,
                   perturb_seed: int, *, saturate: bool = False, confidence: float = 0.95,
                   zero_threshold: float = 0.5, n_samples: Optional[int] = None,
-                  in_place: bool = False, as_list: bool = False) -> tuple:
+                  in_place: bool = False, as_list: bool = False,
+                  run_shift: Optional[float] = None) -> tuple:
     """:func:`round_stats` (statistics of the rounded samples) followed by the GEMM surrogate of
     :func:`perturb` on the rounded samples, in the same pass: each group of elements is
     perturbed while it is still in cache. The samples come back rounded *and* perturbed (bit
@@ -240,17 +267,17 @@ def round_perturb(samples: torch.Tensor, fmt: Format, mode: Rounding, seed: int,
     consumer is that GEMM. Returns (samples, stats, number of perturbed elements)."""
     out, stats, _, count, _ = _round_stats(samples, fmt, mode, seed, saturate, confidence,
                                            zero_threshold, True, False, n_samples, in_place,
-                                           (eta, perturb_seed), False)
+                                           (eta, perturb_seed), False, run_shift)
     return out, stats if as_list else torch.tensor(stats, dtype=torch.float64), count
 
 
 def _round_stats(samples, fmt, mode, seed, saturate, confidence, zero_threshold, want_stats,
-                 want_digits, n_samples, in_place, perturb_args, want_zero_mask):
+                 want_digits, n_samples, in_place, perturb_args, want_zero_mask, run_shift):
     lib, (x, n, xs, shape) = _checked(samples, n_samples, "round_stats")
     if (want_stats or want_digits or want_zero_mask) and n < 2:
         raise ValueError(f"digits need N >= 2 samples, got N={n}")
     r = rounder(fmt, mode, x.dtype, n, saturate=saturate, confidence=confidence,
-                zero_threshold=zero_threshold)
+                zero_threshold=zero_threshold, run_shift=run_shift)
     if mode is None:
         out = x.expand(n, *shape) if n_samples is not None else x
     elif in_place and xs and x.data_ptr() == samples.data_ptr():  # contiguous() made no copy
@@ -285,7 +312,7 @@ def empty(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
 
 class Rounder:
     """:func:`round_stats` with its settings bound once (format, mode, dtype, N, confidence,
-    zero threshold): what a caller that rounds every primitive of a model with the same
+    zero threshold, run shift): what a caller that rounds every primitive of a model with the same
     settings holds (the arithmetic level), so each call is the allocations and one C call.
 
     Call it with contiguous stacked samples ``[N, ...]`` (CPU, the bound dtype), or one
@@ -567,8 +594,9 @@ class Binary:
 @functools.lru_cache(maxsize=256)
 def rounder(fmt: Format, mode: Optional[Rounding], dtype: torch.dtype, n: int, *,
             saturate: bool = False, confidence: float = 0.95,
-            zero_threshold: float = 0.5) -> Rounder:
-    """The :class:`Rounder` of these settings (cached)."""
+            zero_threshold: float = 0.5, run_shift: Optional[float] = None) -> Rounder:
+    """The :class:`Rounder` of these settings (cached); ``run_shift``: that of the expected
+    run digits (:func:`round_stats`), None for ``run_shift(n)``."""
     lib = _lib()
     if lib is None:
         raise RuntimeError("fxstab.cpu.bindings: the fused CPU kernels are unavailable")
@@ -577,7 +605,7 @@ def rounder(fmt: Format, mode: Optional[Rounding], dtype: torch.dtype, n: int, *
                          f"samples, got {dtype}, N={n}")
     fn = lib.fxstab_round_stats_f32 if dtype == torch.float32 else lib.fxstab_round_stats_f64
     base = _base_params(fmt, mode, dtype, bool(saturate), n, float(confidence),
-                        float(zero_threshold))
+                        float(zero_threshold), run_shift)
     return Rounder(fn, base, mode, dtype, n)
 
 

@@ -47,6 +47,8 @@ typedef struct {
     double zero_threshold;
     int64_t nthreads;
     uint64_t zmask;        /* address of a uint8 [numel] output: 1 at computational zeros (or 0) */
+    double run_shift;      /* fxstab.numerics.digits.run_shift: the expected digits of a
+                            * round-to-nearest run are run_shift - log10(s^2 / mean^2) / 2 */
     /* derived at entry (see derive_params), not set by the caller */
     double kd;             /* K + log10(n - 1) / 2: digits are kd - log10(var) / 2 */
     double vcap, vzero, vthr;  /* variances at which the digits reach the cap, 0, the threshold */
@@ -54,6 +56,10 @@ typedef struct {
      * cap's digits and of 0 digits; the histogram bin of rv_cap and the number of bins */
     double k0, rv_cap, rv_zero;
     int64_t b_cap, nbins;
+    /* the expected run digits (stats[11]) as the digits: rkd - log10(v) / 2 with v the
+     * variance of the relative deviations times n - 1 (as vcap, vzero), clamped to [rvcap,
+     * rvzero] (the run's cap and 0 digits) */
+    double rkd, rvcap, rvzero;
 } params_t;
 
 /* The statistics beyond the six digit reductions (fxstab.numerics.digits: EXTRA_STATS): the squared
@@ -69,6 +75,7 @@ typedef struct {
 #define QGROUPS 8
 typedef struct {
     double msq, vsq, under;
+    double run; /* the expected run digits of the elements measured here, summed */
     int64_t sampled; /* elements in the histogram */
     /* the bins, then 0 digits, then the cap's; 4 counters a bin, used in turn by consecutive
      * elements (a run of elements in one bin does not wait on its own increments) */
@@ -193,6 +200,7 @@ typedef struct {
 } rp_t;
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
+#define NOINLINE static __attribute__((noinline))
 
 /* Whether a value moves one unit away from zero, per mode: `par` holds the kept part's last
  * bit at position sh, `rem` what lies below it (low_mask = 2^sh - 1), `shift` the unclamped
@@ -496,8 +504,49 @@ DEFINE_DIGITS_BLOCK(digits_block_f32_scalar, float, 1.1754943508222875e-38, log1
  * zero mean with spread, r >= rv_zero; the cap's: identical samples, r <= rv_cap). The element
  * loops are branch-free and vectorise. `uf` (or NULL) holds the underflow flags.
  */
-/* One element's moments from its 3 samples (in the extras' element loops): declares ss, m2 and
- * finite, and adds to msq and vsq when COUNT (the elements the digit loops did not cover). */
+/* log10 of a positive normal double in plain arithmetic (an element loop that calls it
+ * vectorises): the series of vlog10_pos4, absolute error below 1e-14 */
+ALWAYS_INLINE double log10_pos(double v) {
+    int64_t b;
+    memcpy(&b, &v, sizeof b);
+    int64_t e = (int64_t)(((uint64_t)b >> 52) & 0x7FF) - 1023;
+    int64_t mb = (b & 0x000FFFFFFFFFFFFFll) | 0x3FF0000000000000ll;
+    double m;
+    memcpy(&m, &mb, sizeof m);
+    const int big = m > 1.4142135623730951;
+    m = big ? 0.5 * m : m;
+    e += big;
+    const double s = (m - 1.0) / (m + 1.0), s2 = s * s;
+    const double ln = 2.0 * s * (1.0 + s2 * (1.0 / 3 + s2 * (1.0 / 5 + s2 * (1.0 / 7 + s2 * (1.0 / 9
+                      + s2 * (1.0 / 11 + s2 * (1.0 / 13 + s2 * (1.0 / 15))))))));
+    /* (double)e without an int64 conversion (none in AVX2): added to the bits of 1.5 2^52 */
+    const int64_t eb = e + 0x4338000000000000ll;
+    double ed;
+    memcpy(&ed, &eb, sizeof ed);
+    ed -= 6755399441055744.0;
+    return (ln + ed * 0.69314718055994530942) * 0.43429448190325182765;
+}
+
+/* One element's expected run digits (fxstab.numerics.digits._run_columns) from its moments as
+ * the extras compute them (_moments2: ss = s^2, m2 = mean^2, finite, same): rkd - log10(v) / 2
+ * with v = (n - 1) s^2 / mean^2 clamped to [rvcap, rvzero] (the digits clamped to [0, cap]);
+ * identical samples the cap, a zero mean with spread or a non-finite element 0. */
+ALWAYS_INLINE double run_digits1(double ss, double m2, int finite, int same, double n1,
+                                 double rkd, double rvcap, double rvzero, double cap) {
+    double v = ss / m2 * n1; /* m2 == 0: inf or NaN, replaced below */
+    v = v < rvcap ? rvcap : (v > rvzero ? rvzero : v);
+    v = v == v ? v : rvzero;
+    double r = rkd - 0.5 * log10_pos(v);
+    r = r < 0 ? 0 : (r > cap ? cap : r);
+    r = v >= rvzero ? 0 : (v <= rvcap ? cap : r); /* at the clamps: exactly */
+    r = m2 == 0 ? 0 : r;
+    r = same ? cap : r;
+    return finite ? r : 0;
+}
+
+/* One element's moments from its 3 samples (in the extras' element loops): declares ss, m2,
+ * finite and same, and adds to msq and vsq when COUNT (the elements the digit loops did not
+ * cover). */
 #define EXTRAS_MOMENTS3(FT, A, B, C, COUNT)                                                     \
     const FT a = (A), b = (B), c = (C);                                                         \
     const FT m = (a * inv_n + b * inv_n) + c * inv_n;                                           \
@@ -506,32 +555,38 @@ DEFINE_DIGITS_BLOCK(digits_block_f32_scalar, float, 1.1754943508222875e-38, log1
     const double ss = ((0.0 + da * da) + db * db + dc * dc) * inv_n1;                           \
     const double m2 = md * md;                                                                  \
     const int finite = (m2 - m2 == 0) & (ss - ss == 0);                                         \
+    const int same = (b == a) & (c == a);                                                       \
     msq += finite && (COUNT) ? m2 : 0.0;                                                        \
     vsq += finite && (COUNT) ? ss : 0.0;
 
 #define DEFINE_EXTRAS_BLOCK(NAME, FT)                                                           \
     ALWAYS_INLINE void NAME(const FT *const *rows, int64_t n, int64_t cnt, const params_t *p,  \
                             const uint8_t *restrict uf, int bins, int64_t start, ext_t *e) {    \
+        /* nothing to measure here: a group whose digit loops measured every element, not   \
+         * sampled for the quantiles, without underflow flags (most groups) */              \
+        if (!bins && start >= cnt && !uf) return;                                               \
         const FT inv_n = (FT)1 / (FT)n;                                                         \
-        const double inv_n1 = 1.0 / (double)(n - 1);                                            \
-        double msq = 0, vsq = 0;                                                                \
+        const double inv_n1 = 1.0 / (double)(n - 1), n1 = (double)(n - 1);                     \
+        const double rkd = p->rkd, rvcap = p->rvcap, rvzero = p->rvzero, cap = p->cap;          \
+        double msq = 0, vsq = 0, run = 0;                                                       \
         double var[BLK], mean2[BLK];                                                            \
         int32_t fin_[BLK], same_[BLK];                                                          \
         /* straight-line code for N = 3: the element loop vectorises; without bins nothing is \
-         * stored */                                                                            \
+         * stored. The expected run digits of the elements from start (run_digits1) go with   \
+         * the norms: in this loop, or in one over the stored moments */                      \
         if (n == 3 && !bins) {                                                                  \
             const FT *restrict r0 = rows[0], *restrict r1 = rows[1], *restrict r2 = rows[2];    \
-            _Pragma("omp simd reduction(+:msq, vsq)")                                           \
+            _Pragma("omp simd reduction(+:msq, vsq, run)")                                      \
             for (int64_t el = start; el < cnt; el++) {                                          \
                 EXTRAS_MOMENTS3(FT, r0[el], r1[el], r2[el], 1)                                  \
+                run += run_digits1(ss, m2, finite, same, n1, rkd, rvcap, rvzero, cap);          \
             }                                                                                   \
         } else if (n == 3) {                                                                    \
             const FT *restrict r0 = rows[0], *restrict r1 = rows[1], *restrict r2 = rows[2];    \
             _Pragma("omp simd reduction(+:msq, vsq)")                                           \
             for (int64_t el = 0; el < cnt; el++) {                                              \
                 EXTRAS_MOMENTS3(FT, r0[el], r1[el], r2[el], el >= start)                        \
-                var[el] = ss; mean2[el] = m2; fin_[el] = finite;                                \
-                same_[el] = (r1[el] == r0[el]) & (r2[el] == r0[el]);                            \
+                var[el] = ss; mean2[el] = m2; fin_[el] = finite; same_[el] = same;              \
             }                                                                                   \
         } else {                                                                                \
             for (int64_t el = 0; el < cnt; el++) {                                              \
@@ -555,8 +610,15 @@ DEFINE_DIGITS_BLOCK(digits_block_f32_scalar, float, 1.1754943508222875e-38, log1
                 var[el] = ss; mean2[el] = md * md; fin_[el] = finite; same_[el] = same;        \
             }                                                                                   \
         }                                                                                       \
+        if (n != 3 || bins) {                                                                   \
+            _Pragma("omp simd reduction(+:run)")                                                \
+            for (int64_t el = start; el < cnt; el++)                                            \
+                run += run_digits1(var[el], mean2[el], fin_[el], same_[el], n1, rkd, rvcap,     \
+                                   rvzero, cap);                                                \
+        }                                                                                       \
         e->msq += msq;                                                                          \
         e->vsq += vsq;                                                                          \
+        e->run += run;                                                                          \
         if (uf) {                                                                               \
             int64_t u = 0;                                                                      \
             for (int64_t el = 0; el < cnt; el++) u += uf[el];                                   \
@@ -773,6 +835,89 @@ DEFINE_MOMENTS(moments8, float, vf8, vi8, vload8, vsplat8, vsel8, any8, pair_squ
 DEFINE_MOMENTS(moments4, double, vd4, vl4, vload4, vsplat4, vsel4, any4, pair_squares4,
                0x7FFFFFFFFFFFFFFFll, 0x1p-1000, 0x1p128)
 
+/* The expected digits of a round-to-nearest run (stats[11], fxstab.numerics.digits
+ * _run_columns) of 8 fp32 elements, as the digits' sums take them: the variance var of the
+ * relative deviations (times n - 1, from moments8) clamped to [rvcap, rvzero], rvcap for
+ * identical samples, rvzero for a zero mean with spread or a non-finite element (a sample, or
+ * the mean: the reference's mean^2 then is not finite); their product (run_fold8) gives the
+ * sum of rkd - log10(v) / 2 as the digits' gives theirs (acc8_finish). A second clamp of the same variance: the run's cap
+ * and 0 digits lie at other variances than the digits' (a shift of its own).
+ *
+ * The reference takes s^2 about the mean rounded to the samples' dtype, in fp64 (_moments2):
+ * s^2 + n / (n - 1) (rounding error of the mean)^2, the same variance as var to 1e-5
+ * relative wherever var / (n - 1) >= 2^-25 (the error is at most ~2^-22 of the mean: 3 2^-44
+ * against 2^-25) and the mean is not tiny (>= 2^-100: its rounding error can be most of it
+ * near the subnormals). The lanes below either (samples a few ulps of their dtype apart, a
+ * format as wide as the samples; or NaN) take the reference's own arithmetic (run_exact8):
+ * none of a format of 11 significand bits or fewer for N <= 8 (their distinct samples lie
+ * 2^-12 apart or more), at a branch per vector (the arithmetic out of line). */
+#define RUN_EXACT_F32 0x1p-25f
+#define RUN_EXACT_F64 0x1p-62
+#define RUN_TINY_F32 0x1p-100f
+#define RUN_TINY_F64 0x1p-450
+#define RUN_HUGE_F64 0x1p500
+
+/* The run's clamped variances of the `exact` lanes of 8 fp32 elements (their samples at el,
+ * their means) from the reference's own moments (_moments2, EXTRAS_MOMENTS3: s^2 about the
+ * mean and mean^2 in fp64), with the conventions of run_digits1 as variances; `v` in the
+ * other lanes. Out of line: the element loops only branch here. */
+typedef float vf4 __attribute__((vector_size(16)));
+NOINLINE vf8 run_exact8(const float *const *rows, int64_t n, int64_t el, vf8 mean, vi8 exact,
+                        vf8 v, double rvcap_d, double rvzero_d) {
+    const double inv_n1 = 1.0 / (double)(n - 1), n1 = (double)(n - 1);
+    const vd4 rvcap = vsplat4(rvcap_d), rvzero = vsplat4(rvzero_d), zero = vsplat4(0.0);
+    float out[8], mf[8];
+    vstore8(mf, mean);
+    for (int h = 0; h < 8; h += 4) {
+        vf4 f;
+        memcpy(&f, mf + h, sizeof f);
+        const vd4 md = __builtin_convertvector(f, vd4);
+        memcpy(&f, rows[0] + el + h, sizeof f);
+        const vd4 x0 = __builtin_convertvector(f, vd4);
+        vd4 ss = zero;
+        vl4 same = (vl4){0} - 1;
+        for (int64_t i = 0; i < n; i++) {
+            memcpy(&f, rows[i] + el + h, sizeof f);
+            const vd4 x = __builtin_convertvector(f, vd4), d = x - md;
+            ss += d * d;
+            same &= x == x0;
+        }
+        ss = ss * inv_n1;
+        const vd4 m2 = md * md;
+        const vl4 fin = ((m2 - m2) == zero) & ((ss - ss) == zero);
+        vd4 q = ss / m2 * n1;
+        q = vsel4(q < rvcap, rvcap, vsel4(q > rvzero, rvzero, q));
+        q = vsel4((q == q) & (m2 != zero), q, rvzero);
+        q = vsel4(same, rvcap, q);
+        q = vsel4(fin, q, rvzero);
+        f = __builtin_convertvector(q, vf4);
+        memcpy(out + h, &f, sizeof f);
+    }
+    return vsel8(exact, vload8(out), v);
+}
+
+/* The run's clamped variances of 8 fp32 elements from their moments (moments8) and `w`, their
+ * variances with the classes of the digits' clamp (var where measured, 0 for identical finite
+ * samples, inf otherwise), given where the samples are known finite: then the digits' own;
+ * else a mean that overflowed (finite samples) counts as non-finite here, as in the
+ * reference. */
+ALWAYS_INLINE vf8 run_var8(const float *const *rows, int64_t n, int64_t el, vf8 mean, vf8 var,
+                           vi8 finite, vi8 identical, vf8 w, vf8 rvcap, vf8 rvzero,
+                           const int finite_known) {
+    const vf8 zero = vsplat8(0.0f);
+    const vi8 fin = finite_known ? finite : finite & ((mean - mean) == zero);
+    const vi8 measured = fin & ~identical & (mean != zero);
+    if (!finite_known)
+        w = vsel8(measured, var, vsel8(fin & identical, zero, vsplat8(INFINITY)));
+    const vf8 v = vmin8(vmax8(w, rvcap), rvzero);
+    const vf8 am = (vf8)((vi8)mean & 0x7FFFFFFF);
+    const vi8 exact = measured & ~((var >= vsplat8(RUN_EXACT_F32 * (float)(n - 1))) &
+                                   (am >= vsplat8(RUN_TINY_F32)));
+    if (__builtin_expect(any8(exact), 0))
+        return run_exact8(rows, n, el, mean, exact, v, (double)rvcap[0], (double)rvzero[0]);
+    return v;
+}
+
 /* First loop of a group's statistics: the moments of its full 8-element vectors into L1
  * buffers (variance; the finite, identical, exact-zero and mean != 0 lane masks, four vectors
  * per 8 elements: storing them as they are costs less than packing them into one flag word
@@ -780,8 +925,10 @@ DEFINE_MOMENTS(moments4, double, vd4, vl4, vload4, vsplat4, vsel4, any4, pair_sq
  * and no spilled accumulators. */
 ALWAYS_INLINE void moments_pass8(const float *const *rows, int64_t n, int64_t full, float inv_n,
                                  float *restrict vbuf, vi8 *restrict fbuf,
-                                 float *restrict mbuf, float *restrict rbuf, vi8 *zspread) {
+                                 float *restrict mbuf, float *restrict rbuf, vi8 *zspread,
+                                 const params_t *p, float *restrict qbuf) {
     const vf8 zero = vsplat8(0.0f);
+    const vf8 rvcap = vsplat8((float)p->rvcap), rvzero = vsplat8((float)p->rvzero);
     vi8 zsp = (vi8){0};
     for (int64_t el = 0; el < full; el += 8) {
         vf8 mean, var;
@@ -790,10 +937,12 @@ ALWAYS_INLINE void moments_pass8(const float *const *rows, int64_t n, int64_t fu
         f[3] = f[0] & ~f[1] & (mean != zero); /* a measured variance: finite, not identical,
                                                 * mean != 0 */
         vstore8(vbuf + el, var);
-        if (mbuf) { /* the norms' terms, as clamped_pass8's */
+        if (mbuf) { /* the norms' terms, as clamped_pass8's; the run digits' variances */
             vstore8(mbuf + el, vsel8(f[0], mean, zero));
             vstore8(rbuf + el, vsel8(f[3], var, zero));
             zsp |= f[0] & ~f[1] & (mean == zero);
+            vstore8(qbuf + el, run_var8(rows, n, el, mean, var, f[0], f[1], zero, rvcap,
+                                        rvzero, 0));
         }
     }
     if (zspread) *zspread = zsp;
@@ -806,8 +955,10 @@ ALWAYS_INLINE void moments_pass8(const float *const *rows, int64_t n, int64_t fu
 ALWAYS_INLINE void clamped_pass8(const float *const *rows, int64_t n, int64_t full, float inv_n,
                                  vf8 vcap, vf8 vzero, float *restrict vbuf,
                                  vi8 *restrict fbuf, const int finite_known,
-                                 float *restrict mbuf, float *restrict rbuf, vi8 *zspread) {
+                                 float *restrict mbuf, float *restrict rbuf, vi8 *zspread,
+                                 const params_t *p, float *restrict qbuf) {
     const vf8 zero = vsplat8(0.0f);
+    const vf8 rvcap = vsplat8((float)p->rvcap), rvzero = vsplat8((float)p->rvzero);
     vi8 zsp = (vi8){0};
     for (int64_t el = 0; el < full; el += 8) {
         vf8 mean, var;
@@ -815,13 +966,17 @@ ALWAYS_INLINE void clamped_pass8(const float *const *rows, int64_t n, int64_t fu
         moments8(rows, n, el, inv_n, &mean, &var, &finite, &identical, &exact_zero,
                  finite_known);
         vi8 measured = finite & ~identical & (mean != zero);
-        vf8 v = vsel8(measured, vmin8(vmax8(var, vcap), vzero),
-                      vsel8(finite & identical, vcap, vzero));
-        vstore8(vbuf + el, v);
-        if (mbuf) { /* the norms' terms (extras): a finite mean; the measured spread */
+        /* the variance or the class (identical: 0, the cap; otherwise inf, 0 digits), then
+         * the clamps (of the digits, of the run digits) */
+        vf8 w = vsel8(measured, var, vsel8(finite & identical, zero, vsplat8(INFINITY)));
+        vstore8(vbuf + el, vmin8(vmax8(w, vcap), vzero));
+        if (mbuf) { /* the norms' terms (extras): a finite mean; the measured spread; the run
+                     * digits' variances */
             vstore8(mbuf + el, vsel8(finite, mean, zero));
             vstore8(rbuf + el, vsel8(measured, var, zero));
             zsp |= finite & ~identical & (mean == zero); /* spread without a relative one */
+            vstore8(qbuf + el, run_var8(rows, n, el, mean, var, finite, identical, w, rvcap,
+                                        rvzero, finite_known));
         }
         fbuf[(el >> 3) * 2] = finite;
         fbuf[(el >> 3) * 2 + 1] = finite & ~exact_zero;
@@ -895,7 +1050,47 @@ typedef struct {
     vd4 prod4, maxv4, minv4;
     vl4 esum4, zeros4, nf4;
     int64_t iters4;
+    /* the expected run digits of the normed elements (run_var8, run_var4): the product of
+     * their clamped variances as prod's (vectors per lane in riters, since the last flush of
+     * resum in rsince), and the sum of their digits once the thread is done (acc8_finish) */
+    vf8 rprod;
+    vi8 resum;
+    double resum_d[8];
+    int64_t riters, rsince;
+    vd4 rprod4;
+    vl4 resum4;
+    int64_t riters4;
+    double nrun;
 } acc8_t;
+
+/* A group's product of the run digits' clamped variances (run_var8: significands multiplied,
+ * exponents summed, the digits' trick) into the thread's running one (acc8_finish takes the
+ * logarithm), for a group whose norms the digit loops measured (the extras block does the
+ * others' run digits); run_product8 takes the product of `full` variances in qbuf. */
+ALWAYS_INLINE void run_fold8(acc8_t *acc, vf8 prod, vi8 esum, int64_t full) {
+    /* the group's product (< 2^16) times the running one (in [1, 2)): exponent out */
+    vi8 b = (vi8)(prod * acc->rprod);
+    esum += (b >> 23) - 127;
+    acc->rprod = (vf8)((b & 0x007FFFFF) | 0x3F800000);
+    acc->resum = esum;
+    acc->riters += full / 8;
+    if ((acc->rsince += full / 8) >= ((int64_t)1 << 22)) { /* int32 lanes: as acc8_flush */
+        for (int l = 0; l < 8; l++) acc->resum_d[l] += acc->resum[l];
+        acc->resum = (vi8){0};
+        acc->rsince = 0;
+    }
+}
+
+ALWAYS_INLINE void run_product8(acc8_t *acc, const float *restrict qbuf, int64_t full) {
+    vf8 prod = vsplat8(1.0f);
+    vi8 esum = acc->resum;
+    for (int64_t el = 0; el < full; el += 8) {
+        vi8 b = (vi8)vload8(qbuf + el);
+        prod *= (vf8)((b & 0x007FFFFF) | 0x3F800000);
+        esum += b >> 23; /* biased: 127 per vector comes off at the end */
+    }
+    run_fold8(acc, prod, esum, full);
+}
 
 /* The extras' norms of a group's first `full` elements from their moments (fp64 products):
  * mean^2, and s^2 = (relative spread, times n - 1) mean^2 / (n - 1) (mbuf: the finite means,
@@ -932,13 +1127,14 @@ ALWAYS_INLINE void digits_block_f32_n(const float *const *rows, int64_t n, int64
     vi8 zeros = (vi8){0}, nf = (vi8){0};
     int64_t full = cnt & ~(int64_t)7;
     /* two loops over the group, as in stats_block_f32_n */
-    float vbuf[BLK], mbuf[BLK], rbuf[BLK];
+    float vbuf[BLK], mbuf[BLK], rbuf[BLK], qbuf[BLK];
     vi8 fbuf[BLK / 2]; /* 4 masks per 8 elements */
     const int norms = acc->want_norms;
     vi8 zsp = (vi8){0};
     moments_pass8(rows, n, full, inv_n, vbuf, fbuf, norms ? mbuf : NULL, norms ? rbuf : NULL,
-                  &zsp);
+                  &zsp, p, qbuf);
     if (norms) norms_from_moments(acc, mbuf, rbuf, full, n, zsp);
+    if (acc->normed) run_product8(acc, qbuf, full); /* the extras do the others' run digits */
     for (int64_t el = 0; el < full; el += 8) {
         vf8 var = vload8(vbuf + el);
         vi8 finite, identical, exact_zero, measured;
@@ -978,6 +1174,8 @@ static void acc8_init(acc8_t *a) {
     a->minv = vsplat8(INFINITY);
     a->prod4 = vsplat4(1.0);
     a->minv4 = vsplat4(INFINITY);
+    a->rprod = vsplat8(1.0f);
+    a->rprod4 = vsplat4(1.0);
 }
 
 static void acc8_flush(acc8_t *a) {
@@ -997,6 +1195,17 @@ static void acc4_finish(acc8_t *a, const params_t *p, double *s_sum, double *s_m
 static void acc8_finish(acc8_t *a, const params_t *p, float vcap, float vzero, double *s_sum,
                         double *s_min, double *s_max, double *s_zero, double *s_nf) {
     if (a->iters4) acc4_finish(a, p, s_sum, s_min, s_max, s_zero, s_nf);
+    if (a->riters) { /* the run digits: rkd - log10(v) / 2 summed as the digits below (an
+                      * exact logarithm of each lane's product: 8 per thread) */
+        const double rit = (double)a->riters;
+        for (int l = 0; l < 8; l++) a->resum_d[l] += a->resum[l];
+        a->resum = (vi8){0};
+        double run = 0;
+        for (int l = 0; l < 8; l++)
+            run += rit * p->rkd - 0.5 * (log10((double)a->rprod[l]) + 0.30102999566398120 *
+                                         (a->resum_d[l] - 127.0 * rit));
+        a->nrun += run;
+    }
     if (a->iters == 0) return;
     acc8_flush(a);
     const double cap = p->cap, Kd = p->kd, it = (double)a->iters;
@@ -1034,22 +1243,31 @@ ALWAYS_INLINE void stats_block_f32_n(const float *const *rows, int64_t n, int64_
     vi8 esum = acc->esum, zeros = acc->zeros, nf = acc->nf;
     /* vcap is a normal float for every format that fits fp32 samples (its log is exact to
      * the float's precision); the general block otherwise */
-    int64_t full = (float)p->vcap > tiny_f ? cnt & ~(int64_t)7 : 0;
+    int64_t full = (float)p->vcap > tiny_f && (float)p->rvcap > tiny_f ? cnt & ~(int64_t)7 : 0;
     /* two loops over the group, each with few live vectors (no spilled accumulators): the
      * clamped variances and masks, kept in L1, then the sums */
-    float vbuf[BLK], mbuf[BLK], rbuf[BLK];
+    float vbuf[BLK], mbuf[BLK], rbuf[BLK], qbuf[BLK];
     vi8 fbuf[BLK / 4]; /* 2 masks per 8 elements */
     const int norms = acc->want_norms;
     vi8 zsp = (vi8){0};
     clamped_pass8(rows, n, full, inv_n, vcap, vzero, vbuf, fbuf, finite_known,
-                  norms ? mbuf : NULL, norms ? rbuf : NULL, &zsp);
+                  norms ? mbuf : NULL, norms ? rbuf : NULL, &zsp, p, qbuf);
     if (norms) norms_from_moments(acc, mbuf, rbuf, full, n, zsp);
+    /* the run digits' product (run_product8) in this loop: kept where the norms were measured
+     * here (the extras do the others' run digits) */
+    vf8 rprod = one;
+    vi8 resum = acc->resum;
     for (int64_t el = 0; el < full; el += 8) {
         vf8 v = vload8(vbuf + el);
         vi8 finite = fbuf[(el >> 3) * 2], maybe_zero = fbuf[(el >> 3) * 2 + 1];
         vi8 b = (vi8)v;
         prod *= (vf8)((b & 0x007FFFFF) | 0x3F800000);
         esum += b >> 23; /* biased: 127 per vector comes off at the end */
+        if (norms) {
+            vi8 q = (vi8)vload8(qbuf + el);
+            rprod *= (vf8)((q & 0x007FFFFF) | 0x3F800000);
+            resum += q >> 23;
+        }
         maxv = vmax8(v, maxv);
         minv = vmin8(v, minv);
         /* computational zeros: fewer digits than the threshold, finite, not exact zeros */
@@ -1069,6 +1287,7 @@ ALWAYS_INLINE void stats_block_f32_n(const float *const *rows, int64_t n, int64_
         /* biased exponents <= 254 per vector: int32 lanes hold 2^22 vectors */
         if ((acc->since_flush += full / 8) >= ((int64_t)1 << 22)) acc8_flush(acc);
     }
+    if (acc->normed) run_fold8(acc, rprod, resum, full);
     if (full < cnt) {
         const float *tail[MAX_SAMPLES];
         for (int64_t i = 0; i < n; i++) tail[i] = rows[i] + full;
@@ -1081,7 +1300,6 @@ ALWAYS_INLINE void stats_block_f32_n(const float *const *rows, int64_t n, int64_
  * element's samples stay in registers between the two passes. Not inlined: one copy serves
  * the seven mode bodies (a call per 128-element group costs nothing measurable, and inlining
  * it into every body tripled the compile time, to about a minute). */
-#define NOINLINE static __attribute__((noinline))
 NOINLINE void digits_block_f32(const float *const *rows, int64_t n, int64_t cnt, const params_t *p,
                                double K, float *restrict dig, uint8_t *restrict zm, acc8_t *acc,
                                double *s_sum, double *s_min, double *s_max, double *s_zero,
@@ -1114,11 +1332,12 @@ NOINLINE void digits_block_f32(const float *const *rows, int64_t n, int64_t cnt,
  * a zero mean with spread. */
 ALWAYS_INLINE vd4 clamped4(const double *const *rows, int64_t n, int64_t el, double inv_n,
                            vd4 vcap, vd4 vzero, vd4 *mean, vd4 *var, vl4 *finite,
-                           vl4 *maybe_zero, vl4 *measured, vl4 *zero_mean,
+                           vl4 *maybe_zero, vl4 *measured, vl4 *zero_mean, vl4 *identical_,
                            const int finite_known) {
     const vd4 zero = vsplat4(0.0);
     vl4 identical, exact_zero;
     moments4(rows, n, el, inv_n, mean, var, finite, &identical, &exact_zero, finite_known);
+    *identical_ = identical;
     *measured = *finite & ~identical & (*mean != zero) & (*var == *var);
     *maybe_zero = *finite & ~exact_zero;
     *zero_mean = *finite & ~identical & (*mean == zero);
@@ -1154,6 +1373,68 @@ ALWAYS_INLINE vd4 digits4_f64(vd4 v, vd4 kd, vd4 vcap, vd4 vzero, vd4 cap) {
     return vsel4(v <= vcap, cap, c);
 }
 
+/* run_exact8 for 4 fp64 elements */
+NOINLINE vd4 run_exact4(const double *const *rows, int64_t n, int64_t el, vd4 mean, vl4 exact,
+                        vd4 v, double rvcap_d, double rvzero_d) {
+    const double inv_n1 = 1.0 / (double)(n - 1), n1 = (double)(n - 1);
+    const vd4 rvcap = vsplat4(rvcap_d), rvzero = vsplat4(rvzero_d), zero = vsplat4(0.0);
+    const vd4 x0 = vload4(rows[0] + el);
+    vd4 ss = zero;
+    vl4 same = (vl4){0} - 1;
+    for (int64_t i = 0; i < n; i++) {
+        const vd4 x = vload4(rows[i] + el), d = x - mean;
+        ss += d * d;
+        same &= x == x0;
+    }
+    ss = ss * inv_n1;
+    const vd4 m2 = mean * mean;
+    const vl4 fin = ((m2 - m2) == zero) & ((ss - ss) == zero);
+    vd4 q = ss / m2 * n1;
+    q = vsel4(q < rvcap, rvcap, vsel4(q > rvzero, rvzero, q));
+    q = vsel4((q == q) & (m2 != zero), q, rvzero);
+    q = vsel4(same, rvcap, q);
+    return vsel4(exact, vsel4(fin, q, rvzero), v);
+}
+
+/* The run digits' clamped variance of 4 fp64 elements (as run_var8): the reference's mean^2
+ * and s^2 are fp64 products that overflow beyond |mean| ~ 1.3e154 (then the element counts
+ * as non-finite: 0 digits) and lose their precision below ~1e-139 (where v meets the cap's
+ * variance), and its s^2 about the rounded mean reads n / (n - 1) (its error)^2 <= 3 2^-100
+ * mean^2 more: lanes of |mean| beyond [2^-450, 2^500] or var / (n - 1) below 2^-62 (1e-11
+ * relative) take its own arithmetic (run_exact4). */
+ALWAYS_INLINE vd4 run_var4(const double *const *rows, int64_t n, int64_t el, vd4 mean, vd4 var,
+                           vl4 finite, vl4 identical, vd4 rvcap, vd4 rvzero,
+                           const int finite_known) {
+    const vd4 zero = vsplat4(0.0);
+    const vl4 fin = finite_known ? finite : finite & ((mean - mean) == zero);
+    const vl4 measured = fin & ~identical & (mean != zero);
+    vd4 v = vsel4(measured, vsel4(var < rvcap, rvcap, vsel4(var > rvzero, rvzero, var)),
+                  vsel4(fin & identical, rvcap, rvzero));
+    const vd4 am = (vd4)((vl4)mean & 0x7FFFFFFFFFFFFFFFll);
+    const vl4 exact = fin & ((am > vsplat4(RUN_HUGE_F64)) |
+                             (measured & ~((var >= vsplat4(RUN_EXACT_F64 * (double)(n - 1))) &
+                                           (am >= vsplat4(RUN_TINY_F64)))));
+    if (__builtin_expect(any4(exact), 0))
+        return run_exact4(rows, n, el, mean, exact, v, rvcap[0], rvzero[0]);
+    return v;
+}
+
+/* run_product8 for fp64 lanes: int64 exponent sums, no flush */
+ALWAYS_INLINE void run_product4(acc8_t *acc, const double *restrict qbuf, int64_t full) {
+    vd4 prod = vsplat4(1.0);
+    vl4 esum = acc->resum4;
+    for (int64_t el = 0; el < full; el += 4) {
+        vl4 b = (vl4)vload4(qbuf + el);
+        prod *= (vd4)((b & 0x000FFFFFFFFFFFFFll) | 0x3FF0000000000000ll);
+        esum += b >> 52; /* biased: 1023 per vector comes off at the end */
+    }
+    vl4 b = (vl4)(prod * acc->rprod4);
+    esum += (b >> 52) - 1023;
+    acc->rprod4 = (vd4)((b & 0x000FFFFFFFFFFFFFll) | 0x3FF0000000000000ll);
+    acc->resum4 = esum;
+    acc->riters4 += full / 4;
+}
+
 /* fp64 statistics, and per-element digits into `dig` if given, as stats_block_f32_n: each
  * element's clamped variance (clamped4), the sum of the digits from the running product of
  * the variances' significands and the sum of their exponents: no logarithm per element for
@@ -1176,19 +1457,23 @@ ALWAYS_INLINE void stats_block_f64_n(const double *const *rows, int64_t n, int64
     const vd4 vcap = vsplat4(p->vcap), vzero = vsplat4(p->vzero), vthr = vsplat4(p->vthr);
     const vd4 kd = vsplat4(p->kd), capv = vsplat4(p->cap);
     const int64_t full = cnt & ~(int64_t)3;
-    double vbuf[BLK], mbuf[BLK], rbuf[BLK];
+    const vd4 rvcap = vsplat4(p->rvcap), rvzero = vsplat4(p->rvzero);
+    double vbuf[BLK], mbuf[BLK], rbuf[BLK], qbuf[BLK];
     vl4 fbuf[BLK / 2]; /* finite; finite and not an exact zero: per 4 elements */
     const int norms = acc->want_norms;
     vl4 zsp = (vl4){0};
     for (int64_t el = 0; el < full; el += 4) {
         vd4 mean, var;
-        vl4 finite, maybe_zero, measured, zero_mean;
+        vl4 finite, maybe_zero, measured, zero_mean, identical;
         vstore4(vbuf + el, clamped4(rows, n, el, inv_n, vcap, vzero, &mean, &var, &finite,
-                                    &maybe_zero, &measured, &zero_mean, finite_known));
-        if (norms) { /* the norms' terms, as clamped_pass8's */
+                                    &maybe_zero, &measured, &zero_mean, &identical,
+                                    finite_known));
+        if (norms) { /* the norms' terms, as clamped_pass8's; the run digits' variances */
             vstore4(mbuf + el, vsel4(finite, mean, zero));
             vstore4(rbuf + el, vsel4(measured, var, zero));
             zsp |= zero_mean;
+            vstore4(qbuf + el, run_var4(rows, n, el, mean, var, finite, identical, rvcap,
+                                        rvzero, finite_known));
         }
         fbuf[(el >> 2) * 2] = finite;
         fbuf[(el >> 2) * 2 + 1] = maybe_zero;
@@ -1207,6 +1492,7 @@ ALWAYS_INLINE void stats_block_f64_n(const double *const *rows, int64_t n, int64
         acc->nmsq += msq;
         acc->nvsq += vsq;
         acc->normed = full;
+        run_product4(acc, qbuf, full); /* the extras do the others' run digits */
     }
     vd4 prod = one, maxv = acc->maxv4, minv = acc->minv4;
     vl4 esum = acc->esum4, zeros = acc->zeros4, nf = acc->nf4;
@@ -1246,9 +1532,9 @@ ALWAYS_INLINE void stats_block_f64_n(const double *const *rows, int64_t n, int64
             prow[i] = pad[i];
         }
         vd4 mean, var;
-        vl4 finite, maybe_zero, measured, zero_mean;
+        vl4 finite, maybe_zero, measured, zero_mean, identical;
         vd4 v = clamped4(prow, n, 0, inv_n, vcap, vzero, &mean, &var, &finite, &maybe_zero,
-                         &measured, &zero_mean, finite_known);
+                         &measured, &zero_mean, &identical, finite_known);
         vd4 d = digits4_f64(v, kd, vcap, vzero, capv);
         double ssum = 0, mnv = *s_min, mxv = *s_max, szero = 0, snf = 0;
         for (int64_t l = 0; l < rem; l++) {
@@ -1268,7 +1554,11 @@ ALWAYS_INLINE void stats_block_f64_n(const double *const *rows, int64_t n, int64
 /* The fp64 lanes' statistics (stats_block_f64_n), as acc8_finish does the fp32 ones. */
 static void acc4_finish(acc8_t *a, const params_t *p, double *s_sum, double *s_min,
                         double *s_max, double *s_zero, double *s_nf) {
-    const double cap = p->cap, Kd = p->kd, it = (double)a->iters4;
+    const double cap = p->cap, Kd = p->kd, it = (double)a->iters4, rit = (double)a->riters4;
+    if (a->riters4) /* the run digits (run_product4) */
+        for (int l = 0; l < 4; l++)
+            a->nrun += rit * p->rkd - 0.5 * (log10(a->rprod4[l]) + 0.30102999566398120 *
+                                             ((double)a->resum4[l] - 1023.0 * rit));
     double ssum = 0, szero = 0, snf = 0, mnv = *s_min, mxv = *s_max;
     for (int l = 0; l < 4; l++) {
         double logs = log10(a->prod4[l]) + 0.30102999566398120 *
@@ -1503,9 +1793,9 @@ DEFINE_BINARY_BLOCK(binary_block_f64, double)
 
 /* ---------------------------------------------------------------------------------------
  * round_stats: round (mode != MODE_NONE) the n samples of each element into `out` and
- * accumulate stats[11] = [sum of digits, min, max, computational zeros, non-finite, numel,
+ * accumulate stats[12] = [sum of digits, min, max, computational zeros, non-finite, numel,
  * squared norm of the means, squared norm of the standard deviations, underflowed elements,
- * p10 and p50 of the digits]
+ * p10 and p50 of the digits, the expected digits of a round-to-nearest run summed]
  * (stats may be NULL: rounding only); per-element digits into `dig` when not NULL.
  * Work is split into groups of 128 elements: one Philox evaluation per group and draw gives
  * the random bits of the whole group.
@@ -1624,10 +1914,12 @@ typedef struct {
         if (want_ext) {                                                                         \
             ext->msq += acc.nmsq;                                                               \
             ext->vsq += acc.nvsq;                                                               \
+            ext->run += acc.nrun;                                                               \
             if (ext != total) {                                                                 \
                 _Pragma("omp critical")                                                         \
                 {                                                                               \
                     total->msq += ext->msq; total->vsq += ext->vsq; total->under += ext->under; \
+                    total->run += ext->run;                                                     \
                     total->sampled += ext->sampled;                                             \
                     for (int64_t b = 0; b < 4 * (p->nbins + 2); b++)                            \
                         total->hist[b] += ext->hist[b];                                         \
@@ -1687,6 +1979,7 @@ typedef struct {
             stats[8] = total.under;                                                             \
             stats[9] = ext_quantile(&total, p, 0.1);                                            \
             stats[10] = ext_quantile(&total, p, 0.5);                                           \
+            stats[11] = total.run;                                                              \
         }                                                                                       \
     }
 
@@ -1736,6 +2029,9 @@ static params_t derive_params(const params_t *p, int64_t n) {
     q.b_cap = (int64_t)(bc >> 48);
     q.nbins = (int64_t)(bz >> 48) - q.b_cap + 1;
     if (q.nbins > HBINS) q.nbins = HBINS; /* cap <= 15.95 digits: at most 1712 bins */
+    q.rkd = p->run_shift + 0.5 * log10((double)(n > 1 ? n - 1 : 1));
+    q.rvcap = pow(10.0, 2.0 * (q.rkd - p->cap));
+    q.rvzero = pow(10.0, 2.0 * q.rkd);
     return q;
 }
 
