@@ -37,8 +37,8 @@ N = 3) predicts: impacts below ~0.15 digit are not resolved by one seed.
 ``--first-order`` sets ``method="first_order"`` (one analysed call, fp64 Jacobian products)
 against every operator ablated alone on the op-level models of ``--validate``, with its cost in
 analysed calls' time; ``results/bench_impact_first_order.json``. Measured (10 models): the same
-top-1 on the 6 planted hazards whose operator matters, within 0.05-0.24 digit of the
-ablation's value, at 1.1-1.4 calls (docs/design.md §7).
+top-1 on the 6 planted hazards whose operator matters, within 0.05-0.25 digit of the
+ablation's value, at 1.1-3 calls (docs/design.md §7).
 """
 
 from __future__ import annotations

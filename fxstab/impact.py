@@ -320,7 +320,11 @@ def _first_order(target: Any, inputs: Sequence, kwargs: dict, own: Any, outputs:
     names = {p.node.name: p.name for g in be.graphs for p in g.plans
              if p.name in dm.operators and dm.operators[p.name].status == "rounded"
              and dm.operators[p.name].direction == "forward"}
-    shares, dominant = _variance_shares(gm, args, names, cfg, probes)
+    # output elements whose samples hold a NaN/inf gain nothing from any one rounding (the
+    # fp64 linearization cannot see the overflow): left out of the shares and the gains
+    finite = [torch.isfinite(t).all(0) for t in _float_leaves(cap.graphs[-1] if cap.graphs
+                                                                 else ())]
+    shares, dominant = _variance_shares(gm, args, names, cfg, probes, finite)
     explained = sum(shares.values())
     result = Impact(output_digits=base, threshold=threshold, calls=1, method="first_order",
                     explained=explained)
@@ -415,7 +419,7 @@ def _output_variance(gm: torch.fx.GraphModule, args: tuple, names: dict, var: di
 
 
 def _variance_shares(gm: torch.fx.GraphModule, args: tuple, names: dict, cfg: Any,
-                     probes: int) -> tuple:
+                     probes: int, finite: Sequence = ()) -> tuple:
     """(each analysed operator's share F_k of the outputs' relative variance to first order,
     the dominant operator's impact measured per element or None): sigma_i^2 from 2 ``probes``
     Jacobian-vector products (:func:`_output_variance`), then ``probes`` vector-Jacobian
@@ -432,11 +436,17 @@ def _variance_shares(gm: torch.fx.GraphModule, args: tuple, names: dict, cfg: An
     count = sum(t.numel() for t in y0)
     if not count or not var:
         return {}, None
+    # the analysis's finite output elements (1) where its outputs are these tensors
+    if len(finite) == len(y0) and all(f.shape == t.shape for f, t in zip(finite, y0)):
+        keep = [f.to(torch.float64) for f in finite]
+    else:
+        keep = [torch.ones_like(t) for t in y0]
     passes = 2 * probes
     acc = _output_variance(gm, args, names, var, cfg.seed, passes)
-    # floored at the cap's variance: no element gains digits past the cap
+    # floored a digit past the cap: an element there reads the cap (its digits clipped) with
+    # or without any one operator's rounding
     cap = cfg.format.digit_cap
-    floor = [(t0.abs() * 10.0 ** -cap) ** 2 for t0 in y0]
+    floor = [(t0.abs() * 10.0 ** -(cap + 1)) ** 2 for t0 in y0]
     sigma = [torch.maximum(a, f).sqrt() for a, f in zip(acc, floor)]
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     shares = dict.fromkeys(var, 0.0)
@@ -446,7 +456,7 @@ def _variance_shares(gm: torch.fx.GraphModule, args: tuple, names: dict, cfg: An
         wrt = list(zeros.values())
         for p in range(probes):
             f = sum((_signs(t.shape, gen) * t / torch.where(s > 0, s, torch.ones_like(s))
-                     * (s > 0)).sum() for t, s in zip(y, sigma))
+                     * (s > 0) * k).sum() for t, s, k in zip(y, sigma, keep))
             grads = torch.autograd.grad(f, wrt, retain_graph=p + 1 < probes, allow_unused=True)
             for (name, v), g in zip(var.items(), grads):
                 if g is not None:
@@ -474,8 +484,8 @@ def _variance_shares(gm: torch.fx.GraphModule, args: tuple, names: dict, cfg: An
         return sum(((d + k0 + e).clamp(0.0, cap) for e in noise.tolist()),
                    torch.zeros_like(d)) / len(noise)
 
-    gain = sum(float((digits(r, f, t0) - digits(a, f, t0)).sum())
-               for r, a, f, t0 in zip(rest, acc, floor, y0))
+    gain = sum(float(((digits(r, f, t0) - digits(a, f, t0)) * k).sum())
+               for r, a, f, t0, k in zip(rest, acc, floor, y0, keep))
     return shares, (top, gain / count)
 
 
