@@ -1,7 +1,8 @@
 """Does ``run_digits`` read what a real run keeps? (issue 55, items 1-2)
 
 For each model and format, the model is cast to the format and analysed at the operator level
-(N = 3, random rounding, the defaults); then the captured graph is run for real in the format
+(N = 3, random rounding, the defaults; ``format="auto"``: each operator in its dtype in the
+program, as the real run computes it); then the captured graph is run for real in the format
 (PyTorch's own kernels, round-to-nearest) and in fp64 on the same (low-precision) weights and
 inputs, every node's value kept. Per analysed operator, the avg true digits of the real run's
 output against fp64 (:func:`fxstab.numerics.digits.true_digits`, capped at the format's
@@ -204,14 +205,15 @@ class _Recorder(torch.fx.Interpreter):
 
 
 def calibrate(name: str, build: Callable[[], tuple], fmt: str, seed: int = 0,
-              kernels: str = "auto") -> dict:
+              kernels: str = "auto", analysis: str = "auto") -> dict:
     """One model in one format: per analysed operator, the map's run and avg digits and the
     real run's true digits."""
     low = torch_dtype_of(fmt)
     model, inputs = build()
     model = copy.deepcopy(model).to(low).eval()
     xs = _cast(inputs, low)
-    be = fxstab.backend(granularity="op", format=fmt, seed=seed, kernels=kernels)
+    be = fxstab.backend(granularity="op", format=fmt if analysis == "same" else analysis,
+                        seed=seed, kernels=kernels)
     graphs: list = []
 
     def capture(gm: torch.fx.GraphModule, example: list) -> Callable:
@@ -232,7 +234,6 @@ def calibrate(name: str, build: Callable[[], tuple], fmt: str, seed: int = 0,
     names = {}
     for g in be.graphs:
         names[id(g.gm)] = {p.node.name: p.name for p in g.plans if p.name}
-    cap = get_format(fmt).digit_cap
     ops, outputs = [], set()
     with torch.no_grad():
         for gm, args in graphs:
@@ -251,7 +252,7 @@ def calibrate(name: str, build: Callable[[], tuple], fmt: str, seed: int = 0,
                         y.shape != r.shape:
                     continue
                 op = dm.operators[op_name]
-                true = float(true_digits(y, r, cap).mean())
+                true = float(true_digits(y, r, dm.cap_of(op)).mean())
                 ops.append({"operator": op_name, "kind": op.kind, "numel": y.numel(),
                             "true": true, "run": op.run_digits, "avg": op.avg_digits})
                 if node in returned:
@@ -260,6 +261,52 @@ def calibrate(name: str, build: Callable[[], tuple], fmt: str, seed: int = 0,
         o["output"] = o["operator"] in outputs
     return {"model": name, "format": fmt, "operators": ops, "analysis_seconds": seconds,
             **summary(ops)}
+
+
+def calibrate_float8(recipe: str, seed: int = 0) -> dict:
+    """A torchao float8 training MLP (bf16, its linears converted with ``recipe``: e4m3
+    operands, torchao's fp32 emulation of the scaled GEMM) analysed with ``format="auto"``; the
+    truth of each module's output is the unconverted model's in fp64, on the same (bf16)
+    weights: what the float8 program approximates. Per module, its last analysed operator."""
+    import dataclasses
+
+    import torchao.float8 as f8
+
+    torch.manual_seed(seed)
+    ref = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32))
+    model = copy.deepcopy(ref).to(torch.bfloat16)
+    config = dataclasses.replace(f8.Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+    f8.convert_to_float8_training(model, config=config)
+    x = torch.randn(32, 64).to(torch.bfloat16)
+    be = fxstab.backend(granularity="op", format="auto", seed=seed)
+    torch._dynamo.reset()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.compile(model, backend=be)(x)
+        dm = be.digit_map()
+        exact = _module_outputs(ref.to(torch.bfloat16).double(), x.double())
+        real = _module_outputs(model, x)
+    last: dict = {}
+    for op in dm.operators.values():
+        last[op.module_path] = op
+    ops = []
+    for path, op in last.items():
+        if path in real:
+            true = float(true_digits(real[path], exact[path], dm.cap_of(op)).mean())
+            ops.append({"operator": op.name, "kind": op.kind, "numel": op.numel, "true": true,
+                        "run": op.run_digits, "avg": op.avg_digits,
+                        "output": path == str(len(ref) - 1)})
+    return {"model": f"torchao-f8-{recipe}", "format": "e4m3", "operators": ops,
+            "analysis_seconds": math.nan, **summary(ops)}
+
+
+def _module_outputs(model: nn.Sequential, x: torch.Tensor) -> dict:
+    """The output of each child of ``model`` (by its index, the map's module path)."""
+    out = {}
+    for i, child in enumerate(model):
+        x = child(x)
+        out[str(i)] = x.detach()
+    return out
 
 
 def _feeding(out_node: torch.fx.Node, analysed: dict) -> set:
@@ -312,16 +359,16 @@ def _spearman(a: Sequence[float], b: Sequence[float]) -> float:
 
 # ============================================================================= reporting
 def table(rows: Sequence[dict]) -> str:
-    head = (f"{'model':<16} {'fmt':<4} {'ops':>4} | {'run-true':>8} {'|run-true|':>10} "
+    head = (f"{'model':<22} {'fmt':<4} {'ops':>4} | {'run-true':>8} {'|run-true|':>10} "
             f"{'<=0.5':>6} {'worst':>6} {'rho':>5} | {'avg-true':>8} | "
             f"{'out run':>7} {'out avg':>7} {'out true':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         if not r["n"]:
-            lines.append(f"{r['model']:<16} {r['format']:<4}    0 (no operator analysed)")
+            lines.append(f"{r['model']:<22} {r['format']:<4}    0 (no operator analysed)")
             continue
         lines.append(
-            f"{r['model']:<16} {r['format']:<4} {r['n']:>4} | {r['mean_run_minus_true']:>+8.3f} "
+            f"{r['model']:<22} {r['format']:<4} {r['n']:>4} | {r['mean_run_minus_true']:>+8.3f} "
             f"{r['mean_abs']:>10.3f} {100 * r['share_within']:>5.0f}% {r['worst']:>+6.2f} "
             f"{r['spearman_run']:>5.2f} | {r['mean_avg_minus_true']:>+8.3f} | "
             f"{r['outputs_run']:>7.2f} {r['outputs_avg']:>7.2f} {r['outputs_true']:>8.2f}")
@@ -329,7 +376,7 @@ def table(rows: Sequence[dict]) -> str:
     if everything["n"]:
         lines.append("-" * len(head))
         lines.append(
-            f"{'all':<16} {'':<4} {everything['n']:>4} | "
+            f"{'all':<22} {'':<4} {everything['n']:>4} | "
             f"{everything['mean_run_minus_true']:>+8.3f} {everything['mean_abs']:>10.3f} "
             f"{100 * everything['share_within']:>5.0f}% {everything['worst']:>+6.2f} "
             f"{everything['spearman_run']:>5.2f} | {everything['mean_avg_minus_true']:>+8.3f} |")
@@ -377,8 +424,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated models")
     p.add_argument("--formats", default="bf16,fp16", help="comma-separated formats")
     p.add_argument("--full", action="store_true", help="add " + ", ".join(FULL))
+    p.add_argument("--float8", default="tensorwise,rowwise",
+                   help="torchao float8 recipes of the MLP case ('' for none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kernels", default="auto", help="the analysis's kernels (auto, torch)")
+    p.add_argument("--analysis-format", default="auto", choices=("auto", "same"),
+                   help="the analysis's format: auto (each operator in its dtype in the "
+                        "program, as the real run computes it: the program's fp32 islands, "
+                        "such as HF Llama's rotary angles, stay fp32; default) or same (every "
+                        "operator rounded into the run's format)")
     p.add_argument("--out", default="results/calibration", help="folder of calibration.json")
     a = p.parse_args(argv)
     known = {**MODELS, **FULL}
@@ -392,10 +446,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows = []
     for name in names:
         for fmt in formats:
-            rows.append(calibrate(name, known[name], fmt, a.seed, a.kernels))
+            rows.append(calibrate(name, known[name], fmt, a.seed, a.kernels,
+                                  a.analysis_format))
             r = rows[-1]
             print(f"[{time.time() - t0:.0f} s] {name} {fmt}: {r['n']} operators, "
                   f"run - true {r.get('mean_run_minus_true', math.nan):+.3f}", flush=True)
+    for recipe in [r for r in a.float8.split(",") if r]:
+        rows.append(calibrate_float8(recipe, a.seed))
+        print(f"[{time.time() - t0:.0f} s] torchao float8 {recipe}: {rows[-1]['n']} operators",
+              flush=True)
     print(table(rows))
     print()
     print(by_kind(rows))
