@@ -115,7 +115,7 @@ def run_demo(seed: int = 0, format: str = "fp16", output: Optional[str] = None) 
     """Train, analyse and print the demo's digit map; save it to ``output`` when given."""
     import fxstab
 
-    from .digitmap import DEFAULT_METRIC, hint
+    from .digitmap import DEFAULT_METRIC, mechanism_hint
     from .numerics.formats import torch_dtype_of
 
     t0 = time.perf_counter()
@@ -144,12 +144,13 @@ def run_demo(seed: int = 0, format: str = "fp16", output: Optional[str] = None) 
     if ranked:
         first = ranked[0]
         what = "NaN/inf first appear" if first.nonfinite_origin else "digits are lost first"
-        print(f"\n=> {what} at {first.name}: {hint(dm[first.name], first.nonfinite_origin)}.")
+        print(f"\n=> {what} at {first.name}: "
+              f"{mechanism_hint(dm, dm[first.name], first.nonfinite_origin)}.")
         _say_line(dm[first.name])
         lost = next((r for r in ranked if not r.nonfinite_origin and r.local_loss > 0), None)
         if lost is not None and first.nonfinite_origin:
             print(f"=> then {lost.name} loses {lost.local_loss:.2f} {DEFAULT_METRIC} digits "
-                  f"against its input: {hint(dm[lost.name])}.")
+                  f"against its input: {mechanism_hint(dm, dm[lost.name])}.")
             _say_line(dm[lost.name])
     print(f"\nThe model's own output was unchanged; {DEFAULT_METRIC} digits rank the operators "
           f"[{time.perf_counter() - t0:.1f}s].")

@@ -77,3 +77,63 @@ def test_a_computational_zero_a_division_reads_stays_a_finding():
     assert dm.zero_readers("sum#0", 2.0) == []
     lost = [f for f in dm.findings() if f.startswith("digits are lost at sum#0")]
     assert lost and ZERO_HINT in lost[0], dm.findings()
+
+
+# ----------------------------------------------------------- issue 54, item 5: by mechanism
+def _fp16(fn, *xs):
+    torch._dynamo.reset()
+    be = fxstab.backend(format="fp16", seed=0)
+    with torch.no_grad():
+        torch.compile(fn, backend=be)(*xs)
+    torch._dynamo.reset()
+    return be.digit_map()
+
+
+def _finding(dm, name):
+    """The finding that names ``name`` as where NaN/inf appear or digits are lost."""
+    return next(f for f in dm.findings(top=10)
+                if f.startswith((f"digits are lost at {name}", f"NaN/inf first appear at {name}")))
+
+
+def test_a_softmax_is_told_where_its_large_logits_come_from_not_to_subtract_the_max():
+    torch.manual_seed(0)  # dot products near 64 that differ by tenths: bf16 keeps 0.5 of them
+    q, k = 1 + 0.05 * torch.randn(64, 64), 1 + 0.05 * torch.randn(64, 64)
+    dm = _analyse(lambda q: torch.softmax(q @ k.T, -1), q, "op")
+    line = _finding(dm, "softmax#0")
+    assert "matmul#0, a dot product nobody scaled" in line and "1/sqrt(d)" in line
+    assert "subtract the max" not in line
+    # scaled, but still large: the logits' producer is named, not an unscaled product
+    dm = _analyse(lambda q: torch.softmax((q @ k.T) * 0.9, -1), q, "op")
+    line = _finding(dm, "softmax#0")
+    assert "rounding of its logits (mul#0)" in line and "subtract the max" not in line
+
+
+def test_a_log_of_zeros_names_the_operator_that_underflowed():
+    x = -torch.linspace(1, 30, 256)
+    dm = _fp16(lambda x: torch.log(torch.exp(x * 2.0)), x)
+    line = _finding(dm, "log#0")
+    assert line.startswith("NaN/inf first appear at log#0")
+    assert "exp#0 underflowed" in line and "log space" in line
+
+
+def test_an_exp_that_overflows_names_its_argument():
+    x = torch.linspace(1, 20, 256)
+    dm = _fp16(lambda x: torch.exp(x * 1.5), x)
+    line = _finding(dm, "exp#0")
+    assert "its argument, from mul#0, is too large" in line
+
+
+def test_a_verified_fix_in_the_map_is_named_by_its_finding():
+    from fxstab.digitmap import DigitMap
+    from fxstab.digitmap.fixrecord import Fix
+
+    x = torch.linspace(1, 20, 256)
+    dm = _fp16(lambda x: torch.exp(x * 1.5), x)
+    fix = Fix(operator="exp#0", rewrite="softmax", source="model.py:7", code="torch.exp(s)",
+              replacement="torch.softmax(s, -1)", before=0.0, after=3.0, real_before=0.0,
+              real_after=3.0, nonfinite_before=10, nonfinite_after=0, verified=True,
+              numel=256, format="fp16", findings=("exp#0",))
+    with_fix = DigitMap(dm.operators.values(), dm.metadata, dm.steps, fixes=[fix])
+    assert _finding(with_fix, "exp#0").endswith(
+        "; verified fix at model.py:7: torch.softmax(s, -1)")
+    assert "verified fix" not in _finding(dm, "exp#0")

@@ -31,6 +31,7 @@ The package, in the order its modules build on each other:
 """
 
 from .compare import DiffResult, OpChange, OpPresence, Rewrite, diff
+from .findings import mechanism_hint
 from .hints import LEGEND, MIN_FINDING, MIN_UNDERFLOW, hint
 from .map import DigitMap, PathLike
 from .operators import DEFAULT_METRIC, METRICS, LocalLoss, OperatorDigits, StepDigits
@@ -56,4 +57,5 @@ __all__ = [
     "StepDigits",
     "diff",
     "hint",
+    "mechanism_hint",
 ]

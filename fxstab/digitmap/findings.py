@@ -20,7 +20,8 @@ from .operators import (
 )
 
 __all__ = ["findings", "zero_readers", "NO_FINDINGS", "ACCUMULATOR_HINT", "impact_or_0",
-           "at_line", "gradient_hint", "ROOT_GRADIENT_HINT", "UNSELECTED_BRANCH_HINT"]
+           "at_line", "gradient_hint", "mechanism_hint", "ROOT_GRADIENT_HINT",
+           "UNSELECTED_BRANCH_HINT"]
 
 # what an empty :meth:`DigitMap.findings` means (MIN_FINDING of the cap: a quarter)
 NO_FINDINGS = "none (no NaN/inf origin, no operator losing a quarter of the cap or more)"
@@ -73,6 +74,56 @@ def gradient_hint(dm: Any, op: OperatorDigits) -> Optional[str]:
     return None
 
 
+# softmax-like operators subtract the max themselves: "subtract the max" is no remedy for them
+_SHIFTED_EXP_KINDS = {"softmax", "log_softmax", "logsumexp", "_softmax", "_log_softmax",
+                      "scaled_dot_product_attention"}
+_LOG_KINDS = {"log", "log2", "log10"}
+# products whose output, read by a softmax directly, is a dot product nobody scaled
+_DOT_KINDS = {"matmul", "bmm", "mm", "einsum", "baddbmm"}
+_EXP_KINDS = {"exp", "exp2"}
+
+
+def mechanism_hint(dm: Any, op: OperatorDigits, nonfinite: bool = False) -> str:
+    """The remedy for ``op`` from what the map shows around it, before its kind's
+    (:func:`~fxstab.digitmap.hints.hint`): a softmax (which subtracts the max itself) is told
+    where its large logits come from (an unscaled dot product, or their producer); a log that
+    meets zeros, which operator underflowed to them; an exp that overflows, which operator
+    made its argument large. A verified fix of the map (``fxstab fix``) that covers the
+    operator is named last."""
+    inputs = [dm.operators[i] for i in op.inputs if i in dm.operators]
+    text = None
+    if op.kind in _SHIFTED_EXP_KINDS and inputs:
+        src = min(inputs, key=lambda i: effective_digits(i))
+        if src.kind in _DOT_KINDS:
+            text = (f"its logits come straight from {src.name}, a dot product nobody scaled: "
+                    f"{op.kind} already subtracts the max, so what it loses is the logits' own "
+                    f"rounding, which grows with their magnitude: scale the product "
+                    f"(1/sqrt(d), as scaled_dot_product_attention does) or compute it in fp32")
+        else:
+            text = (f"{op.kind} already subtracts the max: what it loses is the rounding of "
+                    f"its logits ({src.name}), which grows with their magnitude: scale them "
+                    f"down (a temperature, 1/sqrt(d)) or compute them in fp32")
+    elif op.kind in _LOG_KINDS and nonfinite:
+        under = [i for i in inputs if i.underflow]
+        if under:
+            src = under[0]
+            text = (f"log of zeros: {src.name} underflowed ({src.underflow} of {src.numel} "
+                    f"elements rounded below the format's smallest normal) and the log meets "
+                    f"the 0s: compute in log space (log_softmax, logsigmoid, logsumexp), or "
+                    f"keep {src.name} in fp32")
+    elif op.kind in _EXP_KINDS and nonfinite and inputs:
+        src = inputs[0]
+        text = (f"overflow: its argument, from {src.name}, is too large for the format: "
+                f"subtract the max first (softmax, logsumexp), scale {src.name} down, or "
+                f"compute the exponential in fp32")
+    text = text or hint(op, nonfinite=nonfinite)
+    fix = next((f for f in dm.fixes() if f.verified and
+                (f.operator == op.name or op.name in f.findings)), None)
+    if fix is not None:
+        text += f"; verified fix at {fix.source}: {fix.replacement}"
+    return text
+
+
 def impact_or_0(op: OperatorDigits) -> float:
     """An operator's impact on the outputs, 0 where not measured."""
     return 0.0 if math.isnan(op.impact) else op.impact
@@ -94,7 +145,7 @@ def findings(dm: Any, top: int = 3, metric: Optional[str] = None) -> list[str]:
             op = dm.operators[r.name]
             out.append(f"NaN/inf first appear at {r.name}{at_line(op)} ({op.non_finite} of "
                        f"{op.numel} elements): "
-                       f"{gradient_hint(dm, op) or hint(op, nonfinite=True)}")
+                       f"{gradient_hint(dm, op) or mechanism_hint(dm, op, nonfinite=True)}")
     # an operator of exact inputs is compared with the cap, which its own rounding already
     # costs ~0.6 bf16 digits: a finding only when it keeps less than half the cap
     # a modelled GEMM whose accumulator keeps fewer digits than its samples' spread shows
@@ -139,7 +190,7 @@ def findings(dm: Any, top: int = 3, metric: Optional[str] = None) -> list[str]:
         out.append(f"digits are lost at {r.name}{at_line(op)}: {r.digits:.2f} {metric} "
                    f"digits against "
                    f"{r.reference:.2f} of {src} (local loss {r.local_loss:.2f}{cost_text}): "
-                   f"{hint(op)}")
+                   f"{mechanism_hint(dm, op)}")
     for op in dm.operators.values():
         if op.numel and op.underflow >= MIN_UNDERFLOW * op.numel:
             out.append(f"underflow at {op.name}{at_line(op)}: {op.underflow} of {op.numel} "
