@@ -896,19 +896,18 @@ NOINLINE vf8 run_exact8(const float *const *rows, int64_t n, int64_t el, vf8 mea
     return vsel8(exact, vload8(out), v);
 }
 
-/* The run's clamped variances of 8 fp32 elements from their moments (moments8) and `w`, their
- * variances with the classes of the digits' clamp (var where measured, 0 for identical finite
- * samples, inf otherwise), given where the samples are known finite: then the digits' own;
- * else a mean that overflowed (finite samples) counts as non-finite here, as in the
- * reference. */
+/* The run's clamped variances of 8 fp32 elements from their moments (moments8), the digits'
+ * `measured` lanes (finite, not identical, mean != 0) and `w`, the variances with the classes
+ * of the digits' clamp (var where measured, 0 for identical finite samples, inf otherwise);
+ * unless the samples are known finite, a mean that overflowed (finite samples) counts as
+ * non-finite here, as in the reference. */
 ALWAYS_INLINE vf8 run_var8(const float *const *rows, int64_t n, int64_t el, vf8 mean, vf8 var,
-                           vi8 finite, vi8 identical, vf8 w, vf8 rvcap, vf8 rvzero,
-                           const int finite_known) {
-    const vf8 zero = vsplat8(0.0f);
-    const vi8 fin = finite_known ? finite : finite & ((mean - mean) == zero);
-    const vi8 measured = fin & ~identical & (mean != zero);
-    if (!finite_known)
-        w = vsel8(measured, var, vsel8(fin & identical, zero, vsplat8(INFINITY)));
+                           vi8 measured, vf8 w, vf8 rvcap, vf8 rvzero, const int finite_known) {
+    if (!finite_known) {
+        const vi8 mfin = (mean - mean) == vsplat8(0.0f);
+        measured &= mfin;
+        w = vsel8(mfin, w, vsplat8(INFINITY));
+    }
     const vf8 v = vmin8(vmax8(w, rvcap), rvzero);
     const vf8 am = (vf8)((vi8)mean & 0x7FFFFFFF);
     const vi8 exact = measured & ~((var >= vsplat8(RUN_EXACT_F32 * (float)(n - 1))) &
@@ -941,8 +940,8 @@ ALWAYS_INLINE void moments_pass8(const float *const *rows, int64_t n, int64_t fu
             vstore8(mbuf + el, vsel8(f[0], mean, zero));
             vstore8(rbuf + el, vsel8(f[3], var, zero));
             zsp |= f[0] & ~f[1] & (mean == zero);
-            vstore8(qbuf + el, run_var8(rows, n, el, mean, var, f[0], f[1], zero, rvcap,
-                                        rvzero, 0));
+            vf8 w = vsel8(f[3], var, vsel8(f[0] & f[1], zero, vsplat8(INFINITY)));
+            vstore8(qbuf + el, run_var8(rows, n, el, mean, var, f[3], w, rvcap, rvzero, 0));
         }
     }
     if (zspread) *zspread = zsp;
@@ -975,8 +974,8 @@ ALWAYS_INLINE void clamped_pass8(const float *const *rows, int64_t n, int64_t fu
             vstore8(mbuf + el, vsel8(finite, mean, zero));
             vstore8(rbuf + el, vsel8(measured, var, zero));
             zsp |= finite & ~identical & (mean == zero); /* spread without a relative one */
-            vstore8(qbuf + el, run_var8(rows, n, el, mean, var, finite, identical, w, rvcap,
-                                        rvzero, finite_known));
+            vstore8(qbuf + el, run_var8(rows, n, el, mean, var, measured, w, rvcap, rvzero,
+                                        finite_known));
         }
         fbuf[(el >> 3) * 2] = finite;
         fbuf[(el >> 3) * 2 + 1] = finite & ~exact_zero;
@@ -1332,17 +1331,18 @@ NOINLINE void digits_block_f32(const float *const *rows, int64_t n, int64_t cnt,
  * a zero mean with spread. */
 ALWAYS_INLINE vd4 clamped4(const double *const *rows, int64_t n, int64_t el, double inv_n,
                            vd4 vcap, vd4 vzero, vd4 *mean, vd4 *var, vl4 *finite,
-                           vl4 *maybe_zero, vl4 *measured, vl4 *zero_mean, vl4 *identical_,
+                           vl4 *maybe_zero, vl4 *measured, vl4 *zero_mean, vd4 *w_,
                            const int finite_known) {
     const vd4 zero = vsplat4(0.0);
     vl4 identical, exact_zero;
     moments4(rows, n, el, inv_n, mean, var, finite, &identical, &exact_zero, finite_known);
-    *identical_ = identical;
     *measured = *finite & ~identical & (*mean != zero) & (*var == *var);
     *maybe_zero = *finite & ~exact_zero;
     *zero_mean = *finite & ~identical & (*mean == zero);
-    vd4 clamped = vsel4(*var < vcap, vcap, vsel4(*var > vzero, vzero, *var));
-    return vsel4(*measured, clamped, vsel4(*finite & identical, vcap, vzero));
+    /* the variance or the class (identical: 0, the cap; otherwise inf, 0 digits), clamped */
+    const vd4 w = vsel4(*measured, *var, vsel4(*finite & identical, zero, vsplat4(INFINITY)));
+    *w_ = w;
+    return vsel4(w < vcap, vcap, vsel4(w > vzero, vzero, w));
 }
 
 /* log10 of 4 positive normal doubles: 2 atanh((m-1)/(m+1)) series on m in [sqrt(1/2),
@@ -1403,15 +1403,12 @@ NOINLINE vd4 run_exact4(const double *const *rows, int64_t n, int64_t el, vd4 me
  * mean^2 more: lanes of |mean| beyond [2^-450, 2^500] or var / (n - 1) below 2^-62 (1e-11
  * relative) take its own arithmetic (run_exact4). */
 ALWAYS_INLINE vd4 run_var4(const double *const *rows, int64_t n, int64_t el, vd4 mean, vd4 var,
-                           vl4 finite, vl4 identical, vd4 rvcap, vd4 rvzero,
-                           const int finite_known) {
-    const vd4 zero = vsplat4(0.0);
-    const vl4 fin = finite_known ? finite : finite & ((mean - mean) == zero);
-    const vl4 measured = fin & ~identical & (mean != zero);
-    vd4 v = vsel4(measured, vsel4(var < rvcap, rvcap, vsel4(var > rvzero, rvzero, var)),
-                  vsel4(fin & identical, rvcap, rvzero));
+                           vl4 finite, vl4 measured, vd4 w, vd4 rvcap, vd4 rvzero) {
+    /* w: the variances with the classes of the digits' clamp (clamped4); a mean that
+     * overflowed (finite samples) lies beyond RUN_HUGE_F64 */
+    const vd4 v = vsel4(w < rvcap, rvcap, vsel4(w > rvzero, rvzero, w));
     const vd4 am = (vd4)((vl4)mean & 0x7FFFFFFFFFFFFFFFll);
-    const vl4 exact = fin & ((am > vsplat4(RUN_HUGE_F64)) |
+    const vl4 exact = finite & ((am > vsplat4(RUN_HUGE_F64)) |
                              (measured & ~((var >= vsplat4(RUN_EXACT_F64 * (double)(n - 1))) &
                                            (am >= vsplat4(RUN_TINY_F64)))));
     if (__builtin_expect(any4(exact), 0))
@@ -1419,15 +1416,11 @@ ALWAYS_INLINE vd4 run_var4(const double *const *rows, int64_t n, int64_t el, vd4
     return v;
 }
 
-/* run_product8 for fp64 lanes: int64 exponent sums, no flush */
-ALWAYS_INLINE void run_product4(acc8_t *acc, const double *restrict qbuf, int64_t full) {
-    vd4 prod = vsplat4(1.0);
-    vl4 esum = acc->resum4;
-    for (int64_t el = 0; el < full; el += 4) {
-        vl4 b = (vl4)vload4(qbuf + el);
-        prod *= (vd4)((b & 0x000FFFFFFFFFFFFFll) | 0x3FF0000000000000ll);
-        esum += b >> 52; /* biased: 1023 per vector comes off at the end */
-    }
+/* run_fold8 for fp64 lanes (stats_block_f64_n multiplies them): int64 exponent sums, no
+ * flush */
+typedef uint64_t vu4 __attribute__((vector_size(32)));
+ALWAYS_INLINE void run_fold4(acc8_t *acc, vd4 prod, vl4 esum, int64_t full) {
+    /* the group's product (< 2^32) times the running one (in [1, 2)): exponent out */
     vl4 b = (vl4)(prod * acc->rprod4);
     esum += (b >> 52) - 1023;
     acc->rprod4 = (vd4)((b & 0x000FFFFFFFFFFFFFll) | 0x3FF0000000000000ll);
@@ -1463,17 +1456,16 @@ ALWAYS_INLINE void stats_block_f64_n(const double *const *rows, int64_t n, int64
     const int norms = acc->want_norms;
     vl4 zsp = (vl4){0};
     for (int64_t el = 0; el < full; el += 4) {
-        vd4 mean, var;
-        vl4 finite, maybe_zero, measured, zero_mean, identical;
+        vd4 mean, var, w;
+        vl4 finite, maybe_zero, measured, zero_mean;
         vstore4(vbuf + el, clamped4(rows, n, el, inv_n, vcap, vzero, &mean, &var, &finite,
-                                    &maybe_zero, &measured, &zero_mean, &identical,
-                                    finite_known));
+                                    &maybe_zero, &measured, &zero_mean, &w, finite_known));
         if (norms) { /* the norms' terms, as clamped_pass8's; the run digits' variances */
             vstore4(mbuf + el, vsel4(finite, mean, zero));
             vstore4(rbuf + el, vsel4(measured, var, zero));
             zsp |= zero_mean;
-            vstore4(qbuf + el, run_var4(rows, n, el, mean, var, finite, identical, rvcap,
-                                        rvzero, finite_known));
+            vstore4(qbuf + el, run_var4(rows, n, el, mean, var, finite, measured, w, rvcap,
+                                        rvzero));
         }
         fbuf[(el >> 2) * 2] = finite;
         fbuf[(el >> 2) * 2 + 1] = maybe_zero;
@@ -1492,16 +1484,22 @@ ALWAYS_INLINE void stats_block_f64_n(const double *const *rows, int64_t n, int64
         acc->nmsq += msq;
         acc->nvsq += vsq;
         acc->normed = full;
-        run_product4(acc, qbuf, full); /* the extras do the others' run digits */
     }
-    vd4 prod = one, maxv = acc->maxv4, minv = acc->minv4;
-    vl4 esum = acc->esum4, zeros = acc->zeros4, nf = acc->nf4;
+    /* the run digits' product (run_product4) in this loop: kept where the norms were measured
+     * here (the extras do the others' run digits) */
+    vd4 prod = one, maxv = acc->maxv4, minv = acc->minv4, rprod = one;
+    vl4 esum = acc->esum4, zeros = acc->zeros4, nf = acc->nf4, resum = acc->resum4;
     for (int64_t el = 0; el < full; el += 4) {
         vd4 v = vload4(vbuf + el);
         vl4 finite = fbuf[(el >> 2) * 2], maybe_zero = fbuf[(el >> 2) * 2 + 1];
         vl4 b = (vl4)v;
         prod *= (vd4)((b & 0x000FFFFFFFFFFFFFll) | 0x3FF0000000000000ll);
         esum += b >> 52; /* biased: 1023 per element comes off at the end */
+        if (norms) {
+            vl4 q = (vl4)vload4(qbuf + el);
+            rprod *= (vd4)((q & 0x000FFFFFFFFFFFFFll) | 0x3FF0000000000000ll);
+            resum += (vl4)((vu4)q >> 52); /* positive: a logical shift */
+        }
         maxv = vsel4(v > maxv, v, maxv);
         minv = vsel4(v < minv, v, minv);
         /* computational zeros: fewer digits than the threshold, finite, not exact zeros */
@@ -1520,6 +1518,7 @@ ALWAYS_INLINE void stats_block_f64_n(const double *const *rows, int64_t n, int64
         acc->esum4 = esum; acc->zeros4 = zeros; acc->nf4 = nf;
         acc->iters4 += full / 4;
     }
+    if (acc->normed) run_fold4(acc, rprod, resum, full);
     if (dig)
         for (int64_t el = 0; el < full; el += 4)
             vstore4(dig + el, digits4_f64(vload4(vbuf + el), kd, vcap, vzero, capv));
@@ -1531,10 +1530,10 @@ ALWAYS_INLINE void stats_block_f64_n(const double *const *rows, int64_t n, int64
             for (int64_t l = 0; l < 4; l++) pad[i][l] = rows[i][full + (l < rem ? l : rem - 1)];
             prow[i] = pad[i];
         }
-        vd4 mean, var;
-        vl4 finite, maybe_zero, measured, zero_mean, identical;
+        vd4 mean, var, w;
+        vl4 finite, maybe_zero, measured, zero_mean;
         vd4 v = clamped4(prow, n, 0, inv_n, vcap, vzero, &mean, &var, &finite, &maybe_zero,
-                         &measured, &zero_mean, &identical, finite_known);
+                         &measured, &zero_mean, &w, finite_known);
         vd4 d = digits4_f64(v, kd, vcap, vzero, capv);
         double ssum = 0, mnv = *s_min, mxv = *s_max, szero = 0, snf = 0;
         for (int64_t l = 0; l < rem; l++) {
