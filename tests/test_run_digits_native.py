@@ -65,6 +65,9 @@ def _samples(dtype: torch.dtype, n: int, numel: int, seed: int, bits: int) -> to
         finfo.tiny * 2.0 ** -3 * (1 + ulps * 0.25),  # a spread of subnormals
         torch.full((n,), finfo.tiny * 0.375, dtype=torch.float64),  # identical subnormals
         finfo.tiny * (1 + ulps * 2.0 ** -12),  # the smallest normals, a tiny spread
+        # a few of the smallest subnormals: the mean's rounding is much of it
+        torch.tensor([5.0, 6.0, 5.0, 7.0, 6.0][:n], dtype=torch.float64) * finfo.tiny *
+        2.0 ** -_MAN_BITS[dtype],
         finfo.max * (1 - ulps * eps),  # the dtype's largest values (the mean may overflow)
         torch.full((n,), finfo.max, dtype=torch.float64),
         0.7 * (1 + ulps * eps),  # a few ulps apart
@@ -202,3 +205,20 @@ def test_run_shift_is_checked():
     b = native.round_stats(x, f, Rounding.RANDOM, 1, as_list=True, run_shift=run_shift(3))[1]
     assert a == b
     assert math.isfinite(a[RUN]) and a[RUN] > 0
+
+
+@pytest.mark.parametrize("with_digits", [False, True])
+def test_a_mean_that_overflows_counts_as_non_finite(with_digits):
+    """fp32 samples near the dtype's largest value whose mean overflows (N = 10: each x / 10
+    rounds up) have no finite mean^2 in the reference: 0 run digits, identical samples too;
+    the same values with N = 3 keep a finite mean (the cap)."""
+    mx = torch.finfo(torch.float32).max
+    fmt = get_format("fp32")
+    for n, per in ((10, 0.0), (3, digits_cap(fmt, torch.float32))):
+        x = torch.randn(n, 37, generator=torch.Generator().manual_seed(n))
+        x[:, :16] = mx
+        _, st, _ = native.round_stats(x, fmt, None, want_digits=with_digits, as_list=True)
+        want = _want(x, fmt, run_shift(n))
+        assert _close(st[RUN], want, torch.float32, 37), (n, st[RUN], want)
+        rest = _want(x[:, 16:], fmt, run_shift(n))
+        assert want == pytest.approx(rest + 16 * per, abs=1e-9)
