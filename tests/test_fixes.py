@@ -893,3 +893,22 @@ def test_suggest_fixes_leaves_the_model_and_its_map_as_they_were():
     fxstab.suggest_fixes(model, (x,), format="fp16")
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
     assert torch.equal(model(x), y)
+
+
+class _ExpBlock(torch.nn.Module):
+    def forward(self, x):
+        scores = x * 30.0
+        e = torch.exp(scores)
+        return e / e.sum(-1, keepdim=True)
+
+
+def test_a_variable_assigned_again_is_spelled_as_the_program_names_it(fresh_dynamo):
+    """dynamo numbers the second block's ``scores`` ``scores_1``: the fix spells ``scores``, the
+    name the line that assigned it uses."""
+    model = torch.nn.Sequential(_ExpBlock(), _ExpBlock())
+    x = torch.linspace(-1, 1, 64).reshape(4, 16)
+    from fxstab import suggest_fixes
+
+    fixes = suggest_fixes(model, (x,), format="fp16")
+    assert fixes and all(f.verified for f in fixes)
+    assert {f.replacement for f in fixes} == {"F.softmax(scores, -1)"}, fixes

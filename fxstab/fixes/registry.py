@@ -110,10 +110,26 @@ def spelled(value: Any, outer: float = 0, right: bool = False, depth: int = 2) -
         name = value.name
         if value.op == "placeholder" and name.startswith("l_") and name.endswith("_"):
             name = name[2:-1]
-        return name
+        return _program_name(value, name)
     if isinstance(value, (tuple, list)) and len(value) == 1:
         return spelled(value[0]) if isinstance(value, list) else f"({spelled(value[0])},)"
     return repr(value)
+
+
+def _program_name(node: torch.fx.Node, name: str) -> str:
+    """``name`` as the program spells it: dynamo numbers a variable assigned again (``scores``
+    in a second block is ``scores_1``); where the line that assigned the node names the
+    variable without the number, that is its name."""
+    base = re.sub(r"_\d+$", "", name)
+    if base == name:
+        return name
+    import linecache
+
+    from ..capture.naming import source_location
+
+    path, _, line = source_location(node).rpartition(":")
+    code = linecache.getline(path, int(line)) if path and line.isdigit() else ""
+    return base if re.search(rf"\b{re.escape(base)}\b", code) else name
 
 
 def keep(keepdim: bool) -> dict:
