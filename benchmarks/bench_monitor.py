@@ -1,14 +1,27 @@
-"""Cost of the stability monitor per training step (issue 16): a bf16 GPT-style LM
-(``tests/models.py`` GPT, 3 blocks, d=64, seq 64, batch 8 by default), each
-step timed three ways in the same process, interleaved step by step (AdamW by default, as
-training runs; ``--optimizer sgd``): the model compiled with
-dynamo's ``eager`` backend (the plain step: the monitor's own graphs run as plain Python too),
-with ``monitor.backend()`` and the monitor paused (its dispatch alone), and monitored
-(``period=1``: one operator checked every step). Prints the medians, the overhead of each over
-the plain step and the monitor's own ``time_fraction`` (time inside checks over step time).
+"""Cost of the stability monitor per training step (issues 16 and 52): a bf16 GPT-style LM
+(``tests/models.py`` GPT, 3 blocks, d=64, seq 64, batch 8 by default), AdamW by default as
+training runs (``--optimizer sgd``), every step of every arm timed in the same process,
+interleaved step by step (``bench_overhead.timed_interleaved``) after ``--warmup`` untimed
+steps per arm. Two cases (``--case``, both by default):
+
+* **clean** (nothing promoted): the model compiled with dynamo's ``eager`` backend (the plain
+  step: the monitor's own graphs run as plain Python too), with ``monitor.backend()`` and the
+  monitor paused (its dispatch alone), and monitored (``period=1``).
+* **promoted**: the same model with one ill-conditioned LayerNorm: ``blocks.1.ln2`` normalizes
+  ``x + c`` (``--offset`` c = 64: a common offset far above the spread of ``x``, condition
+  ~c/std(x), S ~ 0.1 in bf16), which the monitor promotes to FP32_ACCUMULATION within the
+  warm-up (checked: the run fails otherwise). Three arms: that model plain (its LayerNorm in
+  bf16, eager backend), the *floor* (the LayerNorm hand-written in fp32, ``F.layer_norm`` of the
+  fp32-upcast operands cast back to bf16, as the promoted mode computes it; eager backend, no
+  monitor) and monitored (a second monitor, ``period=1``).
+
+Prints the medians, each overhead over its plain step (the promoted case over the floor as
+well: what the monitor adds to the fp32 kernel it switched to), the quartiles of the paired
+per-step ratios, and the time inside checks over the monitored step.
 
     python benchmarks/bench_monitor.py                   # results/bench_monitor.json
-    python benchmarks/bench_monitor.py --steps 30 --threads 1
+    python benchmarks/bench_monitor.py --seq 32          # issue 52: <= 5% with the promotion
+    python benchmarks/bench_monitor.py --case promoted --steps 30 --threads 1
 """
 
 from __future__ import annotations
@@ -19,10 +32,39 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+
+ILL_PATH = "blocks.1.ln2"
+
+
+class OffsetLayerNorm(nn.Module):
+    """``LayerNorm(x + offset)``: ill-conditioned when ``|offset|`` >> the spread of ``x`` (the
+    sum rounds x's low bits away in bf16 and a relative perturbation of the input moves the
+    centred values by ~u * offset). ``fp32``: the LayerNorm computed in fp32 on the upcast
+    operands and cast back (the monitor's FP32_ACCUMULATION kernel, hand-written)."""
+
+    def __init__(self, ln: nn.LayerNorm, offset: float, fp32: bool = False) -> None:
+        super().__init__()
+        self.weight, self.bias, self.eps = ln.weight, ln.bias, ln.eps
+        self.shape = tuple(ln.normalized_shape)
+        self.offset, self.fp32 = offset, fp32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.offset
+        if self.fp32:
+            return F.layer_norm(h.float(), self.shape, self.weight.float(), self.bias.float(),
+                                self.eps).to(h.dtype)
+        return F.layer_norm(h, self.shape, self.weight, self.bias, self.eps)
+
+
+def _quartiles(num: list, den: list) -> tuple[float, float]:
+    ratios = sorted(n / d - 1 for n, d in zip(num, den))
+    return ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
 
 
 def main(argv=None) -> int:
@@ -41,7 +83,11 @@ def main(argv=None) -> int:
     ap.add_argument("--period", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=80,
                     help="untimed steps per arm first (compilation; the monitor's first "
-                         "rotations, after which clean operators settle: the steady state)")
+                         "rotations, after which clean operators settle and the ill-conditioned "
+                         "LayerNorm is promoted: the steady state)")
+    ap.add_argument("--case", default="both", choices=["both", "clean", "promoted"])
+    ap.add_argument("--offset", type=float, default=64.0,
+                    help="the promoted case's offset c of LayerNorm(x + c) at " + ILL_PATH)
     ap.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--front", default="backend", choices=["backend", "wrap"],
@@ -50,24 +96,39 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.layers < 2 and args.case != "clean":
+        ap.error(f"the promoted case puts its LayerNorm at {ILL_PATH}: --layers >= 2")
 
-    def make():
+    def make(ill: "str | None" = None):
         torch.manual_seed(0)
         m = GPT(vocab=256, d=args.d, heads=4, layers=args.layers, ctx=args.seq).to(torch.bfloat16)
+        if ill is not None:
+            blk = m.blocks[1]
+            blk.ln2 = OffsetLayerNorm(blk.ln2, args.offset, fp32=ill == "fp32")
         opt = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.SGD
         return m, opt(m.parameters(), lr=1e-3)
 
     torch.manual_seed(1)
     data = [torch.randint(0, 256, (args.batch, args.seq + 1)) for _ in range(8)]
-    mon = fxstab.StabilityMonitor(format="bf16", period=args.period)
+    # one monitor per model: the operator table is keyed by module path
+    mons = {"monitored": fxstab.StabilityMonitor(format="bf16", period=args.period),
+            "ill_monitored": fxstab.StabilityMonitor(format="bf16", period=args.period)}
+    backends = {}
     arms = {}
-    for name in ("plain", "paused", "monitored"):
-        torch._dynamo.reset() if name == "plain" else None
-        model, opt = make()
+    torch._dynamo.reset()
+    names = ((["plain", "paused", "monitored"] if args.case != "promoted" else [])
+             + (["ill_plain", "ill_fp32", "ill_monitored"] if args.case != "clean" else []))
+    for name in names:
+        ill = None if not name.startswith("ill_") else ("fp32" if name == "ill_fp32" else "bf16")
+        model, opt = make(ill)
+        mon = mons["ill_monitored" if ill else "monitored"]
+        monitored = name in ("paused", "monitored", "ill_monitored")
         if args.front == "wrap":
-            arms[name] = (model if name == "plain" else mon.wrap(model), opt)
+            arms[name] = (mon.wrap(model) if monitored else model, opt)
         else:
-            backend = "eager" if name == "plain" else mon.backend()
+            backend = mon.backend() if monitored else "eager"
+            if monitored:
+                backends[name] = backend
             arms[name] = (torch.compile(model, backend=backend), opt)
 
     def step(name: str, i: int) -> None:
@@ -86,46 +147,98 @@ def main(argv=None) -> int:
         i = counter[name]
         counter[name] += 1
         if name == "paused":
-            with mon.paused():
+            with mons["monitored"].paused():
                 step(name, i)
             return
         step(name, i)
-        if name == "monitored":
-            mon.step()
+        if name in mons:
+            mons[name].step()
 
-    for _ in range(args.warmup):  # compile, warm up, the first rotations
+    for _ in range(args.warmup):  # compile, warm up, the first rotations (and the promotion)
         for name in arms:
             run(name)
-    m0, c0 = mon.monitor_time, counter["monitored"]
+    ill_op = None
+    if "ill_monitored" in arms:
+        mon = mons["ill_monitored"]
+        ill_op = next(n for n in mon.operators if n.startswith(ILL_PATH + "/layer_norm#"))
+        if mon.promoted != [ill_op]:
+            raise SystemExit(f"the promoted case needs {ill_op} promoted, alone, within the "
+                             f"warm-up; after {args.warmup} steps: promoted {mon.promoted}, "
+                             f"score {mon.scores[ill_op]:.3g} (--offset, --warmup)")
+    start = {n: (m.monitor_time, m.checks_run, counter[n]) for n, m in mons.items() if n in arms}
+    compiles = {n: b.compiles for n, b in backends.items()}
     # each timed step follows an untimed step of the same arm (bench_overhead.timed_interleaved):
     # a fixed order of arms had timed each arm on the caches the previous arm left
     names = list(arms)
     raw = timed_interleaved([lambda n=n: run(n) for n in names], args.steps, raw=True)
     times = dict(zip(names, raw))
     med = {name: statistics.median(ts) for name, ts in times.items()}
-    # the spread of the overhead: step i of each arm ran side by side, so their ratio is paired
-    ratios = sorted(m / p - 1 for m, p in zip(times["monitored"], times["plain"]))
-    q1, q3 = ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
-    # time inside checks per monitored step over the monitored step (the monitor's own
-    # time_fraction would count the other arms' steps run between two of its steps)
-    fraction = (mon.monitor_time - m0) / (counter["monitored"] - c0) / med["monitored"]
-    rows = {"plain_ms": med["plain"] * 1e3, "paused_ms": med["paused"] * 1e3,
+
+    def checks(name: str) -> dict:
+        # time inside checks per monitored step over the monitored step (the monitor's own
+        # time_fraction would count the other arms' steps run between two of its steps)
+        m = mons[name]
+        t0, c0, s0 = start[name]
+        steps = counter[name] - s0
+        return {"time_fraction": (m.monitor_time - t0) / steps / med[name],
+                "checks_per_step": (m.checks_run - c0) / steps,
+                "recompiles": backends[name].compiles - compiles[name] if name in backends
+                else 0}
+
+    print(f"{args.front}: GPT bf16, {args.layers} blocks, d={args.d}, batch {args.batch}, "
+          f"seq {args.seq}, {args.optimizer}, period {args.period}, "
+          f"{torch.get_num_threads()} thread(s), {args.warmup} warm-up steps, "
+          f"{args.steps} timed steps per arm")
+    rows: dict = {}
+    if "monitored" in arms:
+        mon = mons["monitored"]
+        q1, q3 = _quartiles(times["monitored"], times["plain"])
+        c = checks("monitored")
+        rows.update({
+            "plain_ms": med["plain"] * 1e3, "paused_ms": med["paused"] * 1e3,
             "monitored_ms": med["monitored"] * 1e3,
             "dispatch_overhead": med["paused"] / med["plain"] - 1,
             "monitor_overhead": med["monitored"] / med["plain"] - 1,
             "monitor_overhead_q1": q1, "monitor_overhead_q3": q3,
-            "monitor_time_fraction": fraction, "checks": mon.checks_run,
-            "settled": len(mon.settled),
-            "operators": len(mon.operators)}
-    print(f"{args.front}: GPT bf16, {args.layers} blocks, d={args.d}, batch {args.batch}, "
-          f"seq {args.seq}, {args.optimizer}, period {args.period}, "
-          f"{torch.get_num_threads()} thread(s), {rows['operators']} monitored operators "
-          f"({rows['settled']} settled), {args.warmup} warm-up steps")
-    print(f"plain step {rows['plain_ms']:.2f} ms | monitor paused {rows['paused_ms']:.2f} ms "
-          f"(+{100 * rows['dispatch_overhead']:.1f}%) | monitored {rows['monitored_ms']:.2f} ms "
-          f"(+{100 * rows['monitor_overhead']:.1f}%, per-step pairs: quartiles "
-          f"{100 * q1:+.1f}% .. {100 * q3:+.1f}%) | time in checks "
-          f"{100 * fraction:.1f}% of the monitored steps")
+            "monitor_time_fraction": c["time_fraction"], "checks": mon.checks_run,
+            "checks_per_step": c["checks_per_step"], "settled": len(mon.settled),
+            "operators": len(mon.operators), "promoted": mon.promoted})
+        print(f"nothing promoted ({rows['operators']} monitored operators, {rows['settled']} "
+              f"settled): plain step {rows['plain_ms']:.2f} ms | monitor paused "
+              f"{rows['paused_ms']:.2f} ms ({100 * rows['dispatch_overhead']:+.1f}%) | "
+              f"monitored {rows['monitored_ms']:.2f} ms ({100 * rows['monitor_overhead']:+.1f}%, "
+              f"per-step pairs: quartiles {100 * q1:+.1f}% .. {100 * q3:+.1f}%) | time in checks "
+              f"{100 * c['time_fraction']:.1f}% of the monitored steps, "
+              f"{c['checks_per_step']:.2f} checks per step")
+    if "ill_monitored" in arms:
+        mon = mons["ill_monitored"]
+        q1, q3 = _quartiles(times["ill_monitored"], times["ill_plain"])
+        f1, f3 = _quartiles(times["ill_monitored"], times["ill_fp32"])
+        c = checks("ill_monitored")
+        op = mon._ops[ill_op]
+        rows["promoted_case"] = {
+            "operator": ill_op, "offset": args.offset, "mode": op.mode.name,
+            "score": op.score, "promotions": [p.__dict__ for p in mon.promotions],
+            "plain_ms": med["ill_plain"] * 1e3, "fp32_floor_ms": med["ill_fp32"] * 1e3,
+            "monitored_ms": med["ill_monitored"] * 1e3,
+            "floor_overhead": med["ill_fp32"] / med["ill_plain"] - 1,
+            "monitor_overhead": med["ill_monitored"] / med["ill_plain"] - 1,
+            "monitor_overhead_q1": q1, "monitor_overhead_q3": q3,
+            "over_floor": med["ill_monitored"] / med["ill_fp32"] - 1,
+            "over_floor_q1": f1, "over_floor_q3": f3,
+            "monitor_time_fraction": c["time_fraction"],
+            "checks_per_step": c["checks_per_step"], "recompiles": c["recompiles"],
+            "settled": len(mon.settled), "operators": len(mon.operators)}
+        r = rows["promoted_case"]
+        first = mon.promotions[0]
+        print(f"promoted ({ill_op} -> {r['mode']} at step {first.step}, score "
+              f"{r['score']:.3g}): plain step {r['plain_ms']:.2f} ms | fp32 LayerNorm by hand "
+              f"(floor) {r['fp32_floor_ms']:.2f} ms ({100 * r['floor_overhead']:+.1f}%) | "
+              f"monitored {r['monitored_ms']:.2f} ms ({100 * r['monitor_overhead']:+.1f}%, "
+              f"quartiles {100 * q1:+.1f}% .. {100 * q3:+.1f}%; over the floor "
+              f"{100 * r['over_floor']:+.1f}%, quartiles {100 * f1:+.1f}% .. {100 * f3:+.1f}%) | "
+              f"time in checks {100 * c['time_fraction']:.1f}%, {c['checks_per_step']:.2f} "
+              f"checks per step, {c['recompiles']} recompiles while timed")
     path = save_json(Path(args.out) / "bench_monitor.json",
                      {"benchmark": "bench_monitor", "args": vars(args), **rows})
     print(f"wrote {path}")
