@@ -53,8 +53,25 @@ def out_dtype(args: tuple, kwargs: dict) -> Optional[torch.dtype]:
     return None
 
 
+_SCALARS = (int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
+            torch.layout, torch.memory_format)
+
+
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
-    return tree_map(lambda t: t.to(dtype) if _is_float(t) else t, tree)
+    """``tree`` with its floating tensors cast to ``dtype``. Plain tuples, lists and dicts are
+    walked here and scalars returned as they are: ``tree_map`` cost 10-20 us per call, three
+    calls per promoted operator's call (issue 52: a promoted LayerNorm took twice the time of
+    the same fp32 LayerNorm written by hand); other containers go through ``tree_map``."""
+    t = type(tree)
+    if isinstance(tree, torch.Tensor):
+        return tree.to(dtype) if tree.is_floating_point() else tree
+    if t is tuple or t is list:
+        return t(_cast_floats(x, dtype) for x in tree)
+    if t is dict:
+        return {k: _cast_floats(v, dtype) for k, v in tree.items()}
+    if isinstance(tree, _SCALARS):
+        return tree
+    return tree_map(lambda x: x.to(dtype) if _is_float(x) else x, tree)
 
 
 def upcast_call(fn: Callable, dtype: torch.dtype, args: tuple, kwargs: dict) -> Any:
