@@ -76,10 +76,10 @@ class MonitorConfig:
         k: Replicas per check (>= 2; the dispersion uses a K-1 denominator).
         screen_k: A check first runs this many of its K replicas (2 <= screen_k <= k); the
             other ``k - screen_k`` run only when the screening S reaches ``watch`` times the
-            family's tau_warn, i.e. when the measurement could matter. Below that S only
-            feeds the EMA of an operator far from its threshold, and no promotion can follow
-            from it (the score stays below ``watch * tau_warn`` < tau_warn), so promotions
-            always rest on K replicas. Rechecks (which may demote) and observe-only monitors
+            threshold that would promote the operator next (its family's tau_warn at NORMAL,
+            tau_safe at FP32_ACCUMULATION), i.e. when the measurement could matter. Below
+            that S only feeds the EMA of an operator far from that threshold, and no
+            promotion can follow from it, so promotions always rest on K replicas. Rechecks (which may demote) and observe-only monitors
             (``promote=False``: calibration input) always run K. ``screen_k = k`` turns
             screening off.
         period: Run checks on one step in ``period``.
@@ -97,8 +97,11 @@ class MonitorConfig:
         recheck: A promoted operator's NORMAL kernel is re-measured every ``recheck`` steps.
         hysteresis: A recheck demotes to NORMAL only when the NORMAL kernel's dispersion is
             below ``hysteresis * tau_warn`` (in (0, 1]).
-        watch: Operators whose score is at least ``watch * tau_warn`` are checked on every
-            check step, beside the one the rotating schedule picks (in (0, 1]).
+        watch: Operators whose score is at least ``watch`` times the threshold that would
+            promote them next (tau_warn at NORMAL, tau_safe at FP32_ACCUMULATION) are checked
+            on every check step, beside the one the rotating schedule picks (in (0, 1]). A
+            promoted operator's score stays above the tau_warn it crossed; it is watched
+            only once it approaches tau_safe.
         watch_every: Such watched operators are checked on one check step in
             ``watch_every`` (1: every check step). An operator whose score is already above
             its threshold is not watched but promoted; this only spaces out the checks of

@@ -457,3 +457,97 @@ def test_replicas_perturb_every_element_independently_within_u():
     # an attention mask's -inf stays -inf in every replica (x + u r x would make NaN of it)
     masked = _perturbed(torch.tensor([1.0, -math.inf, 0.0, math.inf]), 64, u, g)
     assert torch.equal(masked[:, 1:], torch.tensor([-math.inf, 0.0, math.inf]).expand(64, 3))
+
+
+class _Fp32LayerNorm(nn.Module):
+    """A LayerNorm hand-written in fp32 (upcast operands, cast back): the documented
+    FP32_ACCUMULATION kernel of a layer norm."""
+
+    def __init__(self, ln: nn.LayerNorm) -> None:
+        super().__init__()
+        self.ln = ln
+
+    def forward(self, x):
+        ln = self.ln
+        return torch.nn.functional.layer_norm(x.float(), ln.normalized_shape, ln.weight.float(),
+                                              ln.bias.float(), ln.eps).to(x.dtype)
+
+
+@pytest.mark.parametrize("tau_safe, watched", [(0.5, False), (0.2, True)])
+def test_a_promoted_operator_is_watched_against_tau_safe(tiny, batch, tau_safe, watched):
+    """Issue 52: a LayerNorm of x + 64 (condition ~64/std(x): S ~ 0.13 in bf16, its fp32
+    kernel too) is promoted to FP32_ACCUMULATION, where its score stays above the tau_warn it
+    crossed. Only a score above tau_safe could change its mode, so it is watched (checked on
+    every step) only once its score reaches watch * tau_safe; below that, its rotation turns
+    (screen_k replicas) and the rechecks of its NORMAL kernel. Watched against tau_warn, it was
+    checked with all K replicas on every step for good: +12% per step on bench_monitor's model,
+    against +3.5% for the same model with the LayerNorm hand-written in fp32."""
+    mon = StabilityMonitor(tau_warn=0.05, tau_safe=tau_safe, recheck=20)  # watch = 0.5
+    backend = mon.backend()
+    counters.clear()
+    model = torch.compile(tiny, backend=backend)
+    x = batch + 64  # ln1 and ln2 (the residual keeps the offset) are ill-conditioned
+    replicas = []
+    for _ in range(30):
+        r0 = mon.replicas_run
+        out = model(x)
+        mon.step()
+        replicas.append(mon.replicas_run - r0)
+    ln1, ln2 = "ln1/layer_norm#0", "ln2/layer_norm#0"
+    assert [(p.op, p.old, p.new, p.step) for p in mon.promotions] == [
+        (ln1, "NORMAL", "FP32_ACCUMULATION", 0), (ln2, "NORMAL", "FP32_ACCUMULATION", 6)]
+    assert all(0.1 < mon.scores[n] < 0.5 * 0.5 for n in (ln1, ln2))  # 0.13-0.15
+    checks = {n: [(e[0], e[3]) for e in mon.history[n]] for n in (ln1, ln2)}
+    if watched:  # 0.13 >= watch * tau_safe = 0.1: checked on every step
+        assert [s for s, _ in checks[ln1]] == list(range(30))
+        assert [s for s, _ in checks[ln2]] == list(range(6, 30))
+    else:  # rotation turns (ln1 is operator 0 of 9, ln2 operator 6) and rechecks at +20
+        assert checks[ln1] == [(0, "NORMAL"), (9, "FP32_ACCUMULATION"),
+                               (18, "FP32_ACCUMULATION"), (20, "NORMAL"),
+                               (27, "FP32_ACCUMULATION")]
+        assert checks[ln2] == [(6, "NORMAL"), (15, "FP32_ACCUMULATION"),
+                               (24, "FP32_ACCUMULATION"), (26, "NORMAL")]
+        # steps 9 and 18 check ln1 alone (its rotation turn): S < watch * tau_safe = 0.25,
+        # so the screening replicas are the measurement
+        assert replicas[9] == replicas[18] == 2
+    assert mon.modes == {n: "FP32_ACCUMULATION" if n in (ln1, ln2) else "NORMAL"
+                         for n in mon.operators}
+    # the promotions recompiled nothing
+    assert backend.compiles == 1 and counters["stats"]["unique_graphs"] == 1
+    # the promoted LayerNorms compute as the documented fp32 kernel, written by hand
+    ref = copy.deepcopy(tiny)
+    ref.ln1, ref.ln2 = _Fp32LayerNorm(ref.ln1), _Fp32LayerNorm(ref.ln2)
+    with mon.paused():
+        out = model(x)
+    out.float().pow(2).mean().backward()
+    ref(x).float().pow(2).mean().backward()
+    assert torch.equal(out, ref(x).detach())
+    grads = dict(ref.named_parameters())
+    for name, p in tiny.named_parameters():
+        key = name.replace("ln1.", "ln1.ln.").replace("ln2.", "ln2.ln.")
+        assert torch.equal(p.grad, grads[key].grad), name
+
+
+def test_upcast_casts_what_tree_map_casts():
+    """The modes' cast walks plain tuples, lists and dicts itself (issue 52: ``tree_map`` was
+    most of a promoted LayerNorm's extra time); any other container goes through tree_map."""
+    from collections import namedtuple
+    from torch.utils._pytree import tree_map
+
+    from fxstab.monitor.modes import _cast_floats
+
+    Pair = namedtuple("Pair", "a b")
+    x, i = torch.randn(3).to(torch.bfloat16), torch.arange(3)
+    tree = (x, [i, (x, 2.5, None, "s", torch.float16)], {"w": x, "n": 3},
+            Pair(x, i), torch.max(x.float().reshape(3, 1), dim=1), torch.device("cpu"))
+    ours = _cast_floats(tree, torch.float32)
+    ref = tree_map(lambda t: t.to(torch.float32)
+                   if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
+    ours_leaves, ours_spec = torch.utils._pytree.tree_flatten(ours)
+    ref_leaves, ref_spec = torch.utils._pytree.tree_flatten(ref)
+    assert ours_spec == ref_spec and type(ours[3]) is Pair and type(ours[4]) is type(tree[4])
+    for a, b in zip(ours_leaves, ref_leaves):
+        if isinstance(b, torch.Tensor):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        else:
+            assert a is b or a == b
