@@ -265,7 +265,9 @@ def run_case(name: str, seed: int = 0) -> dict:
            "spread": spread is not None, "route": plan.settings.get("route"),
            "checks": plan.checks,
            "seed_digits": seeds, "cost": plan.cost, "cost_all_fp32": plan.cost_all_higher,
-           "frontier": plan.frontier, "seconds": time.time() - t0}
+           "frontier": plan.frontier, "seconds": time.time() - t0,
+           # the run digits at the outputs before -> after (the plan's expected real run)
+           "expected_real": plan.settings.get("expected_real")}
     culprits = None if spread is not None else getattr(build(True, seed)[0], "CULPRITS", None)
     if culprits:
         row["culprits_promoted"] = all(any(c in plan.promoted for c in group)
@@ -321,6 +323,10 @@ def table(rows: Sequence[dict]) -> str:
                  "random, mean of 5; nan: a GEMM recipe, analysis only)")
     for r in rows:
         lines.append(f"  {r['case']}: {', '.join(r['promoted']) or '(nothing)'}")
+        exp = r.get("expected_real")
+        if exp and not math.isnan(r["true_plan"]):
+            lines.append(f"    expected in the real run (run digits) {exp[0]:.2f} -> "
+                         f"{exp[1]:.2f}; measured {r['true_plain']:.2f} -> {r['true_plan']:.2f}")
     return "\n".join(lines)
 
 

@@ -39,6 +39,12 @@ def test_a_plan_promotes_both_planted_hazards_and_little_else_and_the_real_run_k
     assert not real.missing
     assert real.plain < 0.95 - 0.5 <= real.planned, real.report(plan)
     assert real.high > real.planned  # fp32 everywhere is better still (the reference run)
+    # the run digits read what the real run keeps without and with the plan (measured:
+    # 0.29 -> 2.00 expected, 0.23 -> 1.93 real), and the report says so
+    before, after = plan.settings["expected_real"]
+    assert abs(before - real.plain) <= 0.15 and abs(after - real.planned) <= 0.15
+    assert f"expected in a real run in bf16 (run digits, an estimate, not the bound): " \
+        f"{before:.2f} -> {after:.2f}" in plan.report()
 
 
 class OffsetLinear(nn.Module):

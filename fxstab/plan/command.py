@@ -4,6 +4,7 @@ one clean line each on stderr; bad input is a ``ValueError`` (the CLI's exit 2).
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 from typing import Any, Optional, Sequence
@@ -47,6 +48,13 @@ def run(model: Any, inputs: Sequence, *, target: str, output: Optional[str],
         check = check_plan(model, inputs, plan)
         print(check.report(plan))
         gain = real_gain(check)
+        expected = plan.settings.get("expected_real")
+        if gain is not None and isinstance(expected, list) and len(expected) == 2:
+            before, after = expected
+            said = f"{after - before:+.2f}" if math.isfinite(before) and \
+                math.isfinite(after) else f"{after:.2f} with the plan (NaN/inf without it)"
+            print(f"the real run keeps {check.planned:.2f} digits at the outputs with the plan "
+                  f"({gain:+.2f}); expected {said} (run digits)")
         if plan.promoted and gain is not None and gain < 0.1:
             print(f"fxstab plan: warning: the real {plan.format} run gains {gain:.2f} digits "
                   f"with the plan (less than 0.1): the analysis's gain does not show in the "

@@ -117,6 +117,12 @@ class PrecisionPlan:
                  f"digits at {what} ({criterion}, the analysis; NaN/inf fails): "
                  f"{_digits(self.before)} in {self.format} -> {_digits(self.after)} with the "
                  f"plan{worst} (required {self.required():.2f}{all_higher})"]
+        expected = self.settings.get("expected_real")
+        if isinstance(expected, list) and len(expected) == 2 and all(
+                isinstance(v, (int, float)) and math.isfinite(v) for v in expected):
+            lines.append(f"expected in a real run in {self.format} (run digits, an estimate, "
+                         f"not the bound): {expected[0]:.2f} -> {expected[1]:.2f} "
+                         f"({expected[1] - expected[0]:+.2f})")
         calibration = self.settings.get("calibration")
         if isinstance(calibration, dict):
             lines.append(f"keep {self.keep:.2f} is in true digits of the real run: the analysis "

@@ -65,10 +65,14 @@ class Evaluation:
     (``spread``: the output elements' standard deviation over the square root of their
     count; 0 with ``outputs=``) and the digit map."""
 
-    def __init__(self, digits: float, dmap: DigitMap, spread: float = 0.0) -> None:
+    def __init__(self, digits: float, dmap: DigitMap, spread: float = 0.0,
+                 run: float = math.nan) -> None:
         self.digits = digits
         self.map = dmap
         self.spread = spread
+        # the avg digits a round-to-nearest run keeps at the checked outputs, expected from the
+        # samples (fxstab.numerics.digits.run_digits); NaN where operators are checked
+        self.run = run
 
 
 class PlanSearch:
@@ -190,9 +194,11 @@ class PlanSearch:
         dmap = be.digit_map()
         if self.outputs is not None:
             digits, spread = _operators_digits(dmap, self.outputs), 0.0
+            run = _operators_digits(dmap, self.outputs, "run")
         else:
             digits, spread = _outputs_digits(cap.graphs, self.format, self.criterion, True)
-        result = Evaluation(digits, dmap, spread)
+            run = _outputs_digits(cap.graphs, self.format, "mean", estimate="run")
+        result = Evaluation(digits, dmap, spread, run)
         self._cache[key] = result
         if seed is None and input_index == 0:
             self.history.append((tuple(promoted), result))
@@ -437,6 +443,9 @@ class PlanSearch:
                                             "real_runs": self.real_runs}
             plan.met = plan.met and real >= self.keep
         plan.settings["route"] = self.route
+        # what a real run is expected to gain (run digits at the outputs, before -> after):
+        # what --apply-check measures
+        plan.settings["expected_real"] = [self.base.run, ev.run]
         plan.cost = self.plan_cost(promoted)
         plan.frontier = _pareto([[self.plan_cost(p), e.digits, len(p)]
                                  for p, e in self.history])
@@ -452,16 +461,17 @@ class PlanSearch:
         return plan
 
 
-def _operators_digits(dmap: DigitMap, names: Sequence[str]) -> float:
-    """The avg digits of the named operators, weighted by their elements (``-inf`` where one
-    holds a NaN/inf)."""
+def _operators_digits(dmap: DigitMap, names: Sequence[str], metric: str = "avg") -> float:
+    """The ``metric`` digits (avg: CESTAC's; run: those a round-to-nearest run is expected to
+    keep) of the named operators, weighted by their elements (``-inf`` where one holds a
+    NaN/inf)."""
     missing = [n for n in names if n not in dmap]
     if missing:
         raise ValueError(f"outputs: no operator named {missing[0]!r} in the digit map (names "
                          f"look like {next(iter(dmap.operators), '?')!r})")
     if any(dmap[n].non_finite for n in names):
         return -math.inf
-    total = sum(dmap[n].avg_digits * dmap[n].numel for n in names)
+    total = sum(dmap[n].digits(metric) * dmap[n].numel for n in names)
     numel = sum(dmap[n].numel for n in names)
     return total / numel if numel else math.nan
 
@@ -474,16 +484,20 @@ CRITERIA = ("mean", "p5", "min")
 
 
 def _outputs_digits(graphs: Sequence, fmt: Any, criterion: str = "mean",
-                    spread: bool = False) -> Any:
+                    spread: bool = False, estimate: str = "avg") -> Any:
     """The digits of the floating outputs under ``criterion`` (:data:`CRITERIA`) of the graph
     the model's output comes from, or with graph breaks the least over the graphs: the samples
     restart from the deterministic values at each graph's inputs, so a loss inside an earlier
     graph shows only at that graph's own outputs. ``-inf`` where any output sample is NaN/inf:
     no average hides it. With ``spread``, (digits, the estimator's standard error: the
-    elements' standard deviation over the square root of their count, of that graph)."""
+    elements' standard deviation over the square root of their count, of that graph). With
+    ``estimate="run"`` the digits are those a round-to-nearest run is expected to keep
+    (:func:`~fxstab.numerics.digits.run_digits`), not CESTAC's bound."""
     from torch.utils import _pytree as pytree
 
-    from ..numerics.digits import cestac_digits
+    from ..numerics.digits import cestac_digits, run_digits
+
+    per_element = run_digits if estimate == "run" else cestac_digits
 
     per_graph = []
     for outputs in graphs:
@@ -493,7 +507,7 @@ def _outputs_digits(graphs: Sequence, fmt: Any, criterion: str = "mean",
                     leaf.dim() >= 1 and leaf.numel() > 0:
                 if not bool(torch.isfinite(leaf).all()):
                     return (-math.inf, 0.0) if spread else -math.inf
-                digits.append(cestac_digits(leaf.to(torch.float64), fmt).reshape(-1))
+                digits.append(per_element(leaf.to(torch.float64), fmt).reshape(-1))
         if digits:
             d = torch.cat(digits)
             se = float(d.std() / math.sqrt(d.numel())) if d.numel() > 1 else 0.0
