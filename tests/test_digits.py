@@ -188,7 +188,7 @@ def test_digit_stats():
     assert st.zero_fraction == pytest.approx(z.double().mean().item()) and st.zero_fraction > 0
     assert st.min == 0.0 and st.max == CAP64
     assert set(st.as_dict()) == {"avg", "min", "max", "numel", "zero_fraction", "non_finite",
-                                 "normwise", "p10", "p50", "underflow"}
+                                 "normwise", "p10", "p50", "underflow", "run"}
     assert st.normwise == 0.0  # a non-finite sample: the tensor as a whole has no digit
     e = digit_stats(torch.empty(3, 0, 4), "bf16")
     cap = get_format("bf16").digit_cap

@@ -73,11 +73,11 @@ def test_rows_copy_kernel_buffers_and_keep_every_value():
     import ctypes
     import math
 
-    buf = (ctypes.c_double * 11)(*range(11))
+    buf = (ctypes.c_double * 12)(*range(12))
     row = stats_row(buf)
     buf[0] = 99.0
-    assert row_values(row) == tuple(float(i) for i in range(11))
-    v = [7.5, -0.0, math.inf, 3, 0, 1 << 40, math.nan, 2.5e-300, 1, 0.125, 2.0]
+    assert row_values(row) == tuple(float(i) for i in range(12))
+    v = [7.5, -0.0, math.inf, 3, 0, 1 << 40, math.nan, 2.5e-300, 1, 0.125, 2.0, 9.0]
     back = row_values(stats_row(v))
     assert [math.copysign(1, a) for a in back[:2]] == [1, -1]
     assert back[2] == math.inf and math.isnan(back[6]) and back[5] == 1 << 40
@@ -171,13 +171,14 @@ def test_a_report_row_names_its_parts():
 
     fixed = OpReport.fixed_of({"name": "lin/linear#0", "kind": "linear", "module_path": "lin",
                                "format": "bf16", "n_samples": 3, "shape": (2, 4)})
-    v = stats_row([16.0, 1.0, 3.0, 2.0, 0.0, 8.0, 1.0, 0.5, 1.0, 1.5, 2.0])
+    v = stats_row([16.0, 1.0, 3.0, 2.0, 0.0, 8.0, 1.0, 0.5, 1.0, 1.5, 2.0, 18.0])
     build = report_builder("train", 7, 2, 3, 4.3)
     gemm = Figures((2.5, 1.25))
     row = ReportRow(fixed=fixed, cap=2.4, surrogate=True, stats=v, gemm=gemm)
     r = build(row)
     assert (r.name, r.phase, r.step, r.call, r.surrogate) == ("lin/linear#0", "train", 7, 2, True)
     assert (r.avg_digits, r.min_digits, r.numel, r.zero_fraction) == (2.0, 1.0, 8, 0.25)
+    assert r.run_digits == 18.0 / 8
     assert (r.accumulator_digits, r.accumulator_min_digits) == (2.5, 1.25)
     assert (r.operand_elements, r.operand_scale_max) == (12, 4.0)
     assert r.counters == {k: 0 for k in r.counters}  # none counted
@@ -189,6 +190,6 @@ def test_a_report_row_names_its_parts():
 
 def test_a_report_of_nothing_measured_reads_the_cap():
     fixed = OpReport.fixed_of({"name": "add#0", "kind": "add", "module_path": ""})
-    r = OpReport.from_stats(fixed, "default", None, 0, False, {}, [0.0] * 11, 3, 4.3, 2.4)
+    r = OpReport.from_stats(fixed, "default", None, 0, False, {}, [0.0] * 12, 3, 4.3, 2.4)
     assert (r.avg_digits, r.min_digits, r.max_digits, r.normwise_digits, r.p10_digits,
-            r.p50_digits, r.numel) == (2.4, 2.4, 2.4, 2.4, 2.4, 2.4, 0)
+            r.p50_digits, r.run_digits, r.numel) == (2.4, 2.4, 2.4, 2.4, 2.4, 2.4, 2.4, 0)
