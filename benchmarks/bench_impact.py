@@ -48,6 +48,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -128,33 +129,41 @@ VALIDATE = (("op", "mixer", "offset_cancel", "bf16"), ("op", "mixer", "near_cons
             ("aten", "mixer", "offset_cancel", "bf16"), ("aten", "mixer", None, "fp8_e4m3"))
 
 
+def compare(alone: Any, other: Any, label: str) -> dict:
+    """``other``'s impacts (``label``: ``bisected``, ``first_order``) against every operator
+    ablated alone: the operators that matter in either (impact >= the threshold), the Spearman
+    correlation over them and over all, the impacts side by side, each top-1."""
+    names = list(alone.by_operator)
+    a = [alone.by_operator[n] for n in names]
+    b = [other.by_operator[n] for n in names]
+    t = alone.threshold
+    matter = [i for i in range(len(names)) if a[i] >= t or b[i] >= t]
+    top_a, top_b = alone.ranked()[0], other.ranked()[0]
+    return {"operators": len(names), "calls_alone": alone.calls, "matter": len(matter),
+            "spearman_matter": round(spearman([a[i] for i in matter], [b[i] for i in matter]),
+                                     3) if len(matter) >= 2 else None,
+            "spearman_all": round(spearman(a, b), 3),
+            "impacts": {n: [round(a[i], 3), round(b[i], 3)] for i, n in enumerate(names)},
+            "top1_alone": top_a[0], "top1_alone_value": round(top_a[1], 3),
+            f"top1_{label}": top_b[0], f"top1_{label}_value": round(top_b[1], 3),
+            # the same top-1, or both below the threshold (nothing matters: no top-1 to name)
+            "same_top1": top_a[0] == top_b[0] or max(top_a[1], top_b[1]) < t}
+
+
 def validate(arch: str, hazard: str | None, fmt: str, granularity: str) -> dict:
     """The bisected impact against every operator ablated alone, on one model."""
     model, x = build_model(arch, hazard)
     opts = dict(format=fmt, seed=0, granularity=granularity)
     bisected = fxstab.operator_impact(model, (x,), **opts)
     alone = fxstab.operator_impact(model, (x,), bisect=False, **opts)
-    names = list(alone.by_operator)
-    a = [alone.by_operator[n] for n in names]
-    b = [bisected.by_operator[n] for n in names]
-    t = bisected.threshold
-    matter = [i for i in range(len(names)) if a[i] >= t or b[i] >= t]
-    top_a, top_b = alone.ranked()[0], bisected.ranked()[0]
+    row = compare(alone, bisected, "bisected")
+    t = alone.threshold
     # the estimator's noise: the spread of the ablation's values where nothing matters
-    quiet = [a[i] for i in range(len(names)) if i not in set(matter)]
+    quiet = [v for n, v in alone.by_operator.items() if v < t and bisected.by_operator[n] < t]
     noise = (sum(v * v for v in quiet) / len(quiet)) ** 0.5 if quiet else float("nan")
     return {"arch": arch, "hazard": hazard or "healthy", "granularity": granularity,
-            "format": fmt, "noise_rms": round(noise, 3),
-            "operators": len(names), "calls_bisected": bisected.calls,
-            "calls_alone": alone.calls, "matter": len(matter),
-            "spearman_matter": round(spearman([a[i] for i in matter], [b[i] for i in matter]),
-                                     3) if len(matter) >= 2 else None,
-            "spearman_all": round(spearman(a, b), 3),
-            "impacts": {n: [round(a[i], 3), round(b[i], 3)] for i, n in enumerate(names)},
-            "top1_alone": top_a[0], "top1_alone_value": round(top_a[1], 3),
-            "top1_bisected": top_b[0], "top1_bisected_value": round(top_b[1], 3),
-            # the same top-1, or both below the threshold (nothing matters: no top-1 to name)
-            "same_top1": top_a[0] == top_b[0] or max(top_a[1], top_b[1]) < t}
+            "format": fmt, "noise_rms": round(noise, 3), "calls_bisected": bisected.calls,
+            **row}
 
 
 def first_order(arch: str, hazard: str | None, fmt: str) -> dict:
@@ -168,23 +177,15 @@ def first_order(arch: str, hazard: str | None, fmt: str) -> dict:
     t0 = time.perf_counter()
     linear = fxstab.operator_impact(model, (x,), method="first_order", **opts)
     cost = (time.perf_counter() - t0) / per_call
-    names = list(alone.by_operator)
-    a = [alone.by_operator[n] for n in names]
-    b = [linear.by_operator[n] for n in names]
-    t = alone.threshold
-    matter = [i for i in range(len(names)) if a[i] >= t or b[i] >= t]
-    top_a, top_b = alone.ranked()[0], linear.ranked()[0]
     return {"arch": arch, "hazard": hazard or "healthy", "format": fmt,
-            "operators": len(names), "calls_alone": alone.calls,
             "cost_in_calls": round(cost, 2), "explained": round(linear.explained, 3),
-            "matter": len(matter),
-            "spearman_matter": round(spearman([a[i] for i in matter], [b[i] for i in matter]),
-                                     3) if len(matter) >= 2 else None,
-            "spearman_all": round(spearman(a, b), 3),
-            "impacts": {n: [round(a[i], 3), round(b[i], 3)] for i, n in enumerate(names)},
-            "top1_alone": top_a[0], "top1_alone_value": round(top_a[1], 3),
-            "top1_first_order": top_b[0], "top1_first_order_value": round(top_b[1], 3),
-            "same_top1": top_a[0] == top_b[0] or max(top_a[1], top_b[1]) < t}
+            **compare(alone, linear, "first_order")}
+
+
+def _save(args: Any, rows: list, name: str) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text(json.dumps({"rows": rows}, indent=1))
 
 
 def main_first_order(args) -> int:
@@ -207,9 +208,7 @@ def main_first_order(args) -> int:
           f"operators that matter >= 0.9 on {sum(r['spearman_matter'] >= 0.9 for r in scored)}"
           f"/{len(scored)} models with two or more; cost {max(r['cost_in_calls'] for r in rows):.2f}"
           f" analysed calls at most")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_impact_first_order.json").write_text(json.dumps({"rows": rows}, indent=1))
+    _save(args, rows, "bench_impact_first_order.json")
     return 0
 
 
@@ -231,9 +230,7 @@ def main_validate(args) -> int:
           f"operators that matter >= 0.9 on {sum(r['spearman_matter'] >= 0.9 for r in scored)}"
           f"/{len(scored)} models with two or more; the bisection's calls "
           f"{sum(r['calls_bisected'] for r in rows)} against {sum(r['calls_alone'] for r in rows)}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_impact_validate.json").write_text(json.dumps({"rows": rows}, indent=1))
+    _save(args, rows, "bench_impact_validate.json")
     return 0
 
 

@@ -313,16 +313,16 @@ def _feeding(out_node: torch.fx.Node, analysed: dict) -> set:
     """The analysed nodes whose values the graph returns, through views and other operators
     the analysis does not record."""
     found, seen = set(), set()
-    todo = [a for a in pytree.tree_leaves(out_node.args) if isinstance(a, torch.fx.Node)]
-    while todo:
-        n = todo.pop()
+    pending = [a for a in pytree.tree_leaves(out_node.args) if isinstance(a, torch.fx.Node)]
+    while pending:
+        n = pending.pop()
         if n.name in seen:
             continue
         seen.add(n.name)
         if n.name in analysed:
             found.add(n.name)
         else:
-            todo += n.all_input_nodes
+            pending += n.all_input_nodes
     return found
 
 

@@ -138,7 +138,9 @@ def test_sample_counts_and_odd_sizes(dtype, fmt, n, numel):
         assert _same_bits(out, ref)
         want = torch.tensor(stats_vector(ref, student_t(n), digits_cap(fmt, x.dtype)),
                             dtype=torch.float64)
-        torch.testing.assert_close(st, want, rtol=2e-6, atol=1e-4)  # sum_run too
+        # the sums (digits, sum_run) in the kernels' fp32 log polynomial against the fp64
+        # reference: 2e-6 relative of the sum, 1e-4 absolute for a handful of elements
+        torch.testing.assert_close(st, want, rtol=2e-6, atol=1e-4)
         assert st[9:11].tolist() == want[9:11].tolist()  # the same quantile bins
 
 
