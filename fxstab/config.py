@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from enum import Enum
@@ -192,10 +193,11 @@ class AnalysisConfig:
                 _check_select_name(item)
 
 
-    @property
+    @functools.cached_property
     def run_shift(self) -> float:
         """The shift of the expected digits of a real run (:func:`fxstab.numerics.digits.run_shift`)
-        for this analysis's samples and rounding."""
+        for this analysis's samples and rounding (computed once: the tracers read it per
+        operator)."""
         from .numerics.digits import run_shift
 
         return run_shift(self.n_samples, self.rounding)
