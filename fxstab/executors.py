@@ -263,48 +263,52 @@ def _round_torch(samples: torch.Tensor, fmt: Any, mode: Optional[Rounding], seed
 @implements(PREPARED_ROUND, CPU)
 def _prepared_cpu(fmt: Any, mode: Optional[Rounding], dtype: torch.dtype, n: int, *,
                   saturate: bool, confidence: float, zero_threshold: float, in_place: bool,
-                  eta: Optional[float], run_shift: Optional[float] = None) -> "bindings.Prepared":
+                  eta: Optional[float], run_shift: Optional[float] = None,
+                  grid: Any = None) -> "bindings.Prepared":
     """The kernel with its settings bound once (a call sets the seed(s) and runs it); with
-    ``eta``, its consumer GEMM's surrogate in the same pass."""
+    ``eta``, its consumer GEMM's surrogate in the same pass (its values onto ``grid``)."""
     return bindings.Prepared(bindings.rounder(fmt, mode, dtype, n, saturate=saturate,
                                               confidence=confidence,
                                               zero_threshold=zero_threshold,
-                                              run_shift=run_shift), in_place, eta)
+                                              run_shift=run_shift), in_place, eta, grid)
 
 
 @implements(ROUND_PERTURB, CPU)
 def _round_perturb_cpu(samples: torch.Tensor, fmt: Any, mode: Rounding, seed: int, eta: float,
                        perturb_seed: int, *, saturate: bool, confidence: float,
                        zero_threshold: float, in_place: bool,
-                       run_shift: Optional[float] = None) -> tuple:
+                       run_shift: Optional[float] = None, grid: Any = None) -> tuple:
     """(rounded and perturbed samples, statistics row of the rounded ones, perturbed count)."""
     return bindings.round_perturb(samples, fmt, mode, seed, eta, perturb_seed,
                                   saturate=saturate, confidence=confidence,
                                   zero_threshold=zero_threshold, in_place=in_place,
-                                  as_list=True, run_shift=run_shift)
+                                  as_list=True, run_shift=run_shift, grid=grid)
 
 
 # -- PERTURB: the GEMM surrogate ---------------------------------------------------------------
-# (x: samples [N, ...], or with stacked False one plain operand read as n samples) ->
-# (samples, perturbed count)
+# (x: samples [N, ...], or with stacked False one plain operand read as n samples; grid: the
+# format the perturbed values are rounded onto) -> (samples, perturbed count)
 @implements(PERTURB, CPU, fused_cpu)
-def _perturb_cpu(x: torch.Tensor, eta: float, seed: int, n: int, stacked: bool) -> tuple:
+def _perturb_cpu(x: torch.Tensor, eta: float, seed: int, n: int, stacked: bool,
+                 grid: Any) -> tuple:
     # a plain operand is read N times, never copied
-    return bindings.perturb(x, eta, seed, n_samples=None if stacked else n)
+    return bindings.perturb(x, eta, seed, n_samples=None if stacked else n, grid=grid)
 
 
 @implements(PERTURB, TRITON, fused_gpu)
-def _perturb_triton(x: torch.Tensor, eta: float, seed: int, n: int, stacked: bool) -> tuple:
+def _perturb_triton(x: torch.Tensor, eta: float, seed: int, n: int, stacked: bool,
+                    grid: Any) -> tuple:
     from .kernels.dispatch import perturb
 
     samples = (x if stacked else x.unsqueeze(0).expand(n, *x.shape)).contiguous()
-    return perturb(samples, eta, seed, kernels=TRITON)
+    return perturb(samples, eta, seed, kernels=TRITON, grid=grid)
 
 
 @implements(PERTURB, TORCH)
-def _perturb_torch(x: torch.Tensor, eta: float, seed: int, n: int, stacked: bool) -> tuple:
+def _perturb_torch(x: torch.Tensor, eta: float, seed: int, n: int, stacked: bool,
+                   grid: Any) -> tuple:
     samples = (x if stacked else x.unsqueeze(0).expand(n, *x.shape)).contiguous()
-    return perturb_samples(samples, eta, seed)
+    return perturb_samples(samples, eta, seed, grid)
 
 
 # -- ACCUMULATE: a modelled GEMM of stacked operands with its accumulator ---------------------
@@ -377,13 +381,13 @@ def _lowp_linear_torch(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tenso
 
 # -- the arithmetic level's own (no Triton path yet: "triton" means "auto") --------------------
 @implements(ATEN_PERTURB, CPU, fused_cpu)
-def _aten_perturb_cpu(samples: torch.Tensor, eta: float, seed: int) -> tuple:
-    return bindings.perturb(samples, eta, seed)
+def _aten_perturb_cpu(samples: torch.Tensor, eta: float, seed: int, grid: Any) -> tuple:
+    return bindings.perturb(samples, eta, seed, grid=grid)
 
 
 @implements(ATEN_PERTURB, TORCH)
-def _aten_perturb_torch(samples: torch.Tensor, eta: float, seed: int) -> tuple:
-    return perturb_samples(samples, eta, seed)
+def _aten_perturb_torch(samples: torch.Tensor, eta: float, seed: int, grid: Any) -> tuple:
+    return perturb_samples(samples, eta, seed, grid)
 
 
 # (samples [N, ...], fmt, mode, seed, saturate) -> the rounded samples

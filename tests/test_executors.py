@@ -189,9 +189,9 @@ def test_a_kernel_is_one_registry_entry(monkeypatch):
 
     @executors.implements(executors.ATEN_PERTURB, executors.TRITON,
                           lambda t, n: t.device.type == "cuda")
-    def spy(samples: torch.Tensor, eta: float, seed: int) -> tuple:
+    def spy(samples: torch.Tensor, eta: float, seed: int, grid) -> tuple:
         calls.append(seed)
-        return executors.reference(executors.ATEN_PERTURB)(samples, eta, seed)
+        return executors.reference(executors.ATEN_PERTURB)(samples, eta, seed, grid)
 
     chosen = ctx.kernel(executors.ATEN_PERTURB, samples)
     assert chosen.name == executors.TRITON and chosen.fn is spy  # forced by the option

@@ -201,7 +201,11 @@ def test_plain_values_are_read_n_times_not_copied():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_perturbation_is_bit_identical_to_the_reference(dtype):
+@pytest.mark.parametrize("grid", [None, "bf16", "fp16", "fp8_e4m3"])
+def test_perturbation_is_bit_identical_to_the_reference(dtype, grid):
+    """With a grid too: the perturbed values rounded onto it (fp32's largest value saturating
+    at the format's)."""
+    grid = None if grid is None else get_format(grid)
     g = torch.Generator().manual_seed(3)
     v = torch.randn(2, 1001, generator=g, dtype=dtype)
     # separated elements (left alone), identical ones (perturbed), specials and huge values
@@ -209,18 +213,22 @@ def test_perturbation_is_bit_identical_to_the_reference(dtype):
     x[:, :4] = torch.tensor([float("nan"), float("inf"), 0.0, torch.finfo(dtype).max],
                             dtype=dtype).unsqueeze(0)
     eta = 2.0 ** -8
-    ref, n_ref = perturb_samples(x, eta, 11)
-    out, n_out = native.perturb(x, eta, 11)
+    ref, n_ref = perturb_samples(x, eta, 11, grid)
+    out, n_out = native.perturb(x, eta, 11, grid=grid)
     assert _same_bits(out, ref) and n_out == n_ref > 0
     plain = v[0]
-    ref, n_ref = perturb_samples(plain.expand(3, -1).contiguous(), eta, 11)
-    out, n_out = native.perturb(plain, eta, 11, n_samples=3)
+    ref, n_ref = perturb_samples(plain.expand(3, -1).contiguous(), eta, 11, grid)
+    out, n_out = native.perturb(plain, eta, 11, n_samples=3, grid=grid)
     assert _same_bits(out, ref) and n_out == n_ref == plain.numel()
+    if grid is not None:  # every perturbed value on the grid, finite
+        assert torch.isfinite(out).all()
+        assert _same_bits(out, round_samples(out, grid, "nearest"))
 
 
 @pytest.mark.parametrize("n", [2, 3, 16, 17, 40])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_perturbation_of_every_sample_count_is_the_reference(n, threads):
+@pytest.mark.parametrize("grid", [None, "bf16"])
+def test_perturbation_of_every_sample_count_is_the_reference(n, threads, grid):
     """The Philox records of all N samples of a group come from one run (N <= 16) or one run
     per sample; one thread's scan stops at the first group that moves. Groups that move only
     after groups that do not, and a partial last group; enough elements for two threads."""
@@ -231,8 +239,8 @@ def test_perturbation_of_every_sample_count_is_the_reference(n, threads):
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        ref, n_ref = perturb_samples(x, 2.0 ** -8, 5)
-        out, n_out = native.perturb(x, 2.0 ** -8, 5)
+        ref, n_ref = perturb_samples(x, 2.0 ** -8, 5, grid and get_format(grid))
+        out, n_out = native.perturb(x, 2.0 ** -8, 5, grid=grid and get_format(grid))
     finally:
         torch.set_num_threads(old)
     assert _same_bits(out, ref) and n_out == n_ref >= v.numel() - 300
@@ -386,7 +394,8 @@ def test_perturbation_that_changes_nothing_returns_the_samples():
 @pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp8_e4m3"])
 @pytest.mark.parametrize("mode", [Rounding.RANDOM, Rounding.NEAREST, Rounding.STOCHASTIC])
 @pytest.mark.parametrize("n", [2, 3, 5])
-def test_fused_round_and_surrogate_equals_the_two_passes(dtype, fmt, mode, n):
+@pytest.mark.parametrize("on_grid", [False, True], ids=["off-grid", "grid"])
+def test_fused_round_and_surrogate_equals_the_two_passes(dtype, fmt, mode, n, on_grid):
     """round_perturb == perturb_samples(round_samples(...)) bit for bit, with the statistics of
     the rounded (not the perturbed) samples; stacked, plain and in-place inputs, odd sizes."""
     f = get_format(fmt)
@@ -398,11 +407,13 @@ def test_fused_round_and_surrogate_equals_the_two_passes(dtype, fmt, mode, n):
     stacked = torch.stack([v * (1 + 2.0 ** -12 * k) for k in range(n)])
     for x, n_samples in ((stacked, None), (v, n)):
         ref = round_samples(x if n_samples is None else x.expand(n, *x.shape), f, mode, seed=7)
-        want, want_count = perturb_samples(ref, eta, 99)
+        grid = f if on_grid else None
+        want, want_count = perturb_samples(ref, eta, 99, grid)
         for in_place in (False, True):
             src = x.clone() if in_place else x
             out, stats, count = native.round_perturb(src, f, mode, 7, eta, 99,
-                                                     n_samples=n_samples, in_place=in_place)
+                                                     n_samples=n_samples, in_place=in_place,
+                                                     grid=grid)
             assert _same_bits(out, want)
             assert count == want_count
             assert torch.equal(stats, native.round_stats(x, f, mode, 7, n_samples=n_samples)[1])
@@ -564,7 +575,8 @@ def test_prepared_kernel_is_the_rounder(dtype, fmt, mode):
 
 
 @pytest.mark.parametrize("dtype,fmt", [(torch.float32, "bf16"), (torch.float64, "fp32")])
-def test_prepared_kernel_with_the_surrogate_is_round_perturb(dtype, fmt):
+@pytest.mark.parametrize("on_grid", [False, True], ids=["off-grid", "grid"])
+def test_prepared_kernel_with_the_surrogate_is_round_perturb(dtype, fmt, on_grid):
     """native.Prepared with ``eta``: round_perturb's samples, statistics and count of perturbed
     elements, bit for bit, for stacked (in place or not) and expanded samples, with the
     surrogate's seed set per call; values close to each other perturbed, separated ones not."""
@@ -575,15 +587,16 @@ def test_prepared_kernel_with_the_surrogate_is_round_perturb(dtype, fmt):
     with pytest.raises(ValueError, match="rounding mode"):
         native.Prepared(native.rounder(f, None, dtype, 3), False, eta)
     counts = []
+    grid = f if on_grid else None
     for in_place in (False, True):
-        prep = native.Prepared(r, in_place, eta)
+        prep = native.Prepared(r, in_place, eta, grid)
         for seed, pseed, numel in ((3, 9, 1000), (6, 1 << 63, 1000), (4, 2, 7), (7, 5, 20000)):
             base = torch.randn(numel, generator=g, dtype=dtype)
             # half the elements nearly tied across samples (close), half far apart
             spread = torch.where(torch.arange(numel) % 2 == 0, 1e-6, 1.0).to(dtype)
             x = base + spread * torch.randn(3, numel, generator=g, dtype=dtype)
             want, st, count = native.round_perturb(x.clone(), f, Rounding.RANDOM, seed, eta,
-                                                   pseed, as_list=True)
+                                                   pseed, as_list=True, grid=grid)
             prep.fused.seed = pseed
             given = x.clone()
             out = prep(given, seed)
@@ -593,7 +606,7 @@ def test_prepared_kernel_with_the_surrogate_is_round_perturb(dtype, fmt):
             counts.append(count)
             v = base.unsqueeze(0).expand(3, numel)
             want, st, count = native.round_perturb(v, f, Rounding.RANDOM, seed, eta, pseed,
-                                                   as_list=True)
+                                                   as_list=True, grid=grid)
             out = prep(v, seed)
             assert _same_bits(out, want) and prep.stats[:] == st and prep.fused.count == count
     assert len(set(counts)) > 1

@@ -17,7 +17,7 @@ single node through torch.compile / AOTAutograd / make_fx.
 from __future__ import annotations
 
 import functools
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -93,14 +93,17 @@ def register_ops() -> tuple:
                 samples.new_empty(digits_shape))
 
     @torch.library.custom_op("fxstab::perturb", mutates_args=())
-    def perturb_op(samples: torch.Tensor, eta: float, seed: int,
-                   impl: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Perturbed samples and the number of perturbed elements (0-dim int64)."""
+    def perturb_op(samples: torch.Tensor, eta: float, seed: int, exp_bits: int, man_bits: int,
+                   finite_only: bool, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Perturbed samples (onto the grid of the format of ``exp_bits``, ``man_bits``,
+        ``finite_only``; none where ``exp_bits`` is 0) and the number of perturbed elements
+        (0-dim int64)."""
         fn = _perturb.perturb if impl == "triton" else _perturb.perturb_torch
-        return fn(samples, eta, seed & randbits.M64)
+        grid = _format_from(exp_bits, man_bits, finite_only) if exp_bits else None
+        return fn(samples, eta, seed & randbits.M64, grid)
 
     @perturb_op.register_fake
-    def _(samples, eta, seed, impl):
+    def _(samples, eta, seed, exp_bits, man_bits, finite_only, impl):
         return torch.empty_like(samples), samples.new_empty((), dtype=torch.int64)
 
     return round_digits_op, perturb_op
@@ -163,8 +166,9 @@ def round_and_stats(
 
 
 def perturb(samples: torch.Tensor, eta: float, seed: int, *,
-            kernels: str = "auto") -> tuple[torch.Tensor, int]:
-    """GEMM data-perturbation surrogate on stacked samples ``[N, ...]`` (docs/design.md §4).
+            kernels: str = "auto", grid: Optional[FormatLike] = None) -> tuple[torch.Tensor, int]:
+    """GEMM data-perturbation surrogate on stacked samples ``[N, ...]`` (docs/design.md §4),
+    its perturbed values rounded onto ``grid``'s (the format the GEMM rounds into) where given.
 
     Returns the perturbed samples and the number of perturbed elements (one host transfer).
     Non-floating tensors pass through unchanged.
@@ -178,5 +182,8 @@ def perturb(samples: torch.Tensor, eta: float, seed: int, *,
     if impl == "triton" and samples.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"kernels='triton': the perturbation kernel takes float32/float64 "
                          f"samples, got {samples.dtype}; use kernels='auto' or 'torch'")
-    out, count = perturb_op(samples.contiguous(), float(eta), _signed64(seed), impl)
+    fmt = get_format(grid) if grid is not None else None
+    out, count = perturb_op(samples.contiguous(), float(eta), _signed64(seed),
+                            fmt.exp_bits if fmt else 0, fmt.man_bits if fmt else 0,
+                            bool(fmt.finite_only) if fmt else False, impl)
     return out, int(count)

@@ -4,7 +4,10 @@ For stacked input samples ``[N, numel]`` an element is *close* when every sample
 ``eta * |mean|`` of the mean (identical samples included); close elements are multiplied, per
 sample, by ``1 + eta * r`` with ``r = (2b + 1) / 256 - 1`` and ``b`` the byte of
 ``fxstab.numerics.randbits.random_bytes`` for (sample k, element e), exactly as
-``fxstab.numerics.surrogate.perturb_samples``.
+``fxstab.numerics.surrogate.perturb_samples``; with a grid (the format the GEMM rounds into), a
+perturbed value is then rounded onto it stochastically, saturating, with the 16-bit uniform of
+``randbits.random_halves`` under ``derive_seed(seed, GRID_SALT)`` as the top of the 32-bit word
+(``round_digits.round_bits`` in stochastic mode).
 
 One program owns ``BLOCK`` elements of every sample: it sums the samples (mean), re-reads them
 for the separation test and a third time to perturb and store; the re-reads hit L1/L2, so HBM
@@ -19,22 +22,29 @@ sum times ``1/N`` on CUDA (ATen's ``MeanOps``), so the kernel takes the same rou
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
 from fxstab.numerics import randbits
-from fxstab.numerics.surrogate import perturb_samples
+from fxstab.numerics.formats import Format
+from fxstab.numerics.surrogate import GRID_SALT, grid_for, perturb_samples
 
-from .round_digits import check_launchable, interpreter_active
+from .round_digits import check_launchable, format_constants, interpreter_active, round_bits
 
 __all__ = ["perturb", "perturb_torch"]
 
 
 @triton.jit
-def _perturb_kernel(x_ptr, out_ptr, count_ptr, numel, seed, eta,
-                    N: tl.constexpr, INV_N: tl.constexpr, IS64: tl.constexpr, MEAN_RECIP: tl.constexpr, BLOCK: tl.constexpr):
+def _perturb_kernel(x_ptr, out_ptr, count_ptr, numel, seed, grid_seed, eta,
+                    N: tl.constexpr, INV_N: tl.constexpr, IS64: tl.constexpr,
+                    MEAN_RECIP: tl.constexpr, BLOCK: tl.constexpr, GRID: tl.constexpr,
+                    WM: tl.constexpr, EXP_ONES: tl.constexpr, SHMAX: tl.constexpr,
+                    SHIFT0: tl.constexpr, EB: tl.constexpr, MAX_BITS: tl.constexpr,
+                    MINSUB_BITS: tl.constexpr, INF_BITS: tl.constexpr, NAN_BITS: tl.constexpr,
+                    BIG_BITS: tl.constexpr, FINITE_ONLY: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
@@ -65,13 +75,27 @@ def _perturb_kernel(x_ptr, out_ptr, count_ptr, numel, seed, eta,
     zero = tl.zeros([BLOCK], dtype=tl.uint32)
     word = (offs // 4) % 4
     shift = ((offs % 4) * 8).to(tl.uint32)
+    # the grid rounding's word (randbits.random_halves): half e % 2 of word (e // 2) % 4 of
+    # philox(grid_seed, lo32(e // 8), k, hi32(e // 8), 0), in the top 16 bits
+    g8 = offs // 8
+    h0 = (g8 & 0xFFFFFFFF).to(tl.uint32)
+    h2 = (g8 >> 32).to(tl.uint32)
+    hword = (offs // 2) % 4
+    hshift = ((offs % 2) * 16).to(tl.uint32)
     for i in tl.static_range(N):
         s0, s1, s2, s3 = tl.philox(seed, c0, zero + i, c2, zero)
         w = tl.where(word == 0, s0, tl.where(word == 1, s1, tl.where(word == 2, s2, s3)))
         b = (w >> shift) & 0xFF
         x = tl.load(x_ptr + i * stride + offs, mask=mask, other=0.0)
         r = (2 * b + 1).to(x.dtype) * 0.00390625 - 1.0  # (2b + 1) / 256 - 1: exact
-        y = tl.where(close, x * (1.0 + eta * r), x)
+        y = x * (1.0 + eta * r)
+        if GRID:
+            t0, t1, t2, t3 = tl.philox(grid_seed, h0, zero + i, h2, zero)
+            hw = tl.where(hword == 0, t0, tl.where(hword == 1, t1, tl.where(hword == 2, t2, t3)))
+            rand = ((hw >> hshift) & 0xFFFF) << 16
+            y, _ = round_bits(y, rand, 1, IS64, WM, EXP_ONES, SHMAX, SHIFT0, EB, MAX_BITS,
+                              MINSUB_BITS, INF_BITS, NAN_BITS, BIG_BITS, FINITE_ONLY, True)
+        y = tl.where(close, y, x)
         tl.store(out_ptr + i * stride + offs, y, mask=mask)
     tl.store(count_ptr + pid, tl.sum(close.to(tl.int32)))
 
@@ -90,13 +114,15 @@ def _check_eta(eta: float) -> float:
     return eta
 
 
-def perturb(samples: torch.Tensor, eta: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def perturb(samples: torch.Tensor, eta: float, seed: int,
+            grid: Optional[Format] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused separation test + perturbation of stacked samples ``[N, ...]`` (fp32/fp64).
 
     Args:
         samples: Contiguous float32/float64 tensor with the samples on dim 0.
         eta: Relative perturbation, a power of two (the format's unit roundoff).
         seed: Seed of the Philox stream (any integer; taken modulo 2**64).
+        grid: The format the perturbed values are rounded onto (``grid_for``), or None.
 
     Returns:
         ``(perturbed, n_perturbed)``: a new tensor like ``samples`` and a 0-dim int64 tensor on
@@ -121,18 +147,30 @@ def perturb(samples: torch.Tensor, eta: float, seed: int) -> tuple[torch.Tensor,
     if numel == 0:
         return out, torch.zeros((), dtype=torch.int64, device=samples.device)
     block = _BLOCK_INTERPRETER if interpreter_active() else _BLOCK_GPU
-    grid = (triton.cdiv(numel, block),)
-    counts = torch.empty(grid[0], dtype=torch.int32, device=samples.device)
-    _perturb_kernel[grid](samples, out, counts, numel, seed & randbits.M64, eta,
-                          N=n, INV_N=1.0 / n, IS64=samples.dtype == torch.float64, MEAN_RECIP=samples.device.type == "cuda", BLOCK=block,
-                          num_warps=4)
+    launch = (triton.cdiv(numel, block),)
+    counts = torch.empty(launch[0], dtype=torch.int32, device=samples.device)
+    fmt = grid_for(grid, samples.dtype)
+    consts = format_constants(fmt, samples.dtype) if fmt is not None else {}
+    seed &= randbits.M64
+    _perturb_kernel[launch](samples, out, counts, numel, seed,
+                            randbits.derive_seed(seed, GRID_SALT), eta,
+                            N=n, INV_N=1.0 / n, IS64=samples.dtype == torch.float64,
+                            MEAN_RECIP=samples.device.type == "cuda", BLOCK=block,
+                            GRID=fmt is not None, num_warps=4,
+                            **{k: consts.get(k, 0) for k in _FORMAT_KEYS})
     return out, counts.sum(dtype=torch.int64)
 
 
-def perturb_torch(samples: torch.Tensor, eta: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+# the rounding's constants the kernel takes (format_constants' others: IS64 is its own)
+_FORMAT_KEYS = ("WM", "EXP_ONES", "SHMAX", "SHIFT0", "EB", "MAX_BITS", "MINSUB_BITS",
+                "INF_BITS", "NAN_BITS", "BIG_BITS", "FINITE_ONLY")
+
+
+def perturb_torch(samples: torch.Tensor, eta: float, seed: int,
+                  grid: Optional[Format] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch reference of :func:`perturb` (``fxstab.numerics.surrogate.perturb_samples``)."""
     eta = _check_eta(eta)
-    out, count = perturb_samples(samples, eta, seed & randbits.M64)
+    out, count = perturb_samples(samples, eta, seed & randbits.M64, grid)
     if out is samples:  # nothing perturbed or empty: the reference returns its input
         out = samples.clone()
     return out, torch.tensor(count, dtype=torch.int64, device=samples.device)

@@ -28,6 +28,7 @@ from ..numerics.digits import STATS_LEN, digits_cap, empty_stats, run_shift as _
 from ..numerics.formats import WORKING_DTYPES, Format, float_bits
 from ..numerics.randbits import M64
 from ..numerics.rounding import MODE_CODES, Rounding
+from ..numerics.surrogate import grid_for
 from . import build
 from .build import library_path
 
@@ -82,7 +83,7 @@ def _lib() -> Optional[ctypes.CDLL]:
     lib.fxstab_lookup_bf16.restype = i64
     for name in ("fxstab_perturb_f32", "fxstab_perturb_f64"):
         fn = getattr(lib, name)
-        fn.argtypes = [p, i64, p, i64, i64, dbl, u64, i64, ctypes.POINTER(i64)]
+        fn.argtypes = [p, i64, p, i64, i64, dbl, u64, p, i64, ctypes.POINTER(i64)]
         fn.restype = i64
     lib.fxstab_split_bf16.argtypes = [p, p, p, i64, i64]
     lib.fxstab_split_bf16.restype = i64
@@ -146,10 +147,31 @@ def _checked(samples: torch.Tensor, n_samples: Optional[int], what: str):
     return lib, (x, n, xs, shape)
 
 
+class _Grid(ctypes.Structure):
+    """cpu_kernels.c grid_t: the grid the surrogate's perturbed values are rounded onto
+    (:func:`fxstab.numerics.surrogate.grid_for`), its constants in the working dtype."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in
+                ("on", "man_bits", "k", "max_bits", "min_sub_bits", "finite_only")]
+
+
+def _grid(fmt: Optional[Format], dtype: torch.dtype) -> _Grid:
+    """The :class:`_Grid` of ``fmt`` for samples of ``dtype`` (off where :func:`grid_for`
+    gives None)."""
+    fmt = grid_for(fmt, dtype)
+    if fmt is None:
+        return _Grid(on=0)
+    return _Grid(on=1, man_bits=fmt.man_bits, k=fmt.emin + WORKING_DTYPES[dtype].bias,
+                 max_bits=float_bits(fmt.max_normal, dtype),
+                 min_sub_bits=float_bits(fmt.min_subnormal, dtype),
+                 finite_only=int(fmt.finite_only))
+
+
 class _Fused(ctypes.Structure):
     """cpu_kernels.c fused_t: the consumer GEMM's surrogate, fused into round_stats."""
 
-    _fields_ = [("eta", ctypes.c_double), ("seed", ctypes.c_uint64), ("count", ctypes.c_int64)]
+    _fields_ = [("eta", ctypes.c_double), ("seed", ctypes.c_uint64), ("count", ctypes.c_int64),
+                ("grid", _Grid)]
 
 
 def _layout(x: torch.Tensor, n_samples: Optional[int]) -> tuple[torch.Tensor, int, int, tuple]:
@@ -259,15 +281,16 @@ def round_perturb(samples: torch.Tensor, fmt: Format, mode: Rounding, seed: int,
                   perturb_seed: int, *, saturate: bool = False, confidence: float = 0.95,
                   zero_threshold: float = 0.5, n_samples: Optional[int] = None,
                   in_place: bool = False, as_list: bool = False,
-                  run_shift: Optional[float] = None) -> tuple:
+                  run_shift: Optional[float] = None, grid: Optional[Format] = None) -> tuple:
     """:func:`round_stats` (statistics of the rounded samples) followed by the GEMM surrogate of
     :func:`perturb` on the rounded samples, in the same pass: each group of elements is
     perturbed while it is still in cache. The samples come back rounded *and* perturbed (bit
-    for bit ``perturb(round_stats(...)[0], eta, perturb_seed)``), for an output whose only
-    consumer is that GEMM. Returns (samples, stats, number of perturbed elements)."""
+    for bit ``perturb(round_stats(...)[0], eta, perturb_seed, grid=grid)``), for an output
+    whose only consumer is that GEMM. Returns (samples, stats, number of perturbed
+    elements)."""
     out, stats, _, count, _ = _round_stats(samples, fmt, mode, seed, saturate, confidence,
                                            zero_threshold, True, False, n_samples, in_place,
-                                           (eta, perturb_seed), False, run_shift)
+                                           (eta, perturb_seed, grid), False, run_shift)
     return out, stats if as_list else torch.tensor(stats, dtype=torch.float64), count
 
 
@@ -290,7 +313,8 @@ def _round_stats(samples, fmt, mode, seed, saturate, confidence, zero_threshold,
     if perturb_args is not None:
         if mode is None:
             raise ValueError("round_perturb needs a rounding mode")
-        fused = _Fused(eta=float(perturb_args[0]), seed=perturb_args[1] & M64)
+        fused = _Fused(eta=float(perturb_args[0]), seed=perturb_args[1] & M64,
+                       grid=_grid(perturb_args[2], x.dtype))
     stats, digits, zeros = r._run(x, xs, out, shape, seed, want_stats, want_digits,
                                   want_zero_mask, fused)
     return out, stats, digits, 0 if fused is None else int(fused.count), zeros
@@ -407,7 +431,8 @@ class Prepared:
     __slots__ = ("_fn", "_p", "_c", "_cref", "stats", "n", "rounds", "in_place", "_numel",
                  "_nt", "fused", "_expanded")
 
-    def __init__(self, r: Rounder, in_place: bool, eta: Optional[float] = None) -> None:
+    def __init__(self, r: Rounder, in_place: bool, eta: Optional[float] = None,
+                 grid: Optional[Format] = None) -> None:
         lib = _lib()
         self.n, self.rounds, self.in_place = r.n, r.mode is not None, in_place
         if eta is not None and r.mode is None:
@@ -415,7 +440,8 @@ class Prepared:
         self._p = _Params.from_buffer_copy(r._base)
         lib.fxstab_prepare_params(ctypes.byref(self._p), r.n)
         self.stats = _Stats()
-        self.fused = None if eta is None else _Fused(eta=float(eta))
+        self.fused = None if eta is None else _Fused(eta=float(eta),
+                                                     grid=_grid(grid, r.dtype))
         self._c = _PreparedCall(n=r.n, f64=int(r.dtype == torch.float64),
                                 p=ctypes.pointer(self._p),
                                 stats=ctypes.cast(self.stats, ctypes.POINTER(ctypes.c_double)),
@@ -643,8 +669,10 @@ def lookup_bf16(fn, x: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 def perturb(samples: torch.Tensor, eta: float, seed: int, *,
-            n_samples: Optional[int] = None) -> tuple[torch.Tensor, int]:
-    """The GEMM surrogate of :func:`fxstab.numerics.surrogate.perturb_samples`, bit for bit.
+            n_samples: Optional[int] = None,
+            grid: Optional[Format] = None) -> tuple[torch.Tensor, int]:
+    """The GEMM surrogate of :func:`fxstab.numerics.surrogate.perturb_samples` (``grid``: the
+    format its perturbed values are rounded onto), bit for bit.
 
     ``samples`` is ``[N, ...]``, or one plain value with ``n_samples`` (every sample identical:
     all elements are perturbed, the result is ``[N, ...]``). Returns the perturbed samples and
@@ -658,8 +686,10 @@ def perturb(samples: torch.Tensor, eta: float, seed: int, *,
         return out, 0
     fn = lib.fxstab_perturb_f32 if x.dtype == torch.float32 else lib.fxstab_perturb_f64
     moved = ctypes.c_int64(1)
+    on = _grid(grid, x.dtype)
     count = fn(x.data_ptr(), xs, out.data_ptr(), n, numel, float(eta), seed & M64,
-               torch.get_num_threads(), ctypes.byref(moved))
+               ctypes.byref(on) if on.on else None, torch.get_num_threads(),
+               ctypes.byref(moved))
     if not moved.value:  # nothing changes: keep the samples, write nothing
         return samples, int(count)
     return out, int(count)

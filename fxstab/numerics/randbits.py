@@ -14,6 +14,10 @@ The layout of the streams is part of the contract shared with ``fxstab.kernels``
 * The GEMM perturbation needs 8 bits per (e, d): byte ``e % 4`` of word ``(e // 4) % 4`` of
   ``philox(seed, c0=lo32(e // 16), c1=d, c2=hi32(e // 16), c3=0)``. One evaluation serves 16
   elements: perturbing the weights of every GEMM for every sample must stay cheap.
+* The perturbation's stochastic rounding onto the format's grid needs 16 bits per (e, d):
+  half ``e % 2`` (the low one first) of word ``(e // 2) % 4`` of
+  ``philox(seed, c0=lo32(e // 8), c1=d, c2=hi32(e // 8), c3=0)``. One evaluation serves 8
+  elements.
 
 Arithmetic is done on int64 tensors holding uint32 values; 32x32-bit products are split into
 16-bit halves so no intermediate overflows int64 (signed overflow is undefined in the C++
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["philox", "random_bits", "uniform_words", "random_bytes", "derive_seed", "split_seed",
+__all__ = ["philox", "random_bits", "uniform_words", "random_bytes", "random_halves", "derive_seed", "split_seed",
            "PHILOX_KEY_A", "PHILOX_KEY_B", "PHILOX_ROUND_A", "PHILOX_ROUND_B", "N_ROUNDS", "M32",
            "M64", "CPU_CHUNK"]
 
@@ -156,3 +160,18 @@ def random_bytes(seed: int, numel: int, draws: torch.Tensor | list[int], device=
     shifts = torch.arange(0, 32, 8, dtype=torch.int64, device=draws.device)
     b = (w.unsqueeze(-1) >> shifts) & 0xFF  # [D, G, 4 words, 4 bytes]
     return b.reshape(draws.shape[0], groups * 16)[:, :numel]
+
+
+def random_halves(seed: int, numel: int, draws: torch.Tensor | list[int], device=None,
+                  start: int = 0) -> torch.Tensor:
+    """16-bit uniforms (int64 in [0, 65536)) for draws x elements ``start ..`` (a multiple of
+    8): tensor [len(draws), numel]."""
+    _check_start(start, 8)
+    draws = torch.as_tensor(draws, dtype=torch.int64, device=device).reshape(-1, 1)
+    groups = (numel + 7) // 8
+    g = torch.arange(start // 8, start // 8 + groups, dtype=torch.int64,
+                     device=draws.device).reshape(1, -1)
+    w = torch.stack(philox(seed, g & M32, draws, g >> 32, 0), dim=-1)  # [D, G, 4]
+    shifts = torch.tensor([0, 16], dtype=torch.int64, device=draws.device)
+    h = (w.unsqueeze(-1) >> shifts) & 0xFFFF  # [D, G, 4 words, 2 halves]
+    return h.reshape(draws.shape[0], groups * 8)[:, :numel]

@@ -103,15 +103,16 @@ def test_triton_and_torch_paths_agree(dtype):
     for f in ("avg", "min", "max"):
         assert abs(getattr(s1, f) - getattr(s2, f)) < 1e-5
     assert torch.allclose(d1, d2, atol=1e-5, rtol=0)
-    p1, n1 = K.perturb(x.float(), 2.0**-3, 5, kernels="triton")
-    p2, n2 = K.perturb(x.float(), 2.0**-3, 5, kernels="torch")
-    assert_bits_equal(p1, p2)
-    assert n1 == n2 and isinstance(n1, int)
+    for grid in (None, "bf16"):
+        p1, n1 = K.perturb(x.float(), 2.0**-3, 5, kernels="triton", grid=grid)
+        p2, n2 = K.perturb(x.float(), 2.0**-3, 5, kernels="torch", grid=grid)
+        assert_bits_equal(p1, p2)
+        assert n1 == n2 and isinstance(n1, int)
 
 
 def _model(x):
     round_op, perturb_op = K.register_ops()
-    p, _ = torch.ops.fxstab.perturb(x, 2.0**-8, 3, "torch")
+    p, _ = torch.ops.fxstab.perturb(x, 2.0**-8, 3, 8, 7, False, "torch")  # bf16 grid
     r, st, _ = torch.ops.fxstab.round_digits(p, 8, 7, False, "random", -5, False, 0.95, 0.5,
                                              False, "torch")
     return r * 2, st
@@ -154,7 +155,7 @@ def test_custom_ops_survive_torch_compile_aot(impl):
     def f(x):
         r, st, _ = torch.ops.fxstab.round_digits(torch.sin(x), 5, 10, False, "stochastic", 7,
                                                  False, 0.95, 0.5, False, impl)
-        p, cnt = torch.ops.fxstab.perturb(r, 2.0**-11, 1, impl)
+        p, cnt = torch.ops.fxstab.perturb(r, 2.0**-11, 1, 5, 10, False, impl)  # fp16 grid
         return p + 1, st, cnt
 
     torch._dynamo.reset()

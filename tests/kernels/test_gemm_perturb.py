@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fxstab.kernels.gemm_perturb import perturb, perturb_torch
+from fxstab.numerics.formats import get_format
 
 from kernel_testutil import assert_bits_equal, needs_cuda, needs_interpreter
 
@@ -33,11 +34,14 @@ def _inputs(n: int, shape, dtype, eta: float, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
 @pytest.mark.parametrize("n,shape", [(1, (311,)), (2, (311,)), (3, (9999,)), (5, (7, 13)),
                                      (3, (0,)), (3, (1,))], ids=str)
-def test_perturb_bit_exact(n, shape, dtype):
+@pytest.mark.parametrize("grid", [None, "bf16", "fp8_e4m3"])
+def test_perturb_bit_exact(n, shape, dtype, grid):
+    """With a grid too: the perturbed values rounded onto it stochastically (the same words)."""
     eta = 2.0 ** -8
+    grid = None if grid is None else get_format(grid)
     x = _inputs(n, shape, dtype, eta, seed=n)
-    a, ca = perturb(x, eta, 2**64 - 77)
-    b, cb = perturb_torch(x, eta, 2**64 - 77)
+    a, ca = perturb(x, eta, 2**64 - 77, grid)
+    b, cb = perturb_torch(x, eta, 2**64 - 77, grid)
     assert_bits_equal(a, b)
     assert ca.item() == cb.item()
     if math.prod(shape) > 100:

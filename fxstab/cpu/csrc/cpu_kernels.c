@@ -84,12 +84,20 @@ typedef struct {
 #define HIST(e, b) ((e)->hist[(b) * 4] + (e)->hist[(b) * 4 + 1] + (e)->hist[(b) * 4 + 2] + \
                     (e)->hist[(b) * 4 + 3])
 
-/* The surrogate of the GEMM that consumes a rounded output (fused into round_stats): eta and
- * seed in, the number of insufficiently separated elements out. */
+/* The grid the surrogate's perturbed values are rounded onto, stochastically and saturating
+ * (fxstab.numerics.surrogate: grid_for, GRID_SALT): the format's constants in the working
+ * dtype as rp_t holds them; on = 0: no rounding. */
+typedef struct {
+    int64_t on, man_bits, k, max_bits, min_sub_bits, finite_only;
+} grid_t;
+
+/* The surrogate of the GEMM that consumes a rounded output (fused into round_stats): eta,
+ * seed and grid in, the number of insufficiently separated elements out. */
 typedef struct {
     double eta;
     uint64_t seed;
     int64_t count;
+    grid_t grid;
 } fused_t;
 
 /* Philox4x32-10 exactly as tl.philox / fxstab.numerics.randbits.philox. */
@@ -108,6 +116,18 @@ static inline void philox(uint64_t seed, uint32_t c[4]) {
         k1 += 0xBB67AE85u;
     }
 }
+
+/* fxstab.numerics.randbits.derive_seed of one salt (SplitMix64 finalisation of the seed mixed
+ * with it). */
+static uint64_t derive1(uint64_t z, uint64_t s) {
+    z = z ^ (s + 0x9E3779B97F4A7C15ull + (z << 6) + (z >> 2));
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* fxstab.numerics.surrogate.GRID_SALT */
+#define GRID_SALT 0x67726964ull
 
 /* Philox of `lanes` independent counters at once (c[word][lane]), the lane loop innermost so
  * it vectorises (32x32 -> 64-bit products are one instruction per 4 lanes on AVX2). */
@@ -1669,14 +1689,23 @@ DEFINE_CLOSE_BLOCK(close_block_f64, double)
 
 /* Sample by sample, the perturbed values of group g (cnt elements at e0) into out: x_k * (1 +
  * eta r) where close, x_k elsewhere; x and out may be the same rows (each value is read before
- * it is written). */
-#define DEFINE_PERTURB_GROUP(NAME, FT)                                                          \
+ * it is written). With a grid, a perturbed value is then rounded onto it stochastically,
+ * saturating, with the 16-bit uniform of fxstab.numerics.randbits.random_halves (half e % 2 of
+ * word (e / 2) % 4 of philox(derive_seed(seed, GRID_SALT), e / 8, k, ...)) as the top of the
+ * 32-bit word. */
+#define DEFINE_PERTURB_GROUP(NAME, FT, UT, ROUND)                                               \
     ALWAYS_INLINE void NAME(const FT *x, int64_t xs, FT *out, int64_t n, int64_t numel,        \
                             int64_t g, int64_t e0, int64_t cnt, FT eta, uint64_t seed,          \
-                            const int *close, int64_t moving) {                                 \
+                            const int *close, int64_t moving, const grid_t *grid) {             \
         FT fac[BLK];                                                                            \
         uint32_t rec[BLK / 4];                                                                  \
         uint32_t w[4][PHILOX_LANES];                                                            \
+        uint32_t hw[4][PHILOX_LANES]; /* the grid rounding's words, 16 lanes per sample */     \
+        const int on_grid = grid != NULL && grid->on;                                           \
+        const uint64_t gseed = on_grid ? derive1(seed, GRID_SALT) : 0;                          \
+        const rp_t gr = {on_grid ? grid->man_bits : 0, on_grid ? grid->k : 0,                   \
+                         on_grid ? grid->max_bits : 0, on_grid ? grid->min_sub_bits : 0,        \
+                         on_grid ? grid->finite_only : 0, 1};                                   \
         const int nq = (int)((cnt + 15) / 16);                                                  \
         /* the counters of every sample's records in one Philox run when they fit (8 lanes */  \
         /* per sample: N <= 16), else one run per sample */                                     \
@@ -1704,17 +1733,37 @@ DEFINE_CLOSE_BLOCK(close_block_f64, double)
             for (int q = 0; q < nq; q++)                                                        \
                 for (int wd = 0; wd < 4; wd++) rec[q * 4 + wd] = w[wd][slot * nq + q];          \
             const uint8_t *rb = (const uint8_t *)rec;                                           \
+            if (!on_grid) {                                                                     \
+                for (int64_t el = 0; el < cnt; el++) {                                          \
+                    FT r = (FT)(2 * (int)rb[el] + 1) * (FT)(1.0 / 256.0) - (FT)1;               \
+                    fac[el] = (FT)1 + eta * r;                                                  \
+                    FT v = xi[el];                                                              \
+                    oi[el] = close[el] ? v * fac[el] : v;                                       \
+                }                                                                               \
+                continue;                                                                       \
+            }                                                                                   \
+            const int nh = (int)((cnt + 7) / 8);                                                \
+            for (int q = 0; q < nh; q++) {                                                      \
+                uint64_t gg = (uint64_t)(g * (BLK / 8) + q);                                    \
+                hw[0][q] = (uint32_t)gg; hw[1][q] = (uint32_t)i;                                \
+                hw[2][q] = (uint32_t)(gg >> 32); hw[3][q] = 0;                                  \
+            }                                                                                   \
+            philox_lanes(gseed, hw, nh);                                                        \
             for (int64_t el = 0; el < cnt; el++) {                                              \
                 FT r = (FT)(2 * (int)rb[el] + 1) * (FT)(1.0 / 256.0) - (FT)1;                   \
-                fac[el] = (FT)1 + eta * r;                                                      \
-                FT v = xi[el];                                                                  \
-                oi[el] = close[el] ? v * fac[el] : v;                                           \
+                FT v = xi[el], y = v * ((FT)1 + eta * r);                                       \
+                uint32_t word = (hw[(el >> 1) & 3][el >> 3] >> (16 * (el & 1))) << 16;          \
+                UT b;                                                                           \
+                memcpy(&b, &y, sizeof b);                                                       \
+                b = ROUND(b, gr, MODE_STOCHASTIC, word);                                        \
+                memcpy(&y, &b, sizeof b);                                                       \
+                oi[el] = close[el] ? y : v;                                                     \
             }                                                                                   \
         }                                                                                       \
     }
 
-DEFINE_PERTURB_GROUP(perturb_group_f32, float)
-DEFINE_PERTURB_GROUP(perturb_group_f64, double)
+DEFINE_PERTURB_GROUP(perturb_group_f32, float, uint32_t, round_f32)
+DEFINE_PERTURB_GROUP(perturb_group_f64, double, uint64_t, round_f64)
 
 /* ---------------------------------------------------------------------------------------
  * The arithmetic level's usual primitive computed inside round_stats (fxstab.cpu.bindings.Binary):
@@ -1904,7 +1953,7 @@ typedef struct {
                     *n_close += c;                                                              \
                     if (moving)                                                                 \
                         PERTURB_GROUP(out, numel, out, n, numel, g, e0, cnt, eta, fused->seed,  \
-                                      close, moving);                                           \
+                                      close, moving, &fused->grid);                             \
                 }                                                                               \
             }                                                                                   \
         }                                                                                       \
@@ -2117,7 +2166,7 @@ void fxstab_round_stats_prepared(const prepared_t *c) {
  * surrogate's time). */
 #define DEFINE_PERTURB(NAME, FT, CLOSE, PERTURB_GROUP)                                          \
     int64_t NAME(const FT *x, int64_t xs, FT *out, int64_t n, int64_t numel, double eta_d,     \
-                 uint64_t seed, int64_t nthreads, int64_t *moved) {                             \
+                 uint64_t seed, const grid_t *grid, int64_t nthreads, int64_t *moved) {         \
         if (n < 1 || n > MAX_SAMPLES) return -1;                                                \
         int64_t groups = (numel + BLK - 1) / BLK, count = 0, moving = 0;                        \
         int nt = (int)nthreads;                                                                 \
@@ -2148,11 +2197,11 @@ void fxstab_round_stats_prepared(const prepared_t *c) {
             _Pragma("omp parallel for num_threads(nt) schedule(static) reduction(+:count)")     \
             for (int64_t g = 0; g < groups; g++)                                                \
                 PERTURB_CLOSE_GROUP(CLOSE, FT, PERTURB_GROUP(x, xs, out, n, numel, g, e0, cnt, eta, \
-                                                      seed, close, mv))                         \
+                                                      seed, close, mv, grid))                         \
         } else { /* one thread: no OpenMP region (~1 us: round_stats) */                        \
             for (int64_t g = 0; g < groups; g++)                                                \
                 PERTURB_CLOSE_GROUP(CLOSE, FT, PERTURB_GROUP(x, xs, out, n, numel, g, e0, cnt, eta, \
-                                                      seed, close, mv))                         \
+                                                      seed, close, mv, grid))                         \
         }                                                                                       \
         return count;                                                                           \
     }
@@ -2199,12 +2248,6 @@ int64_t fxstab_lookup_bf16(const float *x, float *out, int64_t numel, const floa
  * call's primitives at once: seeds[i] = derive_seed(seed, salts[i]) and then[i] =
  * derive_seed(seeds[i], then_salt). In Python each is a dozen big-integer operations.
  */
-static uint64_t derive1(uint64_t z, uint64_t s) {
-    z = z ^ (s + 0x9E3779B97F4A7C15ull + (z << 6) + (z >> 2));
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
 
 /* derive_seed(bases[i], call, purposes[i]) for every i: the seeds of one analysed call's steps
  * (fxstab.rules.op_level.SampleTracer), in one call instead of one Python loop each. */

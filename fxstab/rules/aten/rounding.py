@@ -229,9 +229,10 @@ def round_fp64(side_of: Optional[Callable], op, args: tuple, kwargs: dict, y: to
 
 
 def perturb_operand(samples: torch.Tensor, eta: float, seed: int, ctx: AtenContext) -> tuple[torch.Tensor, int]:
-    """The GEMM surrogate (docs/design.md §4): :func:`fxstab.numerics.surrogate.perturb_samples`, through the
-    fused kernel where it runs (same bits; :data:`fxstab.executors.ATEN_PERTURB`)."""
-    return ctx.kernel(executors.ATEN_PERTURB, samples)(samples, eta, seed)
+    """The GEMM surrogate (docs/design.md §4): :func:`fxstab.numerics.surrogate.perturb_samples`
+    onto the format's grid, through the fused kernel where it runs (same bits;
+    :data:`fxstab.executors.ATEN_PERTURB`)."""
+    return ctx.kernel(executors.ATEN_PERTURB, samples)(samples, eta, seed, ctx.fmt)
 
 
 def round_complex(v: torch.Tensor, ctx: AtenContext, seed: Optional[int], want_stats: bool,

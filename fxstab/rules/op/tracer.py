@@ -445,12 +445,17 @@ class SampleTracer(torch.fx.Interpreter):
         """The surrogate's threshold for a GEMM: the configured one, else (format="auto") the
         unit roundoff of the format the GEMM rounds into."""
         eta = self.cfg.data_perturbation_threshold
-        return eta if eta is not None else (plan.format or self.fmt).unit_roundoff
+        return eta if eta is not None else self._grid(plan).unit_roundoff
+
+    def _grid(self, plan: NodePlan) -> Any:
+        """The format a GEMM rounds into: its surrogate's perturbed values go on its grid."""
+        return plan.format or self.fmt
 
     def _perturb_step(self, plan: NodePlan, purpose: int, stacked: bool, xs: list) -> list:
         x = xs[0]
         perturb = self.state.kernel(executors.PERTURB, x)  # (x plain: read as N samples)
-        out, count = perturb(x, self._eta(plan), self.seed(plan, purpose), self.n, stacked)
+        out, count = perturb(x, self._eta(plan), self.seed(plan, purpose), self.n, stacked,
+                             self._grid(plan))
         if count:
             self.fired[plan.index] = True
         return [out]
@@ -501,7 +506,8 @@ class SampleTracer(torch.fx.Interpreter):
                                    confidence=cfg.confidence,
                                    zero_threshold=cfg.zero_threshold, in_place=own,
                                    run_shift=cfg.run_shift,
-                                   eta=self._eta(fuse[0]) if fused is not None else None)
+                                   eta=self._eta(fuse[0]) if fused is not None else None,
+                                   grid=self._grid(fuse[0]) if fused is not None else None)
             to_round.append(RoundedOutput(j, stacked, own, t.is_complex(), fused, prepared))
         if not to_round:
             return out, False
@@ -597,7 +603,7 @@ class SampleTracer(torch.fx.Interpreter):
                     self._eta(user), self.seed(user, 1000 + leaf),
                     saturate=cfg.saturate, confidence=cfg.confidence,
                     zero_threshold=cfg.zero_threshold, in_place=o.in_place,
-                    run_shift=cfg.run_shift)
+                    run_shift=cfg.run_shift, grid=self._grid(user))
                 if count:
                     self.fired[user.index] = True
                 outs.append(samples)
