@@ -801,3 +801,70 @@ def test_fix_page_shows_the_fixes_at_their_lines_in_chromium(browser, tmp_path, 
         assert pg.page.locator("#fixes-section b:has-text('bold'), #fixes-section i").count() == 0
     finally:
         pg.close()
+
+
+class TinyGPT(torch.nn.Module):
+    """Two pre-norm blocks of attention and an MLP, the trainer page's model."""
+
+    def __init__(self, d: int = 16, blocks: int = 2):
+        super().__init__()
+        self.tok = torch.nn.Embedding(32, d)
+        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict(dict(
+            ln1=torch.nn.LayerNorm(d), qkv=torch.nn.Linear(d, 3 * d), proj=torch.nn.Linear(d, d),
+            ln2=torch.nn.LayerNorm(d), fc1=torch.nn.Linear(d, 2 * d),
+            fc2=torch.nn.Linear(2 * d, d))) for _ in range(blocks))
+        self.ln_f, self.head = torch.nn.LayerNorm(d), torch.nn.Linear(d, 32)
+
+    def forward(self, idx):
+        x = self.tok(idx)
+        for b in self.blocks:
+            q, k, v = b["qkv"](b["ln1"](x)).chunk(3, -1)
+            x = x + b["proj"](torch.softmax(q @ k.transpose(-1, -2) / 4.0, -1) @ v)
+            x = x + b["fc2"](torch.relu(b["fc1"](b["ln2"](x))))
+        return self.head(self.ln_f(x))
+
+
+def test_a_trainer_page_draws_the_backward_beside_the_forward_in_chromium(browser, tmp_path):
+    # issue 56 item 14: the page a training callback writes (backward=True) drew the
+    # backward's operators inside the forward's module boxes and layers, and each backward
+    # block a fan's width right of the one before, the gradient's long edges across the page
+    from fxstab.integrations.core import StepAnalysis
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    run = StepAnalysis(tmp_path, every=1, format="bf16", n_samples=3)
+    run.analyse(model, (torch.randint(0, 32, (2, 8)),), {}, 1, lambda o: o.pow(2).mean())
+    torch._dynamo.reset()
+    page_path = run.finish()[0]
+    dm = DigitMap.load(page_path.with_suffix(".json"))
+    backward = {n for n, op in dm.operators.items() if op.direction == "backward"}
+    assert len(backward) > 40 and {f"grad/add#{k}" for k in range(3)} <= backward
+    pg = Opened(browser, page_path)
+    try:
+        assert pg.errors == []
+        boxes = pg.page.eval_on_selector_all("#graph g.op", """gs => Object.fromEntries(
+            gs.map(g => { const b = g.querySelector('rect.box').getBBox();
+                          return [g.dataset.name,
+                                  [b.x, b.y, b.x + b.width, b.y + b.height]]; }))""")
+        groups = pg.page.eval_on_selector_all("#graph g.group", """gs => gs.map(g => {
+            const b = g.querySelector('rect').getBBox();
+            return [g.querySelector('text').textContent,
+                    [b.x, b.y, b.x + b.width, b.y + b.height]]; })""")
+        assert set(boxes) == set(dm.operators)
+        width = boxes["head/linear#0/grad/mm#0"][2] - boxes["head/linear#0/grad/mm#0"][0]
+        # the backward is a band of its own, right of the forward, in module boxes of its own
+        assert min(boxes[n][0] for n in backward) > max(
+            b[2] for n, b in boxes.items() if n not in backward)
+        for title, (x0, y0, x1, y1) in groups:
+            inside = {n in backward for n, b in boxes.items()
+                      if x0 <= b[0] and b[2] <= x1 and y0 <= b[1] and b[3] <= y1}
+            assert inside == {title.endswith(" backward")}, title
+        # the gradient runs straight down: each residual join below the one before (or at
+        # the top of the next column), never a fan's width aside
+        joins = sorted((n for n in backward if n.startswith("grad/add#")),
+                       key=lambda n: int(n.split("#")[1]))
+        for a, b in zip(joins, joins[1:]):
+            if boxes[b][1] > boxes[a][1]:  # same column
+                assert abs(boxes[b][0] - boxes[a][0]) < width, (a, b)
+    finally:
+        pg.close()

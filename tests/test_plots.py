@@ -63,6 +63,64 @@ def transformer_map(blocks: int = 3, nan_block: int | None = None, steps=(None,)
     return DigitMap.from_reports(reports, metadata={"seed": 0})
 
 
+def training_step_map(blocks: int = 6) -> DigitMap:
+    """:func:`transformer_map`'s forward and its backward as a trainer's page records it
+    (``backward=True``): each backward operator named after the forward one it belongs to
+    (``blocks.5.mlp.2/linear#0/grad/mm#0``, in that module), the gradient's residual joins
+    ``grad/add#k`` at the top level, a ``<parameter>/grad`` per parameter (listed last), the
+    backward's first operators without inputs in the map (the loss's gradient is not one),
+    as in a map recorded from a small GPT (fxstab/integrations/core.py: StepAnalysis)."""
+    fwd = list(transformer_map(blocks).operators.values())
+    reports = [rep(op.name, op.avg_digits, op.min_digits, op.inputs) for op in fwd]
+    params: list = []
+    n_add = 0
+
+    def bw(name, module, inputs, kind=None):
+        reports.append(OpReport(
+            name=name, kind=kind or name.rsplit("/", 1)[1].split("#")[0], module_path=module,
+            avg_digits=1.8, min_digits=0.5, max_digits=BF16_CAP, inputs=tuple(inputs),
+            format="bf16", n_samples=3, numel=100, direction="backward"))
+        return name
+
+    def linear(mod, g):  # input, weight and bias gradients of mod/linear#0
+        grads = [bw(f"{mod}/linear#0/grad/{k}", mod, [g] if g else [])
+                 for k in ("mm#0", "mm#1", "sum#0")]
+        params.extend([(f"{mod}.weight/grad", mod, [grads[1]]),
+                       (f"{mod}.bias/grad", mod, [grads[2]])])
+        return grads[0]
+
+    def join(a, b):
+        nonlocal n_add
+        n_add += 1
+        return bw(f"grad/add#{n_add - 1}", "", [a, b])
+
+    g = linear("head", None)
+    params[:0] = [(f"ln_f.{w}/grad", "ln_f", [g]) for w in ("weight", "bias")]
+    for b in reversed(range(blocks)):
+        p = f"blocks.{b}"
+        h = linear(f"{p}.mlp.2", g)
+        h = bw(f"{p}.mlp.1/gelu#0/grad/gelu_backward#0", f"{p}.mlp.1", [h])
+        h = linear(f"{p}.mlp.0", h)
+        params.extend((f"{p}.ln2.{w}/grad", f"{p}.ln2", [h]) for w in ("weight", "bias"))
+        g = join(h, g)
+        h = linear(f"{p}.attn.proj", g)
+        v = bw(f"{p}.attn/matmul#1/grad/bmm#0", f"{p}.attn", [h])
+        s = bw(f"{p}.attn/matmul#1/grad/bmm#1", f"{p}.attn", [h])
+        s = bw(f"{p}.attn/softmax#0/grad/softmax_backward_data#0", f"{p}.attn", [s])
+        q, k = (bw(f"{p}.attn/matmul#0/grad/bmm#{i}", f"{p}.attn", [s]) for i in (0, 1))
+        grads = [bw(f"{p}.attn.qkv/linear#0/grad/{n}", f"{p}.attn.qkv", [q, k, v])
+                 for n in ("mm#0", "mm#1", "sum#0")]
+        params.extend([(f"{p}.attn.qkv.weight/grad", f"{p}.attn.qkv", [grads[1]]),
+                       (f"{p}.attn.qkv.bias/grad", f"{p}.attn.qkv", [grads[2]])])
+        params.extend((f"{p}.ln1.{w}/grad", f"{p}.ln1", [grads[0]]) for w in ("weight", "bias"))
+        g = join(grads[0], g)
+    e = bw("tok/embedding#0/grad/embedding_dense_backward#0", "tok", [g])
+    params.append(("tok.weight/grad", "tok", [e]))
+    for name, module, inputs in params:
+        bw(name, module, inputs, "param_grad")
+    return DigitMap.from_reports(reports, metadata={"seed": 0})
+
+
 def _is_png(path: Path) -> bool:
     return path.stat().st_size > 0 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -193,6 +251,40 @@ def test_a_deep_model_wraps_into_columns_between_blocks(blocks):
         assert len(e.connectors) == gap
         for c in e.connectors:
             assert c[0][1] < c[2][1]  # up the gap between the columns
+
+
+@pytest.mark.parametrize("blocks", [2, 6, 12])
+def test_a_training_map_draws_its_backward_as_a_band_beside_the_forward(blocks):
+    # issue 56 item 14: the backward's operators shared the forward's modules and layers
+    # (blocks.5's gradients inside the forward's blocks.5 box, the head's beside the
+    # embedding), and each backward block stood a fan's width right of the one before, a
+    # staircase 57 x 46 in at 6 blocks with the long edges of the residual gradient across it
+    dm = training_step_map(blocks)
+    lay = plots.layout_graph(dm)
+    check_layout(dm, lay)
+    nodes, box = lay.nodes, next(iter(lay.nodes.values())).w
+    bwd = {n for n, op in dm.operators.items() if op.direction == "backward"}
+    # a band of its own: the backward's columns right of the forward's, its own module boxes
+    assert max(nodes[n].column for n in dm.operators if n not in bwd) < \
+        min(nodes[n].column for n in bwd)
+    for g in lay.groups:
+        assert len({n in bwd for n in g.members}) == 1, g.key
+        assert g.key.endswith(" backward") == (g.members[0] in bwd)
+    assert {g.key for g in lay.groups} >= {f"blocks.{b} backward" for b in range(blocks)}
+    # the gradient flows straight down the band: its residual joins stand in a line in
+    # each column, and no column is wider than its widest fan (5 boxes and the lanes)
+    joins = [nodes[n] for n in dm.operators if n.startswith("grad/add#")]
+    for c in {j.column for j in joins}:
+        xs = [j.x for j in joins if j.column == c]
+        assert max(xs) - min(xs) < 1.5 * box, (c, xs)
+    for c in range(lay.columns):
+        xs = [(b.x - b.w / 2, b.x + b.w / 2) for b in nodes.values() if b.column == c]
+        assert max(x for _, x in xs) - min(x for x, _ in xs) < 7 * box, c
+    # the head's weight gradient (no input in the map: its own part of the graph) stands
+    # beside the loss's other gradients, not where the first placement left it
+    first = nodes["head/linear#0/grad/mm#0"]
+    assert 0 < nodes["head/linear#0/grad/mm#1"].x - first.x < 4 * box
+    assert 0.6 < lay.width / lay.height < 2.5
 
 
 def test_a_short_chain_stays_one_column():

@@ -3,7 +3,9 @@
 :func:`layout_graph` lays out a digit map's operator graph (no graphviz needed): operators in
 layers from the top down, one layer per step of the longest path, each run of a repeated
 module (``blocks.3``, ``layers.11``) in its own labelled box, and the layers wrapped into
-newspaper columns when one column would be too tall to read. The result, a
+newspaper columns when one column would be too tall to read. A map with a backward (a
+trainer's, ``backward=True``) draws it after the forward, from the top of a column of its
+own, in module boxes of its own (``blocks.3 backward``). The result, a
 :class:`GraphLayout`, is plain data in inches; :mod:`fxstab.plots.draw` draws it.
 """
 
@@ -35,7 +37,10 @@ _ASPECT = 1.3  # width / height aimed at when wrapping
 
 @dataclass
 class NodeBox:
-    """One operator in a :class:`GraphLayout`: box centre, size, layer and place."""
+    """One operator in a :class:`GraphLayout`: box centre, size, layer and place.
+
+    ``group``: the title of the module box it is drawn in (``blocks.3``, ``blocks.3
+    backward``), ``""`` outside any."""
 
     name: str
     x: float
@@ -118,15 +123,17 @@ def _label(name: str, key: str) -> str:
     return name
 
 
-def _order(names: list, preds: dict, succs: dict, key: dict) -> tuple[list, set]:
+def _order(names: list, preds: dict, succs: dict, key: dict,
+           backward: frozenset = frozenset()) -> tuple[list, set]:
     """A topological order that finishes a module before starting the next where it can.
 
     Kahn's algorithm; among the ready operators, those of the module drawn last come first,
-    then the map's order. A cycle (not produced by fxstab, but a hand-made map may have one)
-    is broken at the earliest remaining operator; the edges it ignores are returned as back
-    edges.
+    then the forward's before the backward's (``backward``: the names of backward operators,
+    whose key differs from their forward module's), then the map's order. A cycle (not
+    produced by fxstab, but a hand-made map may have one) is broken at the earliest remaining
+    operator; the edges it ignores are returned as back edges.
     """
-    index = {n: i for i, n in enumerate(names)}
+    index = {n: (n in backward, i) for i, n in enumerate(names)}
     missing = {n: len(preds[n]) for n in names}
     ready_all: list = []
     ready_by: dict = {}
@@ -164,11 +171,12 @@ def _order(names: list, preds: dict, succs: dict, key: dict) -> tuple[list, set]
     return order, back
 
 
-def _place_row(items: list, desired: dict, width: dict) -> dict:
+def _place_row(items: list, desired: dict, width: dict, weight: dict) -> dict:
     """x of the items of one layer, in their order, as near as possible to ``desired``.
 
-    Least squares under the order and the minimum spacing (pool adjacent violators on
-    ``desired - offset``, offset = cumulative spacing): the nearest non-overlapping placement.
+    Weighted least squares under the order and the minimum spacing (pool adjacent violators
+    on ``desired - offset``, offset = cumulative spacing): the nearest non-overlapping
+    placement, a heavy item moved least.
     """
     offs, acc = [], 0.0
     for i, it in enumerate(items):
@@ -176,17 +184,18 @@ def _place_row(items: list, desired: dict, width: dict) -> dict:
             gap = _GAP if width[items[i - 1]] > _DUMMY_W or width[it] > _DUMMY_W else _GAP / 3
             acc += (width[items[i - 1]] + width[it]) / 2 + gap
         offs.append(acc)
-    blocks: list = []  # [sum, count]
-    for d, o in zip((desired[it] for it in items), offs):
-        blocks.append([d - o, 1])
+    blocks: list = []  # [weighted sum, weight, count]
+    for it, o in zip(items, offs):
+        blocks.append([weight[it] * (desired[it] - o), weight[it], 1])
         while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            s, c = blocks.pop()
+            s, w, c = blocks.pop()
             blocks[-1][0] += s
-            blocks[-1][1] += c
+            blocks[-1][1] += w
+            blocks[-1][2] += c
     out, i = {}, 0
-    for s, c in blocks:
+    for s, w, c in blocks:
         for _ in range(c):
-            out[items[i]] = s / c + offs[i]
+            out[items[i]] = s / w + offs[i]
             i += 1
     return out
 
@@ -308,10 +317,22 @@ def _reduce_crossings(rows: list, up: dict, down: dict) -> tuple[list, int]:
 
 def _x_positions(rows: list, up: dict, down: dict, width: dict) -> dict:
     """x of every item: toward the mean of its neighbours above, then below, then both
-    (eight sweeps), each layer placed by :func:`_place_row`."""
+    (eight sweeps), each layer placed by :func:`_place_row`.
+
+    Means and placements are weighted by the length of the path below an item, plus one: a
+    chain that goes on (the residual stream, the gradient flowing back through a block) runs
+    straight and the branches that end soon (a weight's gradient off the input gradient) move
+    aside, instead of each fan shifting the chain by half its width, a staircase across the
+    page.
+    """
+    height: dict = {}
+    for row in reversed(rows):
+        for it in row:
+            height[it] = max((height[d] + 1 for d in down[it]), default=0)
+    weight = {it: (1.0 + h) ** 3 for it, h in height.items()}
     x: dict = {}
     for row in rows:
-        x.update(_place_row(row, {it: 0.0 for it in row}, width))
+        x.update(_place_row(row, {it: 0.0 for it in row}, width, weight))
     n = len(rows)
     for sweep in range(8):
         for k in (range(n) if sweep % 2 == 0 else range(n - 1, -1, -1)):
@@ -319,23 +340,66 @@ def _x_positions(rows: list, up: dict, down: dict, width: dict) -> dict:
             for it in rows[k]:
                 nbs = up[it] + down[it] if sweep >= 6 else (up[it] if sweep % 2 == 0 else
                                                            down[it])
-                want[it] = sum(x[m] for m in nbs) / len(nbs) if nbs else x[it]
-            x.update(_place_row(rows[k], want, width))
+                want[it] = (sum(weight[m] * x[m] for m in nbs) / sum(weight[m] for m in nbs)
+                            if nbs else x[it])
+            x.update(_place_row(rows[k], want, width, weight))
     return x
 
 
-def _columns(run_layers: list, titled: list, lo: list, hi: list) -> list:
+def _pack_components(rows: list, up: dict, down: dict, width: dict, x: dict) -> None:
+    """Move each connected part of the graph left, next to what precedes it in its layers.
+
+    The sweeps place a part only against its own neighbours: a part not connected to the rest
+    (the head's weight gradient, ``head/linear#0/grad/mm#1 -> head.weight/grad``: the loss's
+    gradient that feeds it is no operator of the map) stays where the first placement put it
+    while the rest moves, a box far to the right. Parts in the order of their leftmost item,
+    each shifted left until one of its items is ``_GAP`` from the item before it in its layer
+    (order and spacing kept; the leftmost part does not move).
+    """
+    part: dict = {}
+    for row in rows:
+        for it in row:
+            if it in part:
+                continue
+            part[it], stack = it, [it]
+            while stack:
+                for m in up[stack[-1]] + down[stack.pop()]:
+                    if m not in part:
+                        part[m] = it
+                        stack.append(m)
+    members: dict = {}
+    for k, row in enumerate(rows):
+        for i, it in enumerate(row):
+            members.setdefault(part[it], []).append((k, i))
+    if len(members) < 2:
+        return
+    for root in sorted(members, key=lambda r: min(x[rows[k][i]] for k, i in members[r])):
+        room = math.inf
+        for k, i in members[root]:
+            it = rows[k][i]
+            if i and part[rows[k][i - 1]] != root:
+                prev = rows[k][i - 1]
+                room = min(room, x[it] - width[it] / 2 - x[prev] - width[prev] / 2 - _GAP)
+        if 0 < room < math.inf:
+            for k, i in members[root]:
+                x[rows[k][i]] -= room
+
+
+def _columns(run_layers: list, titled: list, lo: list, hi: list, start: int = -1) -> list:
     """Layer ranges of the columns the layers are wrapped into.
 
     One column up to 9 inches; beyond, the number of columns (1..64) whose picture comes
     nearest to 1.3 times as wide as tall, with whole runs in a column while they fit and a
-    penalty for each run cut between columns.
+    penalty for each run cut between columns. Run ``start`` (the backward's first) always
+    opens a column: the backward is a band of its own beside the forward.
     """
     run_h = [depth * _ROW + (_TITLE_H if t else 0) + _RUN_GAP
              for (_, depth), t in zip(run_layers, titled)]
     total_h = sum(run_h)
     n_layers = sum(depth for _, depth in run_layers)
     if total_h <= _MIN_WRAP_H:
+        if start > 0:
+            return [(0, run_layers[start][0]), (run_layers[start][0], n_layers)]
         return [(0, n_layers)]
 
     # a short run (the embeddings above the first block, the head below the last) stays
@@ -345,8 +409,8 @@ def _columns(run_layers: list, titled: list, lo: list, hi: list) -> list:
     def split(target: float) -> list:
         cols, cur, h = [], [], 0.0
         for r, (f, depth) in enumerate(run_layers):
-            if cur and h + run_h[r] > 1.15 * target and h >= 0.5 * target and \
-                    run_h[r] >= short:
+            if cur and (r == start or h + run_h[r] > 1.15 * target and h >= 0.5 * target and
+                        run_h[r] >= short):
                 cols.append(cur)
                 cur, h = [], 0.0
             if run_h[r] > 1.3 * target:  # a run taller than a column: cut it into columns
@@ -388,10 +452,13 @@ def layout_graph(dm: DigitMap) -> GraphLayout:
     """A layered top-down layout of the map's operator graph, grouped by module.
 
     Steps (after Sugiyama et al.): a topological order that keeps each module's operators
-    together (:func:`_order`); runs of consecutive operators of one group (:func:`group_key`)
-    stacked from the top, each layered inside itself (:func:`_layer_runs`); a lane per layer
-    crossed by a long edge (:func:`_lanes`); barycentre sweeps against crossings; x by least
-    squares toward the neighbours; the layers wrapped into columns (:func:`_columns`); edges
+    together, the forward's before the backward's (:func:`_order`); runs of consecutive
+    operators of one group (:func:`group_key`; a backward operator's is its module's with
+    `` backward``) stacked from the top, each layered inside itself (:func:`_layer_runs`); a
+    lane per layer crossed by a long edge (:func:`_lanes`); barycentre sweeps against
+    crossings; x by weighted least squares toward the neighbours (:func:`_x_positions`), each
+    part of the graph not connected to the rest moved next to it (:func:`_pack_components`);
+    the layers wrapped into columns, the backward from a new one (:func:`_columns`); edges
     routed through their lanes, and from a column's bottom up the gap to the next one's top.
 
     Raises:
@@ -402,6 +469,9 @@ def layout_graph(dm: DigitMap) -> GraphLayout:
         raise ValueError("the digit map has no operators to draw")
     names = [op.name for op in ops]
     key = {op.name: group_key(op.module_path) for op in ops}
+    # the backward: modules of their own (``blocks.3 backward``), after the whole forward
+    bwd = frozenset(op.name for op in ops if op.direction == "backward")
+    run_key = {n: f"{key[n]} backward".lstrip() if n in bwd else key[n] for n in names}
     preds: dict = {n: [] for n in names}
     succs: dict = {n: [] for n in names}
     for op in ops:
@@ -409,7 +479,7 @@ def layout_graph(dm: DigitMap) -> GraphLayout:
             if i in dm.operators and i != op.name:
                 preds[op.name].append(i)
                 succs[i].append(op.name)
-    order, back = _order(names, preds, succs, key)
+    order, back = _order(names, preds, succs, run_key, bwd)
     rank = {n: i for i, n in enumerate(order)}
     fwd_preds = {n: [p for p in preds[n] if rank[p] < rank[n]] for n in names}
     layering = fwd_preds
@@ -418,7 +488,7 @@ def layout_graph(dm: DigitMap) -> GraphLayout:
         # operator of a module side by side in one layer: one operator a layer, in execution
         # order, instead (no edge is drawn).
         layering = {n: [order[i - 1]] if i else [] for i, n in enumerate(order)}
-    runs, layer, run_layers = _layer_runs(order, key, layering, succs)
+    runs, layer, run_layers = _layer_runs(order, run_key, layering, succs)
     n_layers = sum(depth for _, depth in run_layers)
     rows, up, down, chains = _lanes(order, layer, fwd_preds, n_layers)
     rows, crossings = _reduce_crossings(rows, up, down)
@@ -430,11 +500,13 @@ def layout_graph(dm: DigitMap) -> GraphLayout:
     box_w = box_chars * CHAR_IN + 0.12
     width = {it: box_w if it in key else _DUMMY_W for row in rows for it in row}
     x = _x_positions(rows, up, down, width)
+    _pack_components(rows, up, down, width, x)
 
     lo = [min(x[it] - width[it] / 2 for it in row) for row in rows]
     hi = [max(x[it] + width[it] / 2 for it in row) for row in rows]
-    titled = [bool(k) for k, _ in runs]
-    columns = _columns(run_layers, titled, lo, hi)
+    titled = [bool(k) and k != "backward" for k, _ in runs]
+    start = next((r for r, (_, m) in enumerate(runs) if m[0] in bwd), -1)
+    columns = _columns(run_layers, titled, lo, hi, start)
     col_of_layer = [0] * n_layers
     for c, (a, b) in enumerate(columns):
         for k in range(a, b):
@@ -466,7 +538,8 @@ def layout_graph(dm: DigitMap) -> GraphLayout:
     height_in = -min(col_bottom) + _COL_GAP / 2
 
     nodes = {n: NodeBox(n, x[n], y_of_layer[layer[n]], box_w, _BOX_H, layer[n],
-                        col_of_layer[layer[n]], key[n], labels[n]) for n in names}
+                        col_of_layer[layer[n]], run_key[n] if key[n] else "", labels[n])
+             for n in names}
 
     groups = []
     for r, (f, _) in enumerate(run_layers):
