@@ -14,7 +14,10 @@ kernels built from its own source).
     python benchmarks/maps_ab.py --ref a580ca9 --cases mlp,gpt2 --out results
 
 Prints one row per configuration (operators, fields compared, fields that differ, the largest
-difference of a number) and exits 1 if any map differs.
+difference of a number) and exits 1 if any map differs. ``--noise`` adds the reference's own
+map under another seed: the largest change of an operator's avg digits that new random bits
+alone make, the yardstick of an intended change of the samples (issue 52: the surrogate on the
+grid).
 """
 
 from __future__ import annotations
@@ -68,10 +71,11 @@ def configurations() -> dict:
     return out
 
 
-def digit_map(lib, model: torch.nn.Module, inputs: tuple, opts: dict, training: bool) -> dict:
+def digit_map(lib, model: torch.nn.Module, inputs: tuple, opts: dict, training: bool,
+              seed: int = 0) -> dict:
     """The map of CALLS analysed calls of ``model`` under ``lib``'s backend, as a document."""
     torch._dynamo.reset()
-    be = lib.backend(seed=0, **opts)
+    be = lib.backend(seed=seed, **opts)
     f = torch.compile(model, backend=be)
     for _ in range(CALLS):
         torch.manual_seed(11)
@@ -130,6 +134,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default="", help="comma-separated configuration names or "
                     "prefixes (default: all)")
     ap.add_argument("--out", default=None, help="write maps_ab.json into this folder")
+    ap.add_argument("--noise", action="store_true", help="also the reference under seed 1: "
+                    "how far new random bits alone move an operator's avg digits")
     args = ap.parse_args(argv)
     configs = configurations()
     if args.cases:
@@ -154,12 +160,18 @@ def main(argv=None) -> int:
             row = {"configuration": name, "operators": len(maps[1].get("operators", [])),
                    "fields": n, "differ": len(bad), "max_difference": worst,
                    "max_avg_digits_difference": avg, "first_differences": bad[:5]}
+            if args.noise:
+                torch.manual_seed(0)
+                other = digit_map(ref, make_model(), inputs, opts, training, seed=1)
+                row["seed_noise_avg_digits"] = avg_digits_delta(maps[0], other)
             rows.append(row)
             print(f"{name:<34}{row['operators']:>10}{n:>9}{len(bad):>8}{worst:>10.3g}")
             for path in bad[:5]:
                 print(f"    differs: {path}")
             if bad:
-                print(f"    an operator's avg digits differ by {avg:.4f} at most")
+                print(f"    an operator's avg digits differ by {avg:.4f} at most"
+                      + (f" (another seed of the reference: {row['seed_noise_avg_digits']:.4f})"
+                         if args.noise else ""))
     total = sum(r["differ"] for r in rows)
     print(f"{len(rows)} configurations, {sum(r['fields'] for r in rows)} fields compared: "
           + ("every map equal field for field" if total == 0 else f"{total} fields differ"))
