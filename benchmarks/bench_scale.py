@@ -18,10 +18,16 @@ measured in this run:
   self CPU times inflate memory-bound operators several times over: a profiled call took
   twice an unprofiled one).
 
+``--backward`` measures a training step instead (issue 52, item 3): forward, cross-entropy on
+the next tokens and backward, analysed with ``backward=True`` against the same step compiled
+with ``backend="eager"`` (median of ``--repeat`` interleaved pairs), the gradients compared bit
+for bit, and the analysed step's time by part (the weight GEMMs of both directions).
+
 Writes ``results/bench_scale.json``.
 
     python benchmarks/bench_scale.py --layers 2            # minutes
     python benchmarks/bench_scale.py                       # the 1.1B model (22 layers)
+    python benchmarks/bench_scale.py --backward --layers 4 # its training step, 4 layers
 """
 
 from __future__ import annotations
@@ -61,9 +67,9 @@ def _rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
 
 
-def breakdown(f, x, be, calls: int = 3) -> dict:
+def breakdown(f, x, be, calls: int = 3, grad: bool = False) -> dict:
     """Seconds of one steady analysed call by part (the least over ``calls``): each part timed
-    around its functions, the rest by difference."""
+    around its functions, the rest by difference (``grad``: ``f`` is a training step)."""
     from fxstab.cpu import bindings
     from fxstab.numerics import lowp_gemm
 
@@ -78,7 +84,7 @@ def breakdown(f, x, be, calls: int = 3) -> dict:
                 spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
         return run
 
-    graphs = [g for g in be.graphs]
+    graphs = [g for g in be.graphs if g.direction == "forward"]  # (the backward's: boxed)
     saved = (lowp_gemm.linear, bindings.Prepared.__call__, bindings.perturb,
              [g.deterministic for g in graphs])
     lowp_gemm.linear = timed("weight GEMMs", lowp_gemm.linear)
@@ -91,7 +97,7 @@ def breakdown(f, x, be, calls: int = 3) -> dict:
         for _ in range(calls):
             spent.clear()
             t0 = time.perf_counter()
-            with torch.no_grad():
+            with torch.set_grad_enabled(grad):
                 f(x)
             total = time.perf_counter() - t0
             if not best or total < best["total"]:
@@ -104,6 +110,46 @@ def breakdown(f, x, be, calls: int = 3) -> dict:
     best["rest"] = total - sum(best.values())
     best["total"] = total
     return best
+
+
+def training(args, model: torch.nn.Module, x: torch.Tensor) -> dict:
+    """The analysed training step (``backward=True``) against the plain compiled one: times,
+    gradients bit for bit, the analysed step by part."""
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step(f) -> tuple[float, list]:
+        for p in params:
+            p.grad = None
+        t0 = time.perf_counter()
+        logits = f(x).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
+                                                 x[:, 1:].flatten())
+        loss.backward()
+        return time.perf_counter() - t0, [p.grad for p in params]
+
+    torch._dynamo.reset()
+    plain = torch.compile(model, backend="eager")
+    step(plain)
+    step(plain)
+    be = fxstab.backend(format=args.format, n_samples=3, seed=0, lowp_gemm=args.lowp_gemm,
+                        backward=True)
+    analysed = torch.compile(model, backend=be)
+    first = step(analysed)[0] + step(analysed)[0]
+    pairs = [(step(plain)[0], step(analysed)[0]) for _ in range(args.repeat)]
+    plain_t = statistics.median(p[0] for p in pairs)
+    steady = statistics.median(p[1] for p in pairs)
+    _, want = step(plain)
+    _, got = step(analysed)
+    identical = all(torch.equal(a, b) for a, b in zip(want, got))
+    parts = breakdown(lambda x_: step(analysed), x, be, grad=True)
+    dm = be.digit_map()
+    backward = sum(1 for name in dm.operators if dm.operators[name].direction == "backward")
+    return {"plain_step_s": round(plain_t, 3), "analysed_step_s": round(steady, 3),
+            "step_x": round(steady / plain_t, 2), "first_two_s": round(first, 2),
+            "gradients_bit_identical": identical, "operators": len(dm),
+            "backward_operators": backward,
+            "parts_x": {k: round(v / plain_t, 2) for k, v in parts.items()}}
 
 
 def main(argv=None) -> int:
@@ -119,12 +165,34 @@ def main(argv=None) -> int:
                     help="the samples' linear layers in bf16 GEMMs (fxstab.numerics.lowp_gemm; "
                          "--no-lowp-gemm: in fp32, the reference)")
     ap.add_argument("--profile", action="store_true", help="torch's profiler table too")
+    ap.add_argument("--backward", action="store_true", help="a training step (forward, "
+                    "cross-entropy, backward) analysed with backward=True against the plain "
+                    "compiled step")
     ap.add_argument("--out", default=str(ROOT / "results"))
     args = ap.parse_args(argv)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     model = build(args.layers, dtype, args.hidden)
     x = torch.randint(0, 32000, (args.batch, args.seq))
     params = sum(p.numel() for p in model.parameters())
+    if args.backward:
+        row = {"layers": args.layers, "hidden": args.hidden, "params": params,
+               "batch": args.batch, "seq": args.seq, "dtype": args.dtype,
+               "format": args.format, "lowp_gemm": args.lowp_gemm,
+               **training(args, model, x)}
+        print(f"Llama-shaped training step, {args.layers} layers, hidden {args.hidden} "
+              f"({params / 1e6:.0f}M parameters), {args.dtype}, format {args.format}, N=3, "
+              f"{args.batch}x{args.seq}, {torch.get_num_threads()} threads, backward=True")
+        print(f"plain compiled step {row['plain_step_s']:.2f} s, analysed "
+              f"{row['analysed_step_s']:.2f} s: {row['step_x']:.1f}x; first two analysed "
+              f"steps {row['first_two_s']:.1f} s; gradients bit-identical: "
+              f"{row['gradients_bit_identical']}; operators {row['operators']} "
+              f"({row['backward_operators']} backward)")
+        print("where the analysed step's time goes (x one plain step):  " + "  ".join(
+            f"{k} {v:.2f}" for k, v in row["parts_x"].items()))
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench_scale.json").write_text(json.dumps({"rows": [row]}, indent=1))
+        return 0
 
     def eager() -> float:
         t0 = time.perf_counter()

@@ -301,6 +301,52 @@ def test_a_bf16_model_analysed_on_the_bf16_path_matches_the_fp32_path(monkeypatc
         fxstab.backend(lowp_gemm="yes")
 
 
+def test_a_training_steps_gradient_gemms_take_the_bf16_path(monkeypatch):
+    """issue 52, item 3: the backward graph's saved views of the weights (``t(W^T)``) are weights
+    (not perturbed, kept in bf16), so its activation-gradient GEMMs ``mm(grad, W)`` run in the
+    bf16 GEMMs; the gradients stay bit for bit the model's, the map within sampling noise of
+    the fp32 path's (the same semantics: only the GEMMs' summation order differs)."""
+    monkeypatch.setattr(lowp_gemm, "CPU_MIN_DIM", 0)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(),
+                                torch.nn.Linear(96, 32)).to(torch.bfloat16)
+    x = torch.randn(4, 8, 64, dtype=torch.bfloat16)
+    model(x).float().pow(2).mean().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    maps, how, read = {}, {}, []
+    linear = lowp_gemm.linear
+
+    def spy(x, w, b, fmt, native=None):  # the weight operand each product reads
+        read.append((w.dtype, w.data_ptr()))
+        return linear(x, w, b, fmt, native)
+
+    monkeypatch.setattr(lowp_gemm, "linear", spy)
+    for lowp in (True, False):
+        torch._dynamo.reset()
+        be = fxstab.backend(format="bf16", seed=0, lowp_gemm=lowp, backward=True)
+        f = torch.compile(model, backend=be)
+        for _ in range(3):  # untraced, traced, replayed
+            model.zero_grad()
+            f(x).float().pow(2).mean().backward()
+            assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), want))
+        assert not any(i.failures for i in be.infos)
+        maps[lowp] = be.digit_map()
+        how[lowp] = {e.operator: e.reason for e in be.coverage().entries if e.kind == "mm"}
+    torch._dynamo.reset()
+    path = "batched over the samples (bf16 GEMMs with an fp32 residual)"
+    # the activation gradient of the second linear: its weight's saved view, on the bf16 path;
+    # the weight gradients read saved activations (data, perturbed: samples on both sides)
+    assert how[True]["2/linear#0/grad/mm#0"] == path, how[True]
+    assert how[True]["2/linear#0/grad/mm#1"] != path
+    assert path not in how[False].values()
+    # read as it is: the parameter's own bf16 memory (no working copy, no perturbed samples)
+    assert (torch.bfloat16, model[2].weight.data_ptr()) in read
+    a, b = maps[True], maps[False]
+    assert list(a.operators) == list(b.operators)
+    diff = max(abs(a.operators[n].avg_digits - b.operators[n].avg_digits) for n in a.operators)
+    assert diff < 0.05, diff
+
+
 def test_weights_kept_in_bf16_reach_every_other_reader_in_fp32(monkeypatch):
     # a weight read by a linear of plain data (not selected: no samples), a weight tied to an
     # embedding, a weight read as x @ W, a weight read elementwise too: each runs as on the

@@ -62,18 +62,43 @@ def through_autograd(forward: GraphAnalysis, example_inputs: list) -> None:
     :class:`BackwardAnalysis` of the same backend."""
     owner = forward.owner
     params = [parameter_name(n) for n in forward.gm.graph.nodes if n.op == "placeholder"]
+    made: dict = {}
 
     def fw_compiler(gm: torch.fx.GraphModule, example: list) -> Any:
+        made["forward"] = gm  # (its saved values are the backward's inputs, by name)
         return make_boxed_func(gm)
 
     def bw_compiler(gm: torch.fx.GraphModule, example: list) -> Any:
-        analysis = BackwardAnalysis(gm, owner, len(owner.graphs), forward, params)
+        analysis = BackwardAnalysis(gm, owner, len(owner.graphs), forward, params,
+                                    made.get("forward"))
         owner.graphs.append(analysis)
         return make_boxed_func(analysis)
 
     forward.deterministic = aot_module_simplified(forward.gm, example_inputs,
                                                   fw_compiler=fw_compiler,
                                                   bw_compiler=bw_compiler)
+
+
+def _saved_weights(aot_forward: Optional[torch.fx.GraphModule], params: list) -> frozenset:
+    """Names of the AOTAutograd forward's values that are a parameter (its placeholder
+    ``primals_i`` is the captured graph's i-th input, ``params[i]`` names it) or a layout view
+    of one alone (:data:`WEIGHT_VIEWS`): the backward's inputs of those names hold weights."""
+    from ..rules.aten import op_info
+    from ..rules.lifting import WEIGHT_VIEWS
+
+    if aot_forward is None:
+        return frozenset()
+    placeholders = [n for n in aot_forward.graph.nodes if n.op == "placeholder"]
+    weights = {n for n, p in zip(placeholders, params) if p is not None}
+    for node in aot_forward.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        ins = node.all_input_nodes
+        kind = node.target.overloadpacket.__name__
+        if len(ins) == 1 and ins[0] in weights and kind in WEIGHT_VIEWS and \
+                op_info(node.target).exact:
+            weights.add(node)
+    return frozenset(n.name for n in weights)
 
 
 def _floating(v: Any) -> bool:
@@ -86,9 +111,12 @@ class BackwardAnalysis(GraphAnalysis):
     direction = "backward"
 
     def __init__(self, gm: torch.fx.GraphModule, owner: Any, index: int,
-                 forward: GraphAnalysis, params: list) -> None:
+                 forward: GraphAnalysis, params: list,
+                 aot_forward: Optional[torch.fx.GraphModule] = None) -> None:
         self.forward = forward
         self.params = params  # per backward output: the parameter whose gradient it is, or None
+        # the inputs saved from a parameter (through layout operators), by name
+        self._saved_weights = _saved_weights(aot_forward, params)
         self._grads: Optional[list] = None  # the parameter gradients among the outputs
         # AOTAutograd names a backward node's forward operator by the last entry of that
         # operator's source_fn_stack: -> (stable name, module path)
@@ -110,6 +138,13 @@ class BackwardAnalysis(GraphAnalysis):
         super().__init__(gm, owner, index)
 
     # -- compile time -------------------------------------------------------------------
+    def _weight_inputs(self) -> frozenset:
+        """The backward's inputs that are a parameter the forward saved, or a layout view of
+        one (``t_1 = t(primals_4)``): weights, as the forward's (the GEMM surrogate does not
+        perturb them; a bf16 model's stay in their dtype for the samples' bf16 GEMMs)."""
+        return frozenset(n for n in self.sgraph.nodes
+                         if n.op == "placeholder" and n.name in self._saved_weights)
+
     def _selected(self, node: torch.fx.Node, kind: str, qn: str) -> bool:
         from ..rules.aten import op_info
 

@@ -30,8 +30,8 @@ from ..records.coverage import SKIPPED, CoverageEntry
 from ..records.run import RunState
 from ..config import rule_for
 from ..rules.lifting import (
-    ACCUMULATED_KINDS, LOW_READERS, NodePlan, OpGraph, Stacked, has_floating, rng_states,
-    set_rng_states,
+    ACCUMULATED_KINDS, LOW_READERS, WEIGHT_VIEWS, NodePlan, OpGraph, Stacked, has_floating,
+    rng_states, set_rng_states,
 )
 from ..rules.op.tracer import SampleTracer
 from .composites import expand_composites
@@ -213,7 +213,7 @@ class GraphAnalysis:
         # what the tracer reads of this graph (fxstab.rules.lifting.OpGraph)
         self.view = OpGraph(self.gm, self.sgraph, self.index, self.plan_of, self.free_after,
                             self.mutated, self.owner, self.info.unlifted,
-                            self.info.in_model_dtype, frozenset(low))
+                            self.info.in_model_dtype, dict(low), self._weight_inputs())
         names = [n.name for n in self._placeholders()]
         self._low_slots = {names.index(n.name): fmt for n, fmt in low.items() if n.name in names}
 
@@ -245,23 +245,42 @@ class GraphAnalysis:
                     plan.gemm_inputs is None and fmt in LOWP_DTYPES and \
                     node.kwargs.get("beta", 1) == 1 and node.kwargs.get("alpha", 1) == 1
         low: dict = {}
+        weights = self._weight_inputs()
         for node in self.sgraph.nodes:
-            if node.op != "placeholder" or not names_weight(node) or not node.users:
+            if node.op != "placeholder" or not (names_weight(node) or node in weights) or \
+                    not node.users:
                 continue
-            fmts = set()
-            for user in node.users:
-                plan = self.plan_of.get(user)
-                leaves = pytree.tree_leaves((user.args, user.kwargs))
-                if plan is None or not plan.lowp or \
-                        _arg(user, *LOW_READERS[plan.kind][0]) is not node or \
-                        sum(v is node for v in leaves) != 1:
-                    break
-                if plan.kind != "embedding":
-                    fmts.add((plan.format or self.cfg.format).name)
-            else:
-                if len(fmts) <= 1:
-                    low[node] = fmts.pop() if fmts else None
+            fmts: set = set()
+            if self._read_low(node, fmts) and len(fmts) <= 1:
+                low[node] = fmts.pop() if fmts else None
         return low
+
+    def _read_low(self, node: torch.fx.Node, fmts: set) -> bool:
+        """Whether every reader of ``node`` reads it as a ``lowp`` plan's weight, directly or
+        through layout operators of it alone (:data:`WEIGHT_VIEWS`: a backward graph's
+        ``mm(grad, t(W^T))``); their formats into ``fmts``."""
+        for user in node.users:
+            plan = self.plan_of.get(user)
+            leaves = pytree.tree_leaves((user.args, user.kwargs))
+            if sum(v is node for v in leaves) != 1:
+                return False
+            if plan is not None and plan.name is None and plan.kind in WEIGHT_VIEWS and \
+                    sum(isinstance(v, torch.fx.Node) for v in leaves) == 1:
+                if not user.users or not self._read_low(user, fmts):
+                    return False
+                continue
+            if plan is None or not plan.lowp or \
+                    _arg(user, *LOW_READERS[plan.kind][0]) is not node:
+                return False
+            if plan.kind != "embedding":
+                fmts.add((plan.format or self.cfg.format).name)
+        return True
+
+    def _weight_inputs(self) -> frozenset:
+        """Placeholders that hold a weight though dynamo does not name them so (none here: a
+        backward graph's saved views of parameters, :class:`~fxstab.analysis.backward.
+        BackwardAnalysis`)."""
+        return frozenset()
 
     def _reaching_no_output(self) -> tuple[set, set]:
         """The instrumented operators that no instrumented operator reads and whose values

@@ -88,9 +88,12 @@ def set_twin(working: torch.Tensor, original: torch.Tensor) -> None:
 def twin(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
     """The low-precision twin in ``dtype`` of weight ``t`` (or of a tensor on its memory: a
     detached view of it, or its transpose: ``t()`` of the twin) remembered by
-    :func:`set_twin`, or None."""
+    :func:`set_twin`, or None; a weight of ``dtype`` is its own (a backward graph's saved
+    views of a bf16 model's weights, kept in their dtype)."""
     if t is None or not t.numel():
         return None
+    if t.dtype == dtype:
+        return t
     entry = _TWINS.get(t.data_ptr())
     if entry is None:
         return None

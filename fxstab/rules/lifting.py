@@ -20,8 +20,8 @@ from ..capture import user_ops as user_operator
 from ..capture.opsets import qualified_op_name
 from ..records.run import RunState
 
-__all__ = ["Stacked", "NodePlan", "OpGraph", "ACCUMULATED_KINDS", "LOW_READERS", "as_linear",
-           "DECISIONS", "decided_on_mean",
+__all__ = ["Stacked", "NodePlan", "OpGraph", "ACCUMULATED_KINDS", "LOW_READERS", "WEIGHT_VIEWS",
+           "as_linear", "DECISIONS", "decided_on_mean",
            "reshape", "attention_folded",
            "has_floating", "rng_states", "set_rng_states", "broadcasts_directly", "has_vmap_rule",
            "is_float_cast"]
@@ -38,7 +38,15 @@ ACCUMULATED_KINDS = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "baddbm
 # for a lookup). The GEMMs read it as a linear's weight (as_linear): F.linear(x, w, b),
 # addmm(b, x, W) and x @ W (a GPT-2 Conv1D's, W = w^T)
 LOW_READERS = {"linear": ((1, "weight"), 0), "addmm": ((2, "mat2"), 1),
-               "matmul": ((1, "other"), 0), "embedding": ((1, "weight"), None)}
+               "matmul": ((1, "other"), 0), "mm": ((1, "mat2"), 0),
+               "embedding": ((1, "weight"), None)}
+
+# layout operators whose output, from a weight alone, is that weight (a transposed, reshaped or
+# detached view of it): a weight to the GEMM surrogate (not perturbed), and in its own dtype
+# where the weight is (the backward graph's ``mm(grad, t(W^T))``: rules/op/tracer.py)
+WEIGHT_VIEWS = frozenset({"t", "transpose", "permute", "view", "reshape", "_unsafe_view",
+                          "contiguous", "detach", "alias", "unsqueeze", "squeeze", "flatten",
+                          "expand"})
 
 
 def _arg(args: list, kwargs: dict, i: int, name: str) -> Any:
@@ -70,7 +78,8 @@ def _linear_of_matmul(args: list, kwargs: dict) -> Optional[tuple]:
 # the GEMMs of LOW_READERS read as F.linear reads its operands: kind -> (args, kwargs) ->
 # (x, w, b) or None (an embedding, a lookup, has none)
 _AS_LINEAR: dict[str, Callable[[list, dict], Optional[tuple]]] = {
-    "linear": _linear_of_linear, "addmm": _linear_of_addmm, "matmul": _linear_of_matmul}
+    "linear": _linear_of_linear, "addmm": _linear_of_addmm, "matmul": _linear_of_matmul,
+    "mm": _linear_of_matmul}
 
 
 def as_linear(kind: str, args: list, kwargs: dict) -> Optional[tuple]:
@@ -245,9 +254,13 @@ class OpGraph:
     # the default rule learned, kept across calls (GraphInfo shows them)
     unlifted: dict = field(default_factory=dict)
     in_model_dtype: dict = field(default_factory=dict)
-    # the weights (placeholders) that may enter in their own low-precision dtype, not the
-    # working one: every reader reads it so (NodePlan.lowp)
-    low_weights: frozenset = frozenset()
+    # the weights (placeholder -> the format name of its readers' GEMMs, None: lookups only)
+    # that may enter in their own low-precision dtype, not the working one: every reader reads
+    # it so (NodePlan.lowp)
+    low_weights: dict = field(default_factory=dict)
+    # placeholders that hold a weight though dynamo does not name them so (a backward graph's
+    # saved views of the forward's parameters: analysis/backward.py)
+    weight_inputs: frozenset = frozenset()
 
 
 def has_floating(out: Any) -> bool:

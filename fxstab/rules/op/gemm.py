@@ -107,10 +107,10 @@ def scaled_product(call: OpCall) -> Optional[Outcome]:
     return Outcome(Stacked(out), ROUNDED, "scaled matmul of the float8 samples")
 
 
-@op_rule("addmm", "matmul")
+@op_rule("addmm", "matmul", "mm")
 def lowp(call: OpCall) -> Optional[Outcome]:
     """A product of the samples and a plain weight (a linear, a Conv1D's ``addmm(b, x, W)`` or
-    ``x @ W``) in the format's own GEMM kernels (:mod:`fxstab.numerics.lowp_gemm`): one step,
+    ``x @ W``, a backward graph's ``mm(grad, W)``) in the format's own GEMM kernels (:mod:`fxstab.numerics.lowp_gemm`): one step,
     whether its operands are exact in the format's dtype is known only at run time, else in
     the working dtype."""
     t, plan = call.tracer, call.plan

@@ -34,7 +34,7 @@ from ...records.coverage import ANALYSED, SKIPPED, UNROUNDED, CoverageEntry
 from ...records.report import (
     ROUNDED, UNLIFTED, OpReport, ReportRow, block_builder, report_builder, stats_row,
 )
-from ..lifting import LOW_READERS, NodePlan, OpGraph, Stacked, has_floating
+from ..lifting import LOW_READERS, WEIGHT_VIEWS, NodePlan, OpGraph, Stacked, has_floating
 from . import decisions, draws, elementwise, gemm, per_sample, structural  # noqa: F401 - rules
 from .lifted import isolated, lifted
 from .registry import ONCE, OpCall, rules_for
@@ -259,14 +259,15 @@ class SampleTracer(torch.fx.Interpreter):
         graph writes into it); a parameter or buffer is remembered as a weight (the GEMM
         surrogate perturbs data operands only)."""
         if isinstance(v, torch.Tensor):
-            weight = _is_weight(node, v)
+            weight = _is_weight(self.g, node, v)
             if node in self.g.mutated:
                 v = v.detach().clone()
             v = v.detach()
-            # a weight its readers' GEMMs read in its own dtype stays so (OpGraph.low_weights;
-            # registered as its own twin where it was kept): _widened converts it elsewhere
-            if not (weight and node in self.g.low_weights and
-                    lowp_gemm.twin(v, v.dtype) is not None):
+            # a weight its readers' GEMMs read in its own dtype stays so where the path takes
+            # it (OpGraph.low_weights; a forward's weights were decided before the call:
+            # GraphAnalysis._working_weights): _widened converts it elsewhere
+            if not (weight and node in self.g.low_weights and (
+                    v.dtype == self.wdtype or lowp_gemm.keeps(v, self.g.low_weights[node]))):
                 v = self.to_working(v)
             if weight:
                 self.weights.add(id(v))
@@ -306,7 +307,8 @@ class SampleTracer(torch.fx.Interpreter):
         if plan.gemm and plan.name is not None:
             leaves = self._perturb(plan, leaves)
             stacked = [i for i, v in enumerate(leaves) if isinstance(v, Stacked)]
-        if self.g.low_weights and not _reads_low(plan, stacked):
+        if self.g.low_weights and not _reads_low(plan, stacked) and \
+                not (kind in WEIGHT_VIEWS and not stacked):  # (a weight's view: see below)
             leaves = self._widened(leaves)
 
         call = OpCall(self, plan, fn, args, leaves, spec, stacked)
@@ -375,6 +377,11 @@ class SampleTracer(torch.fx.Interpreter):
         if not call.stacked:
             a, k = _unflatten(call.leaves, call.spec)
             out = call.fn(*a, **k)
+            if isinstance(out, torch.Tensor) and self._of_weight(call):
+                # a weight's view is that weight, in its dtype (WEIGHT_VIEWS; the GEMMs that
+                # read it widen it where they do not take it as it is: _widened)
+                self.weights.add(id(out))
+                return out, ROUNDED, ONCE
             out = self.to_working(out) if isinstance(out, torch.Tensor) else pytree.tree_map(
                 lambda t: self.to_working(t) if isinstance(t, torch.Tensor) else t, out)
             return out, ROUNDED, ONCE
@@ -384,6 +391,13 @@ class SampleTracer(torch.fx.Interpreter):
                 if found is not None:
                     return found
         return lifted(call)
+
+    def _of_weight(self, call: OpCall) -> bool:
+        """Whether a plain call is a layout operator (:data:`WEIGHT_VIEWS`) of one weight."""
+        if call.plan.kind not in WEIGHT_VIEWS:
+            return False
+        tensors = [v for v in call.leaves if isinstance(v, torch.Tensor)]
+        return len(tensors) == 1 and id(tensors[0]) in self.weights
 
     def det_dtype(self, plan: NodePlan) -> Optional[torch.dtype]:
         """The floating dtype of the node's output in the deterministic pass (dynamo's
@@ -742,7 +756,9 @@ def _reads_low(plan: NodePlan, stacked: list) -> bool:
     return stacked == ([] if data is None else [data])
 
 
-def _is_weight(node: torch.fx.Node, value: torch.Tensor) -> bool:
-    """Whether a placeholder holds a module parameter or buffer (a Parameter, or named so by
-    dynamo: :func:`fxstab.capture.graph.names_weight`)."""
-    return isinstance(value, torch.nn.Parameter) or names_weight(node)
+def _is_weight(g: OpGraph, node: torch.fx.Node, value: torch.Tensor) -> bool:
+    """Whether a placeholder holds a module parameter or buffer (a Parameter, named so by
+    dynamo: :func:`fxstab.capture.graph.names_weight`, or a backward graph's saved view of
+    one: ``OpGraph.weight_inputs``)."""
+    return isinstance(value, torch.nn.Parameter) or names_weight(node) or \
+        node in g.weight_inputs
