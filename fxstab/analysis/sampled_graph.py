@@ -96,7 +96,7 @@ class SampledGraph:
         # a tensor subclass may override __torch_function__, which torch's bindings call and
         # an OpOverload does not (the trace already ran through it): its graph keeps them
         plain = all(type(args[i]) in (torch.Tensor, torch.nn.Parameter) for i in positions)
-        with steps.tracing(), _one_fake_mode():
+        with steps.tracing(), _one_fake_mode(), _meta_values():
             gm = make_fx(rules, tracing_mode="real")(*[args[i] for i in positions])
             run_sampled_graph_passes(gm, bindings=plain)
         sg = cls(gm, tracer, positions, held["layout"], stacked_type)
@@ -126,6 +126,31 @@ def _one_fake_mode() -> Iterator[None]:
         return
     with tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True))):
         yield
+
+
+@contextlib.contextmanager
+def _meta_values() -> Iterator[None]:
+    """A real-mode trace's values noted as meta tensors (shape, strides, dtype), not fake ones:
+    the passes read nothing else of ``meta["val"]`` (:mod:`fxstab.passes`), and a fake
+    snapshot costs ~0.2-2 ms per value against ~2 us (issue 52, item 4: the first calls). Where
+    this torch has no ``extract_val`` to wrap, the trace notes fake values as before."""
+    from torch.fx.experimental import proxy_tensor
+
+    original = getattr(proxy_tensor, "extract_val", None)
+    if original is None:
+        yield
+        return
+
+    def extract_val(val: Any, include_real: bool = False) -> Any:
+        if type(val) in (torch.Tensor, torch.nn.Parameter) and not val.is_sparse:
+            return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
+        return original(val, include_real=include_real)
+
+    proxy_tensor.extract_val = extract_val
+    try:
+        yield
+    finally:
+        proxy_tensor.extract_val = original
 
 
 class SampledGraphs:
