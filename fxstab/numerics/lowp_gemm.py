@@ -16,10 +16,11 @@ accumulator computes it, if it can return it wider than bf16.
   rounding boundary (0.02% of the elements of a K = 2048 linear). A bias is a column of ones
   appended to ``x`` and a column of ``w`` (inside the fp32 accumulator, as the fp32 path's
   ``addmm`` adds it): a bias that cancels the product keeps its bits.
-* Samples off the bf16 grid (the GEMM surrogate perturbs close samples by x (1 + eta r),
-  eta = 2^-8; data of another precision) split into ``bf16(x) + d``, ``|d| <= 2^-9 |x|``:
-  ``d``'s product is one more bf16 GEMM, whose error (2^-17 of the product) stays below what
-  the rounding into bf16 resolves (0.4% of the elements take the other neighbour).
+* Samples off the bf16 grid (data of another precision: an operand no selected operator
+  rounded; the GEMM surrogate's perturbed values lie on the grid, issue 52) split into
+  ``bf16(x) + d``, ``|d| <= 2^-9 |x|``: ``d``'s product is one more bf16 GEMM, whose error
+  (2^-17 of the product) stays below what the rounding into bf16 resolves (0.4% of the
+  elements take the other neighbour); where ``d`` is zero everywhere it is not run.
 
 * On the CPU the products run in blocks of rows (a long prompt's vocabulary-wide ``hi``,
   ``r`` and ``d``'s product would each be a copy of the logits), and the conversions around
@@ -295,9 +296,9 @@ def _product(x2: torch.Tensor, w16: torch.Tensor, b16: Optional[torch.Tensor], c
              native: Any = None) -> torch.Tensor:
     """``x2 @ w16^T + b16`` of fp32 samples ``x2`` (``[M, K]``) in bf16 GEMMs, fp32 (the
     module's account; :func:`linear` without its checks, and what :func:`check` probes)."""
-    # what the samples hold beyond bf16 (the GEMM surrogate's perturbation x (1 + eta r), data
-    # of another precision): x - bf16(x), at most 2^-9 |x|, whose own product in bf16 adds
-    # at most 2^-17 |x| |w| of error, below the 16 bits kept of the rest
+    # what the samples hold beyond bf16 (data of another precision; none where every value is
+    # a rounded sample or the surrogate's, on the grid): x - bf16(x), at most 2^-9 |x|, whose
+    # own product in bf16 adds at most 2^-17 |x| |w| of error, below the 16 bits kept
     split = native.split_bf16(x2) if native is not None and not cuda else None
     x16, d16 = split if split is not None else split_reference(x2)
     wt = w16.t()
