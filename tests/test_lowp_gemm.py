@@ -347,6 +347,60 @@ def test_a_training_steps_gradient_gemms_take_the_bf16_path(monkeypatch):
     assert diff < 0.05, diff
 
 
+def test_the_arithmetic_levels_gemms_of_bf16_weights_take_the_bf16_path(monkeypatch):
+    """issue 52, item 3: at the arithmetic level a bf16 linear is ``addmm(b, x, t(W))`` (or
+    ``mm`` without a bias) of the samples and the program's bf16 operands: the product runs in
+    the bf16 GEMMs, reading the weight's own memory; the output is the model's, the map within
+    noise of the fp32 path's; a scaled addmm and fp32 operands keep the working-dtype GEMM."""
+    from fxstab.rules.aten import AtenContext
+    from fxstab.rules.aten.lowp import lowp_operands
+    from fxstab.rules.lifting import Stacked
+
+    monkeypatch.setattr(lowp_gemm, "CPU_MIN_DIM", 0)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(),
+                                torch.nn.Linear(96, 32, bias=False)).to(torch.bfloat16).eval()
+    x = torch.randn(4, 8, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = model(x)
+    read, maps = [], {}
+    linear = lowp_gemm.linear
+
+    def spy(x_, w, b, fmt, native=None):
+        read.append((w.data_ptr(), None if b is None else b.data_ptr()))
+        return linear(x_, w, b, fmt, native)
+
+    monkeypatch.setattr(lowp_gemm, "linear", spy)
+    for lowp in (True, False):
+        torch._dynamo.reset()
+        be = fxstab.backend(format="bf16", granularity="aten", seed=0, lowp_gemm=lowp)
+        f = torch.compile(model, backend=be)
+        with torch.no_grad():
+            for _ in range(3):  # untraced, traced, replayed
+                assert torch.equal(f(x), want)
+        assert not any(i.failures for i in be.infos)
+        maps[lowp] = be.digit_map()
+    torch._dynamo.reset()
+    assert (model[0].weight.data_ptr(), model[0].bias.data_ptr()) in read  # addmm, its bias
+    assert (model[2].weight.data_ptr(), None) in read  # mm
+    assert len(read) == 6  # both GEMMs at each of the three calls, none without the path
+    a, b = maps[True], maps[False]
+    assert list(a.operators) == list(b.operators)
+    assert max(abs(a.operators[n].avg_digits - b.operators[n].avg_digits)
+               for n in a.operators) < 0.05
+    ctx = AtenContext.of(format="bf16", n_samples=3)
+    xs = Stacked(torch.randn(3, 8, 64))
+    w16 = model[0].weight.t()
+    b16 = model[0].bias
+    addmm = torch.ops.aten.addmm.default
+    assert lowp_operands(addmm, (b16, xs, w16), {}, (b16, xs, w16), ctx) is not None
+    assert lowp_operands(addmm, (b16, xs, w16), {"beta": 2}, (b16, xs, w16), ctx) is None
+    w32 = w16.float()
+    assert lowp_operands(addmm, (b16, xs, w32), {}, (b16, xs, w32), ctx) is None
+    assert lowp_operands(addmm, (b16, xs, w16), {}, (b16, xs, w16),
+                         AtenContext.of(format="fp16", n_samples=3)) is None
+
+
 def test_weights_kept_in_bf16_reach_every_other_reader_in_fp32(monkeypatch):
     # a weight read by a linear of plain data (not selected: no samples), a weight tied to an
     # embedding, a weight read as x @ W, a weight read elementwise too: each runs as on the

@@ -36,6 +36,7 @@ from .counters import (
     compute_counters, count_found, counting_mode, diff_analysis, differs, no_counts,
 )
 from .kinds import OpInfo, op_info, primitive_kind
+from .lowp import lowp_operands, lowp_product
 from .primitives import BINARY, COMPARE, DECIDE, GEMM, ARITHMETIC, PrimitiveRule, primitive
 from .rounding import perturb_operand, round_complex, round_fp64, round_measure
 from ..lifting import Stacked, decided_on_mean
@@ -188,6 +189,7 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
                 isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
                 for v in ((out,) if isinstance(out, torch.Tensor) else pytree.tree_leaves(out))):
             return out
+    given_args = args  # (the plain operands as the program holds them: lowp.lowp_operands)
     if other:
         args = _working_args(args, ctx)
     # a cast into float8 (torchao's float8 recipes): a rounding into that format, whatever the
@@ -200,7 +202,7 @@ def apply_primitive(op: Any, args: tuple, kwargs: Optional[dict], ctx: AtenConte
     rule.rounds = rounds
     rule.float8 = float8
     return _PATHS.get(info.rule.path, _general)(rule, ctx, args, kwargs,
-                                                _Given(identical, from_plain, out))
+                                                _Given(identical, from_plain, out, given_args))
 
 
 class _Given(NamedTuple):
@@ -210,6 +212,7 @@ class _Given(NamedTuple):
     identical: bool
     from_plain: bool
     out: Any
+    original: tuple = ()  # the operands before the plain ones were converted
 
 
 def _decide(rule: "_Rule", ctx: AtenContext, args: tuple, kwargs: dict, given: _Given) -> Any:
@@ -245,7 +248,12 @@ def _gemm(rule: "_Rule", ctx: AtenContext, args: tuple, kwargs: dict, given: _Gi
         return _general(rule, ctx, args, kwargs, given)
     if rule.rounds:
         args = ctx.emit("perturb", rule.name, rule.perturb, (), args, kwargs)
-    raw, rule.lifted = run_batched(rule.op, rule.info, args, kwargs, ctx.n_samples, ctx)
+    low = lowp_operands(rule.op, args, kwargs, given.original, ctx) if rule.float8 is None \
+        else None
+    if low is not None:  # the format's own GEMM kernels (a bf16 model's weights)
+        raw = ctx.emit("gemm", rule.name, lowp_product, (), low, {})
+    else:
+        raw, rule.lifted = run_batched(rule.op, rule.info, args, kwargs, ctx.n_samples, ctx)
     return _finish(rule, ctx, raw, args, kwargs)
 
 
