@@ -353,6 +353,26 @@ def test_the_generated_graph_can_be_printed():
     assert 0 < sg.n_nodes < 80
 
 
+def test_a_trace_notes_its_values_as_meta_tensors():
+    """The trace's values are noted as meta tensors (shape, strides, dtype: what the passes
+    read), not fake snapshots, which cost ~100x more per value (issue 52, item 4); the torch
+    hook it wraps exists in this torch (otherwise the trace would quietly note fake values)."""
+    from torch.fx.experimental import proxy_tensor
+
+    assert callable(getattr(proxy_tensor, "extract_val", None))
+    before = proxy_tensor.extract_val
+    be = fxstab.backend()
+    f = torch.compile(MLP(), backend=be)
+    x = torch.randn(8, 16)
+    f(x)
+    f(x)
+    assert proxy_tensor.extract_val is before  # put back after the trace
+    vals = [n.meta.get("val") for n in be.sampled_graphs()[0].gm.graph.nodes]
+    tensors = [v for v in vals if isinstance(v, torch.Tensor)]
+    assert tensors and all(v.device.type == "meta" for v in tensors)
+    assert any(tuple(v.shape) == (3, 8, 32) for v in tensors)  # N samples of fc1's output
+
+
 def test_an_untraceable_graph_runs_its_rules_untraced_with_a_warning():
     class DataDependent(nn.Module):
         def forward(self, x):
