@@ -226,8 +226,12 @@ def check_operator(op: Any, granularity: str = "op") -> dict:
 
 
 def sweep(granularity: str = "op", stride: int = 1, offset: int = 0,
-          names: Optional[set] = None, verbose: bool = False) -> list:
-    """Rows of :func:`check_operator` over ``op_db[offset::stride]`` (or the named ones)."""
+          names: Optional[set] = None, verbose: bool = False,
+          progress: Optional[bool] = None) -> list:
+    """Rows of :func:`check_operator` over ``op_db[offset::stride]`` (or the named ones); a
+    bar of the operators done on a terminal (``progress``: :class:`fxstab.progress.Progress`'s
+    ``enabled``)."""
+    from fxstab.progress import Progress
     from torch.testing._internal.common_methods_invocations import op_db
 
     import torch._dynamo.config as dynamo_config
@@ -241,15 +245,19 @@ def sweep(granularity: str = "op", stride: int = 1, offset: int = 0,
            or f"{op.name}.{op.variant_test_name}" in names]
     if names is None:
         ops = ops[offset::stride]
+    bar = Progress(f"OpInfo sweep ({granularity})", total=len(ops), unit="operator",
+                   enabled=False if verbose else progress)
     try:
         for op in ops:
             t0 = time.perf_counter()
             row = check_operator(op, granularity)
             row["seconds"] = round(time.perf_counter() - t0, 3)
             rows.append(row)
+            bar.update(note=f"{row['op']}: {row['status']}")
             if verbose:
                 print(f"{row['op']:<40} {row['status']:<22} {row['reason'][:110]}", flush=True)
     finally:
+        bar.close()
         for mod, fn in patched:
             mod.wrapper_set_seed = fn
         dynamo_config.capture_dynamic_output_shape_ops = False

@@ -472,12 +472,16 @@ def failures(row: dict) -> list[str]:
     return out
 
 
-def run(names: list, levels: list) -> list:
+def run(names: list, levels: list, progress: Optional[bool] = None) -> list:
+    """A row per model and level, printed as it is made; a bar of the models done on a
+    terminal (``progress``: :class:`fxstab.progress.Progress`'s ``enabled``)."""
+    from fxstab.progress import Progress
+
     rows = []
-    for level in levels:
-        for name in names:
-            if level == "aten" and name not in ARITHMETIC and names == list(MODELS):
-                continue
+    todo = [(level, name) for level in levels for name in names
+            if not (level == "aten" and name not in ARITHMETIC and names == list(MODELS))]
+    with Progress("HF sweep", total=len(todo), unit="model", enabled=progress) as bar:
+        for level, name in todo:
             try:
                 row = check(name, level)
             except Exception as exc:  # noqa: BLE001 - a row says what failed
@@ -489,9 +493,9 @@ def run(names: list, levels: list) -> list:
             row["passed"] = not row["failures"]
             rows.append(row)
             cov = "-" if row["coverage"] is None else f"{100 * row['coverage']:.0f}%"
-            print(f"{name:16} {level:4} {cov:>5} {'pass' if row['passed'] else 'FAIL':4} "
-                  f"{row.get('seconds', '-')!s:>5}s  {'; '.join(row['failures'])[:200]}",
-                  flush=True)
+            bar.write(f"{name:16} {level:4} {cov:>5} {'pass' if row['passed'] else 'FAIL':4} "
+                      f"{row.get('seconds', '-')!s:>5}s  {'; '.join(row['failures'])[:200]}")
+            bar.update(note=f"{name} {level}")
     return rows
 
 

@@ -1,8 +1,9 @@
 """Progress of long work (issue 56, item 8): a ``tqdm`` bar on a terminal, nothing otherwise.
 
 The ablations of :func:`fxstab.operator_impact` (one analysed call per group bisected),
-``fxstab ci run`` (a recording per target and commit) and the plan search (its own line,
-:mod:`fxstab.plan.search`) take minutes on a large model. On a terminal (stderr a TTY) they
+``fxstab ci run`` (a recording per target and commit), the plan search (its own line,
+:mod:`fxstab.plan.search`) and the sweeps of ``benchmarks/`` (``bench_opinfo.py``'s operators,
+``hf_sweep.py``'s models, whose rows print above the bar: :meth:`Progress.write`) take minutes. On a terminal (stderr a TTY) they
 show how far they are; in CI logs, pipes and tests they stay quiet. Without ``tqdm``
 installed the bar is one rewritten line of the same facts.
 """
@@ -51,6 +52,17 @@ class Progress:
             print(f"\r{self.desc}: {self.count}{of} {self.unit}(s)" + (f", {note}" if note
                                                                        else ""),
                   end="", file=self.stream, flush=True)
+
+    def write(self, line: str, file: Optional[TextIO] = None) -> None:
+        """Print ``line`` (to ``file``, default stdout) above the bar, which is drawn again
+        below it: a report of each unit as it is done, beside the bar."""
+        out = file if file is not None else sys.stdout
+        if self._bar is not None:
+            self._bar.write(line, file=out)
+            return
+        if self._line:  # the rewritten line ends first, and comes back at the next update
+            print(file=self.stream, flush=True)
+        print(line, file=out, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:

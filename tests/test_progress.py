@@ -50,3 +50,34 @@ def test_operator_impact_counts_its_calls_on_the_bar(capsys):
     assert "fxstab impact" in err and f"{imp.calls}call" in err.replace(" ", ""), err
     fxstab.operator_impact(model, (torch.randn(4, 8),), format="bf16", seed=0)
     assert "fxstab impact" not in capsys.readouterr().err  # (stderr no terminal here)
+
+
+def test_a_line_written_beside_the_bar_and_without_one(capsys):
+    """A unit's report prints above the bar (tqdm redraws it below), on stdout as before where
+    no bar is shown, and ends the plain rewritten line first."""
+    tty = _Tty()
+    with Progress("HF sweep", total=2, unit="model", stream=tty) as bar:
+        bar.write("gpt2 op 100% pass")
+        bar.update(note="gpt2 op")
+    assert "gpt2 op 100% pass" in capsys.readouterr().out and "HF sweep" in tty.getvalue()
+    with Progress("HF sweep", stream=io.StringIO()) as bar:
+        bar.write("bert op 100% pass")
+    assert capsys.readouterr().out == "bert op 100% pass\n"
+
+
+def test_the_sweeps_show_how_far_they_are(monkeypatch):
+    """The OpInfo and Hugging Face sweeps (benchmarks/) count their operators and models on
+    the bar: two OpInfo operators at the arithmetic level, forced on."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import bench_opinfo
+
+    shown = []
+    real = Progress.update
+    monkeypatch.setattr(Progress, "update",
+                        lambda self, n=1, note="": (shown.append((self.desc, note)),
+                                                    real(self, n, note)))
+    rows = bench_opinfo.sweep("aten", names={"exp", "mul"}, progress=True)
+    assert [r["op"] for r in rows] == [note.split(":")[0] for _, note in shown]
+    assert {d for d, _ in shown} == {"OpInfo sweep (aten)"} and len(rows) >= 2
