@@ -323,6 +323,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                         format=plain["format"], keep=args.keep,
                         higher=higher, outputs=args.outputs, budget=budget,
                         criterion=args.criterion, n_samples=plain["n_samples"],
+                        metric=args.metric, autocast=not args.no_autocast,
                         seed=plain["seed"], **extra)
     except ValueError as e:
         raise CLIError(str(e)) from None
@@ -526,9 +527,10 @@ the digit map as JSON. The same target, options and seed give the same digit map
 _PLAN_EPILOG = _TARGET_CONTRACT + """plan analyses the model under torch.no_grad() once per
 candidate plan (plan.runs counts them, the final plan's re-checks with two further seeds
 included; its progress is a line on stderr) and prints the plan, its digits the worst of the
-checks and its cost against everything in --higher; --frontier adds digits against cost for
-the plans found on the way; --apply-check then runs it for real. The same target, options and
-seed give the same plan.
+checks (--metric) and its cost against everything in --higher; where it is not better than
+torch.autocast's fp32 list at equal or lower cost, the plan is that list (the report says why);
+--frontier adds digits against cost for the plans found on the way; --apply-check then runs it
+for real. The same target, options and seed give the same plan.
 """
 
 
@@ -575,7 +577,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "plan", help="find a cheap set of operators to keep in a higher format",
         description="Search a cheap set of operators of a TARGET to run in --higher so that "
-                    "its outputs keep --keep digits in the analysis (docs/precision-plan.md).",
+                    "its outputs keep --keep digits in the analysis (run digits by default: "
+                    "what a real run is expected to keep; docs/precision-plan.md).",
         epilog=_PLAN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", metavar="TARGET",
@@ -586,7 +589,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--higher", default="fp32",
                    help="the format promoted operators run in (default fp32)")
     p.add_argument("--keep", type=float, default=2.0,
-                   help="avg digits the outputs must keep in the analysis (default 2.0)")
+                   help="avg digits the outputs must keep, in --metric's digits (default 2.0)")
+    p.add_argument("--metric", default="run", choices=("run", "avg"),
+                   help="run: digits a real round-to-nearest run is expected to keep (default); "
+                        "avg: CESTAC's, the bound the gate uses (~0.5 lower)")
+    p.add_argument("--no-autocast", action="store_true",
+                   help="leave out torch.autocast's fp32 list as a candidate plan")
     p.add_argument("--outputs", nargs="+", metavar="OPERATOR", default=None,
                    help="check these operators' digits instead of the model's outputs")
     p.add_argument("--budget", default=None,

@@ -73,7 +73,8 @@ def test_the_cli_exits_1_when_not_met_and_2_on_an_impossible_keep(tmp_path, caps
     assert "more than bf16 holds" in capsys.readouterr().err
     # met: 0; a budget too small to meet: 1, with the reason on stderr
     assert main(["plan", target, "--format", "bf16", "--keep", "1.0"]) == 0
-    code = main(["plan", target, "--format", "bf16", "--keep", "2.4", "--budget", "1"])
+    code = main(["plan", target, "--format", "bf16", "--keep", "2.4", "--budget", "1",
+                 "--metric", "avg"])
     err = capsys.readouterr().err
     assert code == 1 and "does not meet --keep 2.4" in err
     assert "Traceback" not in err and "UserWarning" not in err

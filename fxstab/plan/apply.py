@@ -23,7 +23,8 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from ..analysis.op_level import GraphAnalysis
-from ..capture.graph import floating_dtype
+from ..capture.graph import floating_dtype, identity_dropout
+from ..capture.opsets import EXACT_KINDS, node_kind
 from ..config import AnalysisConfig
 from ..numerics.digits import true_digits
 from ..numerics.formats import get_format, torch_dtype_of
@@ -32,7 +33,21 @@ from .record import PrecisionPlan
 from .inputs import as_inputs
 
 __all__ = ["apply_plan", "PlanBackend", "check_plan", "PlanCheck", "output_true_digits",
-           "output_non_finite"]
+           "output_non_finite", "CARRIES_HIGH"]
+
+# The nodes between operators that carry a promoted operator's output on in ``higher``, as the
+# analysis's edges run from operator to operator through them: data movement and selections
+# (views, getitem, split, permute, cat, where...: exact in any format) and floating casts (the
+# analysis keeps its samples in the working dtype through ``.to``/``.type``: the format is
+# what rounds, rules/op/structural.py), but for those that write into a tensor of the
+# program's dtype (index_put, scatter: their source must match it) or make a new one; and a
+# dropout that is the identity (eval mode, p=0), as the analysis passes it through. Cast
+# back at them, a promoted operator's output reached its promoted reader rounded to the
+# format: HF GPT-2's ``softmax(...).type(value.dtype)`` before the attention's second matmul
+# (issue 55, item 3; docs/precision-plan.md)
+CARRIES_HIGH = EXACT_KINDS - {
+    "copy_", "fill_", "zero_", "setitem", "index_put", "scatter", "masked_scatter", "zeros",
+    "ones", "empty", "full", "arange", "linspace", "logspace", "eye", "tensor", "getattr"}
 
 
 def _higher_dtype(plan: PrecisionPlan) -> torch.dtype:
@@ -90,6 +105,26 @@ def _promoted(fn: Callable, dtype: torch.dtype) -> Callable:
     return promoted
 
 
+# floating casts: carried high, a cast down to the program's dtype keeps the higher value
+_CASTS = frozenset({"to", "type", "float", "half", "bfloat16", "double", "type_as"})
+
+
+def _kept_cast(name: str) -> Callable:
+    """The cast method ``name`` as a function that keeps a floating value in its wider dtype
+    where the cast would narrow it (the analysis keeps its samples in the working dtype through
+    a floating cast: the format is what rounds); any other cast runs as written."""
+    def cast(x: Any, *args: Any, **kwargs: Any) -> Any:
+        y = getattr(x, name)(*args, **kwargs)
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and \
+                x.is_floating_point() and y.is_floating_point() and \
+                torch.finfo(x.dtype).bits > torch.finfo(y.dtype).bits:
+            return x if x.device == y.device else x.to(y.device)
+        return y
+    cast.__name__ = cast.__qualname__ = f"kept_{name}"
+    cast.__module__ = __name__
+    return cast
+
+
 def _method(name: str) -> Callable:
     def call(self_: Any, *args: Any, **kwargs: Any) -> Any:
         return getattr(self_, name)(*args, **kwargs)
@@ -138,16 +173,22 @@ class PlanBackend:
             new.op, new.target = "call_function", _promoted(fn, self.dtype)
             high.add(new)
             self.promoted.append(op_name)
-        # getitem of a promoted tuple output stays high; every other reader gets the cast back
-        changed = True
-        while changed:
-            changed = False
-            for node in graph.nodes:
-                if node not in high and node.op == "call_function" and \
-                        node.target is operator.getitem and node.args[0] in high:
-                    node.meta["fxstab_dtype"] = floating_dtype(node)
-                    high.add(node)
-                    changed = True
+        # a promoted output stays high through the data movement after it (getitem of a tuple
+        # output, views, split...: CARRIES_HIGH), as the analysis's edges do; every other
+        # reader gets the cast back
+        operators = {p.node.name for p in analysis.plans if p.name is not None}
+        for node in graph.nodes:  # in graph order: a node's inputs come before it
+            if node in high or node.op not in ("call_function", "call_method") or \
+                    node.name in operators or not any(a in high for a in node.all_input_nodes):
+                continue
+            kind = node_kind(node)
+            if (node.op == "call_function" and node.target is operator.getitem) or \
+                    (kind in CARRIES_HIGH and floating_dtype(node) is not None) or \
+                    identity_dropout(node, kind):
+                node.meta["fxstab_dtype"] = floating_dtype(node)
+                high.add(node)
+                if node.op == "call_method" and kind in _CASTS:
+                    node.op, node.target = "call_function", _kept_cast(node.target)
         for node in list(graph.nodes):
             if node.op == "output" or node in high:
                 continue

@@ -105,6 +105,8 @@ class PrecisionPlan:
             f"{len(self.promoted)} operators"
         criterion = {"mean": "avg", "p5": "5% quantile", "min": "min"}.get(
             self.settings.get("criterion", "mean"), "avg")
+        metric = "run digits: what a real run is expected to keep" if self.metric == "run" \
+            else "CESTAC digits: the bound"
         worst = ""
         if len(self.checks) > 1:
             worst = (f", the worst of {', '.join(self.checks)}: "
@@ -114,7 +116,7 @@ class PrecisionPlan:
             if self.all_higher == self.all_higher else ""
         lines = [f"precision plan: {share} in {self.higher}, the rest in {self.format}; "
                  f"{self.runs} analysed calls",
-                 f"digits at {what} ({criterion}, the analysis; NaN/inf fails): "
+                 f"digits at {what} ({criterion} {metric}, the analysis; NaN/inf fails): "
                  f"{_digits(self.before)} in {self.format} -> {_digits(self.after)} with the "
                  f"plan{worst} (required {self.required():.2f}{all_higher})"]
         expected = self.settings.get("expected_real")
@@ -123,6 +125,9 @@ class PrecisionPlan:
             lines.append(f"expected in a real run in {self.format} (run digits, an estimate, "
                          f"not the bound): {expected[0]:.2f} -> {expected[1]:.2f} "
                          f"({expected[1] - expected[0]:+.2f})")
+        autocast = self.settings.get("autocast")
+        if isinstance(autocast, dict) and autocast.get("reason"):
+            lines.append(f"torch.autocast's fp32 list as a candidate: {autocast['reason']}")
         calibration = self.settings.get("calibration")
         if isinstance(calibration, dict):
             lines.append(f"keep {self.keep:.2f} is in true digits of the real run: the analysis "
@@ -162,6 +167,14 @@ class PrecisionPlan:
             lines.append(f"nothing to promote: the outputs keep {self.before:.2f} digits in "
                          f"{self.format}")
         return "\n".join(lines)
+
+    @property
+    def metric(self) -> str:
+        """The digits ``keep`` and the plan's digits are in: ``"run"`` (expected of a real
+        round-to-nearest run) or ``"avg"`` (CESTAC's bound; a plan file written before the key
+        was)."""
+        metric = self.settings.get("metric", "avg")
+        return metric if metric in ("run", "avg") else "avg"
 
     def required(self) -> float:
         """The analysis digits the plan must keep: ``keep``, or calibrated its goal."""

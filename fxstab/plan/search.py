@@ -13,6 +13,11 @@ bits), so two candidates differ only by the plan (common random numbers). Two ro
   route (:class:`Bisection`) measures the impact of groups of operators on the outputs by
   ablation and bisects them, within 4 + 2·log2(#operators) analysed calls.
 
+The digits are those of ``metric``: by default the digits a real round-to-nearest run is
+expected to keep (``"run"``), or CESTAC's bound (``"avg"``). Once a route has its plan, the plan
+is set against ``torch.autocast``'s fp32 list (:mod:`fxstab.plan.autocast`): where it is not
+better at equal or lower cost, the plan is autocast's list (``settings["autocast"]`` says why).
+
 The final plan is re-checked with further seeds (and inputs); it reports the worst, and where
 that falls short the search runs once more (the target raised by the spread the checks saw,
 or, where another seed meets a NaN/inf, what that seed's map ranks first promoted). A cost
@@ -48,31 +53,37 @@ from ..config import AnalysisConfig
 from ..rules.lifting import ACCUMULATED_KINDS
 from ..digitmap.map import DigitMap
 from ..numerics.formats import get_format, torch_dtype_of
+from .autocast import AutocastCandidate
 from .cost import CostModel
 from .inputs import as_inputs
 from .bisection import SPREAD_MARGIN, Bisection
+from .outputs import CRITERIA, METRICS, operators_digits, outputs_digits
 from .record import PrecisionPlan
 
 __all__ = ["plan_precision", "Evaluation", "PlanSearch", "Bisection", "stored_high", "as_inputs",
-           "parse_budget", "call_target", "CRITERIA"]
+           "parse_budget", "call_target", "CRITERIA", "METRICS"]
 
 # below this local loss (digits) an operator is not worth promoting
 MIN_LOCAL_LOSS = 0.5
+# the names the tests and older callers import from here (plan/outputs.py holds them)
+_outputs_digits, _operators_digits = outputs_digits, operators_digits
 
 
 class Evaluation:
-    """One analysed call: the digits at the checked outputs, the estimator's standard error
-    (``spread``: the output elements' standard deviation over the square root of their
-    count; 0 with ``outputs=``) and the digit map."""
+    """One analysed call: the digits at the checked outputs in the search's metric and
+    criterion, the estimator's standard error (``spread``: the output elements' standard
+    deviation over the square root of their count; 0 with ``outputs=``) and the digit map."""
 
     def __init__(self, digits: float, dmap: DigitMap, spread: float = 0.0,
-                 run: float = math.nan) -> None:
+                 run: float = math.nan, cestac: float = math.nan) -> None:
         self.digits = digits
         self.map = dmap
         self.spread = spread
         # the avg digits a round-to-nearest run keeps at the checked outputs, expected from the
-        # samples (fxstab.numerics.digits.run_digits); NaN where operators are checked
+        # samples (fxstab.numerics.digits.run_digits), whatever the metric and criterion
         self.run = run
+        # CESTAC's digits under the criterion (the bound), whatever the metric
+        self.cestac = cestac
 
 
 class PlanSearch:
@@ -89,7 +100,8 @@ class PlanSearch:
                  outputs: Optional[Sequence[str]], budget: Any, options: dict, *,
                  keep: float = math.nan, recheck_seeds: int = 2,
                  inputs: Sequence[tuple] = (), cost: Optional[CostModel] = None,
-                 calibrate: bool = False) -> None:
+                 calibrate: bool = False, metric: str = "run",
+                 autocast: bool = False) -> None:
         self.model = model
         self.inputs = as_inputs(example_inputs)
         self.format = get_format(format)
@@ -102,12 +114,15 @@ class PlanSearch:
         # budget= in analysed calls (an int) or seconds (a float, or a string "90s")
         self.budget_calls, seconds = parse_budget(budget)
         self.deadline = time.monotonic() + seconds if seconds is not None else None
-        self.options = options
+        self.options = options = dict(options)  # the caller's own is left as it is
         self.runs = 0
         # (promoted, digits) of every candidate the search evaluated (the main seed and
         # inputs): the frontier's points
         self.history: list = []
         self.criterion = options.pop("criterion", "mean")
+        # the digits keep is in: "run" (expected of a real round-to-nearest run) or "avg"
+        # (CESTAC's bound); every candidate's Evaluation.digits is in it
+        self.metric = options.pop("metric", metric)
         self.consumers: dict = {}  # the base map's edges, reversed (set after the first call)
         self.kinds: dict = {}  # operator name -> kind, from the base map
         self.paths: dict = {}  # operator name -> module path, from the base map
@@ -125,6 +140,8 @@ class PlanSearch:
         self.cost_model = cost or CostModel()
         self.calibrate = calibrate
         self.seed = options.get("seed", 0)
+        # torch.autocast's fp32 list as a candidate (plan/autocast.py; None: not compared)
+        self.autocast = AutocastCandidate(self) if autocast else None
         # -- what the search learns (run(): the base call, then each step)
         self.base: Optional[Evaluation] = None  # the empty plan's call
         self.full: Optional[Evaluation] = None  # every forward operator in higher (once needed)
@@ -193,12 +210,18 @@ class PlanSearch:
                                "a torch.nn.Module torch.compile can capture?)")
         dmap = be.digit_map()
         if self.outputs is not None:
-            digits, spread = _operators_digits(dmap, self.outputs), 0.0
-            run = _operators_digits(dmap, self.outputs, "run")
+            cestac, spread = operators_digits(dmap, self.outputs), 0.0
+            run = operators_digits(dmap, self.outputs, "run")
+            digits = run if self.metric == "run" else cestac
         else:
-            digits, spread = _outputs_digits(cap.graphs, self.format, self.criterion, True)
-            run = _outputs_digits(cap.graphs, self.format, "mean", estimate="run")
-        result = Evaluation(digits, dmap, spread, run)
+            graphs, fmt = cap.graphs, self.format
+            cestac, spread = outputs_digits(graphs, fmt, self.criterion, True)
+            run, run_spread = outputs_digits(graphs, fmt, "mean", True, estimate="run")
+            digits = cestac
+            if self.metric == "run":
+                digits, spread = (run, run_spread) if self.criterion == "mean" else \
+                    outputs_digits(graphs, fmt, self.criterion, True, estimate="run")
+        result = Evaluation(digits, dmap, spread, run, cestac)
         self._cache[key] = result
         if seed is None and input_index == 0:
             self.history.append((tuple(promoted), result))
@@ -229,6 +252,8 @@ class PlanSearch:
                 if self.full.digits < target:  # the raised target is out of reach: the last plan
                     break
                 promoted, ev = self._route(attempt, target, promoted, ev)
+                if self.autocast is not None:  # autocast's fp32 list, once (plan/autocast.py)
+                    promoted, ev = self.autocast.compare(target, promoted, ev)
             if ev.digits < self.goal:  # the budget ran out first
                 return self.finish(promoted, ev, {f"seed {self.seed}": ev})
             checks = self.recheck(promoted, ev)
@@ -284,6 +309,9 @@ class PlanSearch:
                                     operators=len(forward), before=base.digits,
                                     settings=settings)
         self.record.cost_all_higher = sum(hi for _, hi in costs.values()) / self.low_total
+        settings["metric"] = self.metric
+        if self.autocast is not None:
+            self.autocast.prepare()
 
     def _all_higher(self) -> None:
         """Every forward operator in ``higher`` (one call, made once)."""
@@ -311,6 +339,8 @@ class PlanSearch:
         # the call target (4 + 2·log2 n with two re-check seeds), which a small model's trim
         # does not stop at
         calls = self.route_calls(self.recheck_seeds + len(self.more_inputs))
+        if self.route == "bisection" and self.autocast is not None and self.autocast.ops:
+            calls -= 1  # the bisection's plans are dear: a call left for autocast's list
         trim = math.inf if self.budget is None and \
             len(self.forward) <= FULL_TRIM_OPERATORS else calls
         if self.route == "bisection":
@@ -428,8 +458,8 @@ class PlanSearch:
         plan.promoted = promoted
         plan.kinds = {n: base.map[n].kind for n in promoted}
         plan.modules = {n: base.map[n].module_path for n in promoted}
-        plan.per_operator = {n: (base.map[n].avg_digits,
-                                 ev.map[n].avg_digits if n in ev.map else math.nan)
+        plan.per_operator = {n: (base.map[n].digits(self.metric),  # in the plan's metric
+                                 ev.map[n].digits(self.metric) if n in ev.map else math.nan)
                              for n in promoted}
         plan.checks = {k: (v.digits if isinstance(v, Evaluation) else v)
                        for k, v in checks.items()}
@@ -443,6 +473,8 @@ class PlanSearch:
                                             "real_runs": self.real_runs}
             plan.met = plan.met and real >= self.keep
         plan.settings["route"] = self.route
+        if self.autocast is not None:
+            plan.settings["autocast"] = self.autocast.info
         # what a real run is expected to gain (run digits at the outputs, before -> after):
         # what --apply-check measures
         plan.settings["expected_real"] = [self.base.run, ev.run]
@@ -459,65 +491,6 @@ class PlanSearch:
         if self.progress is not None and sys.stderr.isatty():  # end the rewritten line
             print(file=sys.stderr)
         return plan
-
-
-def _operators_digits(dmap: DigitMap, names: Sequence[str], metric: str = "avg") -> float:
-    """The ``metric`` digits (avg: CESTAC's; run: those a round-to-nearest run is expected to
-    keep) of the named operators, weighted by their elements (``-inf`` where one holds a
-    NaN/inf)."""
-    missing = [n for n in names if n not in dmap]
-    if missing:
-        raise ValueError(f"outputs: no operator named {missing[0]!r} in the digit map (names "
-                         f"look like {next(iter(dmap.operators), '?')!r})")
-    if any(dmap[n].non_finite for n in names):
-        return -math.inf
-    total = sum(dmap[n].digits(metric) * dmap[n].numel for n in names)
-    numel = sum(dmap[n].numel for n in names)
-    return total / numel if numel else math.nan
-
-
-# The criteria a plan's outputs are held to (plan_precision's criterion=): the digits of every
-# output element (CESTAC's, over the samples), averaged ("mean"), their 5% quantile ("p5":
-# 95% of the elements keep at least keep digits) or their minimum ("min": every element). A
-# NaN/inf in any output sample fails every criterion.
-CRITERIA = ("mean", "p5", "min")
-
-
-def _outputs_digits(graphs: Sequence, fmt: Any, criterion: str = "mean",
-                    spread: bool = False, estimate: str = "avg") -> Any:
-    """The digits of the floating outputs under ``criterion`` (:data:`CRITERIA`) of the graph
-    the model's output comes from, or with graph breaks the least over the graphs: the samples
-    restart from the deterministic values at each graph's inputs, so a loss inside an earlier
-    graph shows only at that graph's own outputs. ``-inf`` where any output sample is NaN/inf:
-    no average hides it. With ``spread``, (digits, the estimator's standard error: the
-    elements' standard deviation over the square root of their count, of that graph). With
-    ``estimate="run"`` the digits are those a round-to-nearest run is expected to keep
-    (:func:`~fxstab.numerics.digits.run_digits`), not CESTAC's bound."""
-    from torch.utils import _pytree as pytree
-
-    from ..numerics.digits import cestac_digits, run_digits
-
-    per_element = run_digits if estimate == "run" else cestac_digits
-
-    per_graph = []
-    for outputs in graphs:
-        digits = []
-        for leaf in pytree.tree_leaves(outputs):
-            if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and \
-                    leaf.dim() >= 1 and leaf.numel() > 0:
-                if not bool(torch.isfinite(leaf).all()):
-                    return (-math.inf, 0.0) if spread else -math.inf
-                digits.append(per_element(leaf.to(torch.float64), fmt).reshape(-1))
-        if digits:
-            d = torch.cat(digits)
-            se = float(d.std() / math.sqrt(d.numel())) if d.numel() > 1 else 0.0
-            per_graph.append((float(d.mean()) if criterion == "mean" else float(d.min())
-                              if criterion == "min" else float(torch.quantile(d, 0.05)), se))
-    if not per_graph:
-        raise RuntimeError("the model's outputs hold no floating tensor: name the operators to "
-                           "check with outputs=[...]")
-    worst = min(per_graph)
-    return worst if spread else worst[0]
 
 
 def stored_high(promoted: Sequence[str], consumers: dict) -> list:
@@ -664,7 +637,7 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
                    budget: Any = None, criterion: str = "mean",
                    inputs: Optional[Sequence] = None, recheck_seeds: int = 2,
                    cost: Optional[CostModel] = None, progress: bool = False,
-                   calibrate: bool = False,
+                   calibrate: bool = False, metric: str = "run", autocast: bool = True,
                    **options: Any) -> PrecisionPlan:
     """The cheapest set of operators to run in ``higher`` so that the outputs keep ``keep``
     digits.
@@ -673,7 +646,8 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
         model: a module (or callable) ``torch.compile`` captures; it is not modified.
         example_inputs: its positional arguments.
         format: the low-precision format of the program (the analysis's ``format``).
-        keep: the digits the checked outputs must keep in the analysis (``criterion``).
+        keep: the digits the checked outputs must keep in the analysis (``criterion``), in
+            ``metric``'s digits.
         granularity: ``"op"``: the plan names torch-level operators, which
             :func:`fxstab.apply_plan` can run in ``higher`` for real.
         outputs: operator names (as in digit maps) whose digits are checked; None: the
@@ -707,6 +681,17 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
             real run per candidate size, not per candidate; ``met`` also needs the plan's
             real run to keep ``keep``. Needs a format torch computes in, no GEMM recipe,
             the model's outputs and ``criterion="mean"``.
+        metric: the digits ``keep`` and every candidate's digits are in: ``"run"`` (the
+            default), the digits a round-to-nearest run in ``format`` is expected to keep
+            (:func:`fxstab.numerics.digits.run_digits`: an estimate of what ``check_plan``
+            measures, ~0.5 digit above CESTAC's), or ``"avg"``, CESTAC's digits (the 95%
+            bound the gate holds models to).
+        autocast: set the plan against ``torch.autocast``'s fp32 list (the operators autocast
+            runs in fp32 for the device, :mod:`fxstab.plan.autocast`) as a candidate: where
+            the search's plan is not better than it at equal or lower cost, the plan is
+            autocast's list; ``plan.settings["autocast"]`` says why either way (and why no
+            comparison where none was made: a GEMM recipe, a format autocast does not lower
+            to).
         **options: more :func:`fxstab.backend` options (``n_samples``, ``seed``, ``select``,
             ``accumulate``, ...).
 
@@ -720,6 +705,10 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
     if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not keep > 0:
         raise ValueError(f"keep must be a positive number of digits, got {keep!r}")
     parse_budget(budget)
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {', '.join(map(repr, METRICS))} (run: the "
+                         f"digits a real run is expected to keep; avg: CESTAC's bound), got "
+                         f"{metric!r}")
     if criterion not in CRITERIA:
         raise ValueError(f"criterion must be one of {', '.join(map(repr, CRITERIA))}, got "
                          f"{criterion!r}")
@@ -746,7 +735,7 @@ def plan_precision(model: Any, example_inputs: Sequence, format: Any = "bf16",
     search = PlanSearch(model, example_inputs, format, higher, outputs, budget,
                         {**options, "criterion": criterion}, keep=keep,
                         recheck_seeds=recheck_seeds, inputs=more_inputs, cost=cost,
-                        calibrate=calibrate)
+                        calibrate=calibrate, metric=metric, autocast=bool(autocast))
     if progress:
         search.progress = _progress_line(keep)
     return search.run()
