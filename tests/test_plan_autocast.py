@@ -119,13 +119,23 @@ def test_a_planted_hazard_plan_beats_autocast_and_keeps_its_own_operators():
     assert check_plan(model, (x,), plan).planned > check_plan(model, (x,), listed).planned + 0.5
 
 
-def test_autocast_false_and_a_gemm_recipe_leave_the_list_out():
+def test_autocast_false_and_a_gemm_recipe_leave_the_list_out(monkeypatch):
     torch.manual_seed(0)
     model, x = ResidualOffset().eval(), torch.randn(8, 16)
     plan = plan_precision(model, (x,), format="bf16", keep=2.0, autocast=False)
     assert "autocast" not in plan.settings
     plan = plan_precision(model, (x,), format="bf16", keep=0.2, gemm_inputs="fp8_e4m3")
     assert "GEMM recipe" in plan.settings["autocast"]["reason"]
+    # a model that fails under autocast in fp32: the plan goes on without the candidate
+    import fxstab.plan.autocast as autocast_module
+
+    def fails(*args, **kwargs):
+        raise TypeError("no fp32 here")
+
+    monkeypatch.setattr(autocast_module, "autocast_fp32_operators", fails)
+    plan = plan_precision(model, (x,), format="bf16", keep=2.0)
+    assert plan.met and "could not be read" in plan.settings["autocast"]["reason"]
+    assert "no fp32 here" in plan.report()
 
 
 # --------------------------------------------------------------------------- the metric

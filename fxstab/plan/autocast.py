@@ -139,8 +139,14 @@ class AutocastCandidate:
             self.info = {"reason": "a GEMM recipe (gemm_inputs=/accumulate=): autocast has no "
                                    "such list"}
             return
-        ops = autocast_fp32_operators(s.model, s.inputs, s.format, s.forward,
-                                      s.options.get("select"))
+        try:
+            ops = autocast_fp32_operators(s.model, s.inputs, s.format, s.forward,
+                                          s.options.get("select"))
+        except Exception as exc:  # the plan goes on without the candidate, and says why
+            self.info = {"reason": f"autocast's list could not be read (the model under "
+                                   f"torch.autocast in fp32 failed: {type(exc).__name__}: "
+                                   f"{str(exc)[:200]})"}
+            return
         if ops is None:
             self.info = {"reason": f"torch.autocast does not lower to {s.format.name} here"}
             return
