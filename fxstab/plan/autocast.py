@@ -154,8 +154,9 @@ class AutocastCandidate:
             self.info = {"reason": "torch.autocast runs no operator of the model in fp32"}
             return
         self.ops, self.cost = ops, s.plan_cost(ops)
-        self.info = {"operators": len(ops), "cost": self.cost, "digits": math.nan,
-                     "run": math.nan, "chosen": False,
+        # digits/run: None until analysed (JSON null; a NaN would come back a string)
+        self.info = {"operators": len(ops), "cost": self.cost, "digits": None,
+                     "run": None, "chosen": False,
                      "reason": "not compared (no search: the outputs keep keep with nothing "
                                "promoted, or miss it with everything)"}
 
