@@ -167,7 +167,8 @@ class GraphAnalysis:
             fp8 = float8_matmul(node)
             if fp8 is not None:
                 kind = "matmul"
-            plan = NodePlan(node=node, kind=kind, index=i, custom=is_custom(node))
+            plan = NodePlan(node=node, kind=kind, index=i, custom=is_custom(node),
+                            layout=kind in WEIGHT_VIEWS)
             ins: set = set()
             for m in node.all_input_nodes:
                 ins |= frontier.get(m, frozenset())
@@ -264,7 +265,7 @@ class GraphAnalysis:
             leaves = pytree.tree_leaves((user.args, user.kwargs))
             if sum(v is node for v in leaves) != 1:
                 return False
-            if plan is not None and plan.name is None and plan.kind in WEIGHT_VIEWS and \
+            if plan is not None and plan.name is None and plan.layout and \
                     sum(isinstance(v, torch.fx.Node) for v in leaves) == 1:
                 if not user.users or not self._read_low(user, fmts):
                     return False

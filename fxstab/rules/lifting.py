@@ -234,6 +234,8 @@ class NodePlan:
     # whose samples' GEMMs run in the format's kernels (fxstab.numerics.lowp_gemm), an
     # embedding (a lookup); GraphAnalysis decides, the tracer keeps such weights
     lowp: bool = False
+    # a layout operator (:data:`WEIGHT_VIEWS`): from one weight alone, its output is that weight
+    layout: bool = False
 
 
 @dataclass

@@ -34,7 +34,7 @@ from ...records.coverage import ANALYSED, SKIPPED, UNROUNDED, CoverageEntry
 from ...records.report import (
     ROUNDED, UNLIFTED, OpReport, ReportRow, block_builder, report_builder, stats_row,
 )
-from ..lifting import LOW_READERS, WEIGHT_VIEWS, NodePlan, OpGraph, Stacked, has_floating
+from ..lifting import LOW_READERS, NodePlan, OpGraph, Stacked, has_floating
 from . import decisions, draws, elementwise, gemm, per_sample, structural  # noqa: F401 - rules
 from .lifted import isolated, lifted
 from .registry import ONCE, OpCall, rules_for
@@ -308,7 +308,7 @@ class SampleTracer(torch.fx.Interpreter):
             leaves = self._perturb(plan, leaves)
             stacked = [i for i, v in enumerate(leaves) if isinstance(v, Stacked)]
         if self.g.low_weights and not _reads_low(plan, stacked) and \
-                not (kind in WEIGHT_VIEWS and not stacked):  # (a weight's view: see below)
+                not (plan.layout and not stacked):  # (a weight's view: see below)
             leaves = self._widened(leaves)
 
         call = OpCall(self, plan, fn, args, leaves, spec, stacked)
@@ -394,7 +394,7 @@ class SampleTracer(torch.fx.Interpreter):
 
     def _of_weight(self, call: OpCall) -> bool:
         """Whether a plain call is a layout operator (:data:`WEIGHT_VIEWS`) of one weight."""
-        if call.plan.kind not in WEIGHT_VIEWS:
+        if not call.plan.layout:
             return False
         tensors = [v for v in call.leaves if isinstance(v, torch.Tensor)]
         return len(tensors) == 1 and id(tensors[0]) in self.weights
