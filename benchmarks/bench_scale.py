@@ -7,7 +7,8 @@ model), analysed at the operator level in ``--format`` (bf16) with N = 3. Printe
 measured in this run:
 
 * the steady analysed call against an eager call (median of ``--repeat`` interleaved pairs),
-* the first two analysed calls (the untraced rules, then the trace) against one eager call,
+* the first two analysed calls (the untraced rules, then the trace) against one eager call
+  and against ``torch.compile(backend="eager")``'s first two (dynamo's own compile),
 * peak resident memory of the process after the eager calls and after the analysed ones
   (``ru_maxrss``; the model, built in its dtype, is in both),
 * where the steady call's time goes, each part timed around its calls over a few steady calls
@@ -143,13 +144,18 @@ def training(args, model: torch.nn.Module, x: torch.Tensor) -> dict:
     _, got = step(analysed)
     identical = all(torch.equal(a, b) for a, b in zip(want, got))
     parts = breakdown(lambda x_: step(analysed), x, be, grad=True)
+    table = ""
+    if args.profile:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            step(analysed)
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
     dm = be.digit_map()
     backward = sum(1 for name in dm.operators if dm.operators[name].direction == "backward")
     return {"plain_step_s": round(plain_t, 3), "analysed_step_s": round(steady, 3),
             "step_x": round(steady / plain_t, 2), "first_two_s": round(first, 2),
             "gradients_bit_identical": identical, "operators": len(dm),
             "backward_operators": backward,
-            "parts_x": {k: round(v / plain_t, 2) for k, v in parts.items()}}
+            "parts_x": {k: round(v / plain_t, 2) for k, v in parts.items()}, "profile": table}
 
 
 def main(argv=None) -> int:
@@ -189,6 +195,8 @@ def main(argv=None) -> int:
               f"({row['backward_operators']} backward)")
         print("where the analysed step's time goes (x one plain step):  " + "  ".join(
             f"{k} {v:.2f}" for k, v in row["parts_x"].items()))
+        if row["profile"]:
+            print(row["profile"])
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "bench_scale.json").write_text(json.dumps({"rows": [row]}, indent=1))
@@ -203,6 +211,14 @@ def main(argv=None) -> int:
     eager()
     e0 = min(eager() for _ in range(2))
     rss_eager = _rss_gb()
+    # what dynamo's own compile costs: torch.compile(backend="eager")'s first two calls
+    torch._dynamo.reset()
+    plain = torch.compile(model, backend="eager")
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        plain(x), plain(x)
+    plain_first = time.perf_counter() - t0
+    del plain
     torch._dynamo.reset()
     be = fxstab.backend(format=args.format, n_samples=3, seed=0, lowp_gemm=args.lowp_gemm)
     f = torch.compile(model, backend=be)
@@ -236,7 +252,10 @@ def main(argv=None) -> int:
            "lowp_gemm": args.lowp_gemm,
            "eager_s": round(eager_t, 3), "steady_s": round(steady, 3),
            "steady_x": round(steady / eager_t, 2), "first_two_s": round(first, 2),
-           "first_two_x": round(first / e0, 1), "rss_eager_gb": round(rss_eager, 2),
+           "first_two_x": round(first / e0, 1),
+           "compile_eager_first_two_s": round(plain_first, 2),
+           "first_two_x_compile_eager": round(first / plain_first, 2),
+           "rss_eager_gb": round(rss_eager, 2),
            "rss_analysed_gb": round(rss_analysed, 2),
            "rss_x": round(rss_analysed / rss_eager, 2), "operators": len(be.digit_map()),
            "coverage": round(cov.fraction, 3), "bit_identical": identical}
@@ -247,6 +266,8 @@ def main(argv=None) -> int:
     print(f"{'':<28}{'eager':>9}{'analysed':>10}{'ratio':>8}")
     print(f"{'steady call (s)':<28}{eager_t:>9.2f}{steady:>10.2f}{steady / eager_t:>7.1f}x")
     print(f"{'first two calls (s)':<28}{e0:>9.2f}{first:>10.2f}{first / e0:>7.1f}x")
+    print(f"{'  against compile(eager)':<28}{plain_first:>9.2f}{first:>10.2f}"
+          f"{first / plain_first:>7.1f}x")
     print(f"{'peak RSS (GB)':<28}{rss_eager:>9.2f}{rss_analysed:>10.2f}"
           f"{rss_analysed / rss_eager:>7.2f}x")
     print(f"operators {row['operators']}, coverage {100 * row['coverage']:.1f}%, output "
