@@ -377,6 +377,13 @@ def test_in_place_rounding_gives_the_same_bits():
     before = z.clone()
     out, _, _ = native.round_stats(z, fmt, Rounding.RANDOM, 4, in_place=True)
     assert out.data_ptr() != z.data_ptr() and torch.equal(z, before)
+    # samples laid out inside the rows (an embedding gradient's, [V][N][D]): rounded over
+    # the one contiguous copy, the same bits and statistics as from contiguous samples
+    w = torch.randn(50, 3, 8).transpose(0, 1)
+    before = w.clone()
+    ref, st_ref, _ = native.round_stats(w.contiguous(), fmt, Rounding.RANDOM, 4)
+    out, st, _ = native.round_stats(w, fmt, Rounding.RANDOM, 4)
+    assert _same_bits(out, ref) and torch.equal(st, st_ref) and torch.equal(w, before)
 
 
 def test_perturbation_that_changes_nothing_returns_the_samples():

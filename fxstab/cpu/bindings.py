@@ -303,8 +303,10 @@ def _round_stats(samples, fmt, mode, seed, saturate, confidence, zero_threshold,
                 zero_threshold=zero_threshold, run_shift=run_shift)
     if mode is None:
         out = x.expand(n, *shape) if n_samples is not None else x
-    elif in_place and xs and x.data_ptr() == samples.data_ptr():  # contiguous() made no copy
-        out = x
+    elif xs and (in_place or x.data_ptr() != samples.data_ptr()):
+        out = x  # in place: as asked, or over the contiguous copy _layout made (ours alone: a
+        # wgrad's or an embedding gradient's samples laid out inside the rows, a vocabulary
+        # wide copy that a second fresh output would double)
     elif xs:
         out = torch.empty_like(x)  # x is [n, *shape], contiguous
     else:
