@@ -170,3 +170,57 @@ def test_arithmetic_level_backward_is_analysed_with_the_same_names():
     ops = be.digit_map().operators
     assert {"fc1.weight/grad", "fc1/linear#0/grad/mm#0", "gelu#0/grad/gelu_backward#0"} <= set(ops)
     assert all(o.direction == "backward" for n, o in ops.items() if "/grad" in n)
+
+
+@pytest.mark.parametrize("pad", [-1, 3])
+def test_embedding_gradients_fold_the_samples_into_the_rows(pad):
+    """embedding_dense_backward of stacked gradients: the samples' rows summed as one
+    [N * V, D] table give vmap's values bit for bit (repeated and padding indices), laid
+    out sample-major, which the rounding reads without a vocabulary-wide copy."""
+    from fxstab.rules.lifting import embedding_grad_folded
+
+    fn = torch.ops.aten.embedding_dense_backward.default
+    g = torch.Generator().manual_seed(0)
+    grad = torch.randn(3, 2, 9, 16, generator=g)
+    idx = torch.randint(0, 40, (2, 9), generator=g)
+    idx[0, :4] = 3  # repeated, and the padding row when pad == 3
+    folded = embedding_grad_folded(fn, [grad, idx, 40, pad, False], {})
+    lifted = torch.vmap(lambda x: fn(x, idx, 40, pad, False))(grad)
+    assert folded.is_contiguous() and not lifted.is_contiguous()
+    assert torch.equal(folded, lifted)
+    # by frequency: per sample under vmap, as before
+    scaled = embedding_grad_folded(fn, [grad, idx, 40, pad, True], {})
+    assert torch.equal(scaled, torch.vmap(lambda x: fn(x, idx, 40, pad, True))(grad))
+
+
+def test_a_training_steps_embedding_gradient_is_batched_and_maps_as_lifted(monkeypatch):
+    from fxstab.rules.op import registry
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.e = nn.Embedding(500, 32, padding_idx=3)
+            self.l = nn.Linear(32, 7)
+
+        def forward(self, x):
+            return self.l(self.e(x))
+
+    def analysed():
+        torch.manual_seed(0)
+        model = Net().to(torch.bfloat16)
+        x = torch.randint(0, 500, (4, 20))
+        x[0, :3] = 3
+        x[1, 2] = 7
+        torch._dynamo.reset()
+        be = fxstab.backend(format="bf16", backward=True, seed=0)
+        torch.compile(model, backend=be)(x).float().sum().backward()
+        return be
+
+    be = analysed()
+    name = "e/embedding#0/grad/embedding_dense_backward#0"
+    entry = next(e for e in be.coverage().entries if e.operator == name)
+    assert entry.reason == "batched over the samples"
+    folded = be.digit_map()[name]
+    monkeypatch.delitem(registry.OP_RULES, "embedding_dense_backward")
+    lifted = analysed().digit_map()[name]
+    assert (folded.avg_digits, folded.min_digits) == (lifted.avg_digits, lifted.min_digits)

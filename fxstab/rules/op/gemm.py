@@ -5,7 +5,9 @@ rounding into the accumulator each; a random rounding draws per sample and eleme
 inside the product, each call anew). Otherwise ``linear`` (a plain weight: one addmm over
 N x batch rows; vmap would split it into mm + add) and ``scaled_dot_product_attention`` (any
 leading dims; folded over the samples: :func:`fxstab.rules.lifting.attention_folded`) take
-the stacked samples directly; the others are lifted by the default rule. The GEMM surrogate
+the stacked samples directly, and so does a backward graph's ``embedding_dense_backward`` (the
+samples folded into the rows: :func:`fxstab.rules.lifting.embedding_grad_folded`); the others
+are lifted by the default rule. The GEMM surrogate
 (docs/design.md §4) runs before any of these, in the tracer. In a lowered graph of a torchao
 float8 model (at every format), a cast into float8 rounds the samples into the float8 format
 and keeps them in the working dtype, and ``_scaled_mm`` of such samples is their scaled product
@@ -26,7 +28,8 @@ from ...numerics.digits import digits_cap
 from ...numerics.rounding import round_samples
 from ...records.report import ROUNDED
 from ..accumulation import accumulable, gemm_model_label, modelled_gemm
-from ..lifting import ACCUMULATED_KINDS, LOW_READERS, Stacked, as_linear, attention_folded
+from ..lifting import (ACCUMULATED_KINDS, LOW_READERS, Stacked, as_linear, attention_folded,
+                       embedding_grad_folded)
 from .registry import OpCall, Outcome, op_rule
 from .structural import in_vmap_region
 
@@ -152,6 +155,7 @@ class _Batched(NamedTuple):
 # Operators that take stacked samples directly in their leading arguments
 BATCHED_KINDS: dict[str, _Batched] = {
     "scaled_dot_product_attention": _Batched(3, attention_folded),
+    "embedding_dense_backward": _Batched(1, embedding_grad_folded),
     "linear": _Batched(1, _called, first=lowp)}
 
 
