@@ -500,7 +500,19 @@ def test_the_pipeline_runs_every_pass_and_names_the_one_that_refused():
                                     for p in SampledGraphPasses(bindings=False).passes]
     gm = make_fx(lambda x: (x.exp() + 1, x.detach().sin())[0], tracing_mode="real")(torch.randn(4))
     before = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-    run_sampled_graph_passes(gm)
+    generated = []
+    recompile = torch.fx.GraphModule.recompile
+
+    def counted(self):
+        generated.append(self)
+        return recompile(self)
+
+    torch.fx.GraphModule.recompile = counted
+    try:
+        run_sampled_graph_passes(gm)
+    finally:
+        torch.fx.GraphModule.recompile = recompile
+    assert generated == [gm]  # the code generated once, after the passes
     after = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert torch.ops.aten.sin.default in before and len(after) == 2  # dead code gone
     assert after == [torch.exp, torch.add]  # torch's own bindings

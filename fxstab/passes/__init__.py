@@ -8,7 +8,7 @@ fxstab's own code in it (rounding and recording, counters, the GEMM surrogate, p
 operators) and the passes that check the traced graph (no value-dependent shapes), clean it
 (dead code) and lower those nodes to direct calls; :mod:`fxstab.passes.bindings` calls each aten
 operator through the torch binding that makes exactly its call; :mod:`fxstab.passes.pipeline`
-composes them with torch.fx's ``PassManager``.
+composes them (linted after each pass, the code generated once at the end).
 """
 
 from .bindings import DirectBindings

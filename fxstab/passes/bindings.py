@@ -28,6 +28,8 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils import _pytree as pytree
 
+from .steps import recompile
+
 __all__ = ["DirectBindings", "binding_of"]
 
 # where torch's generated bindings live: torch.X, torch.nn.functional's C half, special, linalg,
@@ -119,5 +121,5 @@ class DirectBindings(PassBase):
                 node.target = fn
                 modified = True
         if modified:
-            gm.recompile()
+            recompile(gm)
         return PassResult(gm, modified)

@@ -26,7 +26,31 @@ import torch.fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 __all__ = ["Step", "active", "emit", "is_step", "lowered", "LowerSteps", "EliminateDeadCode",
-           "DropDetach", "RefuseDynamicShapes", "tracing", "registered"]
+           "DropDetach", "RefuseDynamicShapes", "tracing", "registered", "recompile",
+           "deferred_recompile"]
+
+# > 0 while a pipeline runs its passes: they leave the code generation to its end
+_deferred = 0
+
+
+def recompile(gm: torch.fx.GraphModule) -> None:
+    """What a pass that changed ``gm``'s graph calls: the code generated anew (a pass run on
+    its own leaves a module that runs), unless a pipeline defers it to its end
+    (:func:`deferred_recompile`: the generation of a model's graph costs ~0.5 ms a node)."""
+    if not _deferred:
+        gm.recompile()
+
+
+class deferred_recompile:
+    """Inside: :func:`recompile` does nothing (the caller recompiles once, after the passes)."""
+
+    def __enter__(self) -> None:
+        global _deferred
+        _deferred += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        global _deferred
+        _deferred -= 1
 
 
 
@@ -167,7 +191,7 @@ class EliminateDeadCode(PassBase):
 
         modified = gm.graph.eliminate_dead_code(is_impure_node=impure)
         if modified:
-            gm.recompile()
+            recompile(gm)
         return PassResult(gm, modified)
 
 
@@ -202,7 +226,7 @@ class LowerSteps(PassBase):
             gm.graph.erase_node(node)
             modified = True
         if modified:
-            gm.recompile()
+            recompile(gm)
         return PassResult(gm, modified)
 
 
@@ -247,5 +271,5 @@ class DropDetach(PassBase):
                 gm.graph.erase_node(node)
                 modified = True
         if modified:
-            gm.recompile()
+            recompile(gm)
         return PassResult(gm, modified)
