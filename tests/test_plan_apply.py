@@ -97,3 +97,23 @@ def test_the_progress_line_never_prints_minus_inf(capsys):
     assert err == ["fxstab plan: 2 analysed calls, every candidate's outputs hold a NaN/inf so "
                    "far (keep 1.20)",
                    "fxstab plan: 2 analysed calls, best 1.50 digits (keep 1.20)"]
+
+
+def test_the_page_says_which_digits_the_expected_real_gain_and_autocasts_verdict():
+    """The plan page says what the text report says beside its digits: which digits (the
+    bound or a real run's), the gain expected in a real run, and how torch.autocast's fp32
+    list fared as a candidate."""
+    plan = _plan(before=1.0, after=1.5, met=True, checks={"seed 0": 1.5},
+                 settings={"metric": "run", "expected_real": [1.9, 2.2],
+                           "autocast": {"reason": "the plan keeps more at a lower cost"}})
+    page, text = html.plan_page(plan), plan.report()
+    for line in ("run digits: what a real run is expected to keep",
+                 "expected in a real run in fp16 (run digits, an estimate, not the bound): "
+                 "1.90 -> 2.20 (+0.30)",
+                 "torch.autocast's fp32 list as a candidate: the plan keeps more at a lower "
+                 "cost"):
+        assert line in text
+        assert html.escape(line) in page or html.escape(line[0].upper() + line[1:]) in page
+    bound = _plan(before=1.0, after=1.5, met=True, checks={"seed 0": 1.5},
+                  settings={"metric": "avg"})
+    assert "The digits are CESTAC digits: the bound." in html.plan_page(bound)

@@ -98,6 +98,27 @@ class PrecisionPlan:
         return [p for p in paths if p and set(module_operators.get(p, ())) <= chosen]
 
     # -- text -----------------------------------------------------------------------------
+    def metric_words(self) -> str:
+        """What the plan's digits are (its :attr:`metric`), in words."""
+        return "run digits: what a real run is expected to keep" if self.metric == "run" \
+            else "CESTAC digits: the bound"
+
+    def context(self) -> list:
+        """The lines that say what the search knew beside its digits: the gain expected in a
+        real run, and how torch.autocast's fp32 list fared as a candidate (the report's and the
+        page's)."""
+        lines = []
+        expected = self.settings.get("expected_real")
+        if isinstance(expected, list) and len(expected) == 2 and all(
+                isinstance(v, (int, float)) and math.isfinite(v) for v in expected):
+            lines.append(f"expected in a real run in {self.format} (run digits, an estimate, "
+                         f"not the bound): {expected[0]:.2f} -> {expected[1]:.2f} "
+                         f"({expected[1] - expected[0]:+.2f})")
+        autocast = self.settings.get("autocast")
+        if isinstance(autocast, dict) and autocast.get("reason"):
+            lines.append(f"torch.autocast's fp32 list as a candidate: {autocast['reason']}")
+        return lines
+
     def report(self) -> str:
         """Before/after digits at the outputs and per promoted operator, as text."""
         what = "the model's outputs" if not self.outputs else ", ".join(self.outputs)
@@ -105,8 +126,7 @@ class PrecisionPlan:
             f"{len(self.promoted)} operators"
         criterion = {"mean": "avg", "p5": "5% quantile", "min": "min"}.get(
             self.settings.get("criterion", "mean"), "avg")
-        metric = "run digits: what a real run is expected to keep" if self.metric == "run" \
-            else "CESTAC digits: the bound"
+        metric = self.metric_words()
         worst = ""
         if len(self.checks) > 1:
             worst = (f", the worst of {', '.join(self.checks)}: "
@@ -119,15 +139,7 @@ class PrecisionPlan:
                  f"digits at {what} ({criterion} {metric}, the analysis; NaN/inf fails): "
                  f"{_digits(self.before)} in {self.format} -> {_digits(self.after)} with the "
                  f"plan{worst} (required {self.required():.2f}{all_higher})"]
-        expected = self.settings.get("expected_real")
-        if isinstance(expected, list) and len(expected) == 2 and all(
-                isinstance(v, (int, float)) and math.isfinite(v) for v in expected):
-            lines.append(f"expected in a real run in {self.format} (run digits, an estimate, "
-                         f"not the bound): {expected[0]:.2f} -> {expected[1]:.2f} "
-                         f"({expected[1] - expected[0]:+.2f})")
-        autocast = self.settings.get("autocast")
-        if isinstance(autocast, dict) and autocast.get("reason"):
-            lines.append(f"torch.autocast's fp32 list as a candidate: {autocast['reason']}")
+        lines += self.context()
         calibration = self.settings.get("calibration")
         if isinstance(calibration, dict):
             lines.append(f"keep {self.keep:.2f} is in true digits of the real run: the analysis "

@@ -694,6 +694,10 @@ def plan_page(plan: Any, check: Any = None, title: Optional[str] = None) -> str:
                 f"(avg true digits at the outputs): {run('plain')} without the plan, "
                 f"{run('planned')} with it; all in {escape(plan.higher)}: {run('high')}.</p>")
     checks = ", ".join(f"{escape(k)} {fmt_digits(v)}" for k, v in plan.checks.items())
+    # which digits (the bound or a real run's), the real gain expected, autocast's list
+    notes = [f"The digits are {plan.metric_words()}."]
+    notes += [line[0].upper() + line[1:] + "." for line in plan.context()]
+    context = "".join(f'<p class="muted">{escape(line)}</p>' for line in notes)
     cost = (f"; cost {plan.cost:.3f} against {plan.cost_all_higher:.3f} with everything in "
             f"{escape(plan.higher)} (all in {escape(plan.format)} = 1)"
             if plan.cost == plan.cost else "")
@@ -705,7 +709,7 @@ def plan_page(plan: Any, check: Any = None, title: Optional[str] = None) -> str:
 <section id="verdict-section"><h2>Verdict</h2>
 <p class="verdict {'pass' if plan.met else 'fail'}">The plan {verdict}: {fmt_digits(plan.before)} in
 {escape(plan.format)}, {fmt_digits(plan.after)} with the plan{f" (the worst of {checks})"
-if len(plan.checks) > 1 else ""}{cost}.</p>{real}</section>
+if len(plan.checks) > 1 else ""}{cost}.</p>{context}{real}</section>
 <section id="frontier-section"><h2>Digits against cost</h2>
 <p class="muted">The plans the search evaluated that no cheaper one beats (the analysis, the
 search's seed), by cost; the line is what the plan must keep, the marked point the plan.</p>
