@@ -55,6 +55,25 @@ def test_a_large_offset_is_a_near_constant_normalization(granularity):
     assert lost and "near-constant normalization" in lost[0], dm.findings()
     if granularity == "aten":  # named at the centring step, x - mean
         assert "aten.sub#0" in lost[0].split(":")[0], lost
+    else:  # the library kernel: the input's producer named, what to keep in fp32
+        assert "its input, from add#0," in lost[0] and "keep add#0 in fp32" in lost[0], lost
+
+
+def test_the_near_constant_remedy_is_the_inputs_precision_not_the_normalizations():
+    """What the op-level finding says, analysed: the add that rounds x + 20 kept in fp32
+    gives the LayerNorm its digits back; the LayerNorm itself in fp32 (its statistics are fp32
+    in PyTorch's kernel already) keeps no more."""
+    def ln(formats):
+        torch._dynamo.reset()
+        be = fxstab.backend(format="bf16", seed=0, formats=formats)
+        with torch.no_grad():
+            torch.compile(lambda x: F.layer_norm(x + 20.0, (64,)), backend=be)(_centred())
+        torch._dynamo.reset()
+        return be.digit_map().operators["layer_norm#0"].avg_digits
+
+    plain = ln(None)
+    assert ln({"add#0": "fp32"}) > plain + 1.0
+    assert abs(ln({"layer_norm#0": "fp32"}) - plain) < 0.3
 
 
 def test_a_scale_only_normalization_is_never_called_near_constant():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from .hints import MIN_FINDING, MIN_UNDERFLOW, UNDERFLOW_HINT, ZERO_FINDING, hint
+from .hints import MIN_FINDING, MIN_UNDERFLOW, UNDERFLOW_HINT, ZERO_FINDING, hint, norm_step
 from .operators import (
     OperatorDigits,
     check_metric,
@@ -88,7 +88,9 @@ def mechanism_hint(dm: Any, op: OperatorDigits, nonfinite: bool = False) -> str:
     (:func:`~fxstab.digitmap.hints.hint`): a softmax (which subtracts the max itself) is told
     where its large logits come from (an unscaled dot product, or their producer); a log that
     meets zeros, which operator underflowed to them; an exp that overflows, which operator
-    made its argument large. A verified fix of the map (``fxstab fix``) that covers the
+    made its argument large; a normalization (one operator: a library kernel, whose statistics
+    are fp32 already) that centres a large common offset, which operator rounded the input
+    whose digits it exposes. A verified fix of the map (``fxstab fix``) that covers the
     operator is named last."""
     inputs = [dm.operators[i] for i in op.inputs if i in dm.operators]
     text = None
@@ -111,6 +113,16 @@ def mechanism_hint(dm: Any, op: OperatorDigits, nonfinite: bool = False) -> str:
                     f"elements rounded below the format's smallest normal) and the log meets "
                     f"the 0s: compute in log space (log_softmax, logsigmoid, logsumexp), or "
                     f"keep {src.name} in fp32")
+    elif not nonfinite and inputs and norm_step(op) == "centring" and \
+            not any(p.startswith("aten.") for p in op.name.split("/")):
+        # the digits of the spread were lost where the input was rounded: the normalization
+        # in fp32 keeps no more (tests/test_hints.py analyses both remedies)
+        src = min(inputs, key=lambda i: effective_digits(i))
+        text = (f"near-constant normalization: its input, from {src.name}, has a mean large "
+                f"against its spread, and centring exposes the digits of the spread lost "
+                f"where {src.name} rounded it ({op.kind} in fp32 keeps no more): keep "
+                f"{src.name} in fp32 (a residual stream in fp32), or remove the common "
+                f"offset before it")
     elif op.kind in _EXP_KINDS and nonfinite and inputs:
         src = inputs[0]
         text = (f"overflow: its argument, from {src.name}, is too large for the format: "

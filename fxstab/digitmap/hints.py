@@ -65,7 +65,7 @@ def _kinds_of(op: "OperatorDigits") -> set:
     return kinds
 
 
-def _norm_step(op: "OperatorDigits") -> Optional[str]:
+def norm_step(op: "OperatorDigits") -> Optional[str]:
     """The step of a centring normalization the operator is: ``"centring"`` for the whole
     normalization (operator level) or, at the arithmetic level, ``x - mean`` and the statistics
     of its result, where a mean large against the spread cancels; ``"mean"`` for the mean's row
@@ -94,11 +94,12 @@ def hint(op: "OperatorDigits", nonfinite: bool = False) -> str:
                     "(an eps), reformulate, or compute it in fp32")
         return ("overflow: subtract the max before exponentials (softmax, logsumexp), scale "
                 "the values down, or accumulate in fp32")
-    step = _norm_step(op) if kinds & _CENTRING_KINDS else None
+    step = norm_step(op) if kinds & _CENTRING_KINDS else None
     if step == "centring":  # (its result may well be computational zeros: the cancellation)
         return ("near-constant normalization (the input's mean is large against its spread: "
-                "centring it cancels): compute the statistics in fp32, use a larger eps, or "
-                "centre the input first")
+                "centring it exposes the digits the input lost when it was rounded): remove "
+                "the common offset before it or keep the input in fp32; written by hand, "
+                "compute its statistics in fp32 too")
     if op.zero_fraction >= ZERO_FINDING:
         return ZERO_HINT
     if step == "mean":
