@@ -215,8 +215,8 @@ def operator_impact(model: torch.nn.Module, inputs: Sequence, *, threshold: floa
             bisection is validated against, ``benchmarks/bench_impact.py --validate``).
         method: ``"ablation"`` (default: measured) or ``"first_order"`` (one analysed call,
             2 ``probes`` fp64 forward passes and ``probes`` vector-Jacobian products: the module
-            docstring;
-            the model must be one captured graph at the operator level).
+            docstring; the model must be one captured graph, at either level: at
+            ``granularity="aten"`` the graph lowered to the primitives is linearized).
         probes: the first-order route's random probes.
         progress: a bar of the analysed calls on stderr (:class:`fxstab.progress.Progress`);
             None: where stderr is a terminal.
@@ -292,9 +292,7 @@ def _ablate(run: Any, own: Any, outputs: Any, bisect: bool, threshold: float,
 def _first_order(target: Any, inputs: Sequence, kwargs: dict, own: Any, outputs: Any,
                  threshold: float, probes: int, options: dict) -> Impact:
     """operator_impact's first-order route (the module docstring)."""
-    if options.get("granularity", "op") != "op":
-        raise ValueError("method='first_order' works at the operator level (granularity='op'); "
-                         "use method='ablation' at the arithmetic level")
+    aten = options.get("granularity", "op") == "aten"
     torch._dynamo.reset()
     be = backend(**options)
     graphs: list = []
@@ -317,9 +315,18 @@ def _first_order(target: Any, inputs: Sequence, kwargs: dict, own: Any, outputs:
     base = _output_digits(cap.graphs[-1] if cap.graphs else None, cfg.format, cfg.confidence)
     dm = be.digit_map()
     gm, args = graphs[-1]
-    names = {p.node.name: p.name for g in be.graphs for p in g.plans
-             if p.name in dm.operators and dm.operators[p.name].status == "rounded"
-             and dm.operators[p.name].direction == "forward"}
+    if aten:  # the graph lowered to the primitives the map names, on the same inputs
+        lowered = [g.primitive_nodes() for g in be.graphs if hasattr(g, "primitive_nodes")]
+        if len(lowered) != 1 or lowered[0] is None:
+            raise ValueError("method='first_order' found no lowered graph at the arithmetic "
+                             "level (a lowering that failed: the coverage says why): use "
+                             "method='ablation'")
+        gm, nodes = lowered[0]
+    else:
+        nodes = {p.node.name: p.name for g in be.graphs for p in g.plans}
+    names = {node: name for node, name in nodes.items()
+             if name in dm.operators and dm.operators[name].status == "rounded"
+             and dm.operators[name].direction == "forward"}
     # output elements whose samples hold a NaN/inf gain nothing from any one rounding (the
     # fp64 linearization cannot see the overflow): left out of the shares and the gains
     finite = [torch.isfinite(t).all(0) for t in _float_leaves(cap.graphs[-1] if cap.graphs
@@ -354,7 +361,14 @@ def _first_order(target: Any, inputs: Sequence, kwargs: dict, own: Any, outputs:
 class _Linearized(torch.fx.Interpreter):
     """The captured graph in fp64 (floating arguments widened, dtype arguments of 16- and
     32-bit floats read as fp64), with ``noise[name]`` added to the output of each analysed
-    node (by the operator's name) and every such output kept."""
+    node (by the operator's name) and every such output kept. A graph lowered to primitives
+    (the arithmetic level's) runs its ``prims`` through their ATen implementations, which
+    autograd differentiates (the prims have no derivative formulas)."""
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if isinstance(target, torch._ops.OpOverload) and target.namespace == "prims":
+            target = getattr(target, "impl_aten", target)
+        return super().call_function(target, args, kwargs)
 
     def __init__(self, gm: torch.fx.GraphModule, names: dict, noise: dict) -> None:
         super().__init__(gm)

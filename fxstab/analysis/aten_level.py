@@ -209,6 +209,16 @@ class AtenGraphAnalysis(GraphAnalysis):
             return make_fx(_Specializing(self.sgm, values).run,
                            decomposition_table=decompositions(), tracing_mode=mode)(*inputs)
 
+    def primitive_nodes(self) -> Optional[tuple]:
+        """``(gm, names)``: the latest lowered graph and its nodes' primitives (node name ->
+        the primitive's name in the map), or None before any lowering; what the first-order
+        impact linearizes at this level (:mod:`fxstab.impact`)."""
+        if not self._lowered:
+            return None
+        low = next(reversed(self._lowered.values()))
+        return low.gm, {node.name: plan.name for node, plan in zip(low.gm.graph.nodes, low.plans)
+                        if plan is not None}
+
     def _plan_lowering(self, lowered: torch.fx.GraphModule) -> "LoweredGraph":
         """A lowering with its node plans, decided once."""
         mutates = any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
