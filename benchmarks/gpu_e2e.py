@@ -272,9 +272,58 @@ def step_backward(device: str, dry: bool) -> dict:
     same = all(torch.equal(a, b) for a, b in zip(*grads))
     dm = be.digit_map()
     entries = sum(1 for op in dm.operators.values() if op.kind == "param_grad")
-    return {"pass": same and entries > 0,
-            "rows": [{"model": what, "gradients_bit_identical": same,
-                      "operators": len(dm.operators), "param_grad_entries": entries}]}
+    row = {"model": what, "gradients_bit_identical": same, "operators": len(dm.operators),
+           "param_grad_entries": entries}
+    row.update(_training_gemms(twin, x, device, dry))
+    ok = same and entries > 0 and row["bf16_gradients_bit_identical"]
+    if device == "cuda":  # the backward's GEMMs of bf16 weights in bf16 kernels (issue 52)
+        ok = ok and row["gemm_bf16_lowp"] > row["gemm_bf16_fp32_path"]
+    return {"pass": ok, "rows": [row]}
+
+
+def _training_gemms(model, x: tuple, device: str, dry: bool) -> dict:
+    """One analysed training step of ``model`` in bf16 (a copy), with the samples' GEMMs of
+    bf16 weights on the bf16 path (lowp_gemm) and off it: the GEMM kernels of the profiled
+    step by dtype, and the gradients against the program AOTAutograd compiles without fxstab
+    (``aot_eager``: in bf16 its decompositions may move the last bits from eager mode's)."""
+    import fxstab
+    from fxstab.numerics import lowp_gemm
+
+    if dry:  # the tiny model's weights take the bf16 path too (the CPU's size rule aside)
+        lowp_gemm.CPU_MIN_DIM = 0
+    low = copy.deepcopy(model).to(torch.bfloat16)
+
+    def step(f) -> list:
+        for p in low.parameters():
+            p.grad = None
+        torch.manual_seed(11)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            f(*x).float().pow(2).mean().backward()
+        return [p.grad.clone() for p in low.parameters()]
+
+    torch._dynamo.reset()
+    want = step(torch.compile(low, backend="aot_eager"))
+    out = {}
+    for lowp in (True, False):
+        torch._dynamo.reset()
+        f = torch.compile(low, backend=fxstab.backend(backward=True, format="bf16", seed=0,
+                                                       lowp_gemm=lowp))
+        step(f)
+        got = step(f)  # (the trace's call)
+        with torch.profiler.profile(record_shapes=device != "cuda", activities=[
+                torch.profiler.ProfilerActivity.CPU,
+                *([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])]) as prof:
+            step(f)
+            _sync(device)
+        kernels = _gemm_kernels(prof, device)
+        key = "lowp" if lowp else "fp32_path"
+        out[f"gemm_bf16_{key}"], out[f"gemm_fp32_{key}"] = kernels["bf16"], kernels["fp32"]
+        if lowp:
+            out["bf16_gradients_bit_identical"] = all(torch.equal(a, b)
+                                                      for a, b in zip(want, got))
+    torch._dynamo.reset()
+    return out
 
 
 def step_monitor(device: str, dry: bool) -> dict:

@@ -224,3 +224,35 @@ def test_a_training_steps_embedding_gradient_is_batched_and_maps_as_lifted(monke
     monkeypatch.delitem(registry.OP_RULES, "embedding_dense_backward")
     lifted = analysed().digit_map()[name]
     assert (folded.avg_digits, folded.min_digits) == (lifted.avg_digits, lifted.min_digits)
+
+
+def test_a_bf16_models_gradients_are_the_compiled_programs_bit_for_bit(monkeypatch):
+    """backward=True compiles through AOTAutograd: the gradients are those of the program it
+    compiles (torch.compile(backend="aot_eager")) bit for bit, with the backward's GEMMs of
+    bf16 weights on the bf16 path; in bf16 that program may differ from eager mode in the
+    last bits (torch's decompositions), which fxstab does not change."""
+    from fxstab.numerics import lowp_gemm
+
+    monkeypatch.setattr(lowp_gemm, "CPU_MIN_DIM", 0)  # the small weights take the path too
+    torch.manual_seed(0)
+    model = GPT(vocab=256, d=32, heads=4, layers=2, ctx=16).to(torch.bfloat16)
+    x = torch.randint(0, 256, (2, 16))
+
+    def grads(f):
+        for p in model.parameters():
+            p.grad = None
+        torch.manual_seed(11)
+        f(x).float().pow(2).mean().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    torch._dynamo.reset()
+    want = grads(torch.compile(model, backend="aot_eager"))
+    torch._dynamo.reset()
+    be = fxstab.backend(backward=True, format="bf16", seed=0)
+    f = torch.compile(model, backend=be)
+    for _ in range(3):  # untraced, traced, the sampled graph
+        assert all(torch.equal(a, b) for a, b in zip(grads(f), want))
+    if lowp_gemm.check("cpu").ok:  # (a platform whose bf16 GEMMs fail it: the fp32 path)
+        assert any("bf16 GEMM" in e.reason for e in be.coverage().entries
+                   if e.operator.endswith("/grad/mm#0"))
+    torch._dynamo.reset()
