@@ -365,14 +365,14 @@ class _Linearized(torch.fx.Interpreter):
     (the arithmetic level's) runs its ``prims`` through their ATen implementations, which
     autograd differentiates (the prims have no derivative formulas)."""
 
+    def __init__(self, gm: torch.fx.GraphModule, names: dict, noise: dict) -> None:
+        super().__init__(gm)
+        self.names, self.noise, self.values = names, noise, {}
+
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         if isinstance(target, torch._ops.OpOverload) and target.namespace == "prims":
             target = getattr(target, "impl_aten", target)
         return super().call_function(target, args, kwargs)
-
-    def __init__(self, gm: torch.fx.GraphModule, names: dict, noise: dict) -> None:
-        super().__init__(gm)
-        self.names, self.noise, self.values = names, noise, {}
 
     def run_node(self, n: torch.fx.Node) -> Any:
         def widen(v: Any) -> Any:

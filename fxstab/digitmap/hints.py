@@ -65,16 +65,24 @@ def _kinds_of(op: "OperatorDigits") -> set:
     return kinds
 
 
+def primitive_of(op: "OperatorDigits") -> Optional[str]:
+    """The aten primitive an arithmetic-level entry is (``"sub"`` of
+    ``ln/layer_norm#0/aten.sub#0``), None for an operator-level one."""
+    parts = op.name.split("/")
+    if not any(p.startswith("aten.") for p in parts):
+        return None
+    return parts[-1].split("#")[0].removeprefix("aten.")
+
+
 def norm_step(op: "OperatorDigits") -> Optional[str]:
     """The step of a centring normalization the operator is: ``"centring"`` for the whole
     normalization (operator level) or, at the arithmetic level, ``x - mean`` and the statistics
     of its result, where a mean large against the spread cancels; ``"mean"`` for the mean's row
     sum, which loses digits in the opposite situation (an input already centred); None for
     another primitive."""
-    parts = op.name.split("/")
-    if not any(p.startswith("aten.") for p in parts):
+    primitive = primitive_of(op)
+    if primitive is None:
         return "centring" if op.kind in _CENTRING_KINDS else None
-    primitive = parts[-1].split("#")[0].removeprefix("aten.")
     if primitive in _CENTRING_PRIMITIVES:
         return "centring"
     return "mean" if primitive in {"sum", "mean"} else None

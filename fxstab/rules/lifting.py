@@ -158,7 +158,6 @@ def attention_folded(fn: Callable, a: list, kw: dict) -> torch.Tensor:
     return out.reshape(n, b, *out.shape[1:])
 
 
-
 def embedding_grad_folded(fn: Callable, a: list, kw: dict) -> torch.Tensor:
     """``embedding_dense_backward`` (``fn``) of stacked gradients ``[N, *indices.shape, D]``
     with the samples folded into the rows: sample s's row i is row ``s * V + i`` of one
@@ -184,6 +183,7 @@ def embedding_grad_folded(fn: Callable, a: list, kw: dict) -> torch.Tensor:
     out = grad.new_zeros(n * num, d)
     out.index_add_(0, where, rows.reshape(-1, d))
     return out.view(n, num, d)
+
 
 class Stacked:
     """N samples ``[N, ...]`` of one value, stacked on dim 0: the value every rule of both
