@@ -57,6 +57,7 @@ def test_a_large_offset_is_a_near_constant_normalization(granularity):
         assert "aten.sub#0" in lost[0].split(":")[0], lost
     else:  # the library kernel: the input's producer named, what to keep in fp32
         assert "its input, from add#0," in lost[0] and "keep add#0 in fp32" in lost[0], lost
+        assert "in fp32 (test_hints.py:" in lost[0], lost  # where the user wrote the add
 
 
 def test_the_near_constant_remedy_is_the_inputs_precision_not_the_normalizations():

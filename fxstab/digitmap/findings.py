@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from .hints import MIN_FINDING, MIN_UNDERFLOW, UNDERFLOW_HINT, ZERO_FINDING, hint, norm_step
+from .hints import (MIN_FINDING, MIN_UNDERFLOW, UNDERFLOW_HINT, ZERO_FINDING, hint, norm_step,
+                    primitive_of)
 from .operators import (
     OperatorDigits,
     check_metric,
@@ -113,15 +114,16 @@ def mechanism_hint(dm: Any, op: OperatorDigits, nonfinite: bool = False) -> str:
                     f"elements rounded below the format's smallest normal) and the log meets "
                     f"the 0s: compute in log space (log_softmax, logsigmoid, logsumexp), or "
                     f"keep {src.name} in fp32")
-    elif not nonfinite and inputs and norm_step(op) == "centring" and \
-            not any(p.startswith("aten.") for p in op.name.split("/")):
+    elif not nonfinite and inputs and primitive_of(op) is None and \
+            norm_step(op) == "centring":
         # the digits of the spread were lost where the input was rounded: the normalization
         # in fp32 keeps no more (tests/test_hints.py analyses both remedies)
         src = min(inputs, key=lambda i: effective_digits(i))
+        where = at_line(src).removeprefix(", ")
         text = (f"near-constant normalization: its input, from {src.name}, has a mean large "
                 f"against its spread, and centring exposes the digits of the spread lost "
                 f"where {src.name} rounded it ({op.kind} in fp32 keeps no more): keep "
-                f"{src.name} in fp32 (a residual stream in fp32), or remove the common "
+                f"{src.name} in fp32{f' ({where})' if where else ''}, or remove the common "
                 f"offset before it")
     elif op.kind in _EXP_KINDS and nonfinite and inputs:
         src = inputs[0]
